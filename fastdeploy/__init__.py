@@ -1,0 +1,20 @@
+"""FastDeploy-shaped LLM serving engine with a head-wise sliding-window KV cache.
+
+`from fastdeploy import LLM, SamplingParams` is the offline API; both names load lazily so that
+importing a pure-Python submodule (config, cache manager, scheduler) does not import Paddle.
+"""
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from fastdeploy.entrypoints.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from fastdeploy.engine.request import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'fastdeploy' has no attribute {name!r}")

@@ -1,0 +1,180 @@
+"""The head-wise page model: page ids, the SWA retention rule and the page-need arithmetic.
+
+A page is one KV head's `block_size` tokens. Block `b` of the cache tensor
+`[num_blocks, H, block_size, head_dim]` holds pages `b*H .. b*H + H-1`; page `p` lives at
+`cache[p // H, p % H]` and its *home* head is `p % H` (H = KV heads on the rank).
+
+Retention (DESIGN §4): with `n` tokens processed, block `i` of a SWA head (window W, sink S) is dead
+iff `i >= ceil(S / bs)` and `(i + 1) * bs <= n - W + 1`. Dead blocks therefore form one contiguous
+range `[sink_blocks, first_window_block(n))`. Admission, allocation, capacity planning and
+recycling all go through `PageLayout`, so they cannot disagree about how many pages a head holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def page_id(block: int, head: int, heads_per_rank: int) -> int:
+    return block * heads_per_rank + head
+
+
+def page_location(page: int, heads_per_rank: int) -> tuple:
+    """(block, head slot) of a page in the `[num_blocks, H, ...]` cache tensor."""
+    return divmod(page, heads_per_rank)
+
+
+def sink_blocks(sink: int, block_size: int) -> int:
+    """Blocks that hold at least one sink token; a SWA head keeps them for the request's life."""
+    return cdiv(sink, block_size)
+
+
+def first_window_block(num_processed: int, window: int, block_size: int) -> int:
+    """Lowest block that may still hold a key visible to a future query (position >= num_processed)."""
+    return max(0, num_processed - window + 1) // block_size
+
+
+def dead_block_range(num_processed: int, window: int, sink: int, block_size: int) -> range:
+    """Blocks of a SWA head that no future query can see."""
+    start = sink_blocks(sink, block_size)
+    return range(start, max(start, first_window_block(num_processed, window, block_size)))
+
+
+def num_dead_blocks(num_processed: int, window: int, sink: int, block_size: int) -> int:
+    return len(dead_block_range(num_processed, window, sink, block_size))
+
+
+def table_length(num_tokens: int, block_size: int) -> int:
+    """Entries a head's positional table needs to address tokens [0, num_tokens)."""
+    return cdiv(num_tokens, block_size)
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """How many pages each KV head holds, for one engine configuration.
+
+    `recycle` is False for 1-D mode and for head-wise mode with FD_HEAD_WISE_SWA_RECYCLE=0:
+    then SWA heads keep every page like full heads (the attention semantics do not change).
+    """
+
+    block_size: int
+    num_kv_heads: int
+    tensor_parallel_size: int
+    swa_kv_heads: tuple = ()
+    window: int = 0
+    sink: int = 0
+    recycle: bool = False
+
+    @classmethod
+    def from_config(cls, fd_config) -> "PageLayout":
+        model = fd_config.model_config
+        swa = model.head_wise_swa
+        return cls(
+            block_size=fd_config.cache_config.block_size,
+            num_kv_heads=model.num_key_value_heads,
+            tensor_parallel_size=fd_config.parallel_config.tensor_parallel_size,
+            swa_kv_heads=swa.swa_kv_heads if swa else (),
+            window=swa.sliding_window if swa else 0,
+            sink=swa.sink_size if swa else 0,
+            recycle=fd_config.swa_recycle_active,
+        )
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_kv_heads // self.tensor_parallel_size
+
+    @property
+    def recycling_heads(self) -> tuple:
+        """Global KV heads whose out-of-window pages are returned early."""
+        return self.swa_kv_heads if self.recycle else ()
+
+    def rank_of(self, head: int) -> int:
+        return head // self.heads_per_rank
+
+    def rank_head_counts(self) -> list:
+        """Per rank: (heads that keep every page, heads that recycle)."""
+        counts = [[self.heads_per_rank, 0] for _ in range(self.tensor_parallel_size)]
+        for h in self.recycling_heads:
+            counts[self.rank_of(h)][0] -= 1
+            counts[self.rank_of(h)][1] += 1
+        return [tuple(c) for c in counts]
+
+    # -- the one page-need function ------------------------------------------------------------
+    def dead_blocks(self, num_processed: int) -> int:
+        """Dead (recyclable) blocks of a recycling head after `num_processed` tokens."""
+        if not self.recycle:
+            return 0
+        return num_dead_blocks(num_processed, self.window, self.sink, self.block_size)
+
+    def pages_needed(self, num_processed: int, num_new: int) -> tuple:
+        """Live pages (full head, recycling head) for a step computing tokens [n, n + num_new).
+
+        Dead blocks are judged on the processed-token basis `n`: every query of the step has
+        position >= n, so nothing it can see lies in a block dead at n.
+        """
+        full = table_length(num_processed + num_new, self.block_size)
+        return full, full - self.dead_blocks(num_processed)
+
+    def pages_per_rank(self, num_processed: int, num_new: int) -> list:
+        """Live pages a request needs on each rank for that step."""
+        full, recycling = self.pages_needed(num_processed, num_new)
+        return [n_full * full + n_rec * recycling for n_full, n_rec in self.rank_head_counts()]
+
+    def step_shapes(self, prompt_len: int, max_new_tokens: int, max_chunk: int):
+        """(n, num_new) of the steps at which a request's page need can peak.
+
+        Prefill chunks are at most `max_chunk` tokens; decode computes one token per step. The
+        KV of the last sampled token is never written, so tokens [0, prompt + max_new - 1) are
+        the most that get cached. Within each phase the need never shrinks over `block_size`
+        positions (a head sheds at most one block per block_size tokens while growing one), so
+        only each phase's last block_size end points can hold the peak.
+        """
+        bs = self.block_size
+        for end in range(max(1, prompt_len - bs + 1), prompt_len + 1):
+            start = max(0, end - max_chunk)
+            yield start, end - start
+        last = prompt_len + max_new_tokens - 1
+        for n in range(max(prompt_len, last - bs), last):
+            yield n, 1
+
+    def peak_pages_per_rank(self, prompt_len: int, max_new_tokens: int, max_chunk: int) -> list:
+        """Most live pages a request holds on each rank at any one step of its life."""
+        peak = [0] * self.tensor_parallel_size
+        for n, num_new in self.step_shapes(prompt_len, max_new_tokens, max_chunk):
+            peak = [max(a, b) for a, b in zip(peak, self.pages_per_rank(n, num_new))]
+        return peak
+
+
+def predicted_concurrency(fd_config, input_len: int, output_len: int) -> dict:
+    """Steady-state running requests for a fixed-length workload, recycling off vs on.
+
+    A request is admitted only while the peaks of all running requests fit the pages of every
+    rank (the scheduler's reservation rule), so the concurrency is `pages // peak`, capped by
+    max_num_seqs. `ceiling` is the throughput gain recycling can buy when steps are memory-bound.
+    """
+    from dataclasses import replace
+
+    on = PageLayout.from_config(fd_config)
+    on = replace(on, recycle=bool(on.swa_kv_heads))
+    off = replace(on, recycle=False)
+    pages_per_rank = fd_config.cache_config.num_gpu_blocks * on.heads_per_rank
+    chunk = fd_config.scheduler_config.max_num_batched_tokens
+    max_seqs = fd_config.scheduler_config.max_num_seqs
+
+    def running(layout: PageLayout) -> int:
+        peak = max(layout.peak_pages_per_rank(input_len, output_len, chunk))
+        return min(max_seqs, pages_per_rank // peak)
+
+    run_off, run_on = running(off), running(on)
+    return {
+        "running_off": run_off,
+        "running_on": run_on,
+        "ceiling": (run_on / run_off) if run_off else float("inf"),
+        "peak_pages_off": max(off.peak_pages_per_rank(input_len, output_len, chunk)),
+        "peak_pages_on": max(on.peak_pages_per_rank(input_len, output_len, chunk)),
+        "pages_per_rank": pages_per_rank,
+    }

@@ -1,0 +1,90 @@
+"""EngineArgs: the engine's command-line flags (upstream names) and their mapping onto FDConfig."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+from fastdeploy.config import CacheConfig, FDConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
+
+@dataclass
+class EngineArgs:
+    model: Optional[str] = None
+    served_model_name: Optional[str] = None
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 8
+    block_size: int = 64
+    num_gpu_blocks_override: Optional[int] = None
+    kv_cache_memory: Optional[int] = None
+    cache_dtype: str = "float32"
+    max_num_batched_tokens: Optional[int] = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    tensor_parallel_size: int = 1
+    head_wise_swa_config: Union[None, str, dict] = None
+
+    def create_engine_config(self) -> FDConfig:
+        """Validate every flag (env flags included) and build the config; raises ValueError naming the field."""
+        model_config = ModelConfig.create(self.model, self.max_model_len, self.head_wise_swa_config,
+                                          self.served_model_name)
+        return FDConfig.from_env(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                kv_cache_memory=self.kv_cache_memory,
+                cache_dtype=self.cache_dtype,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+        )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        d = EngineArgs
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", type=str, default=d.model,
+                       help="model directory (config.json + model.safetensors); omit for the built-in tiny preset")
+        g.add_argument("--served-model-name", type=str, default=d.served_model_name,
+                       help="model name reported by the API (default: the model directory's name)")
+        g.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                       help="longest prompt + output, in tokens")
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once")
+        g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block/page")
+        g.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override,
+                       help="number of KV blocks (each holds every KV head); overrides --kv-cache-memory")
+        g.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory,
+                       help="bytes of KV cache per rank (default 256 MiB)")
+        g.add_argument("--cache-dtype", choices=["float32", "bfloat16"], default=d.cache_dtype,
+                       help="storage type of the KV cache")
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                       help="token budget of one step (prefill chunks + decodes)")
+        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=d.enable_chunked_prefill, help="split long prompts over several steps")
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=d.enable_prefix_caching, help="reuse KV blocks of shared prompt prefixes")
+        g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                       help="ranks the KV heads are split over")
+        g.add_argument("--head-wise-swa-config", type=str, default=None,
+                       help='JSON {"sliding_window": W, "sink_size": S, "swa_kv_heads": [..]}; '
+                            "overrides the model's head_wise_swa section")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)

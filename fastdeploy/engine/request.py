@@ -1,0 +1,162 @@
+"""Requests, their sampling parameters and the outputs the engine emits (all plain, picklable)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    seed: Optional[int] = None
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    stop_token_ids: Optional[list] = None
+
+    def validate(self) -> None:
+        """Raise ValueError with a user-facing message for a parameter no request can run with."""
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if not _is_number(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a number >= 0")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", "must be an integer >= -1 (0 or -1 disables it)")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", "must be an integer")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            bad("logprobs", "must be an integer in [0, 20]")
+        if self.stop_token_ids is not None and not all(_is_int(t) for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of integers")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class CompletionOutput:
+    index: int = 0
+    token_ids: list = field(default_factory=list)
+    text: str = ""
+    logprobs: Optional[list] = None
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list
+    outputs: CompletionOutput
+    finished: bool = False
+    prompt: Optional[str] = None
+    metrics: dict = field(default_factory=dict)
+
+
+class Request:
+    """A request as the scheduler sees it: tokens, progress, and the KV pages it owns.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache. In 1-D mode `block_tables`
+    lists block ids; in head-wise mode `block_tables_head_wise[h]` is head h's positional row of
+    page ids, with -1 where a page was recycled.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list, sampling_params: SamplingParams,
+                 arrival_time: Optional[float] = None, eos_token_id: Optional[int] = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.eos_token_id = eos_token_id
+        self.output_token_ids: list = []
+        self.output_logprobs: list = []
+        self.status = RequestStatus.WAITING
+        self.finish_reason: Optional[str] = None
+        self.num_computed_tokens = 0
+        self.block_tables: list = []
+        self.block_tables_head_wise: Optional[list] = None
+        self.table_tokens = 0  # tokens the tables can address: entries x block_size
+        self.recycled_upto = 0  # SWA blocks in [sink blocks, recycled_upto) are recycled (-1)
+        self.next_recycle_at = 0  # processed-token count at which the next SWA block dies
+        self.reserved_pages_per_rank: list = []  # peak pages held in reserve while running
+        self.num_preemptions = 0
+        self.first_token_time: Optional[float] = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Tokens still to be generated at most (sampling params bound it; the scheduler caps it)."""
+        return self.sampling_params.max_tokens - len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list:
+        """Tokens [start, end) of prompt + output, without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    def append_output(self, token_id: int, logprobs: Optional[dict] = None) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.time()
+        self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def stop_reason(self) -> Optional[str]:
+        """'stop' or 'length' once the newest token ends the request, else None."""
+        params = self.sampling_params
+        n = len(self.output_token_ids)
+        if n >= params.max_tokens:
+            return "length"
+        if n < params.min_tokens or not self.output_token_ids:
+            return None
+        last = self.output_token_ids[-1]
+        if not params.ignore_eos and last == self.eos_token_id:
+            return "stop"
+        if params.stop_token_ids and last in params.stop_token_ids:
+            return "stop"
+        return None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"
+                f"{self.num_tokens})")

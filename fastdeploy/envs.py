@@ -1,0 +1,57 @@
+"""Environment flags, read lazily (upstream FastDeploy style).
+
+`fastdeploy.envs.FD_HEAD_WISE_KV_CACHE` evaluates the variable at access time, so tests and
+launchers may change the environment after import. Configs snapshot the values when created.
+"""
+
+import os
+from typing import Any, Callable
+
+
+def _int_flag(name: str, default: str) -> Callable[[], int]:
+    def read() -> int:
+        raw = os.getenv(name, default).strip()
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
+
+    return read
+
+
+def _choice_flag(name: str, default: str, choices: tuple) -> Callable[[], str]:
+    def read() -> str:
+        raw = os.getenv(name, default).strip().upper()
+        if raw not in choices:
+            raise ValueError(f"environment variable {name}={raw!r} must be one of {', '.join(choices)}")
+        return raw
+
+    return read
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # 1: every KV head of a request owns its own row of pages (per-head block tables).
+    "FD_HEAD_WISE_KV_CACHE": _int_flag("FD_HEAD_WISE_KV_CACHE", "0"),
+    # 1: pages that left a SWA head's window go back to the free lists at once; 0 keeps them (A/B baseline).
+    "FD_HEAD_WISE_SWA_RECYCLE": _int_flag("FD_HEAD_WISE_SWA_RECYCLE", "1"),
+    # 1: the V1 KV-cache scheduler (chunked prefill, preemption); the only scheduler of this engine.
+    "ENABLE_V1_KVCACHE_SCHEDULER": _int_flag("ENABLE_V1_KVCACHE_SCHEDULER", "1"),
+    # Blocks of decode headroom a request must find free to be admitted (on-demand admission only).
+    "FD_ENC_DEC_BLOCK_NUM": _int_flag("FD_ENC_DEC_BLOCK_NUM", "2"),
+    # 1: admit a request only if the pages of its whole life fit (no preemption); 0: upstream on-demand admission.
+    "FD_RESERVE_OUTPUT_PAGES": _int_flag("FD_RESERVE_OUTPUT_PAGES", "1"),
+    # Attention backend: APPEND_ATTN (paged custom op) or NATIVE_ATTN (dense reference, the oracle).
+    "FD_ATTENTION_BACKEND": _choice_flag("FD_ATTENTION_BACKEND", "APPEND_ATTN", ("APPEND_ATTN", "NATIVE_ATTN")),
+    # Seconds between the engine's periodic status log lines (0 disables them).
+    "FD_LOG_INTERVAL": _int_flag("FD_LOG_INTERVAL", "10"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return list(environment_variables.keys())

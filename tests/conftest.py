@@ -1,0 +1,28 @@
+"""Shared fixtures: configs in each memory mode, built through the real EngineArgs path."""
+
+import pytest
+
+from fastdeploy.engine.args_utils import EngineArgs
+
+# (FD_HEAD_WISE_KV_CACHE, FD_HEAD_WISE_SWA_RECYCLE) for the three memory modes of DESIGN §7.
+MEMORY_MODES = {
+    "1d": ("0", "1"),
+    "head_wise_recycle_off": ("1", "0"),
+    "head_wise_recycle_on": ("1", "1"),
+}
+
+
+@pytest.fixture
+def make_config(monkeypatch):
+    """make_config(mode, reserve=True, **engine_args) -> FDConfig with the env flags of that mode."""
+
+    def make(mode="head_wise_recycle_on", reserve=True, **kwargs):
+        head_wise, recycle = MEMORY_MODES[mode]
+        monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", head_wise)
+        monkeypatch.setenv("FD_HEAD_WISE_SWA_RECYCLE", recycle)
+        monkeypatch.setenv("FD_RESERVE_OUTPUT_PAGES", "1" if reserve else "0")
+        kwargs.setdefault("block_size", 16)
+        kwargs.setdefault("max_model_len", 1024)
+        return EngineArgs(**kwargs).create_engine_config()
+
+    return make
