@@ -1,0 +1,119 @@
+"""Start-up validation: every bad flag or spec fails with a message that names the field."""
+
+import json
+
+import pytest
+
+from fastdeploy import envs
+from fastdeploy.engine.args_utils import EngineArgs
+
+
+def build(monkeypatch, head_wise="1", recycle="1", **kwargs):
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", head_wise)
+    monkeypatch.setenv("FD_HEAD_WISE_SWA_RECYCLE", recycle)
+    kwargs.setdefault("num_gpu_blocks_override", 64)
+    return EngineArgs(**kwargs).create_engine_config()
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({"sliding_window": 0, "sink_size": 0, "swa_kv_heads": [0]}, "head_wise_swa.sliding_window"),
+    ({"sliding_window": 8, "sink_size": -1, "swa_kv_heads": [0]}, "head_wise_swa.sink_size"),
+    ({"sliding_window": 8, "sink_size": 0, "swa_kv_heads": [4]}, "head 4 is out of range"),
+    ({"sliding_window": 8, "sink_size": 0, "swa_kv_heads": [-1]}, "out of range"),
+    ({"sliding_window": 8, "sink_size": 0, "swa_kv_heads": [1, 1]}, "lists a head twice"),
+    ({"sliding_window": 8, "sink_size": 0, "swa_kv_heads": []}, "non-empty list"),
+    ({"sliding_window": 8, "sink_size": 0}, "head_wise_swa.swa_kv_heads is required"),
+    ({"sliding_window": 8, "sink_size": 0, "swa_kv_heads": [0], "windw": 3}, "unknown field"),
+    ({"sliding_window": 2.5, "sink_size": 0, "swa_kv_heads": [0]}, "sliding_window"),
+    ("{not json", "not valid JSON"),
+])
+def test_invalid_swa_spec_names_the_field(monkeypatch, spec, message):
+    with pytest.raises(ValueError, match=message):
+        build(monkeypatch, head_wise_swa_config=spec)
+
+
+def test_swa_spec_accepts_json_strings(monkeypatch):
+    cfg = build(monkeypatch, head_wise_swa_config=json.dumps({"sliding_window": 8, "sink_size": 2,
+                                                              "swa_kv_heads": [2, 0]}))
+    assert cfg.model_config.head_wise_swa.swa_kv_heads == (0, 2)
+    assert cfg.head_wise_kv_cache and cfg.swa_recycle_active
+
+
+def test_tensor_parallel_must_divide_kv_heads(monkeypatch):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide num_key_value_heads=4"):
+        build(monkeypatch, tensor_parallel_size=3)
+
+
+def test_head_wise_without_swa_heads_is_a_start_up_error(monkeypatch, tmp_path):
+    from fastdeploy.model_executor.models.tiny_preset import TINY_PRESET_CONFIG
+
+    cfg = {k: v for k, v in TINY_PRESET_CONFIG.items() if k != "head_wise_swa"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="declares no SWA KV heads"):
+        build(monkeypatch, model=str(tmp_path))
+    assert not build(monkeypatch, head_wise="0", model=str(tmp_path)).head_wise_kv_cache
+
+
+def test_head_wise_with_prefix_caching_is_rejected_until_supported(monkeypatch):
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        build(monkeypatch, enable_prefix_caching=True)
+
+
+def test_recycle_off_without_head_wise_has_nothing_to_act_on(monkeypatch):
+    with pytest.raises(ValueError, match="FD_HEAD_WISE_SWA_RECYCLE=0 has no effect"):
+        build(monkeypatch, head_wise="0", recycle="0")
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("FD_HEAD_WISE_KV_CACHE", "yes", "must be an integer"),
+    ("FD_HEAD_WISE_KV_CACHE", "2", "must be 0 or 1"),
+    ("ENABLE_V1_KVCACHE_SCHEDULER", "0", "only has the V1"),
+    ("FD_ATTENTION_BACKEND", "FLASH", "must be one of"),
+    ("FD_ENC_DEC_BLOCK_NUM", "-1", "FD_ENC_DEC_BLOCK_NUM"),
+])
+def test_bad_env_flags_fail_at_config_creation(monkeypatch, name, value, message):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(num_gpu_blocks_override=8).create_engine_config()
+
+
+def test_env_flags_are_read_lazily_with_upstream_defaults(monkeypatch):
+    for name in ("FD_HEAD_WISE_KV_CACHE", "FD_HEAD_WISE_SWA_RECYCLE", "ENABLE_V1_KVCACHE_SCHEDULER",
+                 "FD_ENC_DEC_BLOCK_NUM", "FD_ATTENTION_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    assert (envs.FD_HEAD_WISE_KV_CACHE, envs.FD_HEAD_WISE_SWA_RECYCLE, envs.ENABLE_V1_KVCACHE_SCHEDULER,
+            envs.FD_ENC_DEC_BLOCK_NUM, envs.FD_ATTENTION_BACKEND) == (0, 1, 1, 2, "APPEND_ATTN")
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")
+    assert envs.FD_HEAD_WISE_KV_CACHE == 1
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"block_size": 0}, "block_size"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+    ({"max_model_len": 1}, "max_model_len"),
+    ({"max_model_len": 10 ** 9}, "max_position_embeddings"),
+    ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override"),
+    ({"cache_dtype": "int3"}, "cache_dtype"),
+    ({"model": "/nonexistent/model/dir"}, "not a directory"),
+])
+def test_bad_engine_args_name_the_flag(monkeypatch, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build(monkeypatch, head_wise="0", **kwargs)
+
+
+def test_kv_cache_memory_sets_the_number_of_blocks(monkeypatch):
+    cfg = build(monkeypatch, num_gpu_blocks_override=None, kv_cache_memory=64 * 1024 * 1024, block_size=64)
+    per_block = 2 * 2 * 4 * 64 * 32 * 4  # K+V, layers, KV heads, block, head_dim, fp32
+    assert cfg.cache_config.num_gpu_blocks == 64 * 1024 * 1024 // per_block
+
+
+def test_cli_flags_round_trip_into_engine_args():
+    import argparse
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--max-num-seqs", "32", "--block-size", "16", "--no-enable-prefix-caching",
+                              "--head-wise-swa-config", '{"sliding_window": 8, "sink_size": 0, "swa_kv_heads": [1]}'])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert engine_args.max_num_seqs == 32 and engine_args.block_size == 16
+    assert json.loads(engine_args.head_wise_swa_config)["swa_kv_heads"] == [1]
