@@ -1,0 +1,11 @@
+"""Attention backends; `get_attention_backend` picks one from FD_ATTENTION_BACKEND (in the config)."""
+
+
+def get_attention_backend(fd_config, rotary_cos, rotary_sin):
+    if fd_config.attention_backend == "NATIVE_ATTN":
+        from fastdeploy.model_executor.layers.attention.native_attn_backend import NativeAttentionBackend
+
+        return NativeAttentionBackend(fd_config, rotary_cos, rotary_sin)
+    from fastdeploy.model_executor.layers.attention.append_attn_backend import AppendAttentionBackend
+
+    return AppendAttentionBackend(fd_config, rotary_cos, rotary_sin)

@@ -1,0 +1,145 @@
+"""LLMEngine: the step loop — recycle + schedule, run the model, update requests, emit outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional, Union
+
+import numpy as np
+
+from fastdeploy import envs
+from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
+from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
+from fastdeploy.input.tokenizer import load_tokenizer
+
+logger = logging.getLogger("fastdeploy.engine")
+
+
+class LLMEngine:
+    """Single-threaded engine: one caller drives add_request / abort_request / step."""
+
+    def __init__(self, fd_config):
+        from fastdeploy.worker.model_runner import ModelRunner  # imports Paddle
+
+        self.fd_config = fd_config
+        self.model_config = fd_config.model_config
+        self.tokenizer = load_tokenizer(self.model_config)
+        self.runner = ModelRunner(fd_config)
+        self.scheduler = ResourceManagerV1(fd_config)
+        self._seeds = np.random.default_rng()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self._log_interval = envs.FD_LOG_INTERVAL
+        self._last_log = time.monotonic()
+        self._tokens_since_log = 0
+        logger.info("engine ready: %s, %d KV blocks (%d pages), head-wise=%s recycle=%s backend=%s",
+                    self.model_config.served_model_name, fd_config.cache_config.num_gpu_blocks,
+                    self.scheduler.cache_manager.num_total_pages, fd_config.head_wise_kv_cache,
+                    fd_config.swa_recycle_active, fd_config.attention_backend)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
+        return cls(engine_args.create_engine_config())
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Union[str, list], sampling_params: SamplingParams) -> None:
+        """Queue a request; raise ValueError with a user-facing message if it cannot run."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        sampling_params.validate()
+        token_ids = self._tokenize(prompt)
+        max_len = self.model_config.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {max_len} "
+                             f"(prompt + at least one generated token must fit)")
+        if sampling_params.max_tokens is None:
+            sampling_params = _with_max_tokens(sampling_params, max_len - len(token_ids))
+        request = Request(request_id, token_ids, sampling_params, eos_token_id=self.model_config.eos_token_id)
+        seed = sampling_params.seed
+        request.generator = np.random.default_rng(seed if seed is not None else self._seeds.integers(2 ** 63))
+        self.scheduler.add_request(request)
+        self.prompt_tokens_total += len(token_ids)
+
+    def _tokenize(self, prompt: Union[str, list]) -> list:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        vocab = self.model_config.vocab_size
+        for t in prompt:
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        return [int(t) for t in prompt]
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its KV pages now; unknown or finished ids are ignored."""
+        if self.scheduler.abort_request(request_id) is not None:
+            self.runner.release(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list:
+        batch = self.scheduler.schedule()
+        for request in batch.preempted:
+            self.runner.release(request.request_id)
+        if not batch.requests:
+            return []
+        tokens, logprobs = self.runner.execute(batch)
+        progressed = self.scheduler.update_from_output(batch, tokens, logprobs)
+        outputs = []
+        for request in progressed:
+            if request.is_finished:
+                self.runner.release(request.request_id)
+            outputs.append(self._output(request))
+        self.generation_tokens_total += len(progressed)
+        self._tokens_since_log += len(progressed)
+        self._maybe_log()
+        return outputs
+
+    def _output(self, request: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=CompletionOutput(
+                token_ids=list(request.output_token_ids),
+                text=self.tokenizer.decode(request.output_token_ids),
+                logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
+                finish_reason=request.finish_reason,
+            ),
+            finished=request.is_finished,
+            metrics={"arrival_time": request.arrival_time, "first_token_time": request.first_token_time,
+                     "num_preemptions": request.num_preemptions},
+        )
+
+    # -- observability -------------------------------------------------------------------------
+    def get_stats(self) -> dict:
+        stats = self.scheduler.stats()
+        stats.update(prompt_tokens_total=self.prompt_tokens_total,
+                     generation_tokens_total=self.generation_tokens_total)
+        return stats
+
+    def _maybe_log(self) -> None:
+        if self._log_interval <= 0:
+            return
+        now = time.monotonic()
+        elapsed = now - self._last_log
+        if elapsed < self._log_interval:
+            return
+        s = self.get_stats()
+        logger.info("running=%d waiting=%d free_pages=%d/%d per_head=%s swa_recycled=%d preemptions=%d "
+                    "gen_tok/s=%.1f", s["num_requests_running"], s["num_requests_waiting"], s["kv_pages_free"],
+                    s["kv_pages_total"], s["kv_pages_free_per_head"], s["swa_pages_recycled_total"],
+                    s["num_preemptions_total"], self._tokens_since_log / elapsed)
+        self._last_log, self._tokens_since_log = now, 0
+
+
+def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, max_tokens=max_tokens)

@@ -1,0 +1,65 @@
+"""NATIVE_ATTN: dense, unpaged attention in plain Paddle ops — the oracle for every paged path.
+
+Each running request keeps its rotated K and its V in a dense per-slot buffer
+`[max_num_seqs, max_model_len, H, head_dim]`; every query scores every key of its request and the
+SWA rule of DESIGN §4 is applied as a mask. Slow on purpose: nothing here is clever.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.model_executor.layers.attention.swa_spec import swa_attention_args
+from fastdeploy.model_executor.layers.rotary_embedding import apply_rope
+
+
+class NativeAttentionBackend:
+    def __init__(self, fd_config, rotary_cos: paddle.Tensor, rotary_sin: paddle.Tensor):
+        model = fd_config.model_config
+        shape = [fd_config.scheduler_config.max_num_seqs, model.max_model_len, model.num_key_value_heads,
+                 model.head_dim]
+        self.keys = [paddle.zeros(shape, dtype="float32") for _ in range(model.num_hidden_layers)]
+        self.values = [paddle.zeros(shape, dtype="float32") for _ in range(model.num_hidden_layers)]
+        self.rotary_cos, self.rotary_sin = rotary_cos, rotary_sin
+        self.num_heads, self.kv_num_heads, self.head_dim = (model.num_attention_heads, model.num_key_value_heads,
+                                                            model.head_dim)
+        mask, self.window, self.sink = swa_attention_args(model)
+        group = self.num_heads // self.kv_num_heads
+        self.q_head_is_swa = np.repeat(np.array(mask, dtype=bool), group)  # [num_heads]
+
+    def visibility(self, start: int, num_new: int) -> np.ndarray:
+        """[num_heads, num_new, start + num_new] bool: DESIGN §4, per query head."""
+        t = np.arange(start, start + num_new)[:, None]
+        j = np.arange(start + num_new)[None, :]
+        causal = j <= t
+        sliding = causal & ((j < self.sink) | (j > t - self.window))
+        return np.where(self.q_head_is_swa[:, None, None], sliding[None], causal[None])
+
+    def forward(self, layer_id: int, qkv: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
+        nh, kvh, d = self.num_heads, self.kv_num_heads, self.head_dim
+        group = nh // kvh
+        outs, row = [], 0
+        for start, n, slot in zip(meta.starts, meta.lengths, meta.slot_ids):
+            x = qkv[row:row + n]
+            row += n
+            q = x[:, :nh * d].reshape([n, nh, d])
+            k = x[:, nh * d:(nh + kvh) * d].reshape([n, kvh, d])
+            v = x[:, (nh + kvh) * d:].reshape([n, kvh, d])
+            cos, sin = self.rotary_cos[start:start + n], self.rotary_sin[start:start + n]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            self.keys[layer_id][slot, start:start + n] = k
+            self.values[layer_id][slot, start:start + n] = v
+            keys = self.keys[layer_id][slot, :start + n].repeat_interleave(group, axis=1)    # [L, nh, d]
+            values = self.values[layer_id][slot, :start + n].repeat_interleave(group, axis=1)
+            scores = paddle.matmul(q.transpose([1, 0, 2]), keys.transpose([1, 2, 0])) / math.sqrt(d)
+            visible = paddle.to_tensor(self.visibility(start, n))
+            scores = paddle.where(visible, scores, paddle.full_like(scores, float("-inf")))
+            probs = F.softmax(scores, axis=-1)                                              # [nh, n, L]
+            out = paddle.matmul(probs, values.transpose([1, 0, 2]))                         # [nh, n, d]
+            outs.append(out.transpose([1, 0, 2]).reshape([n, nh * d]))
+        return paddle.concat(outs, axis=0)

@@ -1,0 +1,23 @@
+"""Rotary position embedding, interleaved pairs (ERNIE style): (x[2i], x[2i+1]) rotate by t * theta^(-2i/d)."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+
+def rope_tables(head_dim: int, max_position: int, theta: float) -> tuple:
+    """cos and sin, float32 [max_position, head_dim // 2]; computed in float64 so every backend shares them."""
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.outer(np.arange(max_position, dtype=np.float64), inv_freq)
+    return (paddle.to_tensor(np.cos(angles).astype(np.float32)),
+            paddle.to_tensor(np.sin(angles).astype(np.float32)))
+
+
+def apply_rope(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
+    """x [tokens, heads, head_dim]; cos/sin [tokens, head_dim // 2] already gathered at the positions."""
+    tokens, heads, dim = x.shape
+    pairs = x.reshape([tokens, heads, dim // 2, 2])
+    even, odd = pairs[..., 0], pairs[..., 1]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return paddle.stack([even * c - odd * s, odd * c + even * s], axis=-1).reshape([tokens, heads, dim])

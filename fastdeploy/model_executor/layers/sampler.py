@@ -1,0 +1,45 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens, top-k logprobs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def sample_one(logits: np.ndarray, request, eos_token_id: int) -> tuple:
+    """(token, logprobs dict or None) for one request's logits [vocab] (float32, not modified)."""
+    params = request.sampling_params
+    scores = logits.astype(np.float64)
+    if len(request.output_token_ids) < params.min_tokens:
+        # min_tokens: the request may not stop yet, so its stop tokens cannot be drawn.
+        banned = [eos_token_id] + list(params.stop_token_ids or [])
+        scores[[t for t in banned if 0 <= t < scores.shape[0]]] = -np.inf
+    if params.temperature == 0 or params.top_k == 1:
+        token = int(np.argmax(scores))
+    else:
+        token = _draw(scores / params.temperature, params.top_k, params.top_p, request.generator)
+    logprobs = None
+    if params.logprobs is not None:
+        lp = log_softmax(logits.astype(np.float64))
+        top = np.argsort(-lp, kind="stable")[: params.logprobs]
+        logprobs = {int(t): float(lp[t]) for t in top}
+        logprobs[token] = float(lp[token])
+    return token, logprobs
+
+
+def _draw(scores: np.ndarray, top_k: int, top_p: float, generator: np.random.Generator) -> int:
+    order = np.argsort(-scores, kind="stable")
+    if top_k and top_k > 0:
+        order = order[:top_k]
+    kept = scores[order]
+    probs = np.exp(kept - kept.max())
+    probs /= probs.sum()
+    if top_p < 1.0:
+        # Smallest prefix of the sorted distribution whose mass reaches top_p (always >= 1 token).
+        cutoff = int(np.searchsorted(np.cumsum(probs), top_p) + 1)
+        order, probs = order[:cutoff], probs[:cutoff] / probs[:cutoff].sum()
+    return int(order[generator.choice(len(order), p=probs)])

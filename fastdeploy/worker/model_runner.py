@@ -1,0 +1,94 @@
+"""ModelRunner: a scheduled batch -> tensors -> ForwardMeta -> model -> sampled tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+from fastdeploy.engine.sched.resource_manager_v1 import ScheduledBatch
+from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.model_executor.layers.attention import get_attention_backend
+from fastdeploy.model_executor.layers.rotary_embedding import rope_tables
+from fastdeploy.model_executor.layers.sampler import sample_one
+from fastdeploy.model_executor.models.ernie4_5 import Ernie4_5ForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, fd_config):
+        if fd_config.parallel_config.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1: the CPU model runner executes one rank; per-rank page "
+                             "pools are supported by the scheduler and the serving simulator")
+        paddle.set_device("cpu")
+        self.fd_config = fd_config
+        model = fd_config.model_config
+        self.head_wise = fd_config.head_wise_kv_cache
+        self.num_kv_heads = model.num_key_value_heads
+        self.eos_token_id = model.eos_token_id
+        self.model = Ernie4_5ForCausalLM.load(model)
+        cos, sin = rope_tables(model.head_dim, model.max_model_len, model.rope_theta)
+        self.attn_backend = get_attention_backend(fd_config, cos, sin)
+        self._free_slots = list(range(fd_config.scheduler_config.max_num_seqs - 1, -1, -1))
+        self._slot_of: dict = {}
+
+    def release(self, request_id: str) -> None:
+        """Forget a request that finished, was aborted or preempted (its slot serves the next one)."""
+        slot = self._slot_of.pop(request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+
+    def _slot(self, request_id: str) -> int:
+        if request_id not in self._slot_of:
+            self._slot_of[request_id] = self._free_slots.pop()
+        return self._slot_of[request_id]
+
+    def build_forward_meta(self, batch: ScheduledBatch) -> ForwardMeta:
+        scheduled = batch.requests
+        bsz = len(scheduled)
+        starts = [s.start for s in scheduled]
+        lengths = [s.num_tokens for s in scheduled]
+        cu = np.zeros(bsz + 1, np.int32)
+        np.cumsum(lengths, out=cu[1:])
+        ids = np.empty(int(cu[-1]), np.int64)
+        positions = np.empty(int(cu[-1]), np.int64)
+        for i, s in enumerate(scheduled):
+            ids[cu[i]:cu[i + 1]] = s.request.token_ids(s.start, s.start + s.num_tokens)
+            positions[cu[i]:cu[i + 1]] = np.arange(s.start, s.start + s.num_tokens)
+        encoder = np.array([n if (n > 1 or st < s.request.num_prompt_tokens) else 0
+                            for s, st, n in zip(scheduled, starts, lengths)], np.int32)
+        sample_rows = np.array([cu[i + 1] - 1 for i, s in enumerate(scheduled) if s.samples], np.int64)
+
+        tables_1d = tables_hw = None
+        if self.head_wise:
+            width = max(len(s.request.block_tables_head_wise[0]) for s in scheduled)
+            table = np.full((bsz, self.num_kv_heads, width), -1, np.int32)
+            for i, s in enumerate(scheduled):
+                for h, row in enumerate(s.request.block_tables_head_wise):
+                    table[i, h, :len(row)] = row
+            tables_hw = paddle.to_tensor(table)
+        else:
+            width = max(len(s.request.block_tables) for s in scheduled)
+            table = np.full((bsz, width), -1, np.int32)
+            for i, s in enumerate(scheduled):
+                table[i, :len(s.request.block_tables)] = s.request.block_tables
+            tables_1d = paddle.to_tensor(table)
+
+        return ForwardMeta(
+            input_ids=paddle.to_tensor(ids), positions=paddle.to_tensor(positions),
+            seq_lens_encoder=paddle.to_tensor(encoder),
+            seq_lens_decoder=paddle.to_tensor(np.array(starts, np.int32)),
+            seq_lens_this_time=paddle.to_tensor(np.array(lengths, np.int32)),
+            cu_seqlens_q=paddle.to_tensor(cu), block_tables=tables_1d, block_tables_head_wise=tables_hw,
+            sample_rows=paddle.to_tensor(sample_rows), starts=starts, lengths=lengths,
+            slot_ids=[self._slot(s.request.request_id) for s in scheduled], attn_backend=self.attn_backend)
+
+    def execute(self, batch: ScheduledBatch) -> tuple:
+        """Run one step; returns (token per scheduled request or None, logprobs per request or None)."""
+        meta = self.build_forward_meta(batch)
+        logits = self.model.forward(meta).numpy()
+        tokens, logprobs = [None] * len(batch.requests), [None] * len(batch.requests)
+        row = 0
+        for i, s in enumerate(batch.requests):
+            if s.samples:
+                tokens[i], logprobs[i] = sample_one(logits[row], s.request, self.eos_token_id)
+                row += 1
+        return tokens, logprobs

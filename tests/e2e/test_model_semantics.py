@@ -1,0 +1,132 @@
+"""The model really slides, checkpoints round-trip, and bad input never stops the engine."""
+
+import json
+
+import numpy as np
+import pytest
+
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.engine.engine import LLMEngine
+from fastdeploy.model_executor.models.ernie4_5 import Ernie4_5ForCausalLM
+
+ALL_SWA = {"sliding_window": 16, "sink_size": 4, "swa_kv_heads": [0, 1, 2, 3]}
+
+
+def next_token_logprobs(llm, prompt):
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=20), use_tqdm=False)[0]
+    return out.outputs.logprobs[0]
+
+
+@pytest.mark.parametrize("backend,head_wise", [("APPEND_ATTN", "1"), ("APPEND_ATTN", "0"), ("NATIVE_ATTN", "0")])
+def test_tokens_outside_every_heads_receptive_field_do_not_matter(monkeypatch, backend, head_wise):
+    monkeypatch.setenv("FD_ATTENTION_BACKEND", backend)
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", head_wise)
+    llm = LLM(block_size=8, num_gpu_blocks_override=128, max_model_len=256, head_wise_swa_config=ALL_SWA)
+    prompt = [3 + (i * 31) % 200 for i in range(100)]
+    base = next_token_logprobs(llm, prompt)
+    # Two layers of window 16: the last query (t=99) reaches back to position 69, plus sink 0..3.
+    outside = list(prompt)
+    outside[30] = 250
+    assert next_token_logprobs(llm, outside) == base  # exactly: those keys are never read
+    inside = list(prompt)
+    inside[90] = 250
+    assert next_token_logprobs(llm, inside) != base
+    sink = list(prompt)
+    sink[2] = 250
+    assert next_token_logprobs(llm, sink) != base
+
+
+def test_saved_preset_loads_back_with_the_same_tokens(monkeypatch, tmp_path):
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(block_size=16, num_gpu_blocks_override=64, max_model_len=512)
+    expected = [o.outputs.token_ids for o in llm.generate(["save me", [9] * 200], params, use_tqdm=False)]
+    llm.engine.runner.model.save_pretrained(str(tmp_path))
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["head_wise_swa"] == {"sliding_window": 128, "sink_size": 16, "swa_kv_heads": [0]}
+    reloaded = LLM(model=str(tmp_path), block_size=16, num_gpu_blocks_override=64, max_model_len=512)
+    got = [o.outputs.token_ids for o in reloaded.generate(["save me", [9] * 200], params, use_tqdm=False)]
+    assert got == expected
+
+
+def test_checkpoint_with_a_wrong_shape_is_a_clear_error(monkeypatch, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "0")
+    llm = LLM(block_size=16, num_gpu_blocks_override=16, max_model_len=256)
+    llm.engine.runner.model.save_pretrained(str(tmp_path))
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    weights["model.norm.weight"] = np.ones(3, np.float32)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.norm.weight has shape"):
+        LLM(model=str(tmp_path), block_size=16, num_gpu_blocks_override=16, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FD_HEAD_WISE_KV_CACHE", "1")
+    try:
+        yield LLMEngine.from_engine_args(EngineArgs(block_size=16, num_gpu_blocks_override=64, max_model_len=256))
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("prompt,params,message", [
+    ("", SamplingParams(), "prompt is empty"),
+    ([], SamplingParams(), "non-empty"),
+    ([5] * 256, SamplingParams(), "max_model_len is 256"),
+    ([5] * 200, SamplingParams(max_tokens=100), "exceeds max_model_len=256"),
+    ([5, 6], SamplingParams(max_tokens=0), "max_tokens"),
+    ([5, 6], SamplingParams(max_tokens=-3), "max_tokens"),
+    ([5, 100000], SamplingParams(), "outside the vocabulary"),
+    ([5, -1], SamplingParams(), "outside the vocabulary"),
+    ([5, "x"], SamplingParams(), "outside the vocabulary"),
+    ([5], SamplingParams(temperature=-1), "temperature"),
+    ([5], SamplingParams(top_p=0), "top_p"),
+    ([5], SamplingParams(min_tokens=9, max_tokens=3), "min_tokens"),
+    ([5], SamplingParams(logprobs=99), "logprobs"),
+])
+def test_bad_requests_raise_and_the_engine_keeps_serving(engine, prompt, params, message):
+    engine.add_request("good", "still served", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, params)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["good"] and len(finished[0].outputs.token_ids) == 4
+    stats = engine.get_stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_duplicate_request_id_is_rejected(engine):
+    engine.add_request("dup", [5, 6], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", [5, 6], SamplingParams(max_tokens=2))
+    engine.abort_request("dup")
+    engine.abort_request("dup")  # idempotent
+    assert not engine.has_unfinished_requests()
+
+
+def test_sampling_is_reproducible_with_a_seed_and_respects_min_tokens(engine):
+    def run(seed):
+        engine.add_request("s", "abc", SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=seed,
+                                                      max_tokens=16, min_tokens=16))
+        out = None
+        while engine.has_unfinished_requests():
+            out = [o for o in engine.step() if o.finished] or out
+        return out[0].outputs.token_ids
+
+    a, b, c = run(7), run(7), run(8)
+    assert a == b and a != c and len(a) == 16
+
+
+def test_llm_generate_rejects_a_bad_prompt_before_running_any(monkeypatch):
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "0")
+    llm = LLM(block_size=16, num_gpu_blocks_override=16, max_model_len=128)
+    with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
+        llm.generate(["fine", ""], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate("fine", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out) == 1 and len(out[0].outputs.token_ids) == 3 and isinstance(out[0].outputs.text, str)
