@@ -1,0 +1,208 @@
+"""CUDA AppendAttention: 2-D (head-wise) table vs the upstream 1-D arms, in one call.
+
+Builds the ctypes harness with nvcc, checks every arm against the float64 reference on a small
+case, then times ERNIE-4.5-21B-A3B attention shapes (20 q heads, 4 KV heads, head_dim 128,
+block 64; KV head 0 sliding-window with W = 4096 and 1024, sink 64):
+
+  decode  batch 64 at context 16k (TBT per layer)   prefill  one 8k-token prompt (TTFT per layer)
+
+Arms (recycling off, so every table addresses the same bytes):
+  1-D dual pass     upstream: an all-SWA pass and an all-full pass, masked, stitched per head
+  1-D masked        one pass over every page of [0, t], out-of-window scores masked
+  2-D skip          one pass, each head walks its own table and skips pages outside its window
+  1-D skip (ref)    the 2-D kernel path on the 1-D table: shows the gain is the skipping
+
+Decode also reports achieved HBM bandwidth (K+V bytes the arm must read / time) against a
+measured device-to-device copy. Without a GPU it builds (when nvcc exists), says so, exits 0.
+
+    python benchmarks/bench_append_attention_gpu.py [--json out.json] [--iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "custom_ops"))
+import gpu_harness  # noqa: E402
+from gpu_harness import BF16, Case  # noqa: E402
+from gpu_reference import build_case, reference, relative_error, rotary_tables  # noqa: E402
+
+NUM_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 20, 4, 128, 64
+SINK = 64
+SWA_HEADS = (0,)
+ARMS = {
+    "1-D dual pass": dict(head_wise_table=0, visit_all_pages=1, dual_pass=1),
+    "1-D masked": dict(head_wise_table=0, visit_all_pages=1, dual_pass=0),
+    "2-D skip": dict(head_wise_table=1, visit_all_pages=0, dual_pass=0),
+    "1-D skip (ref)": dict(head_wise_table=0, visit_all_pages=0, dual_pass=0),
+}
+
+
+def workload_case(bsz: int, cached: int, new: int, window: int, arm: dict) -> Case:
+    """Metadata-only case (qkv and caches are generated on the device by the harness)."""
+    need = -(-(cached + new) // BLOCK)
+    blocks = np.arange(bsz * need, dtype=np.int32).reshape(bsz, need)
+    if arm["head_wise_table"]:
+        # recycling off: head h of block b is page b * H + h, the bytes the 1-D table addresses
+        tables = (blocks[:, None, :] * KV_HEADS + np.arange(KV_HEADS)[None, :, None]).astype(np.int32)
+    else:
+        tables = blocks
+    max_position = cached + new + 1
+    cos, sin = rotary_tables(max_position, HEAD_DIM)
+    mask = np.zeros(KV_HEADS, dtype=np.int32)
+    mask[list(SWA_HEADS)] = 1
+    this_time = np.full(bsz, new, dtype=np.int32)
+    params = dict(
+        dtype=BF16, token_num=bsz * new, bsz=bsz, num_heads=NUM_HEADS, kv_num_heads=KV_HEADS,
+        head_dim=HEAD_DIM, block_size=BLOCK, num_blocks=bsz * need, max_blocks_per_seq=need,
+        max_position=max_position, sliding_window=window, sink_size=SINK, **arm,
+    )
+    return Case(
+        params=params, qkv=None, key_cache=None, value_cache=None,
+        seq_lens_encoder=np.where(cached == 0, this_time, 0).astype(np.int32),
+        seq_lens_decoder=np.full(bsz, cached, dtype=np.int32),
+        seq_lens_this_time=this_time,
+        cu_seqlens_q=np.arange(bsz + 1, dtype=np.int32) * new,
+        block_tables=tables, rotary_cos=cos, rotary_sin=sin, swa_head_mask=mask, out=None,
+    )
+
+
+def decode_pages_read(pos: int, window: int, arm: dict) -> int:
+    """KV pages one decode query reads over all heads (per K or V)."""
+    all_pages = pos // BLOCK + 1
+    if arm["visit_all_pages"]:
+        return all_pages * KV_HEADS * (2 if arm["dual_pass"] else 1)
+    sink_blocks = -(-SINK // BLOCK)
+    first = max(pos - window + 1, 0) // BLOCK
+    swa_pages = min(sink_blocks, all_pages) + all_pages - max(first, min(sink_blocks, all_pages))
+    return len(SWA_HEADS) * swa_pages + (KV_HEADS - len(SWA_HEADS)) * all_pages
+
+
+def check_arms(harness) -> dict[str, float]:
+    """Every arm vs the float64 reference on a small mixed batch with these shapes."""
+    errors = {}
+    rng = np.random.default_rng(0)
+    requests = [(0, 200), (700, 1), (300, 40), (1500, 1)]
+    for name, arm in ARMS.items():
+        head_wise = bool(arm["head_wise_table"])
+        case = build_case(
+            rng, requests, num_heads=NUM_HEADS, kv_num_heads=KV_HEADS, head_dim=HEAD_DIM,
+            block_size=BLOCK, sliding_window=256, sink_size=SINK, swa_heads=SWA_HEADS,
+            head_wise=head_wise, recycle=head_wise,
+        ).with_params(visit_all_pages=arm["visit_all_pages"], dual_pass=arm["dual_pass"])
+        result = harness.run(case)
+        if result.status != 0:
+            raise SystemExit(f"{name}: kernel failed: {result.message}")
+        ref, _, _ = reference(case)
+        errors[name] = relative_error(result.out, ref, BF16)
+    return errors
+
+
+def gpu_name() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20,
+        )
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else "unknown GPU"
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown GPU"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write results here")
+    parser.add_argument("--iters", type=int, default=20, help="timed decode launches per arm")
+    parser.add_argument("--prefill-iters", type=int, default=5, help="timed prefill launches")
+    parser.add_argument("--windows", type=int, nargs="+", default=[4096, 1024])
+    args = parser.parse_args()
+    report: dict = {"gpu": False}
+
+    def finish(code: int = 0) -> int:
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2))
+        return code
+
+    if gpu_harness.find_nvcc() is None:
+        print("nvcc not found: cannot build the CUDA harness; nothing to do")
+        report["built"] = False
+        return finish()
+    t0 = time.perf_counter()
+    library = gpu_harness.cached_build(jobs=os.cpu_count())
+    report["build_seconds"] = round(time.perf_counter() - t0, 1)
+    report["built"] = True
+    print(f"harness built in {report['build_seconds']:.1f}s: {library}")
+    harness = gpu_harness.Harness(library)
+    if gpu_harness.driver_gpu_count() == 0 or harness.device_count() <= 0:
+        print("no GPU visible: the kernels compiled; skipping correctness check and timings")
+        return finish()
+    report["gpu"] = True
+    report["device"] = gpu_name()
+    print(f"device: {report['device']}")
+
+    errors = check_arms(harness)
+    report["check_rel_error"] = errors
+    print("check vs float64 reference (bf16, ||out-ref||/||ref||): " +
+          ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+    if max(errors.values()) >= 1e-2:
+        print("FAILED: an arm disagrees with the reference; timings would be meaningless")
+        return finish(1)
+
+    copy_gbps = harness.copy_bandwidth_gbps(1 << 31, 10)
+    report["copy_bandwidth_gbps"] = round(copy_gbps, 1)
+    print(f"device copy bandwidth (read + write): {copy_gbps:.0f} GB/s")
+
+    workloads = {
+        "decode b64 ctx16k": dict(bsz=64, cached=16384, new=1, iters=args.iters, warmup=3),
+        "prefill 8k": dict(bsz=1, cached=0, new=8192, iters=args.prefill_iters, warmup=1),
+    }
+    rows = []
+    for window in args.windows:
+        for wname, w in workloads.items():
+            times = {}
+            for arm_name, arm in ARMS.items():
+                case = workload_case(w["bsz"], w["cached"], w["new"], window, arm)
+                res = harness.run(case, fill_on_device=True, warmup=w["warmup"], iters=w["iters"])
+                if res.status != 0:
+                    print(f"{wname} W={window} {arm_name}: failed: {res.message}")
+                    return finish(1)
+                times[arm_name] = res.avg_ms
+                row = dict(workload=wname, window=window, arm=arm_name, ms=round(res.avg_ms, 4))
+                if w["new"] == 1:
+                    kv_bytes = (w["bsz"] * decode_pages_read(w["cached"], window, arm)
+                                * BLOCK * HEAD_DIM * 2 * 2)
+                    row["hbm_gbps"] = round(kv_bytes / (res.avg_ms * 1e-3) / 1e9, 1)
+                rows.append(row)
+            base = times["2-D skip"]
+            for row in rows[-len(ARMS):]:
+                row["speedup_of_2d"] = round(times[row["arm"]] / base, 3)
+    report["results"] = rows
+
+    print(f"\n{'workload':<20}{'W':>6}  {'arm':<16}{'ms':>10}{'2-D speed-up':>14}{'HBM GB/s':>10}"
+          f"{'% copy':>8}")
+    for row in rows:
+        bw = row.get("hbm_gbps")
+        bw_s = f"{bw:>10.0f}{100 * bw / copy_gbps:>7.0f}%" if bw is not None else ""
+        print(f"{row['workload']:<20}{row['window']:>6}  {row['arm']:<16}{row['ms']:>10.3f}"
+              f"{row['speedup_of_2d']:>13.2f}x{bw_s}")
+    verdicts = []
+    for row in rows:
+        if row["arm"] in ("1-D dual pass", "1-D masked"):
+            ok = row["speedup_of_2d"] >= 1.05
+            verdicts.append(ok)
+            print(f"2-D vs {row['arm']:<14} {row['workload']:<20} W={row['window']:<5}: "
+                  f"{(row['speedup_of_2d'] - 1) * 100:+.1f}% {'(>= 5%: pass)' if ok else '(< 5%)'}")
+    report["all_speedups_at_least_5pct"] = all(verdicts)
+    return finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

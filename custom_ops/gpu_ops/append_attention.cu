@@ -1,0 +1,120 @@
+// Paddle custom op `append_attention_gpu`: a thin wrapper over the C ABI launcher in
+// append_attn/ (same arguments and semantics as the CPU op; bf16/fp16 tensors on the GPU).
+// key_cache / value_cache are updated in place. Built by custom_ops/setup_ops.py when Paddle has
+// CUDA.
+#include <string>
+#include <vector>
+
+#include "append_attn/append_attn_api.cuh"
+#include "paddle/extension.h"
+
+namespace {
+
+int to_attn_dtype(paddle::DataType t) {
+  if (t == paddle::DataType::BFLOAT16) return APPEND_ATTN_BF16;
+  if (t == paddle::DataType::FLOAT16) return APPEND_ATTN_FP16;
+  PD_THROW("append_attention_gpu: qkv must be bfloat16 or float16");
+  return -1;
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> AppendAttentionGpu(
+    const paddle::Tensor& qkv, paddle::Tensor& key_cache, paddle::Tensor& value_cache,
+    const paddle::Tensor& seq_lens_encoder, const paddle::Tensor& seq_lens_decoder,
+    const paddle::Tensor& seq_lens_this_time, const paddle::Tensor& cu_seqlens_q,
+    const paddle::Tensor& block_tables, const paddle::Tensor& rotary_cos,
+    const paddle::Tensor& rotary_sin, const paddle::Tensor& swa_head_mask, int num_heads,
+    int kv_num_heads, int head_dim, int sliding_window, int sink_size, bool visit_all_pages) {
+  PD_CHECK(qkv.is_gpu() && key_cache.is_gpu() && block_tables.is_gpu(),
+           "append_attention_gpu: tensors must be on the GPU");
+  PD_CHECK(key_cache.dtype() == qkv.dtype() && value_cache.dtype() == qkv.dtype(),
+           "append_attention_gpu: caches must have qkv's dtype");
+  const auto& cache_shape = key_cache.shape();  // [num_blocks, kv_heads, block_size, head_dim]
+  const auto& table_shape = block_tables.shape();
+  PD_CHECK(cache_shape.size() == 4 && cache_shape[1] == kv_num_heads && cache_shape[3] == head_dim,
+           "append_attention_gpu: cache shape must be [num_blocks, kv_num_heads, block_size, "
+           "head_dim]");
+  PD_CHECK(table_shape.size() == 2 || table_shape.size() == 3,
+           "append_attention_gpu: block_tables must be 2-D (1-D mode) or 3-D (head-wise)");
+
+  AppendAttnParams p;
+  p.dtype = to_attn_dtype(qkv.dtype());
+  p.token_num = static_cast<int>(qkv.shape()[0]);
+  p.bsz = static_cast<int>(seq_lens_this_time.shape()[0]);
+  p.num_heads = num_heads;
+  p.kv_num_heads = kv_num_heads;
+  p.head_dim = head_dim;
+  p.block_size = static_cast<int>(cache_shape[2]);
+  p.num_blocks = static_cast<int>(cache_shape[0]);
+  p.max_blocks_per_seq = static_cast<int>(table_shape.back());
+  p.head_wise_table = table_shape.size() == 3;
+  p.max_position = static_cast<int>(rotary_cos.shape()[0]);
+  p.sliding_window = sliding_window;
+  p.sink_size = sink_size;
+  p.visit_all_pages = visit_all_pages;
+  p.dual_pass = 0;
+
+  auto out = paddle::empty({p.token_num, num_heads * head_dim}, qkv.dtype(), qkv.place());
+  AppendAttnBuffers b;
+  b.qkv = qkv.data();
+  b.key_cache = key_cache.data();
+  b.value_cache = value_cache.data();
+  b.seq_lens_encoder = seq_lens_encoder.data<int>();
+  b.seq_lens_decoder = seq_lens_decoder.data<int>();
+  b.seq_lens_this_time = seq_lens_this_time.data<int>();
+  b.cu_seqlens_q = cu_seqlens_q.data<int>();
+  b.block_tables = block_tables.data<int>();
+  b.rotary_cos = rotary_cos.data<float>();
+  b.rotary_sin = rotary_sin.data<float>();
+  b.swa_head_mask = swa_head_mask.data<int>();
+  b.out = out.data();
+
+  const size_t ws_bytes = append_attention_workspace_bytes(&p);
+  PD_CHECK(ws_bytes > 0, "append_attention_gpu: unsupported shapes");
+  auto workspace = paddle::empty({static_cast<int64_t>(ws_bytes)}, paddle::DataType::UINT8,
+                                 qkv.place());
+  auto error_info = paddle::empty({4}, paddle::DataType::INT32, qkv.place());
+  const int status = append_attention_launch(&p, &b, workspace.data(), ws_bytes,
+                                             error_info.data<int>(), qkv.stream());
+  PD_CHECK(status == APPEND_ATTN_OK, "append_attention_gpu: ", append_attention_last_error());
+
+  // A -1 entry the step needs is a scheduler bug that must surface as an error, not as garbage
+  // attention; reading the 4 error ints back costs one stream sync per call.
+  const paddle::Tensor info = error_info.copy_to(paddle::CPUPlace(), true);
+  if (info.data<int>()[0] != APPEND_ATTN_ERR_NONE) {
+    char text[512];
+    PD_THROW("append_attention_gpu: ", append_attention_describe_error(info.data<int>(), text,
+                                                                       sizeof(text)));
+  }
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> AppendAttentionGpuInferShape(
+    const std::vector<int64_t>& qkv_shape, const std::vector<int64_t>& key_cache_shape,
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
+    int num_heads, int kv_num_heads, int head_dim, int, int, bool) {
+  return {{qkv_shape[0], static_cast<int64_t>(num_heads) * head_dim}};
+}
+
+std::vector<paddle::DataType> AppendAttentionGpuInferDtype(
+    const paddle::DataType& qkv_dtype, const paddle::DataType&, const paddle::DataType&,
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
+    const paddle::DataType&, const paddle::DataType&) {
+  return {qkv_dtype};
+}
+
+PD_BUILD_OP(append_attention_gpu)
+    .Inputs({"qkv", "key_cache", "value_cache", "seq_lens_encoder", "seq_lens_decoder",
+             "seq_lens_this_time", "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin",
+             "swa_head_mask"})
+    .Outputs({"out", "key_cache_out", "value_cache_out"})
+    .SetInplaceMap({{"key_cache", "key_cache_out"}, {"value_cache", "value_cache_out"}})
+    .Attrs({"num_heads: int", "kv_num_heads: int", "head_dim: int", "sliding_window: int",
+            "sink_size: int", "visit_all_pages: bool"})
+    .SetKernelFn(PD_KERNEL(AppendAttentionGpu))
+    .SetInferShapeFn(PD_INFER_SHAPE(AppendAttentionGpuInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(AppendAttentionGpuInferDtype));

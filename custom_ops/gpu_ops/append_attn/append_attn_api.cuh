@@ -1,0 +1,90 @@
+// Plain C ABI of the CUDA AppendAttention kernels (head-wise SWA KV caches).
+//
+// One call = one layer's attention step for a mixed batch of prefill chunks and decodes, with the
+// semantics and argument layout of the CPU op (see op_contract in the design notes): RoPE on q and
+// k, new K/V written into the paged cache, then attention over each request's cached keys through
+// a 1-D ([bsz, max_blocks]) or head-wise ([bsz, kv_heads, max_blocks]) table. All pointers are
+// device pointers. The same entry serves the Paddle op wrapper and the ctypes test harness, so it
+// carries no framework types.
+#pragma once
+
+#include <stddef.h>
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum AppendAttnDtype { APPEND_ATTN_BF16 = 0, APPEND_ATTN_FP16 = 1 };
+
+// Return codes of append_attention_launch.
+enum AppendAttnStatus {
+  APPEND_ATTN_OK = 0,
+  APPEND_ATTN_INVALID_ARGUMENT = 1,  // see append_attention_last_error()
+  APPEND_ATTN_CUDA_ERROR = 2,        // a launch or runtime call failed
+};
+
+// Device-side error codes, written to error_info[0]; error_info[1..3] = request, kv head, block
+// index (the position for APPEND_ATTN_ERR_POSITION). The first error of a launch wins.
+enum AppendAttnDeviceError {
+  APPEND_ATTN_ERR_NONE = 0,
+  APPEND_ATTN_ERR_DEAD_ENTRY = 1,        // a needed table entry (visible key or destination) is -1
+  APPEND_ATTN_ERR_DEAD_ENTRY_MASKED = 2, // visit_all_pages met a -1 entry in [0, t]
+  APPEND_ATTN_ERR_OUT_OF_RANGE = 3,      // entry beyond the cache, or block index beyond the table
+  APPEND_ATTN_ERR_POSITION = 4,          // position beyond the rotary tables
+};
+
+typedef struct AppendAttnParams {
+  int dtype;               // AppendAttnDtype of qkv, caches and out
+  int token_num;           // rows of qkv / out
+  int bsz;                 // request slots
+  int num_heads;           // q heads
+  int kv_num_heads;        // KV heads (num_heads % kv_num_heads == 0, group size 1..8)
+  int head_dim;            // 64 or 128
+  int block_size;          // 16 or 64
+  int num_blocks;          // dim 0 of the caches
+  int max_blocks_per_seq;  // last dim of block_tables
+  int head_wise_table;     // 0: [bsz, max_blocks]; 1: [bsz, kv_num_heads, max_blocks] of page ids
+  int max_position;        // rows of rotary_cos / rotary_sin
+  int sliding_window;      // W >= 1
+  int sink_size;           // S >= 0
+  int visit_all_pages;     // baseline arm: visit every page of [0, t], mask instead of skip
+  int dual_pass;           // baseline arm (upstream): an all-SWA pass and an all-full pass,
+                           // stitched per head by swa_head_mask
+} AppendAttnParams;
+
+typedef struct AppendAttnBuffers {
+  const void* qkv;                // [token_num, (num_heads + 2 * kv_num_heads) * head_dim]
+  void* key_cache;                // [num_blocks, kv_num_heads, block_size, head_dim], updated
+  void* value_cache;              // same shape, updated
+  const int* seq_lens_encoder;    // [bsz], informational, may be NULL
+  const int* seq_lens_decoder;    // [bsz], cached tokens = position of the first new token
+  const int* seq_lens_this_time;  // [bsz], new tokens; 0 = idle slot
+  const int* cu_seqlens_q;        // [bsz + 1]
+  const int* block_tables;        // see head_wise_table; -1 = recycled / unallocated
+  const float* rotary_cos;        // [max_position, head_dim / 2]
+  const float* rotary_sin;        // [max_position, head_dim / 2]
+  const int* swa_head_mask;       // [kv_num_heads], 1 = sliding-window head
+  void* out;                      // [token_num, num_heads * head_dim]
+} AppendAttnBuffers;
+
+// Bytes of device workspace append_attention_launch needs for these parameters (on the current
+// device: the decode split count depends on its SM count).
+size_t append_attention_workspace_bytes(const AppendAttnParams* params);
+
+// Enqueues the whole step on `stream` and returns without synchronizing. error_info is 4 device
+// ints, cleared by the call; read them after the stream completes and pass them to
+// append_attention_describe_error.
+int append_attention_launch(const AppendAttnParams* params, const AppendAttnBuffers* buffers,
+                            void* workspace, size_t workspace_bytes, int* error_info,
+                            cudaStream_t stream);
+
+// Message of the last failed launch on this thread (empty when none).
+const char* append_attention_last_error(void);
+
+// Human-readable text for host-side copy of error_info; returns buf.
+const char* append_attention_describe_error(const int* error_info, char* buf, size_t buf_len);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif

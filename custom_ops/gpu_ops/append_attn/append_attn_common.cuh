@@ -1,0 +1,194 @@
+// Shared device helpers of the AppendAttention kernels: dtype conversion, block-table lookup, the
+// SWA visibility rule and the live-block arithmetic that decides which pages a query visits.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "append_attn_api.cuh"
+
+namespace append_attn {
+
+// Everything a kernel reads, filled once by the launcher (passed by value as a kernel argument).
+struct Args {
+  const void* qkv;
+  void* key_cache;
+  void* value_cache;
+  const int* seq_lens_decoder;
+  const int* seq_lens_this_time;
+  const int* cu_seqlens_q;
+  const int* block_tables;
+  const float* rotary_cos;
+  const float* rotary_sin;
+  const int* swa_head_mask;
+  float* q_rot;      // workspace [token_num, num_heads, head_dim]: rotated q * 1/sqrt(head_dim)
+  int* tile_prefix;  // workspace [bsz + 1]: exclusive prefix of prefill tiles per request
+  float* partial;    // workspace: decode split results, see decode_attention.cu
+  int* error_info;   // 4 device ints
+  int token_num, bsz, num_heads, kv_num_heads, head_dim, block_size, num_blocks;
+  int max_blocks_per_seq, head_wise_table, max_position;
+  int sliding_window, sink_size, visit_all_pages;
+  int decode_max_splits, decode_pages_per_split;
+};
+
+// swa_override for the attention kernels: kUseMask reads swa_head_mask; the dual-pass baseline
+// forces every head to one kind per pass.
+constexpr int kUseMask = -1;
+constexpr int kForceFull = 0;
+constexpr int kForceSwa = 1;
+
+// Rows (token x q head of one KV head group) per prefill thread block; tokens per tile = 64 / G.
+constexpr int kPrefillRows = 64;
+constexpr int kMaxGroup = 8;
+
+template <typename T>
+struct Num;
+
+template <>
+struct Num<__nv_bfloat16> {
+  using T2 = __nv_bfloat162;
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) {
+    return __float2bfloat16_rn(x);
+  }
+  static __device__ __forceinline__ float2 to_float2(T2 x) { return __bfloat1622float2(x); }
+  static __device__ __forceinline__ T2 from_float2(float a, float b) {
+    return __floats2bfloat162_rn(a, b);
+  }
+};
+
+template <>
+struct Num<__half> {
+  using T2 = __half2;
+  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+  static __device__ __forceinline__ float2 to_float2(T2 x) { return __half22float2(x); }
+  static __device__ __forceinline__ T2 from_float2(float a, float b) {
+    return __floats2half2_rn(a, b);
+  }
+};
+
+// Records the first device-side error of a launch; later ones are dropped so the report names the
+// earliest culprit deterministically enough to debug a scheduler.
+__device__ __forceinline__ void record_error(int* info, int code, int req, int head, int block) {
+  if (info != nullptr && atomicCAS(info, 0, code) == 0) {
+    info[1] = req;
+    info[2] = head;
+    info[3] = block;
+  }
+}
+
+// Element offset of row 0 of (request, kv head, block index) in the cache viewed as pages
+// [num_blocks * kv_heads, block_size, head_dim], or -1 when the entry must not be dereferenced
+// (a -1 entry is recorded with `dead_code`, an id beyond the cache as out of range).
+__device__ __forceinline__ long long page_offset(const Args& a, int req, int head, int block,
+                                                 int dead_code) {
+  if (block < 0 || block >= a.max_blocks_per_seq) {
+    record_error(a.error_info, APPEND_ATTN_ERR_OUT_OF_RANGE, req, head, block);
+    return -1;
+  }
+  long long page;
+  if (a.head_wise_table) {
+    const int e =
+        a.block_tables[((long long)req * a.kv_num_heads + head) * a.max_blocks_per_seq + block];
+    if (e < 0) {
+      record_error(a.error_info, dead_code, req, head, block);
+      return -1;
+    }
+    page = e;
+    if (page >= (long long)a.num_blocks * a.kv_num_heads) {
+      record_error(a.error_info, APPEND_ATTN_ERR_OUT_OF_RANGE, req, head, block);
+      return -1;
+    }
+  } else {
+    const int e = a.block_tables[(long long)req * a.max_blocks_per_seq + block];
+    if (e < 0) {
+      record_error(a.error_info, dead_code, req, head, block);
+      return -1;
+    }
+    if (e >= a.num_blocks) {
+      record_error(a.error_info, APPEND_ATTN_ERR_OUT_OF_RANGE, req, head, block);
+      return -1;
+    }
+    page = (long long)e * a.kv_num_heads + head;
+  }
+  return page * a.block_size * a.head_dim;
+}
+
+__device__ __forceinline__ bool head_is_swa(const Args& a, int head, int swa_override) {
+  return swa_override == kUseMask ? a.swa_head_mask[head] != 0 : swa_override == kForceSwa;
+}
+
+// The contract's visibility rule: query position q sees key position k.
+__device__ __forceinline__ bool key_visible(int q, int k, bool swa, int window, int sink) {
+  return k >= 0 && k <= q && (!swa || k < sink || k > q - window);
+}
+
+// The blocks a group of queries at positions [first_pos, last_pos] visits, in order: blocks
+// [0, sink_end) then [win_begin, last]. For a SWA head that is the sink blocks plus the blocks
+// overlapping the union of the windows, and each holds a key some query sees, so by the
+// retention rule none of them is dead. Full heads and the masked baseline visit [0, last].
+struct LiveBlocks {
+  int sink_end;
+  int win_begin;
+  int count;
+  __device__ __forceinline__ int nth(int n) const {
+    return n < sink_end ? n : win_begin + (n - sink_end);
+  }
+};
+
+__device__ __forceinline__ LiveBlocks live_blocks(int first_pos, int last_pos, bool swa,
+                                                  bool visit_all, int window, int sink,
+                                                  int block_size) {
+  const int last = last_pos / block_size;
+  LiveBlocks lb;
+  if (!swa || visit_all) {
+    lb.sink_end = last + 1;
+    lb.win_begin = last + 1;
+    lb.count = last + 1;
+    return lb;
+  }
+  const int sink_blocks = sink / block_size + (sink % block_size != 0);
+  lb.sink_end = min(sink_blocks, last + 1);
+  const int first_visible = max(first_pos - window + 1, 0);
+  lb.win_begin = max(first_visible / block_size, lb.sink_end);
+  lb.count = lb.sink_end + (last + 1 - lb.win_begin);
+  return lb;
+}
+
+// Request owning qkv row `token`, or -1 for rows past cu_seqlens_q[bsz]. Idle slots own no rows.
+__device__ __forceinline__ int find_request(const int* cu_seqlens_q, int bsz, int token) {
+  if (token < 0 || token >= cu_seqlens_q[bsz]) return -1;
+  int lo = 0, hi = bsz;  // cu[lo] <= token < cu[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (cu_seqlens_q[mid] <= token) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// Decode split count of a query whose live list has `count` blocks; decode and merge kernels must
+// agree on it, hence one function.
+__device__ __forceinline__ int decode_num_splits(const Args& a, int count) {
+  const int n = (count + a.decode_pages_per_split - 1) / a.decode_pages_per_split;
+  return min(n, a.decode_max_splits);
+}
+
+// Host-side launch entry points of the individual .cu files (defined there, called by launcher.cu).
+cudaError_t launch_rope_write_cache(const Args& a, int dtype, void* out, cudaStream_t stream);
+cudaError_t launch_prefill_tiles(const Args& a, cudaStream_t stream);
+cudaError_t launch_prefill_attention(const Args& a, int dtype, int swa_override, void* out,
+                                     cudaStream_t stream);
+cudaError_t launch_decode_attention(const Args& a, int dtype, int swa_override, void* out,
+                                    cudaStream_t stream);
+cudaError_t launch_stitch_heads(const Args& a, int dtype, const void* swa_out, void* out,
+                                cudaStream_t stream);
+
+}  // namespace append_attn

@@ -1,0 +1,295 @@
+// Step (c): decode attention (requests with exactly one new token), split-KV plus a merge.
+//
+// Thread block = (split, request, KV head): the G q heads of the group share every K/V page the
+// block reads. A query's live blocks (LiveBlocks: for a SWA head only its sink and window pages)
+// are cut into splits of decode_pages_per_split blocks; each split writes an unnormalized partial
+// (max, sum, acc) and the merge kernel combines them with the usual log-sum-exp rescaling.
+//
+// Partial layout in the workspace, for split s, request r, q head qh:
+//   acc  at partial[((s * bsz + r) * num_heads + qh) * head_dim + d]
+//   m, l at partial[acc_floats + ((s * bsz + r) * num_heads + qh) * 2 + {0, 1}]
+// with acc_floats = decode_max_splits * bsz * num_heads * head_dim.
+#include "append_attn_common.cuh"
+
+namespace append_attn {
+namespace {
+
+constexpr int kThreads = 128;
+
+template <typename T, int D, int BS>
+__global__ void __launch_bounds__(kThreads) decode_attention_kernel(Args a, int swa_override) {
+  using T2 = typename Num<T>::T2;
+  constexpr int kKStride = D + 8;                 // 16-byte rows, staggered banks
+  constexpr int kThreadsPerKey = kThreads / BS;   // q.k: threads sharing one key
+  constexpr int kDimsPerThread = D / kThreadsPerKey;
+  constexpr int kKeyGroups = kThreads / (D / 2);  // p.v: thread owns a dim pair, keys strided
+  constexpr int kKeysPerThread = BS / kKeyGroups;
+  static_assert(kThreads % BS == 0 && kDimsPerThread % 8 == 0, "q.k mapping");
+  static_assert(kThreads % (D / 2) == 0 && BS % kKeyGroups == 0, "p.v mapping");
+
+  const int split = blockIdx.x;
+  const int req = blockIdx.y;
+  const int head = blockIdx.z;
+  if (a.seq_lens_this_time[req] != 1) return;
+
+  const int group = a.num_heads / a.kv_num_heads;
+  const int pos = a.seq_lens_decoder[req];
+  const long long token = a.cu_seqlens_q[req];
+  const bool swa = head_is_swa(a, head, swa_override);
+  const int window = a.sliding_window;
+  const int sink = a.sink_size;
+  const LiveBlocks live = live_blocks(pos, pos, swa, a.visit_all_pages != 0, window, sink, BS);
+  const int n_splits = decode_num_splits(a, live.count);
+  if (split >= n_splits) return;
+  const int it_begin = split * a.decode_pages_per_split;
+  const int it_end = min(live.count, it_begin + a.decode_pages_per_split);
+  const int dead_code =
+      a.visit_all_pages ? APPEND_ATTN_ERR_DEAD_ENTRY_MASKED : APPEND_ATTN_ERR_DEAD_ENTRY;
+
+  __shared__ __align__(16) float q_s[kMaxGroup][D];
+  __shared__ __align__(16) T k_s[BS][kKStride];
+  __shared__ float p_s[kMaxGroup][BS];
+  __shared__ float row_m[kMaxGroup], row_l[kMaxGroup], row_scale[kMaxGroup];
+  __shared__ float red_s[kKeyGroups][kMaxGroup][D];
+  __shared__ long long page_base_s;
+
+  const int tid = threadIdx.x;
+  for (int i = tid; i < kMaxGroup * D; i += kThreads) {
+    const int g = i / D;
+    const int d = i % D;
+    q_s[g][d] = g < group ? a.q_rot[(token * a.num_heads + head * group + g) * D + d] : 0.f;
+  }
+  if (tid < kMaxGroup) {
+    row_m[tid] = -INFINITY;
+    row_l[tid] = 0.f;
+  }
+
+  const int qk_key = tid / kThreadsPerKey;
+  const int qk_part = tid % kThreadsPerKey;
+  const int pv_pair = tid % (D / 2);
+  const int pv_group = tid / (D / 2);
+  float acc[kMaxGroup][2];
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) acc[g][0] = acc[g][1] = 0.f;
+
+  const T* k_cache = static_cast<const T*>(a.key_cache);
+  const T* v_cache = static_cast<const T*>(a.value_cache);
+  for (int it = it_begin; it < it_end; ++it) {
+    const int blk = live.nth(it);
+    if (tid == 0) page_base_s = page_offset(a, req, head, blk, dead_code);
+    __syncthreads();
+    const long long base = page_base_s;
+    // Rows past the query's position are not written yet and may hold anything (even NaN).
+    const int n_valid = base < 0 ? 0 : min(BS, pos - blk * BS + 1);
+
+    // V of this thread's keys is fetched first so its latency overlaps the q.k pass.
+    uint32_t v_reg[kKeysPerThread];
+#pragma unroll
+    for (int i = 0; i < kKeysPerThread; ++i) {
+      const int key = pv_group + i * kKeyGroups;
+      v_reg[i] = key < n_valid
+                     ? reinterpret_cast<const uint32_t*>(v_cache + base + (long long)key * D)[pv_pair]
+                     : 0u;
+    }
+    for (int i = tid; i < BS * (D / 8); i += kThreads) {
+      const int key = i / (D / 8);
+      const int col8 = i % (D / 8);
+      uint4 kv = make_uint4(0, 0, 0, 0);
+      if (key < n_valid) kv = reinterpret_cast<const uint4*>(k_cache + base + (long long)key * D)[col8];
+      *reinterpret_cast<uint4*>(&k_s[key][col8 * 8]) = kv;
+    }
+    __syncthreads();
+
+    {
+      float dot[kMaxGroup];
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) dot[g] = 0.f;
+      const int d0 = qk_part * kDimsPerThread;
+#pragma unroll 2
+      for (int d = 0; d < kDimsPerThread; d += 8) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(&k_s[qk_key][d0 + d]);
+        const T2* kp = reinterpret_cast<const T2*>(&raw);
+        float kf[8];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = Num<T>::to_float2(kp[e]);
+          kf[2 * e] = f.x;
+          kf[2 * e + 1] = f.y;
+        }
+#pragma unroll
+        for (int g = 0; g < kMaxGroup; ++g) {
+          if (g < group) {
+            const float4 qa = *reinterpret_cast<const float4*>(&q_s[g][d0 + d]);
+            const float4 qb = *reinterpret_cast<const float4*>(&q_s[g][d0 + d + 4]);
+            dot[g] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] +
+                      qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
+          }
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+#pragma unroll
+        for (int off = kThreadsPerKey / 2; off > 0; off >>= 1) {
+          dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], off);
+        }
+      }
+      if (qk_part == 0) {
+        const bool visible =
+            qk_key < n_valid && key_visible(pos, blk * BS + qk_key, swa, window, sink);
+#pragma unroll
+        for (int g = 0; g < kMaxGroup; ++g) {
+          if (g < group) p_s[g][qk_key] = visible ? dot[g] : -INFINITY;
+        }
+      }
+    }
+    __syncthreads();
+
+    {  // online softmax, one warp per row
+      const int warp = tid / 32;
+      const int lane = tid % 32;
+      for (int g = warp; g < group; g += kThreads / 32) {
+        float mx = -INFINITY;
+        for (int k = lane; k < BS; k += 32) mx = fmaxf(mx, p_s[g][k]);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        const float m_old = row_m[g];
+        const float m_new = fmaxf(m_old, mx);
+        float sum = 0.f;
+        for (int k = lane; k < BS; k += 32) {
+          const float s = p_s[g][k];
+          const float p = s == -INFINITY ? 0.f : __expf(s - m_new);
+          p_s[g][k] = p;
+          sum += p;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        __syncwarp();
+        if (lane == 0) {
+          const float scale = m_old == -INFINITY ? 0.f : __expf(m_old - m_new);
+          row_l[g] = row_l[g] * scale + sum;
+          row_m[g] = m_new;
+          row_scale[g] = scale;
+        }
+      }
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+      if (g < group) {
+        acc[g][0] *= row_scale[g];
+        acc[g][1] *= row_scale[g];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kKeysPerThread; ++i) {
+      const int key = pv_group + i * kKeyGroups;
+      const float2 v = Num<T>::to_float2(*reinterpret_cast<const T2*>(&v_reg[i]));
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+        if (g < group) {
+          const float p = p_s[g][key];
+          acc[g][0] += p * v.x;
+          acc[g][1] += p * v.y;
+        }
+      }
+    }
+    __syncthreads();  // the next page overwrites k_s, p_s, row_scale and page_base_s
+  }
+
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    red_s[pv_group][g][2 * pv_pair] = acc[g][0];
+    red_s[pv_group][g][2 * pv_pair + 1] = acc[g][1];
+  }
+  __syncthreads();
+  const long long slot0 = ((long long)split * a.bsz + req) * a.num_heads + head * group;
+  float* acc_out = a.partial + slot0 * D;
+  for (int i = tid; i < group * D; i += kThreads) {
+    const int g = i / D;
+    const int d = i % D;
+    float sum = 0.f;
+#pragma unroll
+    for (int kg = 0; kg < kKeyGroups; ++kg) sum += red_s[kg][g][d];
+    acc_out[i] = sum;
+  }
+  if (tid < group) {
+    const long long acc_floats =
+        (long long)a.decode_max_splits * a.bsz * a.num_heads * a.head_dim;
+    float* ml = a.partial + acc_floats + (slot0 + tid) * 2;
+    ml[0] = row_m[tid];
+    ml[1] = row_l[tid];
+  }
+}
+
+// One block per (request, q head), one thread per dim.
+template <typename T>
+__global__ void decode_merge_kernel(Args a, int swa_override, T* __restrict__ out) {
+  const int req = blockIdx.x;
+  const int qh = blockIdx.y;
+  if (a.seq_lens_this_time[req] != 1) return;
+  const int D = a.head_dim;
+  const int head = qh / (a.num_heads / a.kv_num_heads);
+  const int pos = a.seq_lens_decoder[req];
+  const bool swa = head_is_swa(a, head, swa_override);
+  const LiveBlocks live = live_blocks(pos, pos, swa, a.visit_all_pages != 0, a.sliding_window,
+                                      a.sink_size, a.block_size);
+  const int n_splits = decode_num_splits(a, live.count);
+  const long long acc_floats = (long long)a.decode_max_splits * a.bsz * a.num_heads * D;
+  const long long split_stride = (long long)a.bsz * a.num_heads;
+  const long long slot0 = (long long)req * a.num_heads + qh;
+
+  float m_max = -INFINITY;
+  for (int s = 0; s < n_splits; ++s) {
+    m_max = fmaxf(m_max, a.partial[acc_floats + (slot0 + s * split_stride) * 2]);
+  }
+  float l_sum = 0.f;
+  float o = 0.f;
+  const int d = threadIdx.x;
+  for (int s = 0; s < n_splits; ++s) {
+    const long long slot = slot0 + s * split_stride;
+    const float m_s = a.partial[acc_floats + slot * 2];
+    if (m_s == -INFINITY) continue;  // the split saw no visible key (only on recorded errors)
+    const float w = __expf(m_s - m_max);
+    l_sum += a.partial[acc_floats + slot * 2 + 1] * w;
+    if (d < D) o += a.partial[slot * D + d] * w;
+  }
+  if (d < D) {
+    const long long token = a.cu_seqlens_q[req];
+    out[(token * a.num_heads + qh) * D + d] = Num<T>::from_float(l_sum > 0.f ? o / l_sum : 0.f);
+  }
+}
+
+template <typename T, int D, int BS>
+cudaError_t launch_kernel(const Args& a, int swa_override, cudaStream_t stream) {
+  dim3 grid(a.decode_max_splits, a.bsz, a.kv_num_heads);
+  decode_attention_kernel<T, D, BS><<<grid, kThreads, 0, stream>>>(a, swa_override);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_typed(const Args& a, int swa_override, void* out, cudaStream_t stream) {
+  cudaError_t err;
+  if (a.head_dim == 64) {
+    err = a.block_size == 64 ? launch_kernel<T, 64, 64>(a, swa_override, stream)
+                             : launch_kernel<T, 64, 16>(a, swa_override, stream);
+  } else {
+    err = a.block_size == 64 ? launch_kernel<T, 128, 64>(a, swa_override, stream)
+                             : launch_kernel<T, 128, 16>(a, swa_override, stream);
+  }
+  if (err != cudaSuccess) return err;
+  dim3 grid(a.bsz, a.num_heads);
+  decode_merge_kernel<T><<<grid, a.head_dim, 0, stream>>>(a, swa_override, static_cast<T*>(out));
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_decode_attention(const Args& a, int dtype, int swa_override, void* out,
+                                    cudaStream_t stream) {
+  if (a.token_num == 0) return cudaSuccess;
+  return dtype == APPEND_ATTN_BF16 ? launch_typed<__nv_bfloat16>(a, swa_override, out, stream)
+                                   : launch_typed<__half>(a, swa_override, out, stream);
+}
+
+}  // namespace append_attn

@@ -1,0 +1,259 @@
+// C ABI launcher: validates the parameters, carves the workspace, and enqueues
+// RoPE + cache write, prefill attention, decode attention + merge (twice and a per-head stitch for
+// the dual-pass baseline). Nothing here synchronizes the stream.
+#include <stdio.h>
+#include <string.h>
+
+#include <string>
+
+#include "append_attn_common.cuh"
+
+namespace append_attn {
+namespace {
+
+thread_local std::string g_last_error;
+
+int fail(int status, const std::string& msg) {
+  g_last_error = msg;
+  return status;
+}
+
+size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+size_t dtype_bytes(int) { return 2; }  // bf16 and fp16
+
+struct Layout {
+  size_t q_rot, tile_prefix, partial, swa_out, total;
+  int decode_max_splits, decode_pages_per_split;
+};
+
+// Decode splits: enough thread blocks for about 16 per SM over the whole batch, so long contexts
+// stream at full bandwidth, capped at 64 partials per query. The split size is in blocks of the
+// query's live list, so a SWA head (few live blocks) gets few splits.
+Layout make_layout(const AppendAttnParams& p) {
+  int device = 0;
+  int sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      sms <= 0) {
+    cudaGetLastError();  // no device visible: size for a large GPU, launches fail later anyway
+    sms = 132;
+  }
+  const long long items = (long long)p.bsz * p.kv_num_heads;
+  const long long target = 16LL * sms;
+  long long splits = (target + items - 1) / items;
+  splits = splits < 1 ? 1 : (splits > 64 ? 64 : splits);
+  const int max_blocks = p.max_blocks_per_seq > 0 ? p.max_blocks_per_seq : 1;
+  if (splits > max_blocks) splits = max_blocks;
+  Layout l;
+  l.decode_pages_per_split = (int)((max_blocks + splits - 1) / splits);
+  l.decode_max_splits = (max_blocks + l.decode_pages_per_split - 1) / l.decode_pages_per_split;
+
+  const size_t tokens = p.token_num > 0 ? (size_t)p.token_num : 0;
+  const size_t hd = (size_t)p.num_heads * p.head_dim;
+  size_t off = 0;
+  l.q_rot = off;
+  off = align256(off + sizeof(float) * tokens * hd);
+  l.tile_prefix = off;
+  off = align256(off + sizeof(int) * ((size_t)p.bsz + 1));
+  l.partial = off;
+  off = align256(off + sizeof(float) * (size_t)l.decode_max_splits * p.bsz * p.num_heads *
+                           (p.head_dim + 2));
+  l.swa_out = off;
+  if (p.dual_pass) off = align256(off + dtype_bytes(p.dtype) * tokens * hd);
+  l.total = off;
+  return l;
+}
+
+std::string validate(const AppendAttnParams& p) {
+  char buf[256];
+  if (p.dtype != APPEND_ATTN_BF16 && p.dtype != APPEND_ATTN_FP16) return "dtype must be bf16 or fp16";
+  if (p.head_dim != 64 && p.head_dim != 128) {
+    snprintf(buf, sizeof(buf), "head_dim %d unsupported (64 or 128)", p.head_dim);
+    return buf;
+  }
+  if (p.block_size != 16 && p.block_size != 64) {
+    snprintf(buf, sizeof(buf), "block_size %d unsupported (16 or 64)", p.block_size);
+    return buf;
+  }
+  if (p.num_heads <= 0 || p.kv_num_heads <= 0 || p.num_heads % p.kv_num_heads != 0 ||
+      p.num_heads / p.kv_num_heads > kMaxGroup) {
+    snprintf(buf, sizeof(buf),
+             "num_heads %d / kv_num_heads %d must be a whole group size in 1..%d", p.num_heads,
+             p.kv_num_heads, kMaxGroup);
+    return buf;
+  }
+  if (p.sliding_window < 1 || p.sink_size < 0) {
+    snprintf(buf, sizeof(buf), "sliding_window %d must be >= 1 and sink_size %d >= 0",
+             p.sliding_window, p.sink_size);
+    return buf;
+  }
+  if (p.token_num < 0 || p.bsz < 1 || p.bsz > 65535 || p.num_blocks < 1 ||
+      p.max_blocks_per_seq < 1 || p.max_position < 1 || p.kv_num_heads > 65535) {
+    snprintf(buf, sizeof(buf),
+             "bad sizes: token_num %d, bsz %d, num_blocks %d, max_blocks_per_seq %d, "
+             "max_position %d",
+             p.token_num, p.bsz, p.num_blocks, p.max_blocks_per_seq, p.max_position);
+    return buf;
+  }
+  return "";
+}
+
+// Dual pass: copy the SWA pass's output over the full pass's for the SWA heads.
+template <typename T>
+__global__ void stitch_heads_kernel(Args a, const T* __restrict__ swa_out, T* __restrict__ out) {
+  const int token = blockIdx.x;
+  if (find_request(a.cu_seqlens_q, a.bsz, token) < 0) return;  // zeroed by the RoPE kernel
+  const int group = a.num_heads / a.kv_num_heads;
+  const long long row = (long long)token * a.num_heads * a.head_dim;
+  for (int i = threadIdx.x; i < a.num_heads * a.head_dim; i += blockDim.x) {
+    const int head = i / a.head_dim / group;
+    if (a.swa_head_mask[head] != 0) out[row + i] = swa_out[row + i];
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_stitch_heads(const Args& a, int dtype, const void* swa_out, void* out,
+                                cudaStream_t stream) {
+  if (a.token_num == 0) return cudaSuccess;
+  if (dtype == APPEND_ATTN_BF16) {
+    stitch_heads_kernel<__nv_bfloat16><<<a.token_num, 256, 0, stream>>>(
+        a, static_cast<const __nv_bfloat16*>(swa_out), static_cast<__nv_bfloat16*>(out));
+  } else {
+    stitch_heads_kernel<__half><<<a.token_num, 256, 0, stream>>>(
+        a, static_cast<const __half*>(swa_out), static_cast<__half*>(out));
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace append_attn
+
+using namespace append_attn;
+
+#define RETURN_IF_CUDA_ERROR(expr)                                                       \
+  do {                                                                                   \
+    const cudaError_t err_ = (expr);                                                     \
+    if (err_ != cudaSuccess) {                                                           \
+      return fail(APPEND_ATTN_CUDA_ERROR, std::string(#expr) + ": " + cudaGetErrorString(err_)); \
+    }                                                                                    \
+  } while (0)
+
+extern "C" size_t append_attention_workspace_bytes(const AppendAttnParams* params) {
+  if (params == nullptr || !validate(*params).empty()) return 0;
+  return make_layout(*params).total;
+}
+
+extern "C" int append_attention_launch(const AppendAttnParams* params,
+                                       const AppendAttnBuffers* buffers, void* workspace,
+                                       size_t workspace_bytes, int* error_info,
+                                       cudaStream_t stream) {
+  g_last_error.clear();
+  if (params == nullptr || buffers == nullptr || error_info == nullptr) {
+    return fail(APPEND_ATTN_INVALID_ARGUMENT, "params, buffers and error_info are required");
+  }
+  const AppendAttnParams& p = *params;
+  const AppendAttnBuffers& b = *buffers;
+  const std::string bad = validate(p);
+  if (!bad.empty()) return fail(APPEND_ATTN_INVALID_ARGUMENT, bad);
+  const Layout layout = make_layout(p);
+  if (workspace == nullptr || workspace_bytes < layout.total) {
+    return fail(APPEND_ATTN_INVALID_ARGUMENT,
+                "workspace smaller than append_attention_workspace_bytes()");
+  }
+  RETURN_IF_CUDA_ERROR(cudaMemsetAsync(error_info, 0, 4 * sizeof(int), stream));
+  if (p.token_num == 0) return APPEND_ATTN_OK;
+  if (b.qkv == nullptr || b.key_cache == nullptr || b.value_cache == nullptr ||
+      b.seq_lens_decoder == nullptr || b.seq_lens_this_time == nullptr ||
+      b.cu_seqlens_q == nullptr || b.block_tables == nullptr || b.rotary_cos == nullptr ||
+      b.rotary_sin == nullptr || b.swa_head_mask == nullptr || b.out == nullptr) {
+    return fail(APPEND_ATTN_INVALID_ARGUMENT, "a required device buffer is NULL");
+  }
+
+  unsigned char* ws = static_cast<unsigned char*>(workspace);
+  Args a;
+  a.qkv = b.qkv;
+  a.key_cache = b.key_cache;
+  a.value_cache = b.value_cache;
+  a.seq_lens_decoder = b.seq_lens_decoder;
+  a.seq_lens_this_time = b.seq_lens_this_time;
+  a.cu_seqlens_q = b.cu_seqlens_q;
+  a.block_tables = b.block_tables;
+  a.rotary_cos = b.rotary_cos;
+  a.rotary_sin = b.rotary_sin;
+  a.swa_head_mask = b.swa_head_mask;
+  a.q_rot = reinterpret_cast<float*>(ws + layout.q_rot);
+  a.tile_prefix = reinterpret_cast<int*>(ws + layout.tile_prefix);
+  a.partial = reinterpret_cast<float*>(ws + layout.partial);
+  a.error_info = error_info;
+  a.token_num = p.token_num;
+  a.bsz = p.bsz;
+  a.num_heads = p.num_heads;
+  a.kv_num_heads = p.kv_num_heads;
+  a.head_dim = p.head_dim;
+  a.block_size = p.block_size;
+  a.num_blocks = p.num_blocks;
+  a.max_blocks_per_seq = p.max_blocks_per_seq;
+  a.head_wise_table = p.head_wise_table != 0;
+  a.max_position = p.max_position;
+  a.sliding_window = p.sliding_window;
+  a.sink_size = p.sink_size;
+  a.visit_all_pages = p.visit_all_pages != 0;
+  a.decode_max_splits = layout.decode_max_splits;
+  a.decode_pages_per_split = layout.decode_pages_per_split;
+
+  RETURN_IF_CUDA_ERROR(launch_rope_write_cache(a, p.dtype, b.out, stream));
+  RETURN_IF_CUDA_ERROR(launch_prefill_tiles(a, stream));
+  if (!p.dual_pass) {
+    RETURN_IF_CUDA_ERROR(launch_prefill_attention(a, p.dtype, kUseMask, b.out, stream));
+    RETURN_IF_CUDA_ERROR(launch_decode_attention(a, p.dtype, kUseMask, b.out, stream));
+    return APPEND_ATTN_OK;
+  }
+  // Upstream's head-wise SWA on a 1-D table: attention once with every head sliding-window and
+  // once with every head full, then each head keeps the pass of its kind.
+  void* swa_out = ws + layout.swa_out;
+  RETURN_IF_CUDA_ERROR(launch_prefill_attention(a, p.dtype, kForceSwa, swa_out, stream));
+  RETURN_IF_CUDA_ERROR(launch_decode_attention(a, p.dtype, kForceSwa, swa_out, stream));
+  RETURN_IF_CUDA_ERROR(launch_prefill_attention(a, p.dtype, kForceFull, b.out, stream));
+  RETURN_IF_CUDA_ERROR(launch_decode_attention(a, p.dtype, kForceFull, b.out, stream));
+  RETURN_IF_CUDA_ERROR(launch_stitch_heads(a, p.dtype, swa_out, b.out, stream));
+  return APPEND_ATTN_OK;
+}
+
+extern "C" const char* append_attention_last_error(void) { return g_last_error.c_str(); }
+
+extern "C" const char* append_attention_describe_error(const int* info, char* buf,
+                                                       size_t buf_len) {
+  if (buf == nullptr || buf_len == 0) return "";
+  const int code = info == nullptr ? 0 : info[0];
+  switch (code) {
+    case APPEND_ATTN_ERR_NONE:
+      snprintf(buf, buf_len, "no error");
+      break;
+    case APPEND_ATTN_ERR_DEAD_ENTRY:
+      snprintf(buf, buf_len,
+               "block table entry is -1 but the step needs it (request %d, kv head %d, block "
+               "index %d): the page was recycled or never allocated (scheduler bug)",
+               info[1], info[2], info[3]);
+      break;
+    case APPEND_ATTN_ERR_DEAD_ENTRY_MASKED:
+      snprintf(buf, buf_len,
+               "visit_all_pages met a -1 block table entry (request %d, kv head %d, block index "
+               "%d): the masked baseline needs every page of [0, t] allocated",
+               info[1], info[2], info[3]);
+      break;
+    case APPEND_ATTN_ERR_OUT_OF_RANGE:
+      snprintf(buf, buf_len,
+               "block table entry out of range (request %d, kv head %d, block index %d): id "
+               "beyond the cache or index beyond max_blocks_per_seq",
+               info[1], info[2], info[3]);
+      break;
+    case APPEND_ATTN_ERR_POSITION:
+      snprintf(buf, buf_len, "position %d of request %d is beyond the rotary tables", info[3],
+               info[1]);
+      break;
+    default:
+      snprintf(buf, buf_len, "unknown device error code %d", code);
+  }
+  return buf;
+}

@@ -1,0 +1,322 @@
+"""Build and drive the CUDA AppendAttention harness (custom_ops/gpu_ops/append_attn) with ctypes.
+
+Shared by the GPU tests and benchmarks/bench_append_attention_gpu.py so that both need only
+numpy + ctypes: every .cu of the folder is compiled on its own (which is also the CI compile
+check), the objects are linked into one shared library, and `Harness.run` passes host buffers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import dataclasses
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SOURCE_DIR = REPO_ROOT / "custom_ops" / "gpu_ops" / "append_attn"
+LIB_NAME = "libappend_attn_harness.so"
+
+# SASS for sm_80 and sm_90 plus compute_90 PTX, so a newer GPU can still JIT the kernels.
+GENCODES = (
+    "-gencode=arch=compute_80,code=sm_80",
+    "-gencode=arch=compute_90,code=[sm_90,compute_90]",
+)
+NVCC_FLAGS = ("-std=c++17", "-O3", "-Xcompiler", "-fPIC")
+
+BF16 = 0
+FP16 = 1
+
+PARAM_FIELDS = (
+    "dtype",
+    "token_num",
+    "bsz",
+    "num_heads",
+    "kv_num_heads",
+    "head_dim",
+    "block_size",
+    "num_blocks",
+    "max_blocks_per_seq",
+    "head_wise_table",
+    "max_position",
+    "sliding_window",
+    "sink_size",
+    "visit_all_pages",
+    "dual_pass",
+)
+BUFFER_FIELDS = (
+    "qkv",
+    "key_cache",
+    "value_cache",
+    "seq_lens_encoder",
+    "seq_lens_decoder",
+    "seq_lens_this_time",
+    "cu_seqlens_q",
+    "block_tables",
+    "rotary_cos",
+    "rotary_sin",
+    "swa_head_mask",
+    "out",
+)
+
+# Device-side error codes (AppendAttnDeviceError).
+ERR_DEAD_ENTRY = 1
+ERR_DEAD_ENTRY_MASKED = 2
+ERR_OUT_OF_RANGE = 3
+ERR_POSITION = 4
+
+
+class _Params(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int) for name in PARAM_FIELDS]
+
+
+class _Buffers(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in BUFFER_FIELDS]
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def find_nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and (Path(root) / "bin" / "nvcc").is_file():
+            return str(Path(root) / "bin" / "nvcc")
+    return None
+
+
+def cuda_sources() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.cu"))
+
+
+@dataclasses.dataclass
+class BuildResult:
+    library: Path
+    compile_seconds: dict[str, float]  # per source file
+    wall_seconds: float
+
+
+def build(out_dir: Path, jobs: int = 2, nvcc: str | None = None) -> BuildResult:
+    """Compiles every .cu under append_attn/ separately (sm_80 + sm_90) and links the harness."""
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise BuildError("nvcc not found")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+
+    def compile_one(src: Path) -> tuple[str, float, Path]:
+        obj = out_dir / (src.stem + ".o")
+        cmd = [nvcc, *NVCC_FLAGS, *GENCODES, "-c", str(src), "-o", str(obj)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BuildError(f"nvcc failed on {src.name}:\n{' '.join(cmd)}\n{proc.stderr}")
+        return src.name, time.perf_counter() - t0, obj
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        results = list(pool.map(compile_one, cuda_sources()))
+    lib = out_dir / LIB_NAME
+    link = [nvcc, "-shared", "-o", str(lib), *[str(obj) for _, _, obj in results]]
+    proc = subprocess.run(link, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"link failed:\n{' '.join(link)}\n{proc.stderr}")
+    return BuildResult(lib, {name: secs for name, secs, _ in results}, time.perf_counter() - started)
+
+
+def _source_key() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(SOURCE_DIR.glob("*.cu*")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    digest.update(" ".join(NVCC_FLAGS + GENCODES).encode())
+    return digest.hexdigest()[:16]
+
+
+def cached_build(jobs: int | None = None) -> Path:
+    """The harness library for the current sources, built once per source hash in the temp dir."""
+    final = Path(tempfile.gettempdir()) / f"fd_append_attn_harness_{_source_key()}"
+    if (final / LIB_NAME).is_file():
+        return final / LIB_NAME
+    shutil.rmtree(final, ignore_errors=True)  # leftovers of an interrupted build
+    staging = Path(tempfile.mkdtemp(prefix="fd_append_attn_build_"))
+    build(staging, jobs=jobs or max(2, os.cpu_count() or 2))
+    try:
+        os.replace(staging, final)
+    except OSError:  # another process won the race; use its build
+        shutil.rmtree(staging, ignore_errors=True)
+    return final / LIB_NAME
+
+
+def driver_gpu_count() -> int:
+    """GPUs visible to the CUDA driver, 0 when there is no driver or no device (never raises)."""
+    for name in ("libcuda.so.1", "libcuda.so"):
+        try:
+            cuda = ctypes.CDLL(name)
+        except OSError:
+            continue
+        count = ctypes.c_int(0)
+        if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+            return 0
+        return count.value
+    return 0
+
+
+# ---- storage dtypes (numpy has no bfloat16: storage arrays are uint16 bit patterns) ----
+
+
+def to_storage(x: np.ndarray, dtype: int) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    if dtype == FP16:
+        return x.astype(np.float16).view(np.uint16)
+    bits = x.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # nearest-even
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded).astype(np.uint16)
+
+
+def from_storage(bits: np.ndarray, dtype: int) -> np.ndarray:
+    bits = np.asarray(bits, dtype=np.uint16)
+    if dtype == FP16:
+        return bits.view(np.float16).astype(np.float32)
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def storage_nan(shape, dtype: int) -> np.ndarray:
+    return np.full(shape, 0x7E00 if dtype == FP16 else 0x7FC0, dtype=np.uint16)
+
+
+@dataclasses.dataclass
+class Case:
+    """One step's inputs in the op's layout; 16-bit arrays hold storage bit patterns."""
+
+    params: dict[str, int]
+    qkv: np.ndarray
+    key_cache: np.ndarray
+    value_cache: np.ndarray
+    seq_lens_encoder: np.ndarray
+    seq_lens_decoder: np.ndarray
+    seq_lens_this_time: np.ndarray
+    cu_seqlens_q: np.ndarray
+    block_tables: np.ndarray
+    rotary_cos: np.ndarray
+    rotary_sin: np.ndarray
+    swa_head_mask: np.ndarray
+    out: np.ndarray
+
+    def with_params(self, **changes) -> "Case":
+        return dataclasses.replace(self, params={**self.params, **changes})
+
+
+@dataclasses.dataclass
+class RunResult:
+    status: int  # 0 ok, 1 rejected arguments, 2 device-side error, 3 CUDA error
+    error_info: tuple[int, int, int, int]
+    message: str
+    avg_ms: float
+    out: np.ndarray | None
+    key_cache: np.ndarray | None
+    value_cache: np.ndarray | None
+
+
+class Harness:
+    def __init__(self, library: Path | str):
+        self.lib = ctypes.CDLL(str(library))
+        self.lib.aa_device_count.restype = ctypes.c_int
+        self.lib.aa_run.restype = ctypes.c_int
+        self.lib.aa_run.argtypes = [
+            ctypes.POINTER(_Params),
+            ctypes.POINTER(_Buffers),
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.POINTER(ctypes.c_float),
+            ctypes.POINTER(ctypes.c_int),
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
+        self.lib.aa_copy_bandwidth_gbps.restype = ctypes.c_double
+        self.lib.aa_copy_bandwidth_gbps.argtypes = [ctypes.c_size_t, ctypes.c_int]
+        self.lib.append_attention_workspace_bytes.restype = ctypes.c_size_t
+        self.lib.append_attention_workspace_bytes.argtypes = [ctypes.POINTER(_Params)]
+
+    def device_count(self) -> int:
+        return self.lib.aa_device_count()
+
+    def workspace_bytes(self, params: dict[str, int]) -> int:
+        p = _Params(**params)
+        return self.lib.append_attention_workspace_bytes(ctypes.byref(p))
+
+    def copy_bandwidth_gbps(self, nbytes: int = 1 << 30, iters: int = 10) -> float:
+        return self.lib.aa_copy_bandwidth_gbps(nbytes, iters)
+
+    def run(
+        self,
+        case: Case,
+        *,
+        fill_on_device: bool = False,
+        warmup: int = 0,
+        iters: int = 0,
+    ) -> RunResult:
+        """Runs one step; outputs are fresh arrays (the case is left untouched)."""
+        p = _Params(**case.params)
+        keep = []  # contiguous host arrays must outlive the call
+
+        def ptr(arr, dtype, copy=False):
+            if arr is None:
+                return None
+            a = np.array(arr, dtype=dtype, copy=True) if copy else np.ascontiguousarray(arr, dtype)
+            keep.append(a)
+            return a.ctypes.data_as(ctypes.c_void_p)
+
+        host = not fill_on_device
+        out = np.array(case.out, dtype=np.uint16) if host else None
+        kc = np.array(case.key_cache, dtype=np.uint16) if host else None
+        vc = np.array(case.value_cache, dtype=np.uint16) if host else None
+        b = _Buffers(
+            qkv=ptr(case.qkv, np.uint16) if host else None,
+            key_cache=ptr(kc, np.uint16),
+            value_cache=ptr(vc, np.uint16),
+            seq_lens_encoder=ptr(case.seq_lens_encoder, np.int32),
+            seq_lens_decoder=ptr(case.seq_lens_decoder, np.int32),
+            seq_lens_this_time=ptr(case.seq_lens_this_time, np.int32),
+            cu_seqlens_q=ptr(case.cu_seqlens_q, np.int32),
+            block_tables=ptr(case.block_tables, np.int32),
+            rotary_cos=ptr(case.rotary_cos, np.float32),
+            rotary_sin=ptr(case.rotary_sin, np.float32),
+            swa_head_mask=ptr(case.swa_head_mask, np.int32),
+            out=ptr(out, np.uint16),
+        )
+        avg_ms = ctypes.c_float(0.0)
+        info = (ctypes.c_int * 4)()
+        msg = ctypes.create_string_buffer(1024)
+        status = self.lib.aa_run(
+            ctypes.byref(p),
+            ctypes.byref(b),
+            int(fill_on_device),
+            warmup,
+            iters,
+            ctypes.byref(avg_ms),
+            info,
+            msg,
+            len(msg),
+        )
+        ok = status == 0 and host
+        return RunResult(
+            status=status,
+            error_info=tuple(info),
+            message=msg.value.decode(errors="replace"),
+            avg_ms=avg_ms.value,
+            out=out if ok else None,
+            key_cache=kc if ok else None,
+            value_cache=vc if ok else None,
+        )

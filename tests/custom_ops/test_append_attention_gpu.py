@@ -1,0 +1,242 @@
+"""CUDA AppendAttention vs the float64 reference, on a GPU (skipped cleanly without one).
+
+Every case starts from fresh random inputs (the seed is in each failure message), NaN in every
+cache row that holds no token (unwritten rows, recycled pages, free pages) and NaN in the output,
+so a kernel that reads what it must not, or leaves an output element unwritten, fails.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import gpu_harness  # noqa: E402
+from gpu_harness import BF16, FP16, from_storage  # noqa: E402
+from gpu_reference import build_case, reference, relative_error  # noqa: E402
+
+pytestmark = [
+    pytest.mark.skipif(gpu_harness.find_nvcc() is None, reason="nvcc not found"),
+    pytest.mark.skipif(gpu_harness.driver_gpu_count() == 0, reason="no GPU visible"),
+]
+
+TOLERANCE = {BF16: 1e-2, FP16: 2e-3}
+CACHE_RTOL = {BF16: 1e-2, FP16: 2e-3}  # one storage ulp of the rotated K
+
+
+@pytest.fixture(scope="module")
+def harness():
+    h = gpu_harness.Harness(gpu_harness.cached_build())
+    if h.device_count() <= 0:
+        pytest.skip("the CUDA runtime sees no device")
+    return h
+
+
+class SeededGenerator(np.random.Generator):
+    """A Generator that remembers its seed, for failure messages."""
+
+    def __init__(self, seed: int):
+        super().__init__(np.random.PCG64(seed))
+        self.seed_value = seed
+
+
+@pytest.fixture
+def rng():
+    return SeededGenerator(int.from_bytes(os.urandom(4), "little"))
+
+
+def check(harness, case, rng):
+    dtype = case.params["dtype"]
+    ref_out, ref_k, ref_v = reference(case)
+    result = harness.run(case)
+    assert result.status == 0, f"seed {rng.seed_value}: {result.message}"
+    got = from_storage(result.out, dtype).reshape(ref_out.shape)
+    assert np.isfinite(got).all(), f"seed {rng.seed_value}: NaN/unwritten output"
+    err = relative_error(result.out, ref_out, dtype)
+    assert err < TOLERANCE[dtype], f"seed {rng.seed_value}: relative error {err:.3g}"
+    for got_cache, ref_cache in ((result.key_cache, ref_k), (result.value_cache, ref_v)):
+        np.testing.assert_allclose(
+            from_storage(got_cache, dtype).reshape(ref_cache.shape),
+            ref_cache,
+            rtol=CACHE_RTOL[dtype],
+            atol=CACHE_RTOL[dtype],
+            equal_nan=True,  # rows nobody wrote stay NaN: no stray writes
+            err_msg=f"seed {rng.seed_value}",
+        )
+    return result
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize("head_dim, num_heads", [(64, 16), (128, 10)])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_prefill_matches_reference(harness, rng, dtype, head_dim, num_heads, block_size):
+    case = build_case(
+        rng,
+        [(0, 150), (0, 37), (0, 1)],
+        dtype=dtype,
+        num_heads=num_heads,
+        kv_num_heads=2,
+        head_dim=head_dim,
+        block_size=block_size,
+        sliding_window=40,
+        sink_size=5,
+    )
+    check(harness, case, rng)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_decode_with_split_kv_matches_reference(harness, rng, dtype, block_size):
+    case = build_case(
+        rng,
+        [(1000, 1), (517, 1), (64, 1), (63, 1), (3, 1)],
+        dtype=dtype,
+        num_heads=20,
+        kv_num_heads=4,
+        head_dim=128,
+        block_size=block_size,
+        sliding_window=200,
+        sink_size=16,
+    )
+    check(harness, case, rng)
+
+
+@pytest.mark.parametrize(
+    "head_wise, scatter, recycle",
+    [(True, True, True), (True, False, False), (False, True, False)],
+    ids=["head_wise_scattered_recycled", "head_wise_contiguous", "one_d"],
+)
+def test_mixed_batch_of_prefill_chunks_decodes_and_idle_slots(
+    harness, rng, head_wise, scatter, recycle
+):
+    requests = [(0, 90), (300, 1), (77, 0), (200, 33), (129, 1), (0, 1), (450, 64)]
+    case = build_case(
+        rng,
+        requests,
+        num_heads=8,
+        kv_num_heads=4,
+        head_dim=128,
+        block_size=16,
+        sliding_window=48,
+        sink_size=20,
+        swa_heads=(0, 2),
+        head_wise=head_wise,
+        scatter=scatter,
+        recycle=recycle,
+    )
+    check(harness, case, rng)
+
+
+@pytest.mark.parametrize(
+    "window, sink",
+    [(16, 16), (15, 17), (17, 15), (1, 0), (1, 1), (32, 0), (33, 16), (200, 64)],
+)
+def test_windows_and_sinks_at_block_edges(harness, rng, window, sink):
+    # cached lengths straddle block edges; chunks start and end on and off edges
+    requests = [(31, 1), (32, 1), (33, 1), (48, 16), (47, 18), (64, 40), (15, 2), (0, 70)]
+    case = build_case(
+        rng,
+        requests,
+        num_heads=4,
+        kv_num_heads=2,
+        head_dim=64,
+        block_size=16,
+        sliding_window=window,
+        sink_size=sink,
+        swa_heads=(1,),
+    )
+    check(harness, case, rng)
+
+
+@pytest.mark.parametrize("num_heads, kv_num_heads", [(4, 4), (8, 4), (12, 4), (16, 2)])
+def test_gqa_groups_one_to_eight(harness, rng, num_heads, kv_num_heads):
+    case = build_case(
+        rng,
+        [(0, 70), (130, 1), (90, 20)],
+        num_heads=num_heads,
+        kv_num_heads=kv_num_heads,
+        head_dim=64,
+        block_size=64,
+        sliding_window=64,
+        sink_size=64,
+        swa_heads=(0,),
+    )
+    check(harness, case, rng)
+
+
+@pytest.mark.parametrize("dual_pass", [0, 1], ids=["masked_single_pass", "dual_pass"])
+def test_baseline_arms_on_a_1d_table_match_reference(harness, rng, dual_pass):
+    case = build_case(
+        rng,
+        [(0, 100), (400, 1), (250, 12)],
+        num_heads=20,
+        kv_num_heads=4,
+        head_dim=128,
+        block_size=64,
+        sliding_window=100,
+        sink_size=64,
+        head_wise=False,
+    ).with_params(visit_all_pages=1, dual_pass=dual_pass)
+    check(harness, case, rng)
+
+
+def test_head_wise_table_without_recycling_is_bit_identical_to_the_1d_table(harness, rng):
+    one_d = build_case(
+        rng, [(0, 60), (700, 1), (333, 9)], num_heads=20, kv_num_heads=4, head_dim=128,
+        block_size=64, sliding_window=128, sink_size=64, head_wise=False,
+    )
+    kvh = one_d.params["kv_num_heads"]
+    blocks = one_d.block_tables[:, None, :]
+    pages = np.where(blocks >= 0, blocks * kvh + np.arange(kvh)[None, :, None], -1)
+    head_wise = gpu_harness.Case(
+        **{**one_d.__dict__, "block_tables": pages.astype(np.int32)}
+    ).with_params(head_wise_table=1)
+    a = harness.run(one_d)
+    b = harness.run(head_wise)
+    assert a.status == 0 and b.status == 0, (a.message, b.message)
+    np.testing.assert_array_equal(a.out, b.out, err_msg=f"seed {rng.seed_value}")
+
+
+def _swa_decode_case(rng):
+    # request 1 decodes at position 400 with window 64: its live blocks are 0 (sink) and 5, 6
+    return build_case(
+        rng, [(0, 8), (400, 1)], num_heads=4, kv_num_heads=2, head_dim=64, block_size=64,
+        sliding_window=64, sink_size=10, swa_heads=(0,),
+    )
+
+
+def test_a_needed_recycled_entry_is_reported_with_request_head_and_block(harness, rng):
+    case = _swa_decode_case(rng)
+    case.block_tables[1, 0, 5] = -1  # window block of the SWA head
+    result = harness.run(case)
+    assert result.status == 2
+    assert result.error_info == (gpu_harness.ERR_DEAD_ENTRY, 1, 0, 5)
+    assert "request 1, kv head 0, block index 5" in result.message
+
+
+def test_a_dead_destination_for_a_new_token_is_reported(harness, rng):
+    case = _swa_decode_case(rng)
+    case.block_tables[1, 1, 6] = -1  # where position 400 of head 1 must be written
+    result = harness.run(case)
+    assert result.status == 2
+    assert result.error_info == (gpu_harness.ERR_DEAD_ENTRY, 1, 1, 6)
+
+
+def test_the_masked_scan_refuses_a_table_with_recycled_entries(harness, rng):
+    case = _swa_decode_case(rng).with_params(visit_all_pages=1)
+    assert (case.block_tables[1, 0, 1:5] == -1).all()  # recycled by the case builder
+    result = harness.run(case)
+    assert result.status == 2
+    assert result.error_info[0] == gpu_harness.ERR_DEAD_ENTRY_MASKED
+    assert result.error_info[1:3] == (1, 0)
+
+
+def test_an_entry_beyond_the_cache_is_reported(harness, rng):
+    case = _swa_decode_case(rng)
+    case.block_tables[1, 1, 2] = case.params["num_blocks"] * case.params["kv_num_heads"]
+    result = harness.run(case)
+    assert result.status == 2
+    assert result.error_info == (gpu_harness.ERR_OUT_OF_RANGE, 1, 1, 2)
