@@ -6,6 +6,7 @@ import paddle
 
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.ops import append_attention
+from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import load_cpu_ops
 from fastdeploy.model_executor.layers.attention.swa_spec import swa_attention_args
 
 
@@ -22,6 +23,7 @@ class AppendAttentionBackend:
                                                             model.head_dim)
         mask, self.window, self.sink = swa_attention_args(model)
         self.swa_head_mask = paddle.to_tensor(mask, dtype="int32")
+        load_cpu_ops()  # build (first use only) before the engine reports ready, not inside the first step
 
     def forward(self, layer_id: int, qkv: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         table = meta.block_tables_head_wise if meta.block_tables_head_wise is not None else meta.block_tables

@@ -1,0 +1,296 @@
+"""OpenAI-compatible HTTP server: `python -m fastdeploy.entrypoints.openai.api_server [--model DIR]`.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
+GET /health (200 once the engine process is ready, 503 while starting, after it died, or while
+shutting down), GET /metrics (Prometheus text; also on --metrics-port when that differs).
+
+Every error a client can cause is a 4xx with an OpenAI error body; the engine runs in its own
+process (engine_client.py). SIGTERM/SIGINT: stop accepting, end in-flight requests, stop the
+engine process, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import socket
+import sys
+from contextlib import asynccontextmanager
+from typing import Optional
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.entrypoints.openai.engine_client import EngineClient, EngineUnavailableError
+from fastdeploy.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from fastdeploy.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    bad_request,
+    validation_error_to_api_error,
+)
+from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
+from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion, engine_error_to_api_error
+
+logger = logging.getLogger("fastdeploy.entrypoints.api_server")
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+# Backstop for uvicorn's wait on open connections at shutdown; in-flight requests are aborted
+# first, so they normally close within a step.
+GRACEFUL_SHUTDOWN_S = 10
+# Paths also served on --metrics-port when it differs from --port.
+METRICS_PORT_PATHS = ("/metrics", "/health")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="FastDeploy OpenAI-compatible API server",
+        # EngineArgs may define some of these flags too; its definition wins.
+        conflict_handler="resolve",
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", type=str, default="0.0.0.0", help="address to listen on")
+    server.add_argument("--port", type=int, default=8000, help="port of the API")
+    server.add_argument("--metrics-port", type=int, default=None,
+                        help="also serve /metrics on this port (default: only on --port)")
+    server.add_argument("--max-concurrency", type=_positive_int, default=None,
+                        help="most requests in flight; more get HTTP 429 (default: unlimited)")
+    server.add_argument("--served-model-name", type=str, default=None,
+                        help="model name reported by the API (default: the model's own name)")
+    server.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every request")
+    server.add_argument("--log-level", type=str, default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    EngineArgs.add_cli_args(parser)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+# ============================================================================ app
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.to_dict(), status_code=err.status)
+
+
+async def read_json_object(raw_request: Request) -> dict:
+    """The body as a JSON object; anything else is a 4xx naming what is wrong."""
+    chunks, size = [], 0
+    async for chunk in raw_request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"request body is not valid UTF-8 (invalid byte at offset {exc.start})") from None
+    if not text.strip():
+        raise bad_request("request body is empty; expected a JSON object")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") \
+            from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise bad_request("request body must be a JSON object")
+    return obj
+
+
+def parse_request(model_cls, obj: dict):
+    try:
+        return model_cls.model_validate(obj)
+    except ValidationError as exc:
+        raise validation_error_to_api_error(exc) from None
+
+
+def build_app(client: EngineClient, metrics: ServerMetrics, api_port: Optional[int] = None,
+              on_startup_failure=None) -> FastAPI:
+    """The ASGI app. When api_port is given, requests arriving on any other port (the metrics
+    port) may only reach /metrics and /health."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client.start(on_fatal=on_startup_failure)
+        try:
+            yield
+        finally:
+            await client.shutdown()
+
+    app = FastAPI(title="FastDeploy OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    completions = OpenAIServingCompletion(client)
+    chat = OpenAIServingChat(client)
+
+    if api_port is not None:
+        app.add_middleware(MetricsPortGuard, api_port=api_port)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(EngineUnavailableError)
+    async def _engine_unavailable(_: Request, exc: EngineUnavailableError):
+        return error_response(engine_error_to_api_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), type=kind).to_dict(),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        return error_response(bad_request(str(exc.errors()[0].get("msg", "invalid request"))))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        logger.exception("unhandled error")
+        return error_response(APIError(500, "internal server error", type="internal_server_error"))
+
+    @app.post("/v1/completions")
+    async def create_completion(raw_request: Request) -> Response:
+        request = parse_request(CompletionRequest, await read_json_object(raw_request))
+        return await completions.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(raw_request: Request) -> Response:
+        request = parse_request(ChatCompletionRequest, await read_json_object(raw_request))
+        return await chat.create_chat_completion(request, raw_request)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        client.check_available()
+        info = client.info
+        card = ModelCard(id=info.served_model_name, root=info.served_model_name,
+                         max_model_len=info.max_model_len, vocab_size=info.vocab_size)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/health")
+    async def health() -> Response:
+        client.check_available()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return PlainTextResponse(metrics.render(client.stats, client.num_in_flight), media_type=CONTENT_TYPE)
+
+    return app
+
+
+class MetricsPortGuard:
+    """Plain ASGI middleware (BaseHTTPMiddleware would interfere with streaming disconnects):
+    on any port but the API port, only METRICS_PORT_PATHS exist."""
+
+    def __init__(self, app, api_port: int):
+        self.app = app
+        self.api_port = api_port
+
+    async def __call__(self, scope, receive, send):
+        server = scope.get("server") if scope["type"] == "http" else None
+        if server and server[1] != self.api_port and scope["path"] not in METRICS_PORT_PATHS:
+            response = error_response(APIError(404, "only /metrics and /health are served on the metrics port",
+                                               code="not_found"))
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+# ============================================================================ process
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus: a shutdown signal also ends in-flight requests at once, so the
+    graceful wait for open connections does not wait for long generations to finish."""
+
+    def __init__(self, config: uvicorn.Config, client: EngineClient):
+        super().__init__(config)
+        self.client = client
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.startup_error: Optional[str] = None
+
+    async def startup(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.client.begin_shutdown)
+
+    def fail_startup(self, reason: str) -> None:
+        """The engine died before it was ready: nothing to serve, exit non-zero."""
+        if self.client.info is None:
+            self.startup_error = reason
+            self.should_exit = True
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_args = EngineArgs.from_cli_args(args)
+    try:
+        engine_args.create_engine_config()  # fail on a bad flag before opening any port
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    try:
+        sockets = [bind_socket(args.host, args.port)]
+        if args.metrics_port is not None and args.metrics_port != args.port:
+            sockets.append(bind_socket(args.host, args.metrics_port))
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host}: {exc}", file=sys.stderr)
+        return 2
+
+    metrics = ServerMetrics()
+    client = EngineClient(engine_args, metrics, max_concurrency=args.max_concurrency)
+    server_box: list[_Server] = []
+    app = build_app(client, metrics, api_port=args.port,
+                    on_startup_failure=lambda reason: server_box[0].fail_startup(reason))
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = _Server(config, client)
+    server_box.append(server)
+
+    # uvicorn re-raises the shutdown signal once it has stopped; with these handlers installed
+    # first, that re-raise is a no-op and a graceful shutdown exits 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    logger.info("serving on http://%s:%d%s", args.host, args.port,
+                f" (metrics also on port {args.metrics_port})" if len(sockets) > 1 else "")
+    server.run(sockets=sockets)
+    if server.startup_error is not None:
+        print(f"error: the engine failed to start: {server.startup_error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,490 @@
+"""Runs the LLMEngine in its own process and gives the HTTP server an async view of it.
+
+The engine is CPU-bound and not thread-safe, so it gets a whole process (spawned, so it inherits no
+event loop or threads): HTTP parsing and streaming never stall a model step, and a step never
+stalls HTTP. Two multiprocessing queues connect them:
+
+  server -> engine:  ("add", request_id, AddPayload) | ("abort", request_id) | ("shutdown",)
+  engine -> server:  ("ready", info) | ("fatal", message) | ("added", request_id)
+                     | ("rejected", request_id, message, is_client_error)
+                     | ("outputs", [EngineOutput, ...]) | ("stats", dict)
+                     (and ("reader_stop",), put by the server itself to end its reader at shutdown)
+
+In the server one reader thread blocks on the output queue and hands every message to the event
+loop, which routes outputs to per-request asyncio queues. The reader also watches the engine
+process, so a crash turns into 503s for waiting requests instead of hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Optional
+
+from fastdeploy.entrypoints.openai.metrics import ServerMetrics
+
+logger = logging.getLogger("fastdeploy.entrypoints.engine_client")
+
+# How often the engine process publishes get_stats(): while stepping / while idle (seconds).
+STATS_INTERVAL_BUSY_S = 0.1
+STATS_INTERVAL_IDLE_S = 0.5
+# How often the reader thread checks that the engine process is still alive.
+LIVENESS_POLL_S = 0.5
+MIN_LOGPROB = -9999.0
+
+
+class EngineUnavailableError(Exception):
+    """The engine is starting, has died, or the server is shutting down (HTTP 503)."""
+
+
+class ConcurrencyLimitError(Exception):
+    """More requests in flight than --max-concurrency allows (HTTP 429)."""
+
+
+class RequestRejectedError(Exception):
+    """The engine refused the request; `is_client_error` tells 400 from 500."""
+
+    def __init__(self, message: str, is_client_error: bool = True):
+        super().__init__(message)
+        self.is_client_error = is_client_error
+
+
+@dataclass
+class AddPayload:
+    """What the engine process needs to admit one request."""
+
+    prompt: Any                       # str or list[int]; ignored when messages is set
+    messages: Optional[list] = None   # chat: rendered with the engine's chat template
+    sampling: dict = field(default_factory=dict)  # SamplingParams kwargs; max_tokens None = fill context
+
+
+@dataclass
+class TokenLogprob:
+    token: str
+    logprob: Optional[float]
+    top: list  # [(token_str, logprob), ...], most likely first
+
+
+@dataclass
+class EngineOutput:
+    """One request's progress after a step, trimmed to what the API needs."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    text: str                                   # cumulative decoded text
+    finished: bool
+    finish_reason: Optional[str]
+    new_logprobs: Optional[list] = None         # TokenLogprob for tokens new since the last output
+
+
+@dataclass
+class EngineInfo:
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int
+
+
+# ============================================================================ engine process
+
+def run_engine_process(engine_args, requests_q, outputs_q) -> None:
+    """Entry point of the engine process: build the engine, then serve the request queue."""
+    # Ctrl+C reaches the whole process group; the server decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        from fastdeploy.engine.engine import LLMEngine
+
+        engine = LLMEngine.from_engine_args(engine_args)
+        mc = engine.fd_config.model_config
+        info = EngineInfo(served_model_name=mc.served_model_name, max_model_len=int(mc.max_model_len),
+                          vocab_size=int(engine.tokenizer.vocab_size),
+                          eos_token_id=int(engine.tokenizer.eos_token_id))
+    except Exception as exc:  # start-up failure: report it, the server exits with it
+        outputs_q.put(("fatal", f"{type(exc).__name__}: {exc}"))
+        if not isinstance(exc, ValueError):
+            traceback.print_exc()
+        _flush_and_exit(outputs_q, 1)
+    outputs_q.put(("ready", info))
+    try:
+        _EngineLoop(engine, info, requests_q, outputs_q).run()
+    except Exception as exc:
+        traceback.print_exc()
+        outputs_q.put(("fatal", f"engine step failed: {type(exc).__name__}: {exc}"))
+        _flush_and_exit(outputs_q, 1)
+    _flush_and_exit(outputs_q, 0)
+
+
+def _flush_and_exit(outputs_q, code: int) -> None:
+    outputs_q.close()
+    outputs_q.join_thread()
+    sys.exit(code)
+
+
+class _EngineLoop:
+    def __init__(self, engine, info: EngineInfo, requests_q, outputs_q):
+        self.engine = engine
+        self.info = info
+        self.requests_q = requests_q
+        self.outputs_q = outputs_q
+        self.logprobs_sent: dict[str, int] = {}   # request id -> logprob entries already shipped
+        self.wants_logprobs: dict[str, int] = {}  # request id -> top-k asked for
+        self.last_stats = 0.0
+        self.was_busy = False
+        self.parent = multiprocessing.parent_process()
+
+    def run(self) -> None:
+        while True:
+            aborted = False
+            for msg in self._drain(block=not self.engine.has_unfinished_requests()):
+                if msg[0] == "shutdown":
+                    return
+                if msg[0] == "add":
+                    self._add(msg[1], msg[2])
+                elif msg[0] == "abort":
+                    self._forget(msg[1])
+                    self.engine.abort_request(msg[1])
+                    aborted = True
+            if self.engine.has_unfinished_requests():
+                outputs = self.engine.step()
+                if outputs:
+                    self.outputs_q.put(("outputs", [self._convert(o) for o in outputs]))
+            busy = self.engine.has_unfinished_requests()
+            # Publish at once when pages were freed wholesale (abort, going idle), so /metrics shows
+            # them without waiting a full interval.
+            self._publish_stats(0.0 if aborted or not busy and self.was_busy
+                                else STATS_INTERVAL_BUSY_S if busy else STATS_INTERVAL_IDLE_S)
+            self.was_busy = busy
+            if self.parent is not None and not self.parent.is_alive():
+                return  # orphaned: nobody can read our outputs
+
+    def _drain(self, block: bool) -> list:
+        msgs = []
+        try:
+            msgs.append(self.requests_q.get(timeout=STATS_INTERVAL_IDLE_S) if block
+                        else self.requests_q.get_nowait())
+            while True:
+                msgs.append(self.requests_q.get_nowait())
+        except queue.Empty:
+            pass
+        return msgs
+
+    def _add(self, request_id: str, payload: AddPayload) -> None:
+        from fastdeploy.engine.request import SamplingParams
+
+        try:
+            prompt = payload.prompt
+            if payload.messages is not None:
+                prompt = self.engine.tokenizer.apply_chat_template(payload.messages)
+            token_ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            kwargs = dict(payload.sampling)
+            kwargs["max_tokens"] = self._check_length(len(token_ids), kwargs.get("max_tokens"))
+            params = SamplingParams(**kwargs)
+            self.engine.add_request(request_id, token_ids, params)
+        except ValueError as exc:
+            self.outputs_q.put(("rejected", request_id, str(exc), True))
+            return
+        except Exception as exc:  # an engine bug must not take the loop down for one request
+            traceback.print_exc()
+            self.outputs_q.put(("rejected", request_id, f"internal error: {type(exc).__name__}", False))
+            return
+        if params.logprobs is not None:
+            self.wants_logprobs[request_id] = params.logprobs
+            self.logprobs_sent[request_id] = 0
+        self.outputs_q.put(("added", request_id))
+
+    def _check_length(self, prompt_len: int, max_tokens: Optional[int]) -> int:
+        """Prompt plus completion must fit max_model_len (the OpenAI/vLLM rule); None fills it."""
+        limit = self.info.max_model_len
+        if prompt_len == 0:
+            raise ValueError("prompt must not be empty")
+        if prompt_len >= limit:
+            raise ValueError(f"This model's maximum context length is {limit} tokens, but the prompt has "
+                             f"{prompt_len} tokens, leaving no room for the completion.")
+        if max_tokens is None:
+            return limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise ValueError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                             f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
+                             f"the completion). Please reduce the prompt or max_tokens.")
+        return max_tokens
+
+    def _forget(self, request_id: str) -> None:
+        self.wants_logprobs.pop(request_id, None)
+        self.logprobs_sent.pop(request_id, None)
+
+    def _convert(self, out) -> EngineOutput:
+        comp = out.outputs
+        converted = EngineOutput(
+            request_id=out.request_id, num_prompt_tokens=len(out.prompt_token_ids),
+            num_output_tokens=len(comp.token_ids), text=comp.text, finished=out.finished,
+            finish_reason=comp.finish_reason,
+        )
+        if out.request_id in self.wants_logprobs:
+            converted.new_logprobs = self._new_logprobs(out.request_id, comp)
+        if out.finished:
+            self._forget(out.request_id)
+        return converted
+
+    def _new_logprobs(self, request_id: str, comp) -> list:
+        # Decoding token strings here keeps the tokenizer in one process.
+        sent = self.logprobs_sent.get(request_id, 0)
+        k = self.wants_logprobs[request_id]
+        entries = []
+        decode = self.engine.tokenizer.decode
+        for token_id, dist in zip(comp.token_ids[sent:], (comp.logprobs or [])[sent:]):
+            dist = dist or {}
+            top = sorted(dist.items(), key=lambda kv: kv[1], reverse=True)[:k]
+            chosen = dist.get(token_id)
+            entries.append(TokenLogprob(token=decode([token_id]), logprob=None if chosen is None else _finite(chosen),
+                                        top=[(decode([t]), _finite(lp)) for t, lp in top]))
+        self.logprobs_sent[request_id] = sent + len(entries)
+        return entries
+
+    def _publish_stats(self, min_interval: float) -> None:
+        now = time.monotonic()
+        if now - self.last_stats >= min_interval:
+            self.last_stats = now
+            self.outputs_q.put(("stats", self.engine.get_stats()))
+
+
+def _finite(logprob) -> float:
+    """JSON has no -Infinity; OpenAI reports impossible tokens as -9999.0."""
+    value = float(logprob)
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+# ============================================================================ server side
+
+class _RequestState:
+    __slots__ = ("accepted", "queue", "arrival", "first_token", "num_output_tokens")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.accepted: asyncio.Future = loop.create_future()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.arrival = time.monotonic()
+        self.first_token: Optional[float] = None
+        self.num_output_tokens = 0
+
+
+class EngineClient:
+    """Async handle on the engine process; every method runs on the server's event loop thread."""
+
+    def __init__(self, engine_args, metrics: ServerMetrics, max_concurrency: Optional[int] = None):
+        self.engine_args = engine_args
+        self.metrics = metrics
+        self.max_concurrency = max_concurrency
+        self.info: Optional[EngineInfo] = None
+        self.stats: Optional[dict] = None
+        self.closing = False
+        self.dead_reason: Optional[str] = None
+        self._ctx = multiprocessing.get_context("spawn")
+        self._requests_q = self._ctx.Queue()
+        self._outputs_q = self._ctx.Queue()
+        self._proc = None
+        self._reader: Optional[threading.Thread] = None
+        self._stop_reader = threading.Event()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._states: dict[str, _RequestState] = {}
+        self._on_fatal: Optional[Callable[[str], None]] = None
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self, on_fatal: Optional[Callable[[str], None]] = None) -> None:
+        """Spawn the engine process; returns at once (readiness arrives as a message)."""
+        self._loop = asyncio.get_running_loop()
+        self._on_fatal = on_fatal
+        self._proc = self._ctx.Process(target=run_engine_process, name="fastdeploy-engine",
+                                       args=(self.engine_args, self._requests_q, self._outputs_q))
+        self._proc.start()
+        self._reader = threading.Thread(target=self._read_outputs, name="engine-output-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def ready(self) -> bool:
+        return self.info is not None and self.dead_reason is None and not self.closing
+
+    @property
+    def engine_pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._states)
+
+    def begin_shutdown(self) -> None:
+        """Stop taking requests and end every in-flight one (their streams see a 503 error)."""
+        if self.closing:
+            return
+        self.closing = True
+        for request_id in list(self._states):
+            self.abort(request_id, EngineUnavailableError("the server is shutting down"))
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine process (gracefully, then by force) and the reader thread."""
+        self.begin_shutdown()
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            self._requests_q.put(("shutdown",))
+            await asyncio.to_thread(proc.join, timeout)
+            if proc.is_alive():
+                logger.warning("engine process did not stop in %.0fs; terminating it", timeout)
+                proc.terminate()
+                await asyncio.to_thread(proc.join, 5.0)
+            if proc.is_alive():
+                proc.kill()
+                await asyncio.to_thread(proc.join, 5.0)
+        self._stop_reader.set()
+        self._outputs_q.put(("reader_stop",))  # wake the reader now rather than at its next poll
+        if self._reader is not None:
+            await asyncio.to_thread(self._reader.join, 2 * LIVENESS_POLL_S)
+        # Queues own feeder threads; do not let a half-written message block interpreter exit.
+        self._requests_q.cancel_join_thread()
+        self._outputs_q.cancel_join_thread()
+
+    # ---------------------------------------------------------------- requests
+    def check_available(self) -> None:
+        if self.closing:
+            raise EngineUnavailableError("the server is shutting down")
+        if self.dead_reason is not None:
+            raise EngineUnavailableError(f"the engine is not running ({self.dead_reason})")
+        if self.info is None:
+            raise EngineUnavailableError("the engine is still starting; retry shortly")
+
+    async def add_request(self, request_id: str, payload: AddPayload) -> "RequestStream":
+        """Admit one request; raises EngineUnavailableError, ConcurrencyLimitError or RequestRejectedError."""
+        self.check_available()
+        if self.max_concurrency is not None and len(self._states) >= self.max_concurrency:
+            raise ConcurrencyLimitError(f"the server is at its limit of {self.max_concurrency} "
+                                        "concurrent requests; retry later")
+        state = _RequestState(self._loop)
+        self._states[request_id] = state
+        self._requests_q.put(("add", request_id, payload))
+        try:
+            await state.accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return RequestStream(self, request_id, state)
+
+    def abort(self, request_id: str, reason: Optional[BaseException] = None) -> None:
+        """Idempotent: drop the request here and free its pages in the engine."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return
+        if self.dead_reason is None:
+            self._requests_q.put(("abort", request_id))
+        if reason is not None:
+            if not state.accepted.done():
+                state.accepted.set_exception(reason)
+            state.queue.put_nowait(reason)
+
+    # ---------------------------------------------------------------- engine messages
+    def _read_outputs(self) -> None:
+        """Reader thread: block on the output queue, forward to the loop, watch the process."""
+        while not self._stop_reader.is_set():
+            try:
+                msg = self._outputs_q.get(timeout=LIVENESS_POLL_S)
+            except queue.Empty:
+                # The sentinel, not is_alive(): reaping the child here would race the join at shutdown.
+                if multiprocessing.connection.wait([self._proc.sentinel], timeout=0):
+                    self._call_in_loop(self._on_engine_exit, "engine process exited")
+                    return
+                continue
+            except (EOFError, OSError, ValueError):  # queue torn down under us
+                self._call_in_loop(self._on_engine_exit, "engine output queue closed")
+                return
+            if msg[0] == "reader_stop":
+                return
+            self._call_in_loop(self._handle, msg)
+
+    def _call_in_loop(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop already closed during interpreter shutdown
+            pass
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "outputs":
+            for out in msg[1]:
+                self._route(out)
+        elif kind == "stats":
+            self.stats = msg[1]
+        elif kind == "added":
+            state = self._states.get(msg[1])
+            if state is not None and not state.accepted.done():
+                state.accepted.set_result(None)
+        elif kind == "rejected":
+            state = self._states.pop(msg[1], None)
+            if state is not None and not state.accepted.done():
+                state.accepted.set_exception(RequestRejectedError(msg[2], msg[3]))
+        elif kind == "ready":
+            self.info = msg[1]
+            logger.info("engine ready: model %s, max_model_len %d", self.info.served_model_name,
+                        self.info.max_model_len)
+        elif kind == "fatal":
+            self._on_engine_exit(msg[1])
+
+    def _route(self, out: EngineOutput) -> None:
+        state = self._states.get(out.request_id)
+        if state is None:  # aborted while this step ran
+            return
+        now = time.monotonic()
+        if state.first_token is None and out.num_output_tokens > 0:
+            state.first_token = now
+            self.metrics.time_to_first_token.observe(now - state.arrival)
+        state.num_output_tokens = out.num_output_tokens
+        if out.finished:
+            del self._states[out.request_id]
+            self.metrics.observe_finished(state.arrival, state.first_token, now, out.num_output_tokens,
+                                          out.finish_reason)
+        state.queue.put_nowait(out)
+
+    def _on_engine_exit(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        if not self.closing:
+            logger.error("engine failed: %s", reason)
+        err = EngineUnavailableError(f"the engine is not running ({reason})")
+        for request_id in list(self._states):
+            self.abort(request_id, err)
+        if self._on_fatal is not None and not self.closing:
+            self._on_fatal(reason)
+
+
+class RequestStream:
+    """Async iterator over one request's EngineOutputs; ends after the finished one."""
+
+    def __init__(self, client: EngineClient, request_id: str, state: _RequestState):
+        self.client = client
+        self.request_id = request_id
+        self._state = state
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[EngineOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[EngineOutput]:
+        while not self.finished:
+            item = await self._state.queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self.finished = item.finished
+            yield item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.client.abort(self.request_id)

@@ -1,0 +1,347 @@
+"""OpenAI-shaped request/response models and the API error type.
+
+Requests are validated here, before anything reaches the engine, so every client mistake becomes a
+4xx with an OpenAI-style error body. Fields OpenAI defines but this engine cannot honour (n > 1,
+echo, penalties, stop strings) are rejected by name instead of being silently ignored; unknown
+extra fields are ignored, as OpenAI clients send many optional ones.
+
+Completions take one prompt per request: a string, a list of token ids, or a one-element list of
+either. Batches of several prompts are rejected with 400 (send one request per prompt).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# vLLM's limit; OpenAI allows 5 (completions) and 20 (chat).
+MAX_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """A failure the client should see as an OpenAI error body with this HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def validation_error_to_api_error(err: ValidationError) -> APIError:
+    """Report the first pydantic error as a 400 naming the offending field (`messages.0.content`)."""
+    first = err.errors(include_url=False)[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid request")
+    # Custom validators raise ValueError; pydantic prefixes "Value error, " which reads poorly.
+    msg = msg.removeprefix("Value error, ")
+    return bad_request(f"{param}: {msg}" if param else msg, param=param)
+
+
+def _one_error_for_union(value, handler, message: str):
+    """Run the field's own validation, but report a failed union as one plain error on the field
+    (pydantic would report one error per member, with member names in the location)."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError(message) from None
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Request(BaseModel):
+    """Fields shared by both endpoints; sampling extras follow upstream FastDeploy/vLLM names."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    stream: bool = False
+    stream_options: Optional["StreamOptions"] = None
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=-1)
+    seed: Optional[int] = Field(default=None, ge=0, lt=2**63)
+    n: int = 1
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    user: Optional[str] = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("stop", mode="wrap")
+    @classmethod
+    def _no_stop_strings(cls, v, handler):
+        v = _one_error_for_union(v, handler, "stop must be a string or a list of strings")
+        if v:
+            raise ValueError("stop strings are not supported; use stop_token_ids")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, v):
+        if v:
+            raise ValueError("penalties are not supported (must be 0 or omitted)")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids_non_negative(cls, v):
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    def sampling_kwargs(self, max_tokens: Optional[int], logprobs: Optional[int]) -> dict:
+        """Keyword arguments for SamplingParams; max_tokens=None means 'up to max_model_len'."""
+        kw: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+            "seed": self.seed,
+            "logprobs": logprobs,
+            "stop_token_ids": list(self.stop_token_ids) if self.stop_token_ids else None,
+        }
+        if self.temperature is not None:
+            kw["temperature"] = self.temperature
+        if self.top_p is not None:
+            kw["top_p"] = self.top_p
+        if self.top_k is not None:
+            kw["top_k"] = max(self.top_k, 0)  # OpenAI-style -1 means "disabled", the engine's 0
+        return kw
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class CompletionRequest(_Request):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: Optional[int] = Field(default=16, ge=1)
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v):
+        if v not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return v
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _single_non_empty_prompt(cls, v, handler):
+        v = _one_error_for_union(v, handler, "prompt must be a string, a list of token ids, or a one-element "
+                                             "list of either")
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("batched prompts are not supported; send one request per prompt")
+            v = v[0]
+        if len(v) == 0:
+            raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list["TextPart"], None] = None
+
+    @field_validator("content", mode="wrap")
+    @classmethod
+    def _content_shape(cls, v, handler):
+        return _one_error_for_union(v, handler, "content must be a string or a list of text parts")
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    @property
+    def output_limit(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ----------------------------------------------------------------------------- responses
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
+class ChatMessageOut(BaseModel):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "fastdeploy"
+    root: str
+    max_model_len: int
+    vocab_size: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+_Request.model_rebuild()
+ChatMessage.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatCompletionRequest.model_rebuild()

@@ -1,0 +1,220 @@
+"""POST /v1/completions, plus the request plumbing chat shares (admission, streaming, disconnects).
+
+A request's life: validate -> admit into the engine (errors become 4xx/5xx *before* any byte is
+sent, so a streamed request can still get a proper status) -> relay outputs. A client that goes
+away is noticed in both modes and its engine request aborted, which frees its KV pages at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import AsyncIterator, Optional
+
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from fastdeploy.entrypoints.openai.engine_client import (
+    AddPayload,
+    ConcurrencyLimitError,
+    EngineClient,
+    EngineOutput,
+    EngineUnavailableError,
+    RequestRejectedError,
+    RequestStream,
+    TokenLogprob,
+)
+from fastdeploy.entrypoints.openai.protocol import (
+    APIError,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+
+# Accepted as an alias of the served model, so generic clients work without knowing its name.
+DEFAULT_MODEL_ALIAS = "default"
+# Status nginx uses for "client closed request"; nobody reads it, it only shows in access logs.
+CLIENT_CLOSED_REQUEST = 499
+
+
+def engine_error_to_api_error(exc: Exception) -> APIError:
+    if isinstance(exc, ConcurrencyLimitError):
+        return APIError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded")
+    if isinstance(exc, EngineUnavailableError):
+        return APIError(503, str(exc), type="service_unavailable_error", code="engine_unavailable")
+    if isinstance(exc, RequestRejectedError):
+        if exc.is_client_error:
+            return APIError(400, str(exc), type="invalid_request_error")
+        return APIError(500, str(exc), type="internal_server_error")
+    raise exc
+
+
+def sse(payload) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class IncrementalText:
+    """Turns the engine's cumulative text into deltas that never split a character.
+
+    Decoding a prefix of a byte-level token stream can end in half a UTF-8 sequence, which the
+    tokenizer renders as U+FFFD; holding trailing U+FFFD back until more tokens (or the end)
+    arrive keeps streamed text identical to the non-streamed text.
+    """
+
+    def __init__(self):
+        self.sent = ""
+
+    def delta(self, text: str, final: bool) -> str:
+        stable = text if final else text.rstrip("\ufffd")
+        if len(stable) <= len(self.sent):
+            return ""
+        piece = stable[len(self.sent):]
+        self.sent = stable
+        return piece
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class OpenAIServing:
+    """What both endpoints share: model check, admission, collecting, streaming."""
+
+    def __init__(self, client: EngineClient):
+        self.client = client
+
+    def model_name(self, requested: Optional[str]) -> str:
+        self.client.check_available()
+        served = self.client.info.served_model_name
+        if requested is not None and requested not in (served, DEFAULT_MODEL_ALIAS):
+            raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+        return served
+
+    async def admit(self, request_id: str, payload: AddPayload) -> RequestStream:
+        try:
+            return await self.client.add_request(request_id, payload)
+        except (ConcurrencyLimitError, EngineUnavailableError, RequestRejectedError) as exc:
+            raise engine_error_to_api_error(exc) from None
+
+    async def collect(self, stream: RequestStream,
+                      raw_request: Request) -> Optional[tuple[EngineOutput, list[TokenLogprob]]]:
+        """The final output of a non-streamed request and all its logprob entries; None if the
+        client left first (the request is then aborted)."""
+
+        async def drain() -> tuple[EngineOutput, list[TokenLogprob]]:
+            entries: list[TokenLogprob] = []
+            last = None
+            async for last in stream:
+                entries.extend(last.new_logprobs or ())
+            return last, entries
+
+        work = asyncio.ensure_future(drain())
+        watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not work.done():
+                work.cancel()
+                stream.abort()
+        if work.cancelled():
+            return None
+        try:
+            return work.result()
+        except EngineUnavailableError as exc:
+            raise engine_error_to_api_error(exc) from None
+
+    @staticmethod
+    def streaming_response(stream: RequestStream, body: AsyncIterator[str]) -> StreamingResponse:
+        async def guarded() -> AsyncIterator[str]:
+            try:
+                async for chunk in body:
+                    yield chunk
+            except EngineUnavailableError as exc:
+                yield sse(engine_error_to_api_error(exc).to_dict())
+                yield SSE_DONE
+            finally:
+                stream.abort()  # no-op when finished; frees pages when the client went away
+
+        # Starlette cancels the body when the client disconnects; if that happens before the body
+        # started, `guarded`'s finally never runs, but this background task still does.
+        return StreamingResponse(guarded(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                 background=BackgroundTask(stream.abort))
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
+        model = self.model_name(request.model)
+        request_id = random_id("cmpl")
+        sampling = request.sampling_kwargs(request.max_tokens, request.logprobs)
+        stream = await self.admit(request_id, AddPayload(prompt=request.prompt, sampling=sampling))
+        created = int(time.time())
+        if request.stream:
+            return self.streaming_response(stream, self._stream(request, stream, request_id, model, created))
+        collected = await self.collect(stream, raw_request)
+        if collected is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        last, entries = collected
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            _extend_logprobs(logprobs, entries, 0)
+        response = CompletionResponse(
+            id=request_id, created=created, model=model,
+            choices=[CompletionChoice(text=last.text, logprobs=logprobs, finish_reason=last.finish_reason)],
+            usage=UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens),
+        )
+        return JSONResponse(response.model_dump())
+
+    async def _stream(self, request: CompletionRequest, stream: RequestStream, request_id: str, model: str,
+                      created: int) -> AsyncIterator[str]:
+        text = IncrementalText()
+        include_usage = request.include_usage
+        last: Optional[EngineOutput] = None
+        async for out in stream:
+            last = out
+            offset_before = len(text.sent)
+            piece = text.delta(out.text, out.finished)
+            logprobs = None
+            if request.logprobs is not None and out.new_logprobs:
+                logprobs = CompletionLogprobs()
+                _extend_logprobs(logprobs, out.new_logprobs, offset_before)
+            if not piece and logprobs is None and not out.finished:
+                continue
+            chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                     "choices": [{"index": 0, "text": piece,
+                                  "logprobs": logprobs.model_dump() if logprobs else None,
+                                  "finish_reason": out.finish_reason if out.finished else None}]}
+            if include_usage:
+                chunk["usage"] = None
+            yield sse(chunk)
+        if include_usage and last is not None:
+            usage = UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens)
+            yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
+                       "choices": [], "usage": usage.model_dump()})
+        yield SSE_DONE
+
+
+def _extend_logprobs(logprobs: CompletionLogprobs, entries: list[TokenLogprob], text_offset: int) -> None:
+    offset = text_offset
+    for entry in entries:
+        logprobs.tokens.append(entry.token)
+        logprobs.token_logprobs.append(entry.logprob)
+        top: dict[str, float] = {}
+        for tok, lp in entry.top:  # most likely first; distinct ids may decode alike (e.g. U+FFFD)
+            top.setdefault(tok, lp)
+        logprobs.top_logprobs.append(top or None)
+        logprobs.text_offset.append(offset)
+        offset += len(entry.token)

@@ -1,0 +1,225 @@
+"""Real api_server subprocesses for the entrypoint tests, and small HTTP helpers.
+
+Each test module starts its server once (tiny preset, small KV cache and context, a free port) and
+talks to it over real HTTP. Every wait is bounded so a broken server fails a test, never hangs it.
+Helpers reach test modules through fixtures (`server_factory`, `helpers`), not imports: tests/ has
+several conftest.py files and no packages, so `import conftest` would be ambiguous.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Callable, Optional
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# Start-up includes importing Paddle and building the tiny model in the engine process.
+STARTUP_TIMEOUT_S = 180
+REQUEST_TIMEOUT_S = 60
+SHUTDOWN_TIMEOUT_S = 60
+POLL_TIMEOUT_S = 30
+
+# Small and fast: a 64-block cache of 16-token blocks, short context.
+BASE_SERVER_ARGS = ("--block-size", "16", "--num-gpu-blocks-override", "64", "--max-num-seqs", "8",
+                    "--disable-uvicorn-access-log")
+# What users run: head-wise KV cache on (the tiny preset declares SWA heads).
+BASE_SERVER_ENV = {"FD_HEAD_WISE_KV_CACHE": "1"}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """`name{labels}` -> value for every sample line."""
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+class ServerProcess:
+    def __init__(self, args: tuple, env: dict, log_path: Path, separate_metrics_port: bool = False):
+        self.port = free_port()
+        self.metrics_port = free_port() if separate_metrics_port else None
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server", "--host", "127.0.0.1",
+               "--port", str(self.port), *BASE_SERVER_ARGS, *args]
+        if self.metrics_port is not None:
+            cmd += ["--metrics-port", str(self.metrics_port)]
+        full_env = dict(os.environ, **BASE_SERVER_ENV, **env)
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.http = httpx.Client(base_url=self.base_url, timeout=REQUEST_TIMEOUT_S)
+
+    def log_tail(self, n: int = 60) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
+            try:
+                if self.http.get("/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{self.log_tail()}")
+
+    def stop(self) -> Optional[int]:
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(SHUTDOWN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+    # ------------------------------------------------------------ helpers
+    def model_name(self) -> str:
+        return self.http.get("/v1/models").json()["data"][0]["id"]
+
+    def metrics(self, port: Optional[int] = None) -> dict[str, float]:
+        url = f"http://127.0.0.1:{port or self.port}/metrics"
+        resp = self.http.get(url)
+        assert resp.status_code == 200, resp.text
+        return parse_prometheus(resp.text)
+
+    def engine_pids(self) -> list[int]:
+        """The engine process(es): children of the server started by multiprocessing spawn."""
+        pids = []
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            for pid in (task / "children").read_text().split():
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                except FileNotFoundError:
+                    continue
+                if b"spawn_main" in cmdline:
+                    pids.append(int(pid))
+        return pids
+
+    def wait_idle_with_all_pages_free(self) -> dict[str, float]:
+        """Poll /metrics until no request holds pages; returns that snapshot."""
+        snapshot: dict[str, float] = {}
+
+        def idle() -> bool:
+            snapshot.clear()
+            snapshot.update(self.metrics())
+            return (snapshot.get("fastdeploy:num_requests_in_flight") == 0
+                    and snapshot.get("fastdeploy:num_requests_running") == 0
+                    and snapshot.get("fastdeploy:num_requests_waiting") == 0
+                    and snapshot.get("fastdeploy:kv_pages_free") == snapshot.get("fastdeploy:kv_pages_total"))
+
+        wait_until(idle, POLL_TIMEOUT_S, "all KV pages to be free again")
+        return dict(snapshot)
+
+    def openai_client(self):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0,
+                             timeout=REQUEST_TIMEOUT_S)
+
+    def raw_request(self, path: str, body: dict) -> "RawHTTPRequest":
+        return RawHTTPRequest(self.port, path, body)
+
+    def assert_still_serves(self) -> None:
+        resp = self.http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2, "temperature": 0})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] >= 1
+
+
+class RawHTTPRequest:
+    """One HTTP/1.1 request on its own socket, so a test can read part of a response and hang up."""
+
+    def __init__(self, port: int, path: str, body: dict):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=REQUEST_TIMEOUT_S)
+        payload = json.dumps(body).encode()
+        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode()
+        self.sock.sendall(head + payload)
+        self.received = b""
+
+    def read_until(self, marker: bytes) -> bytes:
+        while marker not in self.received:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise AssertionError(f"connection closed before {marker!r}; got {self.received[:500]!r}")
+            self.received += chunk
+        return self.received
+
+    def read_to_eof(self) -> bytes:
+        while chunk := self.sock.recv(65536):
+            self.received += chunk
+        return self.received
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def assert_openai_error(resp: httpx.Response, status: int, param: Optional[str] = None) -> dict:
+    assert resp.status_code == status, f"expected {status}, got {resp.status_code}: {resp.text}"
+    assert "Traceback" not in resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+@pytest.fixture(scope="session")
+def helpers():
+    return types.SimpleNamespace(assert_openai_error=assert_openai_error, wait_until=wait_until,
+                                 parse_prometheus=parse_prometheus, POLL_TIMEOUT_S=POLL_TIMEOUT_S,
+                                 SHUTDOWN_TIMEOUT_S=SHUTDOWN_TIMEOUT_S, REQUEST_TIMEOUT_S=REQUEST_TIMEOUT_S, REPO=REPO)
+
+
+@pytest.fixture(scope="module")
+def server_factory(tmp_path_factory):
+    """start(*args, env=, separate_metrics_port=) -> a ready ServerProcess, stopped when the module ends."""
+    started: list[ServerProcess] = []
+
+    def start(*args: str, env: Optional[dict] = None, separate_metrics_port: bool = False) -> ServerProcess:
+        log = tmp_path_factory.mktemp("api_server") / "server.log"
+        srv = ServerProcess(args, env or {}, log, separate_metrics_port=separate_metrics_port)
+        started.append(srv)
+        srv.wait_ready()
+        return srv
+
+    yield start
+    for srv in started:
+        srv.stop()

@@ -1,0 +1,196 @@
+"""The OpenAI-compatible server, driven by the real `openai` client over HTTP.
+
+One server per module (tiny preset, head-wise KV cache) with a separate metrics port.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+MAX_MODEL_LEN = 256
+REQUIRED_METRICS = (
+    "fastdeploy:kv_pages_total", "fastdeploy:kv_pages_free", "fastdeploy:num_requests_running",
+    "fastdeploy:num_requests_waiting", "fastdeploy:swa_pages_recycled_total", "fastdeploy:num_preemptions_total",
+    "fastdeploy:prompt_tokens_total", "fastdeploy:generation_tokens_total",
+)
+
+
+@pytest.fixture(scope="module")
+def server(server_factory):
+    return server_factory("--max-model-len", str(MAX_MODEL_LEN), separate_metrics_port=True)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with server.openai_client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(server):
+    return server.model_name()
+
+
+def sse_events(raw: bytes) -> list[str]:
+    return [line[len("data: "):] for line in raw.decode().split("\n") if line.startswith("data: ")]
+
+
+def test_health_is_ok_once_ready(server):
+    resp = server.http.get("/health")
+    assert resp.status_code == 200
+    assert resp.json() == {"status": "ok"}
+
+
+def test_models_lists_the_served_model_with_its_limits(server):
+    data = server.http.get("/v1/models").json()["data"]
+    assert len(data) == 1
+    card = data[0]
+    assert card["object"] == "model" and card["id"]
+    assert card["max_model_len"] == MAX_MODEL_LEN
+    assert card["vocab_size"] > 0
+
+
+def test_completion_reports_usage_and_length_finish(client, model):
+    resp = client.completions.create(model=model, prompt="Hello, world", max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    choice = resp.choices[0]
+    assert isinstance(choice.text, str) and choice.text
+    assert choice.finish_reason == "length"
+    assert resp.usage.completion_tokens == 8
+    assert resp.usage.prompt_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 8
+
+
+def test_completion_accepts_token_id_prompts(client, model):
+    ids = [40, 41, 42, 43, 44]
+    flat = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    nested = client.completions.create(model=model, prompt=[ids], max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert flat.usage.prompt_tokens == len(ids)
+    assert flat.choices[0].text == nested.choices[0].text
+
+
+def test_default_alias_names_the_served_model(client):
+    resp = client.completions.create(model="default", prompt="hi", max_tokens=2)
+    assert resp.usage.completion_tokens >= 1
+
+
+def test_streamed_completion_matches_non_streamed_and_ends_with_usage(client, model):
+    kwargs = dict(model=model, prompt="The quick brown fox", max_tokens=12, temperature=0,
+                  extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_stream_is_sse_terminated_by_done(server, model):
+    body = {"model": model, "prompt": "abc", "max_tokens": 5, "stream": True, "ignore_eos": True}
+    with server.http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        raw = resp.read()
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert all(p["object"] == "text_completion" for p in payloads)
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+    assert "usage" not in payloads[-1]  # only with stream_options.include_usage
+
+
+def test_chat_completion_returns_assistant_message_and_usage(client, model):
+    resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi there"}],
+                                          max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    msg = resp.choices[0].message
+    assert msg.role == "assistant" and isinstance(msg.content, str)
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 6
+    assert resp.usage.prompt_tokens > 0
+
+
+def test_streamed_chat_matches_non_streamed_and_ends_with_usage(client, model):
+    kwargs = dict(model=model, messages=[{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": "Name a colour."}],
+                  max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_completion_logprobs_give_top_k_per_token(client, model):
+    resp = client.completions.create(model=model, prompt="logprobs", max_tokens=4, temperature=0, logprobs=3,
+                                     extra_body={"ignore_eos": True})
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == resp.choices[0].text
+    for token_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert token_lp is not None and token_lp <= 0
+        assert 1 <= len(top) <= 3
+        # greedy: the chosen token is the most likely one
+        assert token_lp == pytest.approx(max(top.values()), abs=1e-5)
+
+
+def test_chat_logprobs_give_top_logprobs_per_token(client, model):
+    resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 3
+    for entry in content:
+        assert entry.logprob <= 0
+        assert 1 <= len(entry.top_logprobs) <= 2
+
+
+def test_seeded_sampling_is_reproducible(client, model):
+    kwargs = dict(model=model, prompt="seed", max_tokens=16, temperature=1.0, seed=1234,
+                  extra_body={"ignore_eos": True})
+    first = client.completions.create(**kwargs).choices[0].text
+    second = client.completions.create(**kwargs).choices[0].text
+    assert first == second
+
+
+def test_min_tokens_is_passed_to_the_engine(server, model):
+    # min_tokens above max_tokens is only detectable by the engine's SamplingParams check.
+    resp = server.http.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2,
+                                                     "min_tokens": 5})
+    assert resp.status_code == 400
+    assert "min_tokens" in resp.json()["error"]["message"]
+
+
+def test_metrics_expose_design_names_histograms_and_per_head_pages(server, client, model):
+    client.completions.create(model=model, prompt="metrics", max_tokens=4, extra_body={"ignore_eos": True})
+    snapshot = server.wait_idle_with_all_pages_free()
+    text = server.http.get("/metrics").text
+    for name in REQUIRED_METRICS:
+        assert name in snapshot, name
+        if name.endswith("_total") and name != "fastdeploy:kv_pages_total":
+            assert f"# TYPE {name} counter" in text
+    per_head = [v for k, v in snapshot.items() if k.startswith('fastdeploy:kv_pages_free_per_head{head="')]
+    assert len(per_head) >= 1 and '{head="0"}' in text
+    assert sum(per_head) == snapshot["fastdeploy:kv_pages_free"]
+    assert snapshot["fastdeploy:generation_tokens_total"] >= 4
+    for hist in ("fastdeploy:time_to_first_token_seconds", "fastdeploy:time_per_output_token_seconds"):
+        assert f"# TYPE {hist} histogram" in text
+        assert snapshot[f"{hist}_count"] >= 1
+        assert snapshot[f'{hist}_bucket{{le="+Inf"}}'] == snapshot[f"{hist}_count"]
+
+
+def test_metrics_port_serves_metrics_but_not_the_api(server):
+    snapshot = server.metrics(port=server.metrics_port)
+    assert "fastdeploy:kv_pages_total" in snapshot
+    resp = server.http.post(f"http://127.0.0.1:{server.metrics_port}/v1/completions", json={"prompt": "x"})
+    assert resp.status_code == 404
+    assert resp.json()["error"]["message"]

@@ -1,0 +1,175 @@
+"""Bad input and faults: every client mistake is a 4xx with an OpenAI error body, disconnects and
+shutdown free the engine's pages, and the server keeps serving through all of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+MAX_MODEL_LEN = 2048
+MAX_CONCURRENCY = 2
+# Long enough (seconds of decoding) that a request cut short by a disconnect is told apart from one
+# that ran to its end.
+LONG_GENERATION = MAX_MODEL_LEN - 32
+# Room for MAX_CONCURRENCY requests of MAX_MODEL_LEN tokens each (16-token blocks).
+SERVER_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "320")
+
+
+@pytest.fixture(scope="module")
+def server(server_factory):
+    return server_factory(*SERVER_ARGS, "--max-concurrency", str(MAX_CONCURRENCY))
+
+
+def _json(obj) -> bytes:
+    return json.dumps(obj).encode()
+
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+USER_MSG = [{"role": "user", "content": "hi"}]
+
+# (id, path, raw body, expected status, expected error param or None)
+BAD_REQUESTS = [
+    ("malformed_json", COMPLETIONS, b'{"prompt": "hi", "max_tokens": ', 400, None),
+    ("invalid_utf8", COMPLETIONS, b'{"prompt": "\xff\xfe bad bytes"}', 400, None),
+    ("empty_body", COMPLETIONS, b"", 400, None),
+    ("body_not_an_object", COMPLETIONS, b"[1, 2, 3]", 400, None),
+    ("missing_prompt", COMPLETIONS, _json({"max_tokens": 4}), 400, "prompt"),
+    ("prompt_wrong_type", COMPLETIONS, _json({"prompt": 12}), 400, "prompt"),
+    ("max_tokens_wrong_type", COMPLETIONS, _json({"prompt": "hi", "max_tokens": "lots"}), 400, "max_tokens"),
+    ("temperature_wrong_type", COMPLETIONS, _json({"prompt": "hi", "temperature": "hot"}), 400, "temperature"),
+    ("stream_wrong_type", COMPLETIONS, _json({"prompt": "hi", "stream": {"a": 1}}), 400, "stream"),
+    ("unknown_model", COMPLETIONS, _json({"model": "no-such-model", "prompt": "hi"}), 404, "model"),
+    ("negative_max_tokens", COMPLETIONS, _json({"prompt": "hi", "max_tokens": -5}), 400, "max_tokens"),
+    ("zero_max_tokens", COMPLETIONS, _json({"prompt": "hi", "max_tokens": 0}), 400, "max_tokens"),
+    ("huge_max_tokens", COMPLETIONS, _json({"prompt": "hi", "max_tokens": 10**12}), 400, None),
+    ("negative_temperature", COMPLETIONS, _json({"prompt": "hi", "temperature": -1}), 400, "temperature"),
+    ("top_p_out_of_range", COMPLETIONS, _json({"prompt": "hi", "top_p": 1.5}), 400, "top_p"),
+    ("several_choices", COMPLETIONS, _json({"prompt": "hi", "n": 2}), 400, "n"),
+    ("empty_prompt", COMPLETIONS, _json({"prompt": ""}), 400, "prompt"),
+    ("empty_token_prompt", COMPLETIONS, _json({"prompt": []}), 400, "prompt"),
+    ("batched_prompts", COMPLETIONS, _json({"prompt": ["a", "b"]}), 400, "prompt"),
+    ("text_prompt_over_max_model_len", COMPLETIONS, _json({"prompt": "a" * (2 * MAX_MODEL_LEN)}), 400, None),
+    ("token_prompt_over_max_model_len", COMPLETIONS, _json({"prompt": [40] * (MAX_MODEL_LEN + 1)}), 400, None),
+    # Only the engine knows its vocabulary: its ValueError must come back as a 400.
+    ("token_id_outside_vocabulary", COMPLETIONS, _json({"prompt": [40, 10**6]}), 400, None),
+    ("chat_malformed_json", CHAT, b'{"messages": [', 400, None),
+    ("chat_empty_messages", CHAT, _json({"messages": []}), 400, "messages"),
+    ("chat_messages_wrong_type", CHAT, _json({"messages": "hello"}), 400, "messages"),
+    ("chat_unknown_role", CHAT, _json({"messages": [{"role": "wizard", "content": "hi"}]}), 400, None),
+    ("chat_unknown_model", CHAT, _json({"model": "gpt-4", "messages": USER_MSG}), 404, "model"),
+    ("chat_negative_max_tokens", CHAT, _json({"messages": USER_MSG, "max_tokens": -1}), 400, "max_tokens"),
+    ("chat_top_logprobs_without_logprobs", CHAT, _json({"messages": USER_MSG, "top_logprobs": 2}), 400, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", [case[1:] for case in BAD_REQUESTS],
+                         ids=[case[0] for case in BAD_REQUESTS])
+def test_bad_request_gets_openai_error_and_server_keeps_serving(server, helpers, path, body, status, param):
+    resp = server.http.post(path, content=body, headers={"Content-Type": "application/json"})
+    helpers.assert_openai_error(resp, status, param)
+    server.assert_still_serves()
+
+
+def test_prompt_over_max_model_len_names_the_limit(server, helpers):
+    resp = server.http.post(COMPLETIONS, json={"prompt": [40] * (MAX_MODEL_LEN + 1)})
+    err = helpers.assert_openai_error(resp, 400)
+    assert str(MAX_MODEL_LEN) in err["message"]
+
+
+def test_unknown_route_and_wrong_method_use_openai_error_body(server, helpers):
+    helpers.assert_openai_error(server.http.get("/v1/nothing-here"), 404)
+    helpers.assert_openai_error(server.http.get(COMPLETIONS), 405)
+
+
+def _stream_body(max_tokens: int = LONG_GENERATION) -> dict:
+    return {"prompt": "tell me a long story", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+
+
+def test_disconnect_mid_stream_aborts_request_and_frees_its_pages(server):
+    before = server.wait_idle_with_all_pages_free()
+    conn = server.raw_request(COMPLETIONS, _stream_body())
+    head = conn.read_until(b"}\n\n")  # headers plus at least one event: generation has started
+    assert head.startswith(b"HTTP/1.1 200")
+    conn.close()
+    after = server.wait_idle_with_all_pages_free()
+    generated = after["fastdeploy:generation_tokens_total"] - before["fastdeploy:generation_tokens_total"]
+    assert 1 <= generated < LONG_GENERATION, "the request ran to its end instead of being aborted"
+    server.assert_still_serves()
+
+
+def test_disconnect_while_waiting_for_non_streamed_response_aborts_request(server, helpers):
+    before = server.wait_idle_with_all_pages_free()
+    body = dict(_stream_body(), stream=False)
+    conn = server.raw_request(COMPLETIONS, body)
+    helpers.wait_until(lambda: server.metrics().get("fastdeploy:generation_tokens_total", 0)
+                       > before["fastdeploy:generation_tokens_total"], helpers.POLL_TIMEOUT_S,
+                       "the request to start generating")
+    conn.close()
+    after = server.wait_idle_with_all_pages_free()
+    generated = after["fastdeploy:generation_tokens_total"] - before["fastdeploy:generation_tokens_total"]
+    assert generated < LONG_GENERATION, "the request ran to its end instead of being aborted"
+    server.assert_still_serves()
+
+
+def test_requests_over_max_concurrency_get_429(server, helpers):
+    server.wait_idle_with_all_pages_free()
+    streams = [server.raw_request(COMPLETIONS, _stream_body()) for _ in range(MAX_CONCURRENCY)]
+    try:
+        for conn in streams:
+            assert conn.read_until(b"}\n\n").startswith(b"HTTP/1.1 200")
+        resp = server.http.post(COMPLETIONS, json={"prompt": "one too many", "max_tokens": 2})
+        err = helpers.assert_openai_error(resp, 429)
+        assert err["type"] == "rate_limit_error"
+        resp = server.http.post(CHAT, json={"messages": USER_MSG, "max_tokens": 2})
+        helpers.assert_openai_error(resp, 429)
+    finally:
+        for conn in streams:
+            conn.close()
+    server.wait_idle_with_all_pages_free()
+    server.assert_still_serves()
+
+
+def test_sigterm_ends_streams_stops_engine_and_exits_zero(server_factory, helpers):
+    srv = server_factory(*SERVER_ARGS)
+    engine_pids = srv.engine_pids()
+    assert len(engine_pids) == 1
+    conn = srv.raw_request(COMPLETIONS, _stream_body())
+    conn.read_until(b"}\n\n")
+    srv.proc.send_signal(signal.SIGTERM)
+    tail = conn.read_to_eof()  # the in-flight stream is ended by the server, not left hanging
+    conn.close()
+    assert b"data: [DONE]" in tail
+    assert srv.proc.wait(helpers.SHUTDOWN_TIMEOUT_S) == 0, srv.log_tail()
+    for pid in engine_pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_dead_engine_turns_health_and_requests_into_503(server_factory, helpers):
+    srv = server_factory(*SERVER_ARGS)
+    (engine_pid,) = srv.engine_pids()
+    os.kill(engine_pid, signal.SIGKILL)
+    helpers.wait_until(lambda: srv.http.get("/health").status_code == 503, helpers.POLL_TIMEOUT_S,
+                       "/health to report the dead engine")
+    helpers.assert_openai_error(srv.http.get("/health"), 503)
+    helpers.assert_openai_error(srv.http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2}), 503)
+    helpers.assert_openai_error(srv.http.post(CHAT, json={"messages": USER_MSG}), 503)
+    assert srv.http.get("/metrics").status_code == 200  # the server itself is still up
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(helpers.SHUTDOWN_TIMEOUT_S) == 0, srv.log_tail()
+
+
+def test_bad_engine_flag_fails_before_serving_with_a_message(tmp_path, helpers):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(helpers.REPO), os.environ.get("PYTHONPATH")))))
+    proc = subprocess.run([sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server", "--host", "127.0.0.1",
+                           "--port", "0", "--max-model-len", "1"],
+                          cwd=helpers.REPO, env=env, capture_output=True, text=True,
+                          timeout=helpers.SHUTDOWN_TIMEOUT_S)
+    assert proc.returncode == 2
+    assert "max_model_len" in proc.stderr and "Traceback" not in proc.stderr
