@@ -1,0 +1,465 @@
+"""A/B benchmark of head-wise SWA page recycling through the real api_server.
+
+Starts the server twice with identical settings and the same KV memory
+(--num-gpu-blocks-override), head-wise KV cache on in both, SWA recycling off
+(FD_HEAD_WISE_SWA_RECYCLE=0) and then on; drives each with the same fixed-length
+workload; samples /metrics while it runs; prints throughput, latency, peak
+running requests and peak pages in use next to the gain the page-need
+arithmetic predicts (the ceiling).
+
+    python benchmarks/bench_head_wise_swa.py --config benchmarks/yaml/swa_1of4.yaml \
+        --json results/swa_1of4.json --plot results/swa_1of4.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Optional
+
+import aiohttp
+import yaml
+
+import benchmark_serving
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CONFIG = os.path.join(REPO_ROOT, "benchmarks", "yaml", "swa_1of4.yaml")
+SERVER_KEYS = ("model", "max_model_len", "block_size", "num_gpu_blocks_override", "max_num_seqs",
+               "max_num_batched_tokens", "head_wise_swa_config")
+WORKLOAD_KEYS = ("num_prompts", "input_len", "output_len", "request_rate", "max_concurrency", "seed")
+METRIC_RUNNING = "fastdeploy:num_requests_running"
+METRIC_WAITING = "fastdeploy:num_requests_waiting"
+METRIC_PAGES_TOTAL = "fastdeploy:kv_pages_total"
+METRIC_PAGES_FREE = "fastdeploy:kv_pages_free"
+ARMS = (("off", "0"), ("on", "1"))
+
+
+class ABError(RuntimeError):
+    """A failure the user must see as a message, not a traceback."""
+
+
+def log(message: str) -> None:
+    print(f"[bench_head_wise_swa {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+def load_settings(args: argparse.Namespace) -> tuple[dict, dict]:
+    """Server and workload settings: the YAML file, then any CLI flag that was given."""
+    with open(args.config) as f:
+        raw = yaml.safe_load(f) or {}
+    unknown = set(raw) - {"server", "workload"}
+    server, workload = dict(raw.get("server") or {}), dict(raw.get("workload") or {})
+    unknown |= {f"server.{k}" for k in set(server) - set(SERVER_KEYS)}
+    unknown |= {f"workload.{k}" for k in set(workload) - set(WORKLOAD_KEYS)}
+    if unknown:
+        raise ABError(f"{args.config}: unknown key(s) {sorted(unknown)}")
+    for key in SERVER_KEYS:
+        if getattr(args, key) is not None:
+            server[key] = getattr(args, key)
+    for key in WORKLOAD_KEYS:
+        if getattr(args, key) is not None:
+            workload[key] = getattr(args, key)
+    if isinstance(server.get("head_wise_swa_config"), str):
+        try:
+            server["head_wise_swa_config"] = json.loads(server["head_wise_swa_config"])
+        except json.JSONDecodeError as exc:
+            raise ABError(f"head_wise_swa_config is not valid JSON: {exc}") from None
+    # The A/B is only meaningful at a fixed KV budget and a fixed workload.
+    required = [("server", k, server) for k in ("num_gpu_blocks_override", "max_num_seqs")]
+    required += [("workload", k, workload) for k in ("num_prompts", "input_len", "output_len")]
+    missing = [f"{section}.{k}" for section, k, d in required if d.get(k) is None]
+    if missing:
+        raise ABError(f"missing setting(s) {missing}: set them in {args.config} or on the command line")
+    # YAML reads `.inf` as a float but `inf` as a string; accept both.
+    workload["request_rate"] = float(workload.get("request_rate", "inf"))
+    workload.setdefault("seed", 0)
+    return server, workload
+
+
+def predict(server: dict, workload: dict) -> dict:
+    """running_off / running_on / ceiling from the engine's own page-need arithmetic."""
+    sys.path.insert(0, REPO_ROOT)
+    # The prediction is for head-wise mode; the recycle flag itself is not an
+    # input (the function predicts both arms), so only the mode is pinned.
+    os.environ["FD_HEAD_WISE_KV_CACHE"] = "1"
+    try:
+        from fastdeploy.cache_manager.head_wise import predicted_concurrency
+        from fastdeploy.engine.args_utils import EngineArgs
+    except ImportError as exc:
+        raise ABError(f"cannot import the engine's page-need arithmetic ({exc}); run from the repository") from None
+    kwargs = {k: v for k, v in server.items() if v is not None}
+    try:
+        fd_config = EngineArgs(**kwargs).create_engine_config()
+    except (ValueError, TypeError) as exc:
+        raise ABError(f"invalid server settings: {exc}") from None
+    return dict(predicted_concurrency(fd_config, workload["input_len"], workload["output_len"]))
+
+
+# ----------------------------------------------------------------------------- server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(server: dict, port: int) -> list[str]:
+    cmd = [sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server",
+           "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(port)]
+    for key in SERVER_KEYS:
+        value = server.get(key)
+        if value is None:
+            continue
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value)
+        cmd += ["--" + key.replace("_", "-"), str(value)]
+    return cmd
+
+
+class ServerProcess:
+    """One api_server subprocess with its output in a log file (a pipe could fill and block it)."""
+
+    def __init__(self, cmd: list[str], env: dict, log_path: str):
+        self.cmd, self.log_path = cmd, log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log_tail(self, lines: int = 40) -> str:
+        with open(self.log_path, "rb") as f:
+            text = f.read().decode("utf-8", errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_healthy(self, base_url: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ABError(f"the server exited with code {self.proc.returncode} while starting; "
+                              f"last lines of {self.log_path}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(base_url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise ABError(f"the server did not answer /health within {timeout_s:.0f} s; "
+                      f"last lines of {self.log_path}:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log(f"server pid {self.proc.pid} ignored SIGTERM for {timeout_s:.0f} s; killing it")
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Metric name -> value; a name exported with labels (e.g. per head) is summed.
+
+    An unlabelled sample of a name wins over labelled ones, so a total exported
+    next to its per-head breakdown is not double counted.
+    """
+    plain: dict[str, float] = {}
+    labelled: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:
+            name, _, rest = line.partition("{")
+            value = rest.rpartition("}")[2].split()
+            target = labelled
+        else:
+            name, *value = line.split()
+            target = plain
+        if not value:
+            continue
+        try:
+            target[name] = target.get(name, 0.0) + float(value[0])
+        except ValueError:
+            continue
+    return {**labelled, **plain}
+
+
+@dataclass
+class Timeline:
+    times: list[float] = field(default_factory=list)
+    running: list[float] = field(default_factory=list)
+    waiting: list[float] = field(default_factory=list)
+    pages_in_use: list[float] = field(default_factory=list)
+    pages_total: Optional[float] = None
+
+
+async def poll_metrics(metrics_url: str, timeline: Timeline, stop: asyncio.Event,
+                       label: str, interval_s: float = 0.2, report_every_s: float = 10.0) -> None:
+    start = time.perf_counter()
+    next_report = report_every_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while not stop.is_set():
+            try:
+                async with session.get(metrics_url) as response:
+                    values = parse_prometheus(await response.text())
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                values = {}
+            now = time.perf_counter() - start
+            if METRIC_RUNNING in values and METRIC_PAGES_FREE in values and METRIC_PAGES_TOTAL in values:
+                total = values[METRIC_PAGES_TOTAL]
+                timeline.pages_total = total
+                timeline.times.append(now)
+                timeline.running.append(values[METRIC_RUNNING])
+                timeline.waiting.append(values.get(METRIC_WAITING, 0.0))
+                timeline.pages_in_use.append(total - values[METRIC_PAGES_FREE])
+                if now >= next_report:
+                    next_report += report_every_s
+                    log(f"[{label}] t={now:5.0f}s running={values[METRIC_RUNNING]:.0f} "
+                        f"waiting={values.get(METRIC_WAITING, 0):.0f} "
+                        f"pages in use={timeline.pages_in_use[-1]:.0f}/{total:.0f}")
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+
+# ----------------------------------------------------------------------------- one arm
+
+
+@dataclass
+class ArmResult:
+    name: str
+    result: dict
+    timeline: Timeline
+
+    @property
+    def peak_running(self) -> float:
+        return max(self.timeline.running, default=0.0)
+
+    @property
+    def peak_pages(self) -> float:
+        return max(self.timeline.pages_in_use, default=0.0)
+
+
+async def drive(base_url: str, workload: dict, label: str) -> tuple[dict, Timeline]:
+    argv = ["--base-url", base_url, "--backend", "openai", "--dataset-name", "random",
+            "--random-input-len", str(workload["input_len"]),
+            "--random-output-len", str(workload["output_len"]),
+            "--num-prompts", str(workload["num_prompts"]),
+            "--request-rate", str(workload["request_rate"]),
+            "--seed", str(workload["seed"]), "--ignore-eos",
+            "--metric-percentiles", "50,99", "--disable-tqdm"]
+    if workload.get("max_concurrency"):
+        argv += ["--max-concurrency", str(workload["max_concurrency"])]
+    bench_args = benchmark_serving.build_parser().parse_args(argv)
+    timeline, stop = Timeline(), asyncio.Event()
+    poller = asyncio.create_task(poll_metrics(base_url + "/metrics", timeline, stop, label))
+    try:
+        result = await benchmark_serving.run_benchmark_async(bench_args)
+    finally:
+        stop.set()
+        await poller
+    return result, timeline
+
+
+def run_arm(name: str, recycle: str, server: dict, workload: dict, args: argparse.Namespace) -> ArmResult:
+    port = args.port or free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, FD_HEAD_WISE_KV_CACHE="1", FD_HEAD_WISE_SWA_RECYCLE=recycle)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    log_path = os.path.join(args.log_dir, f"server_recycle_{name}.log")
+    log(f"[{name}] starting server on port {port} (FD_HEAD_WISE_SWA_RECYCLE={recycle}); log: {log_path}")
+    server_proc = ServerProcess(server_command(server, port), env, log_path)
+    try:
+        started = time.perf_counter()
+        server_proc.wait_healthy(base_url, args.startup_timeout)
+        log(f"[{name}] server healthy after {time.perf_counter() - started:.1f} s; "
+            f"sending {workload['num_prompts']} requests "
+            f"({workload['input_len']} in / {workload['output_len']} out tokens)")
+        try:
+            result, timeline = asyncio.run(drive(base_url, workload, name))
+        except benchmark_serving.BenchmarkError as exc:
+            raise ABError(f"[{name}] benchmark failed: {exc}\nlast server log lines:\n"
+                          f"{server_proc.log_tail()}") from None
+    finally:
+        server_proc.stop()
+    log(f"[{name}] done: {result['output_throughput']:.1f} output tok/s, "
+        f"peak running {max(timeline.running, default=0):.0f}")
+    return ArmResult(name, result, timeline)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def summarize(off: ArmResult, on: ArmResult, prediction: dict, server: dict, workload: dict) -> dict:
+    gain = on.result["output_throughput"] / off.result["output_throughput"]
+    ceiling = float(prediction["ceiling"])
+    summary = {
+        "throughput_off": off.result["output_throughput"],
+        "throughput_on": on.result["output_throughput"],
+        "gain": gain,
+        "ceiling": ceiling,
+        # The acceptance target: at least 90% of the possible gain.
+        "target_gain": 1 + 0.9 * (ceiling - 1),
+        "share_of_possible_gain": (gain - 1) / (ceiling - 1) if ceiling > 1 else None,
+        "predicted_running_off": prediction.get("running_off"),
+        "predicted_running_on": prediction.get("running_on"),
+        "kv_pages_total": off.timeline.pages_total,
+        "server": server,
+        # JSON has no infinity; "inf" keeps the file readable by strict parsers.
+        "workload": {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in workload.items()},
+    }
+    for arm in (off, on):
+        r = arm.result
+        summary.update({
+            f"peak_running_{arm.name}": arm.peak_running,
+            f"peak_pages_in_use_{arm.name}": arm.peak_pages,
+            f"mean_ttft_ms_{arm.name}": r["mean_ttft_ms"],
+            f"median_ttft_ms_{arm.name}": r["median_ttft_ms"],
+            f"mean_tpot_ms_{arm.name}": r["mean_tpot_ms"],
+            f"median_tpot_ms_{arm.name}": r["median_tpot_ms"],
+            f"duration_s_{arm.name}": r["duration"],
+            f"completed_{arm.name}": r["completed"],
+            f"failed_{arm.name}": r["failed"],
+            f"total_output_tokens_{arm.name}": r["total_output_tokens"],
+            f"timeline_{arm.name}": {
+                "t_s": arm.timeline.times,
+                "running": arm.timeline.running,
+                "waiting": arm.timeline.waiting,
+                "pages_in_use": arm.timeline.pages_in_use,
+            },
+        })
+    return summary
+
+
+def print_table(s: dict) -> None:
+    rows = [
+        ("Output throughput (tok/s)", "throughput_{}", "{:.1f}"),
+        ("Mean TTFT (ms)", "mean_ttft_ms_{}", "{:.1f}"),
+        ("Median TTFT (ms)", "median_ttft_ms_{}", "{:.1f}"),
+        ("Mean TPOT (ms)", "mean_tpot_ms_{}", "{:.2f}"),
+        ("Median TPOT (ms)", "median_tpot_ms_{}", "{:.2f}"),
+        ("Peak running requests", "peak_running_{}", "{:.0f}"),
+        ("Predicted running requests", "predicted_running_{}", "{}"),
+        ("Peak pages in use", "peak_pages_in_use_{}", "{:.0f}"),
+        ("Failed requests", "failed_{}", "{}"),
+    ]
+    print()
+    print(f"{'':<30}{'recycle OFF':>14}{'recycle ON':>14}")
+    for label, key, fmt in rows:
+        print(f"{label:<30}{fmt.format(s[key.format('off')]):>14}{fmt.format(s[key.format('on')]):>14}")
+    print(f"{'KV pages total':<30}{s['kv_pages_total'] or 0:>14.0f}")
+    share = s["share_of_possible_gain"]
+    share_text = "n/a" if share is None else f"{100 * share:.0f}% of the possible gain"
+    print(f"Gain (ON/OFF output throughput): {s['gain']:.3f}   ceiling: {s['ceiling']:.3f}   "
+          f"target >= {s['target_gain']:.3f}   ({share_text})")
+
+
+def write_plot(path: str, off: ArmResult, on: ArmResult) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_run, ax_pages) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    for arm, color in ((off, "tab:blue"), (on, "tab:orange")):
+        label = f"recycle {arm.name.upper()}"
+        ax_run.plot(arm.timeline.times, arm.timeline.running, color=color, label=label)
+        ax_pages.plot(arm.timeline.times, arm.timeline.pages_in_use, color=color, label=label)
+    if off.timeline.pages_total:
+        ax_pages.axhline(off.timeline.pages_total, color="gray", linestyle="--", label="pages total")
+    ax_run.set_ylabel("running requests")
+    ax_pages.set_ylabel("KV pages in use")
+    ax_pages.set_xlabel("time since the benchmark started (s)")
+    ax_run.set_title("Head-wise SWA recycling: OFF vs ON at the same KV memory")
+    for ax in (ax_run, ax_pages):
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML with server: and workload: sections.")
+    parser.add_argument("--json", default=None, help="Write the summary (DESIGN §6 keys) here.")
+    parser.add_argument("--plot", default=None, help="Write a PNG of running requests and pages in use here.")
+    parser.add_argument("--port", type=int, default=None, help="Server port (default: a free one).")
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--log-dir", default=None, help="Server logs (default: a fresh temp dir).")
+    server = parser.add_argument_group("server settings (override the YAML)")
+    server.add_argument("--model", default=None)
+    for key in ("max_model_len", "block_size", "num_gpu_blocks_override", "max_num_seqs",
+                "max_num_batched_tokens"):
+        server.add_argument("--" + key.replace("_", "-"), type=int, default=None)
+    server.add_argument("--head-wise-swa-config", default=None,
+                        help='JSON, e.g. \'{"sliding_window": 128, "sink_size": 16, "swa_kv_heads": [0]}\'')
+    workload = parser.add_argument_group("workload (overrides the YAML)")
+    for key in ("num_prompts", "input_len", "output_len", "max_concurrency", "seed"):
+        workload.add_argument("--" + key.replace("_", "-"), type=int, default=None)
+    workload.add_argument("--request-rate", type=float, default=None)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_head_wise_swa_")
+    os.makedirs(args.log_dir, exist_ok=True)
+    try:
+        server, workload = load_settings(args)
+        prediction = predict(server, workload)
+        log(f"predicted running requests: OFF {prediction['running_off']}, ON {prediction['running_on']}; "
+            f"ceiling {float(prediction['ceiling']):.3f}")
+        if float(prediction["ceiling"]) <= 1.0:
+            log("warning: the ceiling is 1, so this workload is not memory-bound and recycling cannot help")
+        arms = {name: run_arm(name, recycle, server, workload, args) for name, recycle in ARMS}
+    except (ABError, OSError, yaml.YAMLError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    summary = summarize(arms["off"], arms["on"], prediction, server, workload)
+    print_table(summary)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+        log(f"wrote {args.json}")
+    if args.plot:
+        write_plot(args.plot, arms["off"], arms["on"])
+        log(f"wrote {args.plot}")
+    failed = summary["failed_off"] + summary["failed_on"]
+    if failed:
+        print(f"error: {failed} request(s) failed; the two arms are not comparable", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
