@@ -76,3 +76,19 @@ def test_native_oracle_with_chunking_and_preemption_is_self_consistent(monkeypat
     tokens, _ = generate(monkeypatch, "NATIVE_ATTN", "1", "1", reserve="0", num_gpu_blocks_override=60,
                          max_num_batched_tokens=40)
     assert tokens == oracle
+
+
+def test_a_requests_tokens_do_not_depend_on_its_batch_mates(monkeypatch):
+    """Bit-identical logprobs alone and in a crowd: the basis of 'identical outputs' across A/B arms."""
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    probe = prompts()[3]
+
+    def run(batch):
+        llm = LLM(block_size=16, num_gpu_blocks_override=512, max_model_len=1024, max_num_batched_tokens=96)
+        out = llm.generate(batch, params, use_tqdm=False)
+        return out[0].outputs.token_ids, out[0].outputs.logprobs
+
+    alone = run([probe])
+    crowded = run([probe] + prompts()[:3] + prompts()[4:] + [[7] * 11, [200] * 3])
+    assert crowded == alone

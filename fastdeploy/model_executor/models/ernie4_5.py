@@ -18,6 +18,19 @@ from fastdeploy.model_executor.forward_meta import ForwardMeta
 
 WEIGHTS_FILE = "model.safetensors"
 
+# CPU GEMM kernels give a row bit-identical results only when the row count is a multiple of
+# this; otherwise the remainder rows take another code path. Padding every step's rows to it
+# makes a request's tokens independent of which other requests share its batch, so recycling
+# ON and OFF (different batch mixes) produce identical greedy tokens.
+ROW_ALIGN = 8
+
+
+def _pad_rows(x: paddle.Tensor, rows: int) -> paddle.Tensor:
+    extra = rows - x.shape[0]
+    if extra == 0:
+        return x
+    return paddle.concat([x, paddle.zeros([extra] + list(x.shape[1:]), dtype=x.dtype)], axis=0)
+
 
 def _layer_names(i: int) -> dict:
     p = f"model.layers.{i}."
@@ -140,15 +153,20 @@ class Ernie4_5ForCausalLM:
     @paddle.no_grad()
     def forward(self, meta: ForwardMeta) -> paddle.Tensor:
         """Logits [num_sampled, vocab] for the last token of every request that samples this step."""
-        hidden = F.embedding(meta.input_ids, self.embed)
+        num_tokens = meta.input_ids.shape[0]
+        rows = -(-num_tokens // ROW_ALIGN) * ROW_ALIGN
+        hidden = F.embedding(_pad_rows(meta.input_ids, rows), self.embed)
         for layer_id, w in enumerate(self.layers):
             x = self._rms_norm(hidden, w["input_norm"])
-            attn = meta.attn_backend.forward(layer_id, paddle.matmul(x, w["qkv"]), meta)
-            hidden = hidden + paddle.matmul(attn, w["o"])
+            qkv = paddle.matmul(x, w["qkv"])
+            attn = meta.attn_backend.forward(layer_id, qkv[:num_tokens] if rows != num_tokens else qkv, meta)
+            hidden = hidden + paddle.matmul(_pad_rows(attn, rows), w["o"])
             x = self._rms_norm(hidden, w["post_norm"])
             gate, up = paddle.chunk(paddle.matmul(x, w["gate_up"]), 2, axis=-1)
             hidden = hidden + paddle.matmul(F.silu(gate) * up, w["down"])
         if meta.sample_rows.shape[0] == 0:
             return paddle.zeros([0, self.config.vocab_size], dtype="float32")
-        last = paddle.gather(hidden, meta.sample_rows)
-        return paddle.matmul(self._rms_norm(last, self.final_norm), self.lm_head)
+        num_sampled = meta.sample_rows.shape[0]
+        last = paddle.gather(hidden, _pad_rows(meta.sample_rows, -(-num_sampled // ROW_ALIGN) * ROW_ALIGN))
+        logits = paddle.matmul(self._rms_norm(last, self.final_norm), self.lm_head)
+        return logits[:num_sampled]
