@@ -1,0 +1,132 @@
+"""The default report: what recycling buys for ERNIE-4.5-21B-A3B on A800 and H200.
+
+The workload is the Hackathon submission's: input about 10.6k tokens, output about 4k, request
+rate 8/s, 128 and 1024 prompts. Its claims (+56.9% at 128 prompts, +75.8% at 1024) were measured
+with every KV head sliding (4/4); the task's acceptance (>= +30%) has the first KV-head group
+sliding (1/4).
+"""
+
+from __future__ import annotations
+
+import os
+
+from .hardware import get_hardware
+from .simulator import Scenario
+from .workload import Workload
+
+MODEL_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "models", "ernie-4.5-21b-a3b.json")
+INPUT_LEN, OUTPUT_LEN, REQUEST_RATE = 10600, 4096, 8.0
+CLAIMS = {128: 0.569, 1024: 0.758}  # claimed output-throughput gain, every KV head SWA, A800
+TASK_TARGET = 0.30  # acceptance: first KV-head group SWA
+# Engine settings of the table (both arms): max_num_seqs high enough that KV memory, not slots,
+# bounds concurrency (as the Hackathon's KV-bound workload yaml does); the engine's default
+# prefill chunk (max_num_batched_tokens 2048); bf16 cache in 90% of HBM minus bf16 weights.
+MAX_NUM_SEQS = 512
+DEFAULT_MAX_SIM_PROMPTS = 100
+
+
+def table_scenarios(overhead_ms: float = 3.0, max_sim_prompts: int = DEFAULT_MAX_SIM_PROMPTS,
+                    admissions: tuple = ("reserve",), seed: int = 0) -> list:
+    out = []
+    for hw in ("A800-80GB", "H200"):
+        for swa_heads in (1, 4):
+            for sink in (0, 64):
+                for n in (128, 1024):
+                    for admission in admissions:
+                        # On-demand (upstream) admission only for the headline rows: A800, sink 64,
+                        # 128 prompts. Preemption storms make its steady state irregular, so 1024
+                        # prompts cannot be extrapolated and cost ~30 s each: run them one by one.
+                        if admission == "on-demand" and (hw != "A800-80GB" or sink != 64 or n != 128):
+                            continue
+                        out.append(Scenario(
+                            name=f"{hw} swa{swa_heads}/4 W4096 S{sink} n{n} {admission}",
+                            model_config=MODEL_CONFIG, hardware=get_hardware(hw),
+                            workload=Workload(n, INPUT_LEN, OUTPUT_LEN, REQUEST_RATE, seed=seed),
+                            swa_heads=swa_heads, window=4096, sink=sink, max_num_seqs=MAX_NUM_SEQS,
+                            overhead_ms=overhead_ms, reserve_output_pages=admission == "reserve",
+                            max_sim_prompts=max_sim_prompts))
+    return out
+
+
+def claim_for(row: dict) -> str:
+    if row["swa_heads"] == row["num_kv_heads"] and row["hardware"] == "A800-80GB" and row["num_prompts"] in CLAIMS:
+        return f"+{CLAIMS[row['num_prompts']] * 100:.1f}%"
+    if row["swa_heads"] == 1:
+        return f">= +{TASK_TARGET * 100:.0f}% (target)"
+    return ""
+
+
+def _pct(x: float) -> str:
+    return f"{(x - 1) * 100:+.1f}%"
+
+
+def markdown_table(rows: list) -> str:
+    head = ("| GPU | SWA heads | sink | prompts | admission | KV blocks | running OFF→ON | out tok/s OFF | "
+            "out tok/s ON | predicted gain | ceiling | claimed |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        sim = ""
+        if r["extrapolated"]:
+            sim = f" ({r['simulated_prompts_off']}/{r['simulated_prompts_on']} sim.)"
+        lines.append(
+            f"| {r['hardware']} | {r['swa_heads']}/{r['num_kv_heads']} | {r['sink']} | {r['num_prompts']}{sim} | "
+            f"{r['admission']} | {r['num_gpu_blocks']} | {r['peak_running_off']}→{r['peak_running_on']} | "
+            f"{r['throughput_off']:.0f} | {r['throughput_on']:.0f} | **{_pct(r['gain'])}** | "
+            f"{_pct(r['ceiling'])} | {claim_for(r)} |")
+    if any(r["extrapolated"] for r in rows):
+        lines.append("")
+        lines.append("(a/b sim.): prompts simulated in the OFF/ON arm; the remaining ones are added at the "
+                     "steady-state completion rate measured in the saturated part of the run.")
+    if any(r["admission"] == "on-demand" for r in rows):
+        lines.append("on-demand: upstream-like admission (FD_RESERVE_OUTPUT_PAGES=0) with preemption; the "
+                     "ceiling column still assumes the reservation rule, so on-demand gains can exceed it.")
+    return "\n".join(lines)
+
+
+def table_preamble(rows: list) -> str:
+    r = rows[0]
+    return (f"ERNIE-4.5-21B-A3B (bf16 weights and KV cache, 1 GPU), input {r['input_len']} / output "
+            f"{r['output_len']} tokens, Poisson {r['request_rate']} req/s, window 4096, block 64, "
+            f"max_num_seqs {r['max_num_seqs']}, max_num_batched_tokens {r['max_num_batched_tokens']}, KV pool = 90% of HBM - weights, "
+            f"{r['overhead_ms']:g} ms per-step overhead. Gain = recycle ON / OFF output throughput; "
+            f"ceiling = running ON / OFF predicted by the page-need function (reservation rule).")
+
+
+def arm_summary(label: str, m: dict) -> str:
+    """benchmark_serving-style block for one arm (metrics from simulator.arm_metrics, suffixed)."""
+    return "\n".join([
+        f"---- {label} ----",
+        f"  output throughput (tok/s): {m['output_throughput']:.1f}   makespan (s): {m['makespan_s']:.1f}",
+        f"  peak running: {m['peak_running']}   peak pages in use: {m['peak_pages_used']}/{m['pages_total']}   "
+        f"preemptions: {m['preemptions']}   SWA pages recycled: {m['swa_pages_recycled']}",
+        f"  TTFT ms  mean {m['mean_ttft_ms']:.0f}  median {m['median_ttft_ms']:.0f}  p99 {m['p99_ttft_ms']:.0f}",
+        f"  TPOT ms  mean {m['mean_tpot_ms']:.2f}  median {m['median_tpot_ms']:.2f}  p99 {m['p99_tpot_ms']:.2f}",
+        f"  E2EL ms  mean {m['mean_e2el_ms']:.0f}  median {m['median_e2el_ms']:.0f}  p99 {m['p99_e2el_ms']:.0f}",
+        f"  (latencies over the {m['simulated_prompts']} simulated prompts; {m['steps']} steps)",
+    ])
+
+
+def plot_arms(path: str, title: str, off, on) -> None:
+    """PNG of running requests and KV pages in use over virtual time, recycle OFF vs ON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_run, ax_pages) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for label, arm, color in (("recycle OFF", off, "tab:gray"), ("recycle ON", on, "tab:blue")):
+        s = arm.result.series
+        ax_run.step(s["t"], s["running"], where="post", color=color, label=label)
+        ax_pages.step(s["t"], s["pages_used"], where="post", color=color, label=label)
+    total = off.result.pages_total
+    ax_pages.axhline(total, color="black", linestyle=":", linewidth=1, label="pages total")
+    ax_run.set_ylabel("running requests")
+    ax_pages.set_ylabel("KV pages in use")
+    ax_pages.set_xlabel("virtual time (s)")
+    ax_run.legend(loc="upper right")
+    ax_pages.legend(loc="lower right")
+    ax_run.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,535 @@
+"""Discrete-step serving simulation: the real scheduler and cache manager on a virtual clock.
+
+Each step calls the real `ResourceManagerV1.schedule()`, advances the clock by the step model's
+time for that batch, and feeds `update_from_output()` a fixed token (ignore_eos, so every request
+produces exactly its output length). Nothing about admission, chunking, recycling or preemption is
+modelled here: it is whatever the engine's scheduler does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import bisect
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import os
+import shutil
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from typing import Optional
+
+from fastdeploy.cache_manager.head_wise import PageLayout, predicted_concurrency
+from fastdeploy.config import CacheConfig, ModelConfig
+from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.engine.request import Request, SamplingParams
+from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
+
+from .hardware import Hardware
+from .step_model import ModelShape, StepModel
+from .workload import Workload
+
+SAMPLED_TOKEN = 7  # any id but the model's EOS; ignore_eos makes lengths fixed anyway
+SERIES_POINTS = 2000  # time-series points kept per arm (for the plot)
+
+
+# -- engine settings shared by both arms -------------------------------------------------------
+@dataclass(frozen=True)
+class EngineSettings:
+    model_dir: str
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: Optional[int]
+    swa_heads: int  # the first `swa_heads` KV heads slide
+    window: int
+    sink: int
+    reserve_output_pages: bool = True
+
+    @property
+    def swa_spec(self) -> dict:
+        return {"sliding_window": self.window, "sink_size": self.sink,
+                "swa_kv_heads": list(range(self.swa_heads))}
+
+
+def model_dir_for(config_path: str) -> str:
+    """A directory holding `config.json`: the path itself, or a temp copy of a bare JSON file."""
+    if os.path.isdir(config_path):
+        return config_path
+    with open(config_path, encoding="utf-8") as f:
+        raw = json.load(f)
+    return _materialize(json.dumps(raw, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=None)
+def _materialize(raw_json: str) -> str:
+    path = tempfile.mkdtemp(prefix="serving_sim_model_")
+    atexit.register(shutil.rmtree, path, True)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        f.write(raw_json)
+    return path
+
+
+def tiny_preset_model_dir() -> str:
+    """The engine's built-in tiny preset (what runs without --model) as a config-only directory."""
+    from fastdeploy.model_executor.models.tiny_preset import TINY_PRESET_CONFIG
+
+    return _materialize(json.dumps(TINY_PRESET_CONFIG, sort_keys=True))
+
+
+def read_raw_config(model_dir: str) -> dict:
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def kv_pool_blocks(model_dir: str, hardware: Hardware, gpu_memory_utilization: float, block_size: int,
+                   max_model_len: int) -> int:
+    """KV blocks that fit (memory * utilization - bf16 weights), with a bf16 cache, on one GPU."""
+    model = ModelConfig.create(model_dir, max_model_len, None)
+    weights = ModelShape.from_config(model.raw).weight_bytes
+    budget = hardware.memory_bytes * gpu_memory_utilization - weights
+    block = CacheConfig(block_size=block_size, cache_dtype="bfloat16").block_bytes(model, 1)
+    if budget < block:
+        raise ValueError(f"{hardware.name}: {weights / 1e9:.1f} GB of weights leave no room for a KV block "
+                         f"at gpu_memory_utilization={gpu_memory_utilization}")
+    return int(budget // block)
+
+
+@contextlib.contextmanager
+def _env(**flags):
+    saved = {k: os.environ.get(k) for k in flags}
+    os.environ.update({k: str(v) for k, v in flags.items()})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def make_fd_config(settings: EngineSettings, recycle: bool):
+    """The engine config of one arm: head-wise tables in both, recycling on or off."""
+    with _env(FD_HEAD_WISE_KV_CACHE=1, FD_HEAD_WISE_SWA_RECYCLE=int(recycle),
+              FD_RESERVE_OUTPUT_PAGES=int(settings.reserve_output_pages)):
+        return EngineArgs(
+            model=settings.model_dir, max_model_len=settings.max_model_len, block_size=settings.block_size,
+            num_gpu_blocks_override=settings.num_gpu_blocks, cache_dtype="bfloat16",
+            max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
+            head_wise_swa_config=settings.swa_spec,
+            # Benchmark prompts are random and share no prefix; the simulated ones are all the same
+            # token, so a prefix cache would turn them into hits that no real workload has.
+            enable_prefix_caching=False,
+        ).create_engine_config()
+
+
+def ceiling(settings: EngineSettings, workload: Workload) -> dict:
+    """Predicted running requests OFF/ON and their ratio (the gain recycling can at most buy).
+
+    Fixed lengths: `predicted_concurrency` as is. Sampled lengths: it only knows one length, so the
+    same reservation rule is applied to the mean peak over the sampled requests (pages / mean peak).
+    """
+    fd = make_fd_config(settings, recycle=True)
+    if workload.fixed_lengths:
+        return predicted_concurrency(fd, workload.input_len, workload.output_len)
+    on = PageLayout.from_config(fd)
+    off = dataclasses.replace(on, recycle=False)
+    chunk, pages = fd.scheduler_config.max_num_batched_tokens, fd.cache_config.num_gpu_blocks * on.heads_per_rank
+    reqs = workload.requests()
+
+    def running(layout):
+        mean_peak = statistics.fmean(max(_peak(layout, r.input_len, r.output_len, chunk)) for r in reqs)
+        return min(fd.scheduler_config.max_num_seqs, pages / mean_peak)
+
+    run_off, run_on = running(off), running(on)
+    return {"running_off": run_off, "running_on": run_on, "ceiling": run_on / run_off, "pages_per_rank": pages}
+
+
+# -- the scheduler's peak-page computation, memoized -------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _peak_cached(layout: PageLayout, prompt_len: int, max_new: int, chunk: int) -> tuple:
+    return tuple(PageLayout.peak_pages_per_rank(layout, prompt_len, max_new, chunk))
+
+
+def _peak(layout: PageLayout, prompt_len: int, max_new: int, chunk: int) -> list:
+    return list(_peak_cached(layout, prompt_len, max_new, chunk))
+
+
+@dataclass(frozen=True)
+class _MemoizedLayout(PageLayout):
+    """PageLayout whose (pure) peak computation is cached.
+
+    schedule() recomputes the peak of the head-of-line request on every step it cannot be admitted
+    (about 2.5 ms for a 10.6k/4k request); caching the pure function changes no decision.
+    """
+
+    def peak_pages_per_rank(self, prompt_len: int, max_new_tokens: int, max_chunk: int) -> list:
+        return _peak(self, prompt_len, max_new_tokens, max_chunk)
+
+
+def memoize_peaks(rm: ResourceManagerV1) -> None:
+    rm.layout = _MemoizedLayout(**{f.name: getattr(rm.layout, f.name) for f in dataclasses.fields(PageLayout)})
+
+
+# -- one arm -----------------------------------------------------------------------------------
+@dataclass
+class ArmResult:
+    num_requests: int
+    output_tokens: int
+    makespan: float
+    ttft: list
+    tpot: list
+    e2el: list
+    done_times: list
+    peak_running: int
+    peak_pages_used: int
+    pages_total: int
+    preemptions: int
+    swa_pages_recycled: int
+    steps: int
+    saturated_until: float  # last time a request was waiting or not yet arrived
+    series: dict = field(default_factory=dict)  # t, running, pages_used (downsampled)
+
+    @property
+    def output_throughput(self) -> float:
+        return self.output_tokens / self.makespan
+
+
+def simulate(fd_config, step_model: StepModel, requests: list, memoize: bool = True) -> ArmResult:
+    """Run `requests` (SimRequest list, by arrival) to completion; return per-request metrics."""
+    rm = ResourceManagerV1(fd_config)
+    if memoize:
+        memoize_peaks(rm)
+    cm = rm.cache_manager
+    eos = fd_config.model_config.eos_token_id
+    n = len(requests)
+    first_token = [math.nan] * n
+    done = [math.nan] * n
+    index = {}
+    ts, running, used = [], [], []
+    total_pages = cm.num_total_pages
+    now, nxt, finished, steps, saturated_until = 0.0, 0, 0, 0, 0.0
+    peak_running = peak_used = 0
+
+    while finished < n:
+        while nxt < n and requests[nxt].arrival <= now:
+            r = requests[nxt]
+            rid = str(r.index)
+            index[rid] = nxt
+            rm.add_request(Request(rid, [SAMPLED_TOKEN] * r.input_len,
+                                   SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+                                   arrival_time=r.arrival, eos_token_id=eos))
+            nxt += 1
+        if not rm.has_unfinished_requests():
+            now = requests[nxt].arrival  # idle until the next arrival
+            continue
+        batch = rm.schedule()
+        if not batch.requests:
+            if nxt < n:
+                now = max(now, requests[nxt].arrival)
+                continue
+            raise RuntimeError(f"scheduler scheduled nothing with {len(rm.running)} running and "
+                               f"{len(rm.waiting)} waiting requests: it would never finish")
+        if rm.waiting or nxt < n:
+            saturated_until = now
+        # Counted at schedule time, when the step's pages are allocated and finishing requests still run.
+        n_run, n_used = len(rm.running), total_pages - cm.num_free_pages
+        # A one-token chunk is (almost always) a decode, which samples; only longer chunks need the check.
+        chunks = [(s.start, s.num_tokens, s.num_tokens == 1 or s.samples) for s in batch.requests]
+        now += step_model.step_time(chunks)
+        steps += 1
+        # update_from_output reads a token only where the chunk samples, so one constant list serves.
+        progressed = rm.update_from_output(batch, [SAMPLED_TOKEN] * len(chunks))
+        for req in progressed:
+            i = index[req.request_id]
+            if first_token[i] != first_token[i]:  # NaN: first token
+                first_token[i] = now
+            if req.is_finished:
+                done[i] = now
+                finished += 1
+        peak_running = max(peak_running, n_run)
+        peak_used = max(peak_used, n_used)
+        ts.append(now)
+        running.append(n_run)
+        used.append(n_used)
+
+    if cm.num_free_pages != total_pages:
+        raise AssertionError(f"{total_pages - cm.num_free_pages} pages still held after every request finished")
+    cm.check_integrity()
+    return ArmResult(
+        num_requests=n,
+        output_tokens=sum(r.output_len for r in requests),
+        makespan=max(done),
+        ttft=[f - r.arrival for f, r in zip(first_token, requests)],
+        tpot=[(d - f) / (r.output_len - 1) for d, f, r in zip(done, first_token, requests) if r.output_len > 1],
+        e2el=[d - r.arrival for d, r in zip(done, requests)],
+        done_times=done,
+        peak_running=peak_running,
+        peak_pages_used=peak_used,
+        pages_total=total_pages,
+        preemptions=rm.num_preemptions_total,
+        swa_pages_recycled=rm.swa_pages_recycled_total,
+        steps=steps,
+        saturated_until=saturated_until,
+        series=_downsample(ts, running, used),
+    )
+
+
+def _downsample(ts: list, running: list, used: list) -> dict:
+    stride = max(1, len(ts) // SERIES_POINTS)
+    return {"t": ts[::stride], "running": running[::stride], "pages_used": used[::stride]}
+
+
+# -- fewer prompts, same steady state ----------------------------------------------------------
+def steady_completion_rate(result: ArmResult) -> Optional[float]:
+    """Requests/s completed in the saturated steady state, or None if the run never reached it.
+
+    While requests wait, a finishing request's slot is refilled at once, so completions come in
+    cycles of `peak_running` requests. The rate is measured over whole cycles from the first
+    completion, among completions that happened while the queue was still non-empty.
+    """
+    if result.preemptions:
+        return None  # preempted requests recompute: completions no longer come in regular cycles
+    c = sorted(result.done_times)
+    cycle = result.peak_running
+    saturated = bisect.bisect_right(c, result.saturated_until)
+    span = (saturated - 1) // cycle * cycle
+    if cycle < 1 or span < cycle or c[span] <= c[0]:
+        return None
+    return span / (c[span] - c[0])
+
+
+def extrapolated_makespan(result: ArmResult, num_prompts: int) -> Optional[float]:
+    """Makespan of the same stream with `num_prompts` requests: the simulated run plus steady cycles.
+
+    The longer run has the same ramp-up (same first arrivals) and the same drain (the queue runs dry
+    the same way); only the saturated middle is longer, and it completes requests at the steady rate.
+    """
+    rate = steady_completion_rate(result)
+    if rate is None:
+        return None
+    return result.makespan + (num_prompts - result.num_requests) / rate
+
+
+# -- an A/B scenario: recycle OFF vs ON at identical settings -----------------------------------
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    model_config: str
+    hardware: Hardware
+    workload: Workload
+    swa_heads: int
+    window: int
+    sink: int
+    block_size: int = 64
+    num_gpu_blocks_override: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 512
+    max_num_batched_tokens: Optional[int] = None
+    max_model_len: Optional[int] = None
+    overhead_ms: float = 3.0
+    reserve_output_pages: bool = True
+    max_sim_prompts: int = 0  # 0: simulate every prompt; else simulate fewer and extrapolate
+    dtype_bytes: int = 2  # weights and KV cache; 4 for the float32 CPU engine
+
+    def settings(self) -> EngineSettings:
+        model_dir = model_dir_for(self.model_config)
+        max_len = self.max_model_len or max(r.input_len + r.output_len for r in self.workload.requests())
+        blocks = self.num_gpu_blocks_override or kv_pool_blocks(
+            model_dir, self.hardware, self.gpu_memory_utilization, self.block_size, max_len)
+        return EngineSettings(model_dir, max_len, self.block_size, blocks, self.max_num_seqs,
+                              self.max_num_batched_tokens, self.swa_heads, self.window, self.sink,
+                              self.reserve_output_pages)
+
+    def step_model(self, settings: EngineSettings) -> StepModel:
+        shape = ModelShape.from_config(read_raw_config(settings.model_dir))
+        return StepModel(shape, self.hardware, self.overhead_ms / 1e3, self.swa_heads, self.window, self.sink,
+                         self.dtype_bytes)
+
+
+@dataclass
+class ArmOutcome:
+    result: ArmResult  # of the simulated prompts
+    num_prompts: int
+    output_tokens: int  # of all prompts
+    makespan: float  # of all prompts (extrapolated when fewer were simulated)
+
+    @property
+    def simulated_prompts(self) -> int:
+        return self.result.num_requests
+
+    @property
+    def output_throughput(self) -> float:
+        return self.output_tokens / self.makespan
+
+
+def run_arm(scenario: Scenario, recycle: bool, predicted_running: Optional[float] = None) -> ArmOutcome:
+    settings = scenario.settings()
+    fd = make_fd_config(settings, recycle)
+    model = scenario.step_model(settings)
+    requests = scenario.workload.requests()
+    n = len(requests)
+    outputs = sum(r.output_len for r in requests)
+    sim_n = n
+    if scenario.max_sim_prompts and predicted_running:
+        # Two and a half cycles of the steady concurrency: one to ramp up, at least one to measure.
+        sim_n = min(n, max(scenario.max_sim_prompts, math.ceil(2.5 * predicted_running)))
+    # Only worth it (and only accurate: a partial last wave weighs more in a short run) when the
+    # simulated prompts are at most half of the stream.
+    if sim_n <= n // 2:
+        result = simulate(fd, model, requests[:sim_n])
+        makespan = extrapolated_makespan(result, n)
+        if makespan is not None:
+            return ArmOutcome(result, n, outputs, makespan)
+    result = simulate(fd, model, requests)  # no steady state to extrapolate from: run them all
+    return ArmOutcome(result, n, outputs, result.makespan)
+
+
+def _pct(values: list, q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def arm_metrics(arm: ArmOutcome) -> dict:
+    r = arm.result
+    out = {"output_throughput": arm.output_throughput, "makespan_s": arm.makespan,
+           "simulated_prompts": arm.simulated_prompts, "peak_running": r.peak_running,
+           "peak_pages_used": r.peak_pages_used, "pages_total": r.pages_total,
+           "preemptions": r.preemptions, "swa_pages_recycled": r.swa_pages_recycled, "steps": r.steps}
+    for name, values, scale in (("ttft", r.ttft, 1e3), ("tpot", r.tpot, 1e3), ("e2el", r.e2el, 1e3)):
+        out[f"mean_{name}_ms"] = statistics.fmean(values) * scale
+        out[f"median_{name}_ms"] = statistics.median(values) * scale
+        out[f"p99_{name}_ms"] = _pct(values, 99) * scale
+    return out
+
+
+def ab_row(scenario: Scenario, off: ArmOutcome, on: ArmOutcome, predicted: dict) -> dict:
+    """One result row: DESIGN §6 A/B keys plus the per-arm serving metrics."""
+    settings = scenario.settings()
+    m_off, m_on = arm_metrics(off), arm_metrics(on)
+    row = {
+        "name": scenario.name,
+        "hardware": scenario.hardware.name,
+        "swa_heads": scenario.swa_heads,
+        "num_kv_heads": ModelShape.from_config(read_raw_config(settings.model_dir)).num_kv_heads,
+        "window": scenario.window,
+        "sink": scenario.sink,
+        "num_prompts": scenario.workload.num_prompts,
+        "input_len": scenario.workload.input_len,
+        "output_len": scenario.workload.output_len,
+        "range_ratio": scenario.workload.range_ratio,
+        "request_rate": scenario.workload.request_rate if math.isfinite(scenario.workload.request_rate) else "inf",
+        "admission": "reserve" if scenario.reserve_output_pages else "on-demand",
+        "num_gpu_blocks": settings.num_gpu_blocks,
+        "max_num_seqs": settings.max_num_seqs,
+        "max_num_batched_tokens": make_fd_config(settings, True).scheduler_config.max_num_batched_tokens,
+        "gpu_memory_utilization": scenario.gpu_memory_utilization,
+        "overhead_ms": scenario.overhead_ms,
+        "throughput_off": off.output_throughput,
+        "throughput_on": on.output_throughput,
+        "gain": on.output_throughput / off.output_throughput,
+        "ceiling": predicted["ceiling"],
+        "predicted_running_off": predicted["running_off"],
+        "predicted_running_on": predicted["running_on"],
+        "peak_running_off": off.result.peak_running,
+        "peak_running_on": on.result.peak_running,
+        "extrapolated": off.simulated_prompts < off.num_prompts or on.simulated_prompts < on.num_prompts,
+    }
+    row.update({f"{k}_off": v for k, v in m_off.items()})
+    row.update({f"{k}_on": v for k, v in m_on.items()})
+    return row
+
+
+def _arm_job(job: tuple) -> ArmOutcome:
+    scenario, recycle, predicted_running = job
+    return run_arm(scenario, recycle, predicted_running)
+
+
+def run_scenarios(scenarios: list, jobs: int = 1) -> list:
+    """A/B every scenario (both arms as separate jobs, `jobs` processes); returns (row, off, on) each."""
+    predicted = [ceiling(sc.settings(), sc.workload) for sc in scenarios]
+    work = [(sc, recycle, p["running_on" if recycle else "running_off"])
+            for sc, p in zip(scenarios, predicted) for recycle in (False, True)]
+    if jobs > 1 and len(work) > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        # Longest first, so the pool does not end on one long arm: cost ~ simulated request-steps.
+        order = sorted(range(len(work)), key=lambda i: -_estimated_cost(*work[i]))
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = {i: pool.submit(_arm_job, work[i]) for i in order}
+            outcomes = [futures[i].result() for i in range(len(work))]
+    else:
+        outcomes = [_arm_job(w) for w in work]
+    return [(ab_row(sc, outcomes[2 * k], outcomes[2 * k + 1], p), outcomes[2 * k], outcomes[2 * k + 1])
+            for k, (sc, p) in enumerate(zip(scenarios, predicted))]
+
+
+def _estimated_cost(scenario: Scenario, recycle: bool, predicted_running: float) -> float:
+    n = scenario.workload.num_prompts
+    if scenario.max_sim_prompts:
+        sim_n = max(scenario.max_sim_prompts, math.ceil(2.5 * predicted_running))
+        n = sim_n if sim_n <= n // 2 else n
+    return n * scenario.workload.output_len
+
+
+# -- calibration against the real engine's offline A/B (benchmarks/bench_offline.py --json) -----
+def offline_scenario(ab: dict, model_config: str, hardware: Hardware, overhead_ms: float) -> Scenario:
+    """The simulator's twin of a bench_offline.py run: tiny preset, float32, every prompt at t=0."""
+    a = ab["args"]
+    cached = a["input_len"] + a["output_len"] - 1
+    blocks = a.get("num_gpu_blocks_override") or a["concurrency_off"] * math.ceil(cached / a["block_size"])
+    heads = a["swa_heads"]
+    if sorted(heads) != list(range(len(heads))):
+        raise ValueError(f"swa_heads {heads}: the simulator slides the first N KV heads; pass 0..N-1")
+    return Scenario(
+        name="offline-twin", model_config=model_config, hardware=hardware,
+        workload=Workload(a["num_prompts"], a["input_len"], a["output_len"], math.inf, seed=a.get("seed", 0)),
+        swa_heads=len(heads), window=a["window"], sink=a["sink"], block_size=a["block_size"],
+        num_gpu_blocks_override=blocks, max_num_seqs=a["max_num_seqs"],
+        max_num_batched_tokens=a["max_num_batched_tokens"],
+        max_model_len=a["input_len"] + a["output_len"] + a["block_size"], overhead_ms=overhead_ms,
+        dtype_bytes=4)
+
+
+def calibrate_overhead(ab: dict, model_config: str, hardware: Hardware) -> dict:
+    """Fit the per-step overhead so the simulated OFF arm matches the measured one; predict ON.
+
+    One parameter is fitted on one arm; the ON throughput and the gain are then predictions, and
+    their errors say how far the model can be trusted.
+    """
+    def throughput_off(overhead_ms: float) -> float:
+        return run_arm(offline_scenario(ab, model_config, hardware, overhead_ms), False).output_throughput
+
+    target = ab["throughput_off"]
+    lo, hi = 0.0, 1.0
+    while throughput_off(hi) > target:  # throughput falls as the overhead grows
+        lo, hi = hi, hi * 4
+        if hi > 1e5:
+            raise ValueError("no per-step overhead slows the simulation down to the measured OFF throughput")
+    if throughput_off(lo) < target:
+        raise ValueError(f"the step model alone is slower than measured ({throughput_off(lo):.1f} < {target:.1f} "
+                         f"tok/s): the hardware preset underrates this machine")
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if throughput_off(mid) > target else (lo, mid)
+    overhead = (lo + hi) / 2
+    sc = offline_scenario(ab, model_config, hardware, overhead)
+    off, on = run_arm(sc, False), run_arm(sc, True)
+    gain = on.output_throughput / off.output_throughput
+    return {
+        "overhead_ms": overhead,
+        "measured_throughput_off": target, "predicted_throughput_off": off.output_throughput,
+        "measured_throughput_on": ab["throughput_on"], "predicted_throughput_on": on.output_throughput,
+        "measured_gain": ab["gain"], "predicted_gain": gain,
+        "error_throughput_on": on.output_throughput / ab["throughput_on"] - 1,
+        "error_gain": gain / ab["gain"] - 1,
+        "peak_running": {"measured": [ab["peak_running_off"], ab["peak_running_on"]],
+                         "simulated": [off.result.peak_running, on.result.peak_running]},
+        "hardware": {"hbm_bytes_per_s": hardware.hbm_bytes_per_s, "flops_per_s": hardware.bf16_flops_per_s},
+    }

@@ -1,0 +1,181 @@
+"""Serving simulator: what head-wise SWA page recycling buys on a real model, GPU and workload.
+
+Drives the engine's real ResourceManagerV1 and PrefixCacheManager on a virtual clock; each step's
+duration comes from a roofline model of the model's shapes on the chosen GPU. Both arms use the
+head-wise cache with identical settings: recycle OFF (FD_HEAD_WISE_SWA_RECYCLE=0) and ON.
+
+    python benchmarks/simulate_serving.py                      # the README report table
+    python benchmarks/simulate_serving.py --hardware H200 --swa-heads 1 --num-prompts 256 \\
+        --json out.json --plot out.png                         # one scenario
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from serving_sim import report  # noqa: E402
+from serving_sim.hardware import PRESETS, get_hardware  # noqa: E402
+from serving_sim.simulator import Scenario, arm_metrics, run_scenarios  # noqa: E402
+from serving_sim.workload import Workload  # noqa: E402
+
+# Options that describe one scenario; giving any of them switches from the table to that scenario.
+SCENARIO_DEFAULTS = {
+    "model_config": report.MODEL_CONFIG, "hardware": "A800-80GB", "num_prompts": 128,
+    "request_rate": report.REQUEST_RATE, "input_len": report.INPUT_LEN, "output_len": report.OUTPUT_LEN,
+    "range_ratio": 0.0, "seed": 0, "swa_heads": 4, "window": 4096, "sink": 64, "block_size": 64,
+    "num_gpu_blocks_override": None, "gpu_memory_utilization": 0.9, "max_num_seqs": report.MAX_NUM_SEQS,
+    "max_num_batched_tokens": None, "max_model_len": None, "bw_efficiency": 1.0, "flops_efficiency": 1.0,
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = p.add_argument_group("scenario (any of these: simulate one scenario instead of the table)")
+    s.add_argument("--model-config", help="config.json (or a model directory holding one); default ERNIE-4.5-21B-A3B")
+    s.add_argument("--hardware", choices=sorted(PRESETS))
+    s.add_argument("--num-prompts", type=int)
+    s.add_argument("--request-rate", type=float, help="Poisson arrivals per second; inf = every request at t=0")
+    s.add_argument("--input-len", type=int)
+    s.add_argument("--output-len", type=int)
+    s.add_argument("--range-ratio", type=float, help="sample lengths uniformly in len*(1 +- ratio); 0 = fixed")
+    s.add_argument("--seed", type=int)
+    s.add_argument("--swa-heads", type=int, help="how many KV heads slide (the first N)")
+    s.add_argument("--window", type=int)
+    s.add_argument("--sink", type=int)
+    s.add_argument("--block-size", type=int)
+    s.add_argument("--num-gpu-blocks-override", type=int, help="KV blocks; default from the memory budget")
+    s.add_argument("--gpu-memory-utilization", type=float)
+    s.add_argument("--max-num-seqs", type=int)
+    s.add_argument("--max-num-batched-tokens", type=int)
+    s.add_argument("--max-model-len", type=int)
+    s.add_argument("--bw-efficiency", type=float, help="fraction of peak HBM bandwidth kernels reach (1.0)")
+    s.add_argument("--flops-efficiency", type=float, help="fraction of peak bf16 FLOP/s kernels reach (1.0)")
+    g = p.add_argument_group("both modes")
+    g.add_argument("--overhead-ms", type=float, default=3.0, help="fixed per-step overhead (default 3 ms)")
+    g.add_argument("--admission", choices=["reserve", "on-demand", "both"], default=None,
+                   help="reserve: FD_RESERVE_OUTPUT_PAGES=1 (peak pages at admission, no preemption); "
+                        "on-demand: FD_RESERVE_OUTPUT_PAGES=0 (upstream-like, preempts); both: one row each. "
+                        "Default: reserve for one scenario; both for the table (on-demand rows only for "
+                        "A800 / sink 64 / 128 prompts).")
+    g.add_argument("--max-sim-prompts", type=int, default=report.DEFAULT_MAX_SIM_PROMPTS,
+                   help="simulate at most max(this, 2.5 x predicted concurrency) prompts and extrapolate the "
+                        "saturated steady state to the rest; 0 = simulate every prompt")
+    g.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
+    g.add_argument("--json", help="write the result rows (a JSON list) here")
+    g.add_argument("--calibrate-offline", metavar="AB_JSON",
+                   help="instead of simulating: fit the per-step overhead to the OFF arm of a "
+                        "benchmarks/bench_offline.py --json result (tiny preset, this CPU) and report how well "
+                        "the model then predicts the ON arm and the gain")
+    g.add_argument("--plot", help="PNG of running requests and pages in use over time, OFF vs ON")
+    return p.parse_args(argv)
+
+
+def scenarios_from(args: argparse.Namespace) -> tuple:
+    """(scenarios, table_mode)."""
+    if all(getattr(args, k) is None for k in SCENARIO_DEFAULTS):
+        table_admissions = ("reserve",) if args.admission == "reserve" else ("reserve", "on-demand")
+        return report.table_scenarios(args.overhead_ms, args.max_sim_prompts, table_admissions), True
+    admission = args.admission or "reserve"
+    admissions = ("reserve", "on-demand") if admission == "both" else (admission,)
+    v = {k: (d if getattr(args, k) is None else getattr(args, k)) for k, d in SCENARIO_DEFAULTS.items()}
+    hw = get_hardware(v["hardware"]).scaled(v["bw_efficiency"], v["flops_efficiency"])
+    workload = Workload(v["num_prompts"], v["input_len"], v["output_len"], v["request_rate"], v["range_ratio"],
+                        v["seed"])
+    out = []
+    for admission in admissions:
+        out.append(Scenario(
+            name=f"{hw.name} swa{v['swa_heads']} W{v['window']} S{v['sink']} n{v['num_prompts']} {admission}",
+            model_config=v["model_config"], hardware=hw, workload=workload, swa_heads=v["swa_heads"],
+            window=v["window"], sink=v["sink"], block_size=v["block_size"],
+            num_gpu_blocks_override=v["num_gpu_blocks_override"],
+            gpu_memory_utilization=v["gpu_memory_utilization"], max_num_seqs=v["max_num_seqs"],
+            max_num_batched_tokens=v["max_num_batched_tokens"], max_model_len=v["max_model_len"],
+            overhead_ms=args.overhead_ms, reserve_output_pages=admission == "reserve",
+            max_sim_prompts=args.max_sim_prompts))
+    return out, False
+
+
+def calibrate(args) -> int:
+    from serving_sim.hardware import measure_cpu
+    from serving_sim.simulator import calibrate_overhead, tiny_preset_model_dir
+
+    with open(args.calibrate_offline) as f:
+        ab = json.load(f)
+    cpu = measure_cpu()
+    print(f"[calibrate] this CPU: {cpu.bf16_flops_per_s / 1e9:.1f} GFLOP/s (fp32 matmul), "
+          f"{cpu.hbm_bytes_per_s / 1e9:.1f} GB/s (copy)", file=sys.stderr)
+    try:
+        res = calibrate_overhead(ab, tiny_preset_model_dir(), cpu)
+    except ValueError as exc:
+        print(f"simulate_serving: {exc}", file=sys.stderr)
+        return 2
+    print(f"fitted per-step overhead: {res['overhead_ms']:.3f} ms (on the OFF arm)")
+    print(f"{'':<22}{'measured':>10}{'predicted':>11}{'error':>8}")
+    print(f"{'throughput OFF tok/s':<22}{res['measured_throughput_off']:>10.1f}{res['predicted_throughput_off']:>11.1f}"
+          f"{'(fit)':>8}")
+    print(f"{'throughput ON tok/s':<22}{res['measured_throughput_on']:>10.1f}{res['predicted_throughput_on']:>11.1f}"
+          f"{res['error_throughput_on']:>+8.1%}")
+    print(f"{'gain ON/OFF':<22}{res['measured_gain']:>10.3f}{res['predicted_gain']:>11.3f}{res['error_gain']:>+8.1%}")
+    print(f"peak running OFF/ON: measured {res['peak_running']['measured']}, simulated {res['peak_running']['simulated']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.calibrate_offline:
+        return calibrate(args)
+    try:
+        scenarios, table = scenarios_from(args)
+    except ValueError as exc:
+        print(f"simulate_serving: {exc}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    results = run_scenarios(scenarios, args.jobs)
+    elapsed = time.perf_counter() - t0
+    rows = [row for row, _, _ in results]
+    if table:
+        print(report.table_preamble(rows) + "\n")
+        print(report.markdown_table(rows))
+    else:
+        for row, off, on in results:
+            print(f"\n==== {row['name']} ====")
+            print(report.arm_summary("recycle OFF", arm_metrics(off)))
+            print(report.arm_summary("recycle ON", arm_metrics(on)))
+            print(f"gain (ON/OFF output throughput): {row['gain']:.3f}   ceiling: {row['ceiling']:.3f}   "
+                  f"predicted running OFF/ON: {row['predicted_running_off']}/{row['predicted_running_on']}")
+        print("\n" + report.markdown_table(rows))
+    print(f"\n[simulate_serving] {len(scenarios)} scenario(s), {2 * len(scenarios)} arms in {elapsed:.1f} s "
+          f"({args.jobs} job(s))", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    if args.plot:
+        pick = _plot_pick(results, table)
+        row, off, on = pick
+        report.plot_arms(args.plot, row["name"] + f"  (gain {row['gain']:.2f}x, ceiling {row['ceiling']:.2f}x)",
+                         off, on)
+    return 0
+
+
+def _plot_pick(results: list, table: bool):
+    """The scenario to plot: the table's headline (A800, every head SWA, sink 64, 128 prompts) or the first."""
+    if table:
+        for item in results:
+            r = item[0]
+            if (r["hardware"], r["swa_heads"], r["sink"], r["num_prompts"], r["admission"]) == \
+                    ("A800-80GB", r["num_kv_heads"], 64, 128, "reserve"):
+                return item
+    return results[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
