@@ -1,0 +1,183 @@
+"""Decode-step time of the CPU append_attention op: full heads vs SWA heads, 1-D masked vs head-wise.
+
+For each context length every arm runs one decode step (one new token per
+request) over the same cache:
+  full           all KV heads full attention (1-D table)
+  k SWA 1d-mask  k SWA heads, every page visited and out-of-window scores
+                 masked (visit_all_pages=True), as upstream does with a 1-D table
+  k SWA headwise k SWA heads, head-wise table whose dead pages (retention
+                 rule, DESIGN §4) are -1 and skipped
+Reported: median time per step over --reps runs, and speed-up vs "full".
+The issue's target: all-SWA head-wise at 64k <= 0.1x the full arm.
+A second table compares 1 vs 2 threads (FD_CPU_ATTN_NUM_THREADS).
+
+    python benchmarks/bench_append_attention_cpu.py [--contexts 4096 16384 65536] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import paddle
+
+from fastdeploy.model_executor.layers.attention.ops import append_attention
+from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import compile_flags
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class DecodeStep:
+    """One decode step of `batch` requests at `context` cached tokens, cache shared by all arms."""
+
+    def __init__(self, args, context: int):
+        self.args, self.context = args, context
+        H, bs, D = args.kv_heads, args.block_size, args.head_dim
+        self.blocks_per_req = math.ceil((context + 1) / bs)
+        num_blocks = args.batch * self.blocks_per_req
+        cache_shape = [num_blocks, H, bs, D]
+        # Values only need to be finite and varied; the op's cost does not depend on them.
+        self.key_cache = paddle.uniform(cache_shape, min=-1, max=1).astype(args.dtype)
+        self.value_cache = paddle.uniform(cache_shape, min=-1, max=1).astype(args.dtype)
+        self.table_1d = np.arange(num_blocks, dtype=np.int32).reshape(args.batch, self.blocks_per_req)
+        i32 = lambda a: paddle.to_tensor(np.asarray(a, np.int32))  # noqa: E731
+        b = args.batch
+        self.lens = dict(
+            seq_lens_encoder=i32(np.zeros(b)),
+            seq_lens_decoder=i32(np.full(b, context)),
+            seq_lens_this_time=i32(np.ones(b)),
+            cu_seqlens_q=i32(np.arange(b + 1)),
+        )
+        inv_freq = 10000.0 ** (-np.arange(0, D, 2) / D)
+        angle = np.arange(context + 1)[:, None] * inv_freq[None, :]
+        self.cos = paddle.to_tensor(np.cos(angle).astype(np.float32))
+        self.sin = paddle.to_tensor(np.sin(angle).astype(np.float32))
+        self.qkv = paddle.uniform([b, (args.num_heads + 2 * H) * D], min=-1, max=1)
+
+    def head_wise_table(self, swa_mask: np.ndarray) -> np.ndarray:
+        """Pages b*H + h of the 1-D blocks; dead blocks of SWA heads recycled to -1."""
+        a, H = self.args, self.args.kv_heads
+        table = self.table_1d[:, None, :] * H + np.arange(H, dtype=np.int32)[None, :, None]
+        n = self.context
+        for i in range(self.blocks_per_req):
+            dead = i >= math.ceil(a.sink / a.block_size) and (i + 1) * a.block_size <= n - a.window + 1
+            if dead:
+                table[:, swa_mask.astype(bool), i] = -1
+        return np.ascontiguousarray(table)
+
+    def arm(self, swa_heads: int, mode: str):
+        """A zero-argument callable running one step of this arm."""
+        a = self.args
+        swa = np.zeros(a.kv_heads, np.int32)
+        swa[:swa_heads] = 1
+        table = self.head_wise_table(swa) if mode == "headwise" else self.table_1d
+        tensors = dict(
+            qkv=self.qkv, key_cache=self.key_cache, value_cache=self.value_cache, **self.lens,
+            block_tables=paddle.to_tensor(table), rotary_cos=self.cos, rotary_sin=self.sin,
+            swa_head_mask=paddle.to_tensor(swa),
+        )
+        attrs = dict(num_heads=a.num_heads, kv_num_heads=a.kv_heads, head_dim=a.head_dim,
+                     sliding_window=a.window, sink_size=a.sink, visit_all_pages=mode == "1d-mask")
+        return lambda: append_attention(**tensors, **attrs)
+
+
+def time_arms(fns: dict, reps: int) -> dict:
+    """{name: (median, best)} wall ms. Arms take turns within every rep, so load
+    from other processes on a shared machine spreads evenly over all arms."""
+    for fn in fns.values():
+        fn()  # warm-up: page faults, allocator
+    samples = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: (statistics.median(v), min(v)) for name, v in samples.items()}
+
+
+def arms(kv_heads: int):
+    yield "full", 0, "1d"
+    for k in (1, 2, kv_heads):
+        for mode in ("1d-mask", "headwise"):
+            yield f"{k} SWA {mode}", k, mode
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 65536])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--num-heads", type=int, default=20, help="q heads (ERNIE-4.5-21B-A3B: 20)")
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--sink", type=int, default=64)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="cache dtype")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2, help="threads for the main table")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args()
+    os.environ["FD_CPU_ATTN_NUM_THREADS"] = str(args.threads)
+
+    log(f"[bench] compile flags: {' '.join(compile_flags())}")
+    rows, thread_rows = [], []
+    for ctx in args.contexts:
+        log(f"[bench] context {ctx}: allocating the cache ({args.batch} requests, {args.dtype})")
+        step = DecodeStep(args, ctx)
+        specs = list(arms(args.kv_heads))
+        times = time_arms({name: step.arm(k, mode) for name, k, mode in specs}, args.reps)
+        full_ms = times["full"][0]
+        for name, k, mode in specs:
+            ms, best = times[name]
+            rows.append(dict(context=ctx, arm=name, swa_heads=k, mode=mode, threads=args.threads,
+                             ms=ms, best_ms=best, vs_full=ms / full_ms, speedup=full_ms / ms))
+            log(f"[bench]   {name:<18} {ms:9.2f} ms (best {best:.2f})")
+        for name, k, mode in [("full", 0, "1d"), (f"{args.kv_heads} SWA headwise", args.kv_heads, "headwise")]:
+            fn = step.arm(k, mode)
+
+            def with_threads(n, fn=fn):
+                def run():
+                    os.environ["FD_CPU_ATTN_NUM_THREADS"] = str(n)
+                    fn()
+                return run
+
+            per = time_arms({1: with_threads(1), 2: with_threads(2)}, args.reps)
+            os.environ["FD_CPU_ATTN_NUM_THREADS"] = str(args.threads)
+            thread_rows.append(dict(context=ctx, arm=name, ms_1_thread=per[1][0], ms_2_threads=per[2][0],
+                                    scaling=per[1][0] / per[2][0]))
+            log(f"[bench]   threads {name:<18} 1: {per[1][0]:.2f} ms  2: {per[2][0]:.2f} ms")
+        del step
+
+    print(f"\nappend_attention CPU decode step: batch {args.batch}, q heads {args.num_heads}, "
+          f"kv heads {args.kv_heads}, head_dim {args.head_dim}, block {args.block_size}, "
+          f"W={args.window}, S={args.sink}, cache {args.dtype}, {args.threads} threads, "
+          f"median of {args.reps}")
+    print(f"{'context':>8}  {'arm':<18} {'ms/step':>10} {'best':>9} {'x full':>8} {'speed-up':>9}")
+    for r in rows:
+        print(f"{r['context']:>8}  {r['arm']:<18} {r['ms']:>10.2f} {r['best_ms']:>9.2f} {r['vs_full']:>8.3f} "
+              f"{r['speedup']:>8.1f}x")
+    print(f"\n{'context':>8}  {'arm':<18} {'1 thread':>10} {'2 threads':>10} {'scaling':>8}")
+    for r in thread_rows:
+        print(f"{r['context']:>8}  {r['arm']:<18} {r['ms_1_thread']:>10.2f} {r['ms_2_threads']:>10.2f} "
+              f"{r['scaling']:>7.2f}x")
+    last = max(args.contexts)
+    target = next(r for r in rows if r["context"] == last and r["mode"] == "headwise"
+                  and r["swa_heads"] == args.kv_heads)
+    verdict = "met" if target["vs_full"] <= 0.1 else "NOT met"
+    print(f"\ntarget (all-SWA head-wise at {last} <= 0.1x full): {target['vs_full']:.3f}x -> {verdict}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(config=vars(args), compile_flags=compile_flags(), steps=rows, threads=thread_rows,
+                           target_ratio=target["vs_full"], target_met=target["vs_full"] <= 0.1), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

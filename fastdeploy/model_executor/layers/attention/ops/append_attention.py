@@ -1,0 +1,61 @@
+"""Python entry of the AppendAttention op (one layer, one step, paged KV cache).
+
+The argument layout is the project's op contract: ``qkv`` rows are the new
+tokens of a mixed prefill/decode batch; ``key_cache``/``value_cache``
+(``[num_blocks, kv_num_heads, block_size, head_dim]``) are updated in place
+with the rotated K and the V of those tokens; ``block_tables`` is either the
+1-D table ``[bsz, max_blocks]`` or the head-wise page table
+``[bsz, kv_num_heads, max_blocks]`` (told apart by rank). Returns
+``[token_num, num_heads * head_dim]`` in the dtype of ``qkv``.
+"""
+
+from __future__ import annotations
+
+import paddle
+
+from .cpu_op_loader import load_cpu_ops
+
+
+def append_attention(
+    qkv: paddle.Tensor,
+    key_cache: paddle.Tensor,
+    value_cache: paddle.Tensor,
+    seq_lens_encoder: paddle.Tensor,
+    seq_lens_decoder: paddle.Tensor,
+    seq_lens_this_time: paddle.Tensor,
+    cu_seqlens_q: paddle.Tensor,
+    block_tables: paddle.Tensor,
+    rotary_cos: paddle.Tensor,
+    rotary_sin: paddle.Tensor,
+    swa_head_mask: paddle.Tensor,
+    *,
+    num_heads: int,
+    kv_num_heads: int,
+    head_dim: int,
+    sliding_window: int,
+    sink_size: int,
+    visit_all_pages: bool = False,
+) -> paddle.Tensor:
+    """Rotate q/k, write the new K/V into the paged cache, attend.
+
+    ``sliding_window``/``sink_size`` apply to the KV heads flagged in
+    ``swa_head_mask``; ``visit_all_pages`` is the benchmark baseline that reads
+    every page and masks instead of skipping (needs a table without -1 in the
+    visible range). Bad shapes, or a -1 in a table entry the step needs
+    (a scheduler bug), raise ``ValueError`` naming request, head and block
+    index; the cache is left untouched in that case.
+    """
+    if not qkv.place.is_cpu_place():
+        raise ValueError(f"append_attention: this is the CPU op, but qkv lives on {qkv.place}")
+    op = load_cpu_ops().append_attention_cpu
+    tensors = (qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
+               cu_seqlens_q, block_tables, rotary_cos, rotary_sin, swa_head_mask)
+    attrs = (int(num_heads), int(kv_num_heads), int(head_dim), int(sliding_window), int(sink_size),
+             bool(visit_all_pages))
+    try:
+        out, _, _ = op(*tensors, *attrs)
+    except OSError as e:  # how Paddle surfaces PD_CHECK/PD_THROW of a custom op
+        if "append_attention" in str(e):
+            raise ValueError(str(e).strip()) from e
+        raise
+    return out

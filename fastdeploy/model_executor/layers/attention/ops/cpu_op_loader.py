@@ -1,0 +1,172 @@
+"""Build-once, load-fast loader for the C++ CPU custom ops (custom_ops/cpu_ops).
+
+The op is compiled on first use with ``paddle.utils.cpp_extension`` into
+``$FD_CUSTOM_OP_DIR/<key>`` (default ``~/.cache/fastdeploy/custom_ops/<key>``),
+where ``key`` hashes the sources, the compile flags, and the Paddle/Python
+versions, so an edited source or a different machine never picks up a stale
+build. A file lock serialises builds across processes (several workers may
+start at once); later imports only load the finished shared library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import sysconfig
+import warnings
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+MODULE_NAME = "fd_cpu_ops"
+_REPO_ROOT = Path(__file__).resolve().parents[5]
+SOURCE_DIR = _REPO_ROOT / "custom_ops" / "cpu_ops"
+_BUILT_MARKER = "BUILD_OK"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def compile_flags() -> list[str]:
+    """Portable -O3 plus AVX2/FMA only when this CPU has them.
+
+    -march=native is avoided on purpose: a cache directory may be shared by
+    machines of different generations. AVX2/FMA flags enter the cache key, so
+    a CPU without them builds (and uses) its own copy.
+    """
+    # -fopenmp-simd: honour `#pragma omp simd` (vectorised reductions) without
+    # linking an OpenMP runtime; threads come from the op's own pool.
+    flags = ["-O3", "-fopenmp-simd", "-std=c++17", "-Wall"]
+    cpu = _cpu_flags()
+    if {"avx2", "fma"} <= cpu:
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def _sources() -> list[Path]:
+    if not SOURCE_DIR.is_dir():
+        raise RuntimeError(
+            f"FastDeploy CPU custom-op sources not found at {SOURCE_DIR}; "
+            "run from a source checkout (the ops are compiled on first use)."
+        )
+    return sorted(SOURCE_DIR.glob("*.cc")) + sorted(SOURCE_DIR.glob("*.h"))
+
+
+def _build_key(sources: list[Path], flags: list[str]) -> str:
+    import paddle
+
+    h = hashlib.sha256()
+    for src in sources:
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
+    h.update(" ".join(flags).encode())
+    h.update(paddle.__version__.encode())
+    h.update(sys.version.encode())
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    root = os.environ.get("FD_CUSTOM_OP_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "fastdeploy", "custom_ops"
+    )
+    return Path(root) / _build_key(_sources(), compile_flags())
+
+
+def _check_compiler() -> None:
+    # setuptools compiles .cc files with CC and links with CXX.
+    missing = []
+    for var in ("CC", "CXX"):
+        cmd = os.environ.get(var) or sysconfig.get_config_var(var) or "c++"
+        exe = cmd.split()[0]
+        if shutil.which(exe) is None:
+            missing.append(f"{var}={exe!r}")
+    if missing:
+        raise RuntimeError(
+            "Building the FastDeploy CPU attention op needs a C++ compiler "
+            f"(GCC >= 8), but {', '.join(missing)} was not found. Install one "
+            "(e.g. `apt-get install g++`) or point CC/CXX at it."
+        )
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build(out_dir: Path) -> ModuleType:
+    from paddle.utils.cpp_extension import load
+
+    _check_compiler()
+    print(
+        f"[fastdeploy] compiling the CPU attention op into {out_dir} (first use only, ~1 min)...",
+        file=sys.stderr,
+        flush=True,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Paddle prints its own progress to stdout; keep stdout clean for callers
+    # that stream results there (servers, benchmark JSON).
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            module = load(
+                name=MODULE_NAME,
+                sources=[str(s) for s in _sources() if s.suffix == ".cc"],
+                extra_cxx_cflags=compile_flags(),
+                extra_ldflags=["-pthread"],
+                extra_include_paths=[str(SOURCE_DIR)],
+                build_directory=str(out_dir),
+            )
+        except Exception as e:  # the compiler's own messages are already on stderr
+            raise RuntimeError(
+                f"Building the FastDeploy CPU attention op in {out_dir} failed; see the compiler output above."
+            ) from e
+    (out_dir / _BUILT_MARKER).write_text(" ".join(compile_flags()) + "\n")
+    return module
+
+
+@contextlib.contextmanager
+def _quiet_paddle_extension_logs():
+    """Paddle's extension helpers warn about ccache and log INFO lines on every
+    load; neither is actionable for users of a prebuilt op."""
+    logger = logging.getLogger("utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*ccache.*")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+@lru_cache(maxsize=None)
+def load_cpu_ops() -> ModuleType:
+    """The compiled module; builds it first if this machine has no copy yet."""
+    with _quiet_paddle_extension_logs():
+        from paddle.utils.cpp_extension.extension_utils import _import_module_from_library
+
+        out_dir = build_dir()
+        # The lock also covers the import: Paddle writes a small generated .py
+        # next to the library while loading it.
+        with _locked(out_dir.with_suffix(".lock")):
+            if not (out_dir / _BUILT_MARKER).exists():
+                return _build(out_dir)
+            return _import_module_from_library(MODULE_NAME, str(out_dir / MODULE_NAME))

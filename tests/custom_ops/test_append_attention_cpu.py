@@ -1,0 +1,349 @@
+"""CPU AppendAttention op vs the float64 reference (tests/custom_ops/reference_attention.py).
+
+Every case draws fresh random inputs from its own seed. The cache starts as
+NaN everywhere except the prior K/V the step may legitimately read, so a
+wrong page, an out-of-window row, a dead page or a row past the causal edge
+turns the output into NaN; output buffers are poisoned with NaN before the
+call, so an unwritten element cannot pass either.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy.model_executor.layers.attention.ops import append_attention
+from reference_attention import reference_append_attention, round_to_bf16
+
+FP32_TOL = 1e-5
+BF16_TOL = 1e-2
+
+
+@dataclass
+class Case:
+    seed: int
+    requests: list  # (tokens already cached, new tokens this step)
+    block_size: int = 16
+    kv_heads: int = 2
+    group: int = 1
+    head_dim: int = 32
+    window: int = 8
+    sink: int = 0
+    swa_heads: tuple = (0,)
+    table: str = "headwise"  # "1d" | "headwise" (pages scattered over heads) | "headwise_same" (page = b*H + h)
+    # Head-wise only, SWA blocks the retention rule declares dead: "minus1" (recycled),
+    # "nan_page" (entry kept, page NaN-filled: proves it is never read) or "none" (recycle off).
+    dead: str = "minus1"
+    cache_dtype: str = "float32"
+    qkv_dtype: str = "float32"
+    poison_invisible_rows: bool = True  # NaN in rows no query of the step may see
+
+    @property
+    def num_heads(self):
+        return self.kv_heads * self.group
+
+
+def dead_blocks(n, window, sink, bs):
+    """Blocks of a SWA head that the retention rule (DESIGN §4) has recycled after n tokens."""
+    return {i for i in range(math.ceil(n / bs)) if i >= math.ceil(sink / bs) and (i + 1) * bs <= n - window + 1}
+
+
+def build_inputs(case: Case):
+    rng = np.random.default_rng(case.seed)
+    H, bs, D = case.kv_heads, case.block_size, case.head_dim
+    needs = [math.ceil((n + c) / bs) for n, c in case.requests]
+    max_blocks = max(needs) + 1  # one spare column that is never needed
+    num_blocks = sum(needs) + 3  # a few unallocated (NaN) blocks
+    swa = np.array([1 if h in case.swa_heads else 0 for h in range(H)], np.int32)
+    bsz = len(case.requests)
+
+    blocks = rng.permutation(num_blocks)
+    table_1d = np.full((bsz, max_blocks), -1, np.int32)
+    start = 0
+    for r, k in enumerate(needs):
+        table_1d[r, :k] = blocks[start:start + k]
+        start += k
+    if case.table == "1d":
+        table = table_1d
+    elif case.table == "headwise_same":
+        table = np.full((bsz, H, max_blocks), -1, np.int32)
+        for h in range(H):
+            table[:, h, :] = np.where(table_1d >= 0, table_1d * H + h, -1)
+    else:  # pages drawn from the whole page space: head h's page often lives in another head's slot
+        pages = iter(rng.permutation(num_blocks * H))
+        table = np.full((bsz, H, max_blocks), -1, np.int32)
+        for r, k in enumerate(needs):
+            for h in range(H):
+                for i in range(k):
+                    table[r, h, i] = next(pages)
+
+    kc = np.full((num_blocks * H, bs, D), np.nan, np.float32)
+    vc = np.full_like(kc, np.nan)
+    for r, (n, c) in enumerate(case.requests):
+        for h in range(H):
+            dead = dead_blocks(n, case.window, case.sink, bs) if swa[h] else set()
+            for t in range(n):
+                i = t // bs
+                if table.ndim == 3 and case.dead != "none" and i in dead:
+                    if case.dead == "minus1":
+                        table[r, h, i] = -1
+                    continue  # "nan_page": the entry stays, its page stays NaN
+                if case.poison_invisible_rows and swa[h] and case.sink <= t <= n - case.window:
+                    continue
+                p = table[r, h, i] if table.ndim == 3 else table[r, i] * H + h
+                kc[p, t % bs] = rng.standard_normal(D)
+                vc[p, t % bs] = rng.standard_normal(D)
+    if case.cache_dtype == "bfloat16":
+        kc, vc = round_to_bf16(kc), round_to_bf16(vc)
+    kc = kc.reshape(num_blocks, H, bs, D)
+    vc = vc.reshape(num_blocks, H, bs, D)
+
+    this_time = np.array([c for _, c in case.requests], np.int32)
+    decoder = np.array([n for n, _ in case.requests], np.int32)
+    encoder = np.array([c if (c > 0 and (n == 0 or c > 1)) else 0 for n, c in case.requests], np.int32)
+    cu = np.concatenate([[0], np.cumsum(this_time)]).astype(np.int32)
+    T = int(cu[-1])
+    qkv = rng.standard_normal((T, (case.num_heads + 2 * H) * D)).astype(np.float32)
+    if case.qkv_dtype == "bfloat16":
+        qkv = round_to_bf16(qkv)
+    max_pos = int((decoder + this_time).max()) + 3
+    inv_freq = 10000.0 ** (-np.arange(0, D, 2) / D)
+    angle = np.arange(max_pos)[:, None] * inv_freq[None, :]
+    return dict(
+        qkv=qkv, key_cache=kc, value_cache=vc, seq_lens_encoder=encoder, seq_lens_decoder=decoder,
+        seq_lens_this_time=this_time, cu_seqlens_q=cu, block_tables=table,
+        rotary_cos=np.cos(angle).astype(np.float32), rotary_sin=np.sin(angle).astype(np.float32),
+        swa_head_mask=swa,
+    )
+
+
+def to_paddle(arrays, case: Case):
+    t = {k: paddle.to_tensor(v) for k, v in arrays.items()}
+    if case.cache_dtype == "bfloat16":
+        t["key_cache"] = t["key_cache"].astype("bfloat16")
+        t["value_cache"] = t["value_cache"].astype("bfloat16")
+    if case.qkv_dtype == "bfloat16":
+        t["qkv"] = t["qkv"].astype("bfloat16")
+    return t
+
+
+def run_op(case: Case, arrays, visit_all_pages=False):
+    """Runs the op on fresh tensors; returns (out, key_cache, value_cache) as float32 numpy."""
+    t = to_paddle(arrays, case)
+    # Poison: the op's output comes from the same allocator, which hands back
+    # this just-freed NaN block for a same-sized request.
+    poison = paddle.full([t["qkv"].shape[0], case.num_heads * case.head_dim], float("nan"), t["qkv"].dtype)
+    del poison
+    out = append_attention(
+        **t, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
+        sliding_window=case.window, sink_size=case.sink, visit_all_pages=visit_all_pages,
+    )
+    f32 = lambda x: x.astype("float32").numpy()  # noqa: E731
+    return f32(out), f32(t["key_cache"]), f32(t["value_cache"])
+
+
+def reference(case: Case, arrays):
+    a = dict(arrays)
+    a.pop("seq_lens_encoder")
+    return reference_append_attention(
+        **a, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
+        sliding_window=case.window, sink_size=case.sink, cache_is_bf16=case.cache_dtype == "bfloat16",
+    )
+
+
+def rel_err(out, ref):
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def check_against_reference(name, case: Case):
+    arrays = build_inputs(case)
+    out, kc, vc = run_op(case, arrays)
+    ref, kc_ref, vc_ref = reference(case, arrays)
+    err = rel_err(out, ref)
+    tol = BF16_TOL if "bfloat16" in (case.cache_dtype, case.qkv_dtype) else FP32_TOL
+    print(f"[append_attention_cpu] {name}: |out-ref|/|ref| = {err:.2e} (tol {tol:g})")
+    assert np.isfinite(out).all(), f"{name}: NaN/inf in the output (unwritten element or a forbidden row was read)"
+    assert err < tol, f"{name}: relative error {err:.3e} >= {tol}"
+    # The whole cache: new rows at their page/slot, everything else untouched (NaN stays NaN).
+    cache_rtol = 2.0**-7 if case.cache_dtype == "bfloat16" else 1e-5
+    np.testing.assert_allclose(kc, kc_ref, rtol=cache_rtol, atol=1e-6, equal_nan=True)
+    np.testing.assert_allclose(vc, vc_ref, rtol=cache_rtol, atol=1e-6, equal_nan=True)
+    return out
+
+
+PREFILL = [(0, 37), (0, 20)]
+DECODE = [(50, 1), (130, 1), (7, 1), (16, 1)]
+MIXED = [(0, 25), (90, 1), (0, 0), (40, 13), (63, 1)]  # includes an idle slot and a chunked prefill
+CHUNKED = [(64, 32), (100, 17)]
+
+ACCURACY_CASES = {
+    "prefill_gqa1_window_lt_block": Case(1, PREFILL, window=8, sink=0),
+    "decode_gqa4_unaligned_window_sink_lt_bs": Case(
+        2, DECODE, kv_heads=4, group=4, window=20, sink=5, swa_heads=(0, 2)),
+    "mixed_gqa5_sink_gt_bs": Case(3, MIXED, group=5, window=33, sink=20, swa_heads=(1,)),
+    "chunked_prefill_from_cache": Case(4, CHUNKED, group=4, window=24, sink=16, swa_heads=(0, 1)),
+    "block64_window_lt_block_sink_gt_bs": Case(
+        5, [(200, 1), (70, 30), (0, 50)], block_size=64, group=4, window=40, sink=70),
+    "window_longer_than_sequence": Case(6, [(30, 5), (0, 12)], window=500, sink=3),
+    "all_heads_full": Case(7, MIXED, group=4, swa_heads=()),
+    "all_heads_swa_head_dim_128": Case(
+        8, [(300, 1), (150, 4)], kv_heads=2, group=4, head_dim=128, window=64, sink=16, swa_heads=(0, 1)),
+    "block64_long_decode_dead_pages": Case(
+        9, [(700, 1), (520, 1)], block_size=64, group=5, window=100, sink=64, swa_heads=(0,)),
+}
+
+
+@pytest.mark.parametrize("table", ["1d", "headwise", "headwise_nan_dead_pages"])
+@pytest.mark.parametrize("name", list(ACCURACY_CASES))
+def test_matches_float64_reference_and_writes_cache(name, table):
+    base = ACCURACY_CASES[name]
+    case = Case(**{**base.__dict__, "table": "headwise" if table.startswith("headwise") else "1d",
+                   "dead": "nan_page" if table == "headwise_nan_dead_pages" else "minus1"})
+    check_against_reference(f"{name}/{table}", case)
+
+
+@pytest.mark.parametrize("table", ["1d", "headwise"])
+@pytest.mark.parametrize("qkv_dtype", ["float32", "bfloat16"])
+def test_bf16_cache_matches_reference(table, qkv_dtype):
+    case = Case(11, MIXED + [(200, 1)], kv_heads=4, group=4, window=20, sink=20, swa_heads=(0, 3),
+                table=table, cache_dtype="bfloat16", qkv_dtype=qkv_dtype)
+    check_against_reference(f"bf16_cache/qkv_{qkv_dtype}/{table}", case)
+
+
+def test_head_wise_and_1d_tables_are_bit_identical_on_the_same_pages():
+    base = dict(seed=12, requests=MIXED + [(180, 1)], group=4, window=20, sink=8, swa_heads=(0,))
+    one_d = Case(**base, table="1d")
+    head_wise = Case(**base, table="headwise_same", dead="none")
+    arrays_1d, arrays_hw = build_inputs(one_d), build_inputs(head_wise)
+    # Same random stream and same pages: only the table's shape differs.
+    np.testing.assert_array_equal(arrays_1d["key_cache"], arrays_hw["key_cache"])
+    out_1d, kc_1d, vc_1d = run_op(one_d, arrays_1d)
+    out_hw, kc_hw, vc_hw = run_op(head_wise, arrays_hw)
+    assert np.isfinite(out_1d).all()
+    assert np.array_equal(out_1d, out_hw)
+    assert np.array_equal(kc_1d, kc_hw, equal_nan=True) and np.array_equal(vc_1d, vc_hw, equal_nan=True)
+
+
+def test_visit_all_pages_matches_skipping():
+    # The baseline reads (and masks) every page, so nothing may be poisoned.
+    case = Case(13, MIXED + [(150, 1)], group=4, window=20, sink=20, swa_heads=(0,), table="1d",
+                poison_invisible_rows=False)
+    arrays = build_inputs(case)
+    skip, _, _ = run_op(case, arrays)
+    visit_all, _, _ = run_op(case, arrays, visit_all_pages=True)
+    ref, _, _ = reference(case, arrays)
+    err = rel_err(visit_all, skip)
+    print(f"[append_attention_cpu] visit_all vs skip: {err:.2e}; visit_all vs ref: {rel_err(visit_all, ref):.2e}")
+    assert err < 1e-5
+
+
+def test_parallel_and_serial_runs_are_bit_identical(monkeypatch):
+    # Long enough that the helper thread really takes items while the caller
+    # works (a shared-scratch race shows up here); every (token, head) item
+    # has a fixed summation order, so the thread count cannot change a bit.
+    case = Case(14, [(1500, 1)] * 4 + [(0, 48)], block_size=64, kv_heads=2, group=4, head_dim=128,
+                window=256, sink=16, swa_heads=(0,))
+    arrays = build_inputs(case)
+    monkeypatch.setenv("FD_CPU_ATTN_NUM_THREADS", "1")
+    serial, _, _ = run_op(case, arrays)
+    assert np.isfinite(serial).all()
+    monkeypatch.setenv("FD_CPU_ATTN_NUM_THREADS", "2")
+    for _ in range(3):
+        parallel, _, _ = run_op(case, arrays)
+        assert np.array_equal(serial, parallel)
+
+
+def test_padding_rows_past_the_batch_are_zeroed():
+    case = Case(15, DECODE)
+    arrays = build_inputs(case)
+    arrays["qkv"] = np.concatenate([arrays["qkv"], np.ones((3, arrays["qkv"].shape[1]), np.float32)])
+    out, _, _ = run_op(case, arrays)
+    ref, _, _ = reference(case, {**arrays, "qkv": arrays["qkv"][: len(DECODE)]})
+    assert np.array_equal(out[len(DECODE):], np.zeros_like(out[len(DECODE):]))
+    assert rel_err(out[: len(DECODE)], ref) < FP32_TOL
+
+
+def _needed_entry_set_to_minus1(case: Case, r: int, h: int, i: int):
+    arrays = build_inputs(case)
+    arrays["block_tables"][r, h, i] = -1
+    return arrays
+
+
+@pytest.mark.parametrize(
+    "what, r, h, i",
+    [
+        # request 1 decodes t=130 with W=40, S=5, bs=16: it sees block 0 (sink) and blocks 5..8.
+        ("block inside the window of a SWA head", 1, 0, 6),
+        ("sink block of a SWA head", 1, 0, 0),
+        ("any block of a full head", 0, 1, 1),
+        ("destination block of the new token", 3, 1, 1),  # request 3 writes t=16 -> block 1
+    ],
+)
+def test_minus1_in_a_needed_entry_raises_and_leaves_cache_untouched(what, r, h, i):
+    case = Case(16, DECODE, kv_heads=2, group=2, window=40, sink=5, swa_heads=(0,), dead="minus1")
+    arrays = _needed_entry_set_to_minus1(case, r, h, i)
+    t = to_paddle(arrays, case)
+    before = t["key_cache"].numpy().copy()
+    with pytest.raises(ValueError, match=rf"request {r}, kv head {h}, block index {i}\b"):
+        append_attention(**t, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
+                         sliding_window=case.window, sink_size=case.sink)
+    assert np.array_equal(t["key_cache"].numpy(), before, equal_nan=True)
+
+
+def test_visit_all_pages_refuses_a_recycled_table():
+    case = Case(17, [(200, 1)], window=20, sink=0, swa_heads=(0,), dead="minus1")
+    t = to_paddle(build_inputs(case), case)
+    with pytest.raises(ValueError, match="visit_all_pages"):
+        append_attention(**t, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
+                         sliding_window=case.window, sink_size=case.sink, visit_all_pages=True)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(num_heads=3), "multiple of kv_num_heads"),
+        (dict(head_dim=16), "qkv must be"),
+        (dict(sliding_window=0), "sliding_window must be >= 1"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(change, message):
+    case = Case(18, DECODE)
+    t = to_paddle(build_inputs(case), case)
+    kwargs = dict(num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
+                  sliding_window=case.window, sink_size=case.sink)
+    with pytest.raises(ValueError, match=message):
+        append_attention(**t, **{**kwargs, **change})
+
+
+def test_table_too_narrow_for_the_step_raises():
+    case = Case(19, DECODE)
+    arrays = build_inputs(case)
+    arrays["block_tables"] = np.ascontiguousarray(arrays["block_tables"][:, :, :2])
+    t = to_paddle(arrays, case)
+    with pytest.raises(ValueError, match="needs block index"):
+        append_attention(**t, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
+                         sliding_window=case.window, sink_size=case.sink)
+
+
+def test_missing_compiler_is_a_clear_runtime_error(monkeypatch):
+    from fastdeploy.model_executor.layers.attention.ops import cpu_op_loader
+
+    monkeypatch.setenv("CC", "/nonexistent/bin/cc")
+    with pytest.raises(RuntimeError, match=r"needs a C\+\+ compiler.*CC='/nonexistent/bin/cc'"):
+        cpu_op_loader._check_compiler()
+
+
+def test_build_cache_key_follows_sources_and_flags(tmp_path):
+    from fastdeploy.model_executor.layers.attention.ops import cpu_op_loader
+
+    src = tmp_path / "op.cc"
+    src.write_text("int x;")
+    key = cpu_op_loader._build_key([src], ["-O3"])
+    assert key == cpu_op_loader._build_key([src], ["-O3"])
+    assert key != cpu_op_loader._build_key([src], ["-O3", "-mavx2"])
+    src.write_text("int y;")
+    assert key != cpu_op_loader._build_key([src], ["-O3"])
