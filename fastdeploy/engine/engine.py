@@ -59,6 +59,7 @@ class LLMEngine:
         request = Request(request_id, token_ids, sampling_params, eos_token_id=self.model_config.eos_token_id)
         seed = sampling_params.seed
         request.generator = np.random.default_rng(seed if seed is not None else self._seeds.integers(2 ** 63))
+        request.detokenize_state = [0, ""]
         self.scheduler.add_request(request)
         self.prompt_tokens_total += len(token_ids)
 
@@ -108,7 +109,7 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             outputs=CompletionOutput(
                 token_ids=list(request.output_token_ids),
-                text=self.tokenizer.decode(request.output_token_ids),
+                text=self.tokenizer.decode_incremental(request.output_token_ids, request.detokenize_state),
                 logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
                 finish_reason=request.finish_reason,
             ),

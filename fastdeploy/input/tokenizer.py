@@ -44,6 +44,19 @@ class ByteTokenizer(_ChatTemplate):
         data = bytes(i - self.NUM_SPECIAL for i in ids if self.NUM_SPECIAL <= i < self.vocab_size)
         return data.decode("utf-8", errors="replace")
 
+    def decode_incremental(self, ids: list, state: list) -> str:
+        """decode(ids), reusing `state` = [tokens already decoded, their text] from the previous call.
+
+        Only the tail since the last complete UTF-8 character is decoded again, so streaming a
+        long output costs O(new tokens) per step instead of O(all tokens).
+        """
+        done, text = state
+        tail = self.decode(ids[done:])
+        if not tail.endswith("\ufffd"):
+            state[0], state[1] = len(ids), text + tail
+            return state[1]
+        return text + tail
+
 
 class HFTokenizer(_ChatTemplate):
     """A `tokenizer.json` (Hugging Face tokenizers) or a sentencepiece `tokenizer.model`."""
@@ -75,6 +88,10 @@ class HFTokenizer(_ChatTemplate):
 
     def decode(self, ids: list) -> str:
         return self._decode([i for i in ids if i != self.eos_token_id])
+
+    def decode_incremental(self, ids: list, state: list) -> str:
+        # Subword decoders are not concatenative (leading spaces, merges): decode everything.
+        return self.decode(ids)
 
 
 def load_tokenizer(model_config) -> "ByteTokenizer | HFTokenizer":

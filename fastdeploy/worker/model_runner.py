@@ -49,10 +49,9 @@ class ModelRunner:
         cu = np.zeros(bsz + 1, np.int32)
         np.cumsum(lengths, out=cu[1:])
         ids = np.empty(int(cu[-1]), np.int64)
-        positions = np.empty(int(cu[-1]), np.int64)
         for i, s in enumerate(scheduled):
             ids[cu[i]:cu[i + 1]] = s.request.token_ids(s.start, s.start + s.num_tokens)
-            positions[cu[i]:cu[i + 1]] = np.arange(s.start, s.start + s.num_tokens)
+        positions = np.arange(int(cu[-1]), dtype=np.int64) + np.repeat(np.array(starts) - cu[:-1], lengths)
         encoder = np.array([n if (n > 1 or st < s.request.num_prompt_tokens) else 0
                             for s, st, n in zip(scheduled, starts, lengths)], np.int32)
         sample_rows = np.array([cu[i + 1] - 1 for i, s in enumerate(scheduled) if s.samples], np.int64)
@@ -86,9 +85,14 @@ class ModelRunner:
         meta = self.build_forward_meta(batch)
         logits = self.model.forward(meta).numpy()
         tokens, logprobs = [None] * len(batch.requests), [None] * len(batch.requests)
-        row = 0
-        for i, s in enumerate(batch.requests):
-            if s.samples:
-                tokens[i], logprobs[i] = sample_one(logits[row], s.request, self.eos_token_id)
-                row += 1
+        sampling = [i for i, s in enumerate(batch.requests) if s.samples]
+        greedy = np.argmax(logits, axis=-1) if len(sampling) else ()
+        for row, i in enumerate(sampling):
+            request = batch.requests[i].request
+            params = request.sampling_params
+            if params.temperature == 0 and params.logprobs is None and \
+                    len(request.output_token_ids) >= params.min_tokens:
+                tokens[i] = int(greedy[row])  # the common case, batched above
+            else:
+                tokens[i], logprobs[i] = sample_one(logits[row], request, self.eos_token_id)
         return tokens, logprobs

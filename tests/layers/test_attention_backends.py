@@ -16,7 +16,7 @@ SWA = {"sliding_window": 20, "sink_size": 3, "swa_kv_heads": [0, 2]}
 @pytest.mark.parametrize("mode", ["1d", "head_wise_recycle_off", "head_wise_recycle_on"])
 def test_paged_backend_matches_dense_backend_step_by_step(make_config, mode):
     cfg = make_config(mode, num_gpu_blocks_override=40, block_size=8, max_num_batched_tokens=24, max_num_seqs=4,
-                      max_model_len=256, head_wise_swa_config=SWA)
+                      max_model_len=256, head_wise_swa_config=SWA, enable_prefix_caching=False)
     runner = ModelRunner(cfg)
     paged = runner.attn_backend
     assert isinstance(paged, AppendAttentionBackend)
