@@ -169,7 +169,8 @@ class CacheConfig:
     num_gpu_blocks_override: Optional[int] = None
     kv_cache_memory: Optional[int] = None
     cache_dtype: str = "float32"
-    enable_prefix_caching: bool = False
+    # None = on unless the attention backend cannot read shared pages (resolved to a bool by FDConfig).
+    enable_prefix_caching: Optional[bool] = None
     num_gpu_blocks: int = 0  # resolved by FDConfig
 
     def block_bytes(self, model: ModelConfig, tensor_parallel_size: int) -> int:
@@ -251,11 +252,23 @@ class FDConfig:
             if model.head_wise_swa is None:
                 raise ValueError("FD_HEAD_WISE_KV_CACHE=1 but the model declares no SWA KV heads: add a "
                                  "head_wise_swa section to config.json or pass --head-wise-swa-config")
-            if cache.enable_prefix_caching:
-                raise ValueError("enable_prefix_caching: prefix caching is not yet supported together with "
-                                 "FD_HEAD_WISE_KV_CACHE=1; pass --no-enable-prefix-caching")
         elif not self.swa_recycle:
             raise ValueError("FD_HEAD_WISE_SWA_RECYCLE=0 has no effect without FD_HEAD_WISE_KV_CACHE=1")
+        self._resolve_prefix_caching()
+
+    def _resolve_prefix_caching(self) -> None:
+        """On by default (upstream); the dense NATIVE_ATTN oracle keeps K/V per request slot, not in
+        pages, so a cache hit would leave it without the prefix's keys: there the default is off and
+        asking for it explicitly is a start-up error."""
+        cache = self.cache_config
+        dense = self.attention_backend == "NATIVE_ATTN"
+        if cache.enable_prefix_caching is None:
+            cache.enable_prefix_caching = not dense
+        elif not isinstance(cache.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {cache.enable_prefix_caching!r}")
+        elif cache.enable_prefix_caching and dense:
+            raise ValueError("enable_prefix_caching: FD_ATTENTION_BACKEND=NATIVE_ATTN keeps K/V per request and "
+                             "cannot reuse cached pages; pass --no-enable-prefix-caching")
 
     def _resolve_num_blocks(self) -> None:
         cache = self.cache_config

@@ -7,6 +7,12 @@ full heads of other requests. With tensor parallelism every rank has its own pag
 
 Ownership is tracked per page (or block), so double frees and frees of someone else's page are
 caught at the call, not as corrupted attention three steps later.
+
+With prefix caching on (`cache_config.enable_prefix_caching`), full blocks a request has computed
+are registered in a `PrefixCache` (prefix_tree.py) and may be referenced by several requests; a
+cached page nobody references stays cached and is *evictable*. Every count of free pages the
+scheduler sees (`num_free_pages`, `free_pages_per_rank`, `can_allocate_*`) includes evictable pages,
+and allocation evicts (cheapest first, see prefix_tree.py) only when a rank's free lists run dry.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import heapq
 from typing import Hashable, Iterable, Optional, Sequence
 
 from fastdeploy.cache_manager.head_wise import PageLayout
+from fastdeploy.cache_manager.prefix_tree import CACHED, BlockNode, PrefixCache
 
 _ANONYMOUS = "<no request>"
 
@@ -28,6 +35,7 @@ class _Pool:
         self.owner: list = [None] * num_ids
         self.free_lists: list = [list(range(h, num_ids, num_lists)) for h in range(num_lists)]
         self.num_free = num_ids  # kept in step with the lists; schedule() reads it every step
+        self.holders: dict = {}  # cached page -> requests referencing it (filled by PrefixCache)
 
     def take(self, home: int, count: int, owner: Hashable) -> list:
         """Pop `count` ids, lowest first, from the home list, then from the fullest other lists."""
@@ -49,11 +57,6 @@ class _Pool:
         self.num_free -= count
         return out
 
-    def give_back(self, ids: Iterable[int], owner: Hashable, what: str) -> None:
-        ids = list(ids)
-        self.check_owned(ids, owner, what)
-        self.release(ids)
-
     def release(self, ids: list) -> None:
         """Free ids already validated by check_owned()."""
         owners, lists, n = self.owner, self.free_lists, self.num_lists
@@ -74,6 +77,11 @@ class _Pool:
                                  f"(0..{self.num_ids - 1})")
             holder = owners[i]
             if holder != owner:
+                if holder is CACHED and owner in self.holders[i]:
+                    continue
+                if holder is CACHED:
+                    raise ValueError(f"{_label(what, rank)} {i} freed by request {owner!r} is cached and not "
+                                     f"referenced by that request")
                 if holder is None:
                     raise ValueError(f"double free: {_label(what, rank)} {i} freed by request {owner!r} "
                                      f"is already free")
@@ -123,30 +131,41 @@ class PrefixCacheManager:
         else:
             # Every rank holds the same block ids for its own heads: one pool serves them all.
             self._pools = [_Pool(self.num_gpu_blocks, 1)]
+        self.prefix_cache: Optional[PrefixCache] = None
+        if fd_config.cache_config.enable_prefix_caching:
+            layout = self.layout
+            slot_rank = [h // self.heads_per_rank for h in range(layout.num_kv_heads)] if self.head_wise else [0]
+            self.prefix_cache = PrefixCache(
+                self._pools, slot_rank, layout.recycling_heads if self.head_wise else (), layout.block_size,
+                layout.window, layout.sink, self.heads_per_rank if self.head_wise else 1)
 
     # -- 1-D mode ------------------------------------------------------------------------------
     def can_allocate_gpu_blocks(self, num_blocks: int) -> bool:
         self._require_mode(False, "can_allocate_gpu_blocks")
-        return num_blocks <= self._pools[0].num_free
+        return num_blocks <= self._available(0)
 
     def allocate_gpu_blocks(self, num_blocks: int, req_id: Optional[Hashable] = None) -> list:
         self._require_mode(False, "allocate_gpu_blocks")
         owner = _owner(req_id)
         _check_count(num_blocks, owner)
         pool = self._pools[0]
-        if num_blocks > pool.num_free:
-            raise ValueError(f"request {owner!r} asked for {num_blocks} blocks but only {pool.num_free} are free")
+        if not self._make_room(0, num_blocks):
+            raise ValueError(f"request {owner!r} asked for {num_blocks} blocks but only {self._available(0)} are "
+                             f"free")
         return pool.take(0, num_blocks, owner)
 
     def recycle_gpu_blocks(self, block_ids: Iterable[int], req_id: Optional[Hashable] = None) -> None:
+        """Give back a request's blocks: private ones to the free list, cached ones stay cached."""
         self._require_mode(False, "recycle_gpu_blocks")
-        self._pools[0].give_back(block_ids, _owner(req_id), "block")
+        owner, ids = _owner(req_id), list(block_ids)
+        self._pools[0].check_owned(ids, owner, "block")
+        self._release(0, ids, owner)
 
     # -- head-wise mode ------------------------------------------------------------------------
     def can_allocate_gpu_blocks_head_wise(self, num_blocks_per_head: Sequence[int]) -> bool:
         self._require_mode(True, "can_allocate_gpu_blocks_head_wise")
         need = self._need_per_rank(num_blocks_per_head, _ANONYMOUS)
-        return all(n <= pool.num_free for n, pool in zip(need, self._pools))
+        return all(n <= self._available(rank) for rank, n in enumerate(need))
 
     def allocate_gpu_blocks_head_wise(self, num_blocks_per_head: Sequence[int],
                                       req_id: Optional[Hashable] = None) -> list:
@@ -154,19 +173,25 @@ class PrefixCacheManager:
         self._require_mode(True, "allocate_gpu_blocks_head_wise")
         owner = _owner(req_id)
         need = self._need_per_rank(num_blocks_per_head, owner)
-        for rank, (n, pool) in enumerate(zip(need, self._pools)):
-            if n > pool.num_free:
+        for rank, n in enumerate(need):
+            if n > self._available(rank):
                 raise ValueError(f"request {owner!r} asked for {n} pages on rank {rank} but only "
-                                 f"{pool.num_free} are free")
+                                 f"{self._available(rank)} are free")
+        for rank, n in enumerate(need):
+            self._make_room(rank, n)
         hpr = self.heads_per_rank
         return [self._pools[h // hpr].take(h % hpr, n, owner) for h, n in enumerate(num_blocks_per_head)]
 
     def try_allocate_pages_every_head(self, count: int, req_id: Hashable) -> Optional[list]:
         """Scheduler fast path: `count` pages for every KV head, or None (nothing taken) if a rank lacks room."""
         hpr = self.heads_per_rank
-        for pool in self._pools:
-            if pool.num_free < count * hpr:
+        need = count * hpr
+        for rank, pool in enumerate(self._pools):
+            if pool.num_free < need and (self.prefix_cache is None or self._available(rank) < need):
                 return None
+        if self.prefix_cache is not None:
+            for rank in range(len(self._pools)):
+                self._make_room(rank, need)
         return [pool.take(h, count, req_id) for pool in self._pools for h in range(hpr)]
 
     def recycle_pages_of_heads(self, heads: Sequence[int], pages_per_head: Sequence[list], req_id: Hashable) -> None:
@@ -175,7 +200,7 @@ class PrefixCacheManager:
         for h, pages in zip(heads, pages_per_head):
             self._pools[h // hpr].check_owned(pages, req_id, "page", h // hpr)
         for h, pages in zip(heads, pages_per_head):
-            self._pools[h // hpr].release(pages)
+            self._release(h // hpr, pages, req_id)
 
     def recycle_gpu_blocks_head_wise(self, pages_per_head: Sequence[Iterable[int]],
                                      req_id: Optional[Hashable] = None) -> None:
@@ -191,15 +216,18 @@ class PrefixCacheManager:
                     for rank in range(self.tensor_parallel_size)]
         for rank, (pool, pages) in enumerate(zip(self._pools, per_rank)):
             pool.check_owned(pages, owner, "page", rank)
-        for pool, pages in zip(self._pools, per_rank):
-            pool.release(pages)
+        for rank, pages in enumerate(per_rank):
+            self._release(rank, pages, owner)
 
     @property
     def num_free_pages(self) -> int:
-        """Free pages over all heads and ranks (in 1-D mode: free blocks x KV heads)."""
+        """Pages an allocation can get now (free or cached-unreferenced), all heads and ranks.
+
+        In 1-D mode: such blocks x KV heads.
+        """
         if self.head_wise:
-            return sum(pool.num_free for pool in self._pools)
-        return self._pools[0].num_free * self.layout.num_kv_heads
+            return sum(self._available(rank) for rank in range(len(self._pools)))
+        return self._available(0) * self.layout.num_kv_heads
 
     @property
     def num_total_pages(self) -> int:
@@ -208,32 +236,107 @@ class PrefixCacheManager:
     @property
     def num_free_blocks(self) -> int:
         self._require_mode(False, "num_free_blocks")
-        return self._pools[0].num_free
+        return self._available(0)
 
     def free_pages_per_head(self) -> list:
-        """Free pages in each global KV head's home list (1-D mode: every head sees the free blocks)."""
+        """Free (or evictable) pages whose home is each global KV head (1-D mode: every head sees the free blocks)."""
         if not self.head_wise:
-            return [self._pools[0].num_free] * self.layout.num_kv_heads
-        return [len(free) for pool in self._pools for free in pool.free_lists]
+            return [self._available(0)] * self.layout.num_kv_heads
+        cache = self.prefix_cache
+        return [len(free) + (cache.evictable_per_home[rank][h] if cache else 0)
+                for rank, pool in enumerate(self._pools) for h, free in enumerate(pool.free_lists)]
 
     def free_pages_per_rank(self) -> list:
         if not self.head_wise:
-            return [self._pools[0].num_free * self.heads_per_rank] * self.tensor_parallel_size
-        return [pool.num_free for pool in self._pools]
+            return [self._available(0) * self.heads_per_rank] * self.tensor_parallel_size
+        return [self._available(rank) for rank in range(len(self._pools))]
 
     def pages_owned_by(self, req_id: Hashable) -> int:
         return sum(1 for pool in self._pools for holder in pool.owner if holder == req_id)
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless every id is free in exactly its home list or owned, per rank."""
+        """Raise AssertionError unless every id is free in exactly its home list or owned, per rank.
+
+        "Owned" covers private pages and cached pages; with prefix caching the trie, reference sets,
+        tombstones, eviction counters and heaps are verified too (free + cached + private == total).
+        """
         for rank, pool in enumerate(self._pools):
             pool.check(f"rank {rank}" if self.head_wise else "1-D pool")
+        if self.prefix_cache is not None:
+            self.prefix_cache.check()
 
     def owners(self) -> list:
-        """Per rank, the owner of every id (None = free); for cross-checks against block tables."""
+        """Per rank, the owner of every id (None = free, CACHED = in the prefix cache)."""
         return [list(pool.owner) for pool in self._pools]
 
+    def references(self, rank: int, page: int) -> frozenset:
+        """Requests that may reference a page: its private owner, or the holders of a cached page."""
+        pool = self._pools[rank]
+        holder = pool.owner[page]
+        if holder is None:
+            return frozenset()
+        if holder is CACHED:
+            return frozenset(pool.holders[page])
+        return frozenset([holder])
+
+    # -- prefix caching ------------------------------------------------------------------------
+    @property
+    def prefix_root(self) -> Optional[BlockNode]:
+        return self.prefix_cache.root if self.prefix_cache else None
+
+    def match_prefix(self, block_keys: Iterable[tuple]) -> list:
+        """Longest valid cached path (list of BlockNode) for consecutive full-block token tuples."""
+        return self.prefix_cache.match(block_keys) if self.prefix_cache else []
+
+    def acquire_prefix(self, path: list, req_id: Hashable) -> list:
+        """Reference a matched path; per slot (KV head, or the one 1-D slot) its page ids, -1 where dead."""
+        return self.prefix_cache.acquire(path, req_id)
+
+    def register_block(self, parent: BlockNode, key: tuple, pages: list, req_id: Hashable) -> Optional[BlockNode]:
+        """Cache a fully computed block (pages per slot) under `parent`; returns the next parent or None."""
+        return self.prefix_cache.register(parent, key, pages, req_id)
+
+    def clear_prefix_cache(self) -> int:
+        """Evict every unreferenced cached page into the free lists; returns the number evicted."""
+        return self.prefix_cache.clear() if self.prefix_cache else 0
+
+    def prefix_cache_stats(self) -> dict:
+        cache = self.prefix_cache
+        if cache is None:
+            return {"prefix_cache_cached_pages": 0, "prefix_cache_evictable_pages": 0,
+                    "prefix_cache_evictions_total": 0, "prefix_cache_cached_blocks": 0}
+        scale = 1 if self.head_wise else self.layout.num_kv_heads  # 1-D: a block is one page per head
+        return {"prefix_cache_cached_pages": cache.num_cached_pages * scale,
+                "prefix_cache_evictable_pages": sum(cache.num_evictable) * scale,
+                "prefix_cache_evictions_total": cache.evictions_total * scale,
+                "prefix_cache_cached_blocks": cache.num_nodes}
+
     # -- helpers -------------------------------------------------------------------------------
+    def _available(self, rank: int) -> int:
+        """Free plus evictable ids of a rank's pool."""
+        free = self._pools[rank].num_free
+        return free + self.prefix_cache.num_evictable[rank] if self.prefix_cache is not None else free
+
+    def _make_room(self, rank: int, count: int) -> bool:
+        """Evict until `count` ids are on the rank's free lists; False (nothing evicted) if impossible."""
+        short = count - self._pools[rank].num_free
+        if short <= 0:
+            return True
+        return self.prefix_cache is not None and self.prefix_cache.evict(rank, short)
+
+    def _release(self, rank: int, ids: list, owner: Hashable) -> None:
+        """Free validated ids: private ones to their free lists, cached ones lose this owner's reference."""
+        pool = self._pools[rank]
+        if self.prefix_cache is None:
+            pool.release(ids)
+            return
+        owners = pool.owner
+        cached = [i for i in ids if owners[i] is CACHED]
+        if cached:
+            self.prefix_cache.unref(rank, cached, owner)
+            ids = [i for i in ids if owners[i] is not CACHED]
+        pool.release(ids)
+
     def _require_mode(self, head_wise: bool, method: str) -> None:
         if head_wise != self.head_wise:
             mode = "head-wise (FD_HEAD_WISE_KV_CACHE=1)" if self.head_wise else "1-D (FD_HEAD_WISE_KV_CACHE=0)"

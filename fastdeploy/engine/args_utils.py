@@ -21,7 +21,7 @@ class EngineArgs:
     cache_dtype: str = "float32"
     max_num_batched_tokens: Optional[int] = None
     enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: Optional[bool] = None  # None: on, unless FD_ATTENTION_BACKEND=NATIVE_ATTN
     tensor_parallel_size: int = 1
     head_wise_swa_config: Union[None, str, dict] = None
 
@@ -69,7 +69,9 @@ class EngineArgs:
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=d.enable_chunked_prefill, help="split long prompts over several steps")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=d.enable_prefix_caching, help="reuse KV blocks of shared prompt prefixes")
+                       default=d.enable_prefix_caching,
+                       help="reuse KV blocks of shared prompt prefixes (default: on, except with the dense "
+                            "NATIVE_ATTN oracle backend)")
         g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                        help="ranks the KV heads are split over")
         g.add_argument("--head-wise-swa-config", type=str, default=None,

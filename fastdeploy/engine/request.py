@@ -106,6 +106,16 @@ class Request:
         self.recycled_upto = 0  # SWA blocks in [sink blocks, recycled_upto) are recycled (-1)
         self.next_recycle_at = 0  # processed-token count at which the next SWA block dies
         self.reserved_pages_per_rank: list = []  # peak pages held in reserve while running
+        # Prefix caching: the trie node of the last block registered (or matched), how many leading
+        # blocks are registered, the last lookup (cache version, path) and the tokens the last
+        # admission found cached.
+        self.cache_parent = None
+        self.num_registered_blocks = 0
+        self.prefix_match: Optional[tuple] = None
+        self.num_cached_tokens = 0
+        self.peak_memo: Optional[tuple] = None  # ((num_tokens, max_new), peak pages per rank)
+        self.generator = None  # numpy Generator for sampling, set by the engine (seeded or not)
+        self.detokenize_state = [0, ""]  # incremental detokenization: [tokens decoded, their text]
         self.num_preemptions = 0
         self.first_token_time: Optional[float] = None
 

@@ -54,9 +54,9 @@ def test_head_wise_without_swa_heads_is_a_start_up_error(monkeypatch, tmp_path):
     assert not build(monkeypatch, head_wise="0", model=str(tmp_path)).head_wise_kv_cache
 
 
-def test_head_wise_with_prefix_caching_is_rejected_until_supported(monkeypatch):
-    with pytest.raises(ValueError, match="enable_prefix_caching"):
-        build(monkeypatch, enable_prefix_caching=True)
+def test_prefix_caching_is_on_by_default_and_works_with_head_wise(monkeypatch):
+    assert build(monkeypatch).cache_config.enable_prefix_caching is True
+    assert build(monkeypatch, enable_prefix_caching=False).cache_config.enable_prefix_caching is False
 
 
 def test_recycle_off_without_head_wise_has_nothing_to_act_on(monkeypatch):

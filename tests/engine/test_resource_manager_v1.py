@@ -113,8 +113,9 @@ def test_max_num_seqs_limits_running_requests(make_config):
 
 @pytest.mark.parametrize("mode", ["1d", "head_wise_recycle_off", "head_wise_recycle_on"])
 def test_on_demand_admission_preempts_the_latest_request_first(make_config, mode):
+    # Without prefix caching: a re-admitted request must start at 0 for the admission bookkeeping below.
     cfg = make_config(mode, reserve=False, num_gpu_blocks_override=12, head_wise_swa_config=SWA,
-                      max_num_batched_tokens=64)
+                      max_num_batched_tokens=64, enable_prefix_caching=False)
     rm = ResourceManagerV1(cfg)
     for i in range(3):
         rm.add_request(request(f"r{i}", 40, 60))
@@ -140,8 +141,10 @@ def test_on_demand_admission_preempts_the_latest_request_first(make_config, mode
 
 
 def test_preempted_request_recomputes_prompt_and_outputs(make_config):
+    # Without prefix caching (with it, the victim resumes from its own cached blocks:
+    # tests/cache_manager/test_prefix_caching_policy.py).
     cfg = make_config("head_wise_recycle_on", reserve=False, num_gpu_blocks_override=12,
-                      head_wise_swa_config=SWA, max_num_batched_tokens=64)
+                      head_wise_swa_config=SWA, max_num_batched_tokens=64, enable_prefix_caching=False)
     rm = ResourceManagerV1(cfg)
     reqs = [request(f"r{i}", 40, 60) for i in range(3)]
     for r in reqs:

@@ -12,6 +12,16 @@ Admission reserves, by default, the most pages a request can ever hold (FD_RESER
 computed by the same `PageLayout` arithmetic that drives recycling; a running request then never
 has to be preempted. With FD_RESERVE_OUTPUT_PAGES=0 admission follows upstream: the first chunk plus
 FD_ENC_DEC_BLOCK_NUM blocks of headroom, and preemption when decodes outgrow the cache.
+
+Prefix caching (on by default): a waiting request first looks up its longest valid cached prefix
+(whole blocks, at most (num_tokens - 1) // block_size so at least one token is computed and no
+shared block is ever written), references those pages, and starts its first chunk there; its SWA
+rows get -1 for the blocks already dead at that point. Every block a request finishes computing is
+registered in the cache right after the step (update_from_output); releasing a request (finish,
+abort, preemption) only drops its references, so a preempted request finds its own blocks again.
+Reservation admission still reserves each request's whole peak, counting shared pages once per
+request: sharing only lowers what is really held, so the rule stays sound, and evictable cached
+pages count as free because allocation evicts them on demand.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ import collections
 from dataclasses import dataclass, field
 from typing import Optional
 
-from fastdeploy.cache_manager.head_wise import first_window_block, sink_blocks, table_length
+from fastdeploy.cache_manager.head_wise import dead_block_range, first_window_block, sink_blocks, table_length
 from fastdeploy.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy.engine.request import Request, RequestStatus
 
@@ -71,6 +81,9 @@ class ResourceManagerV1:
         self._sink_blocks = sink_blocks(self.layout.sink, self.block_size)
         self.num_preemptions_total = 0
         self.swa_pages_recycled_total = 0
+        self.prefix_caching = self.cache_manager.prefix_cache is not None
+        self.prefix_cache_hit_tokens_total = 0
+        self.prefix_cache_query_tokens_total = 0
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -150,13 +163,14 @@ class ResourceManagerV1:
 
         while self.waiting and not batch.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens, budget)
-            if not self._admit(request, num_new):
+            hit = self._match_prefix(request) if self.prefix_caching else ()
+            num_new = min(request.num_tokens - len(hit) * self.block_size, budget)
+            if not self._admit(request, num_new, hit):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            batch.requests.append(ScheduledRequest(request, 0, num_new))
+            batch.requests.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
         return batch
 
@@ -167,12 +181,14 @@ class ResourceManagerV1:
         `sampled_token_ids[i]` belongs to `batch.requests[i]` (None where it did not sample).
         Returns the requests that received a token this step, finished ones included.
         """
-        progressed = []
+        progressed, bs = [], self.block_size
         for i, scheduled in enumerate(batch.requests):
             request = scheduled.request
             if request.is_finished:  # aborted between schedule and update
                 continue
             request.num_computed_tokens = scheduled.start + scheduled.num_tokens
+            if self.prefix_caching and request.num_computed_tokens >= (request.num_registered_blocks + 1) * bs:
+                self._register_blocks(request)  # a block was completed: cache it
             if not scheduled.samples:
                 continue
             token = sampled_token_ids[i]
@@ -234,28 +250,41 @@ class ResourceManagerV1:
         request.table_tokens += missing * self.block_size
         return True
 
-    def _admit(self, request: Request, num_new: int) -> bool:
+    def _admit(self, request: Request, num_new: int, hit=()) -> bool:
         if self.reserve_output_pages:
             peak = self._peak_pages(request)
             if any(r + p > self.pages_per_rank for r, p in zip(self._reserved_per_rank, peak)):
                 return False
-        elif self.running:
+        self._reset_tables(request)
+        if hit:
+            self._take_prefix(request, hit)
+        if not self.reserve_output_pages and self.running:
             # Upstream admission: the first chunk plus FD_ENC_DEC_BLOCK_NUM blocks of decode headroom.
             headroom = self.fd_config.enc_dec_block_num * self.block_size
-            need = self.layout.pages_per_rank(0, num_new + headroom)
-            if any(n > free for n, free in zip(need, self.cache_manager.free_pages_per_rank())):
+            need = self.layout.pages_per_rank(request.num_computed_tokens, num_new + headroom)
+            held = self._held_pages_per_rank(request) if hit else [0] * len(need)
+            if any(n - h > free for n, h, free in zip(need, held, self.cache_manager.free_pages_per_rank())):
+                self._release(request)  # drops the references the hit took
                 return False
-        self._reset_tables(request)
         if not self._grow_tables(request, num_new):
+            self._release(request)
             return False
+        if self.prefix_caching:
+            self.prefix_cache_query_tokens_total += request.num_tokens
+            self.prefix_cache_hit_tokens_total += request.num_computed_tokens
+            request.num_cached_tokens = request.num_computed_tokens
         if self.reserve_output_pages:
             request.reserved_pages_per_rank = peak
             self._reserved_per_rank = [r + p for r, p in zip(self._reserved_per_rank, peak)]
         return True
 
     def _peak_pages(self, request: Request) -> list:
-        return self.layout.peak_pages_per_rank(request.num_tokens, request.max_new_tokens,
-                                               self.max_num_batched_tokens)
+        # Memoised: a blocked queue head is re-checked every step and only changes when preempted.
+        key = (request.num_tokens, request.max_new_tokens)
+        if request.peak_memo is None or request.peak_memo[0] != key:
+            request.peak_memo = (key, self.layout.peak_pages_per_rank(request.num_tokens, request.max_new_tokens,
+                                                                     self.max_num_batched_tokens))
+        return request.peak_memo[1]
 
     def _reset_tables(self, request: Request) -> None:
         request.block_tables = []
@@ -264,6 +293,68 @@ class ResourceManagerV1:
         request.table_tokens = 0
         request.recycled_upto = self._sink_blocks
         request.next_recycle_at = (self._sink_blocks + 1) * self.block_size + self.layout.window - 1
+        request.cache_parent = self.cache_manager.prefix_root
+        request.num_registered_blocks = 0
+
+    # -- prefix caching ------------------------------------------------------------------------
+    def _block_keys(self, request: Request):
+        """Token tuples of the blocks a hit may cover: never the block holding the last token."""
+        bs = self.block_size
+        for i in range((request.num_tokens - 1) // bs):
+            yield tuple(request.token_ids(i * bs, (i + 1) * bs))
+
+    def _match_prefix(self, request: Request) -> list:
+        """The request's valid cached prefix, memoised until the cache changes (a blocked queue head
+        is looked up every step)."""
+        version = self.cache_manager.prefix_cache.version
+        memo = request.prefix_match
+        if memo is None or memo[0] != version or memo[1] != request.num_tokens:
+            memo = (version, request.num_tokens, self.cache_manager.match_prefix(self._block_keys(request)))
+            request.prefix_match = memo
+        return memo[2]
+
+    def _take_prefix(self, request: Request, hit: list) -> None:
+        """Reference the hit's pages and resume the request after it, SWA rows already recycled."""
+        rows = self.cache_manager.acquire_prefix(hit, request.request_id)
+        n = len(hit)
+        cached = n * self.block_size
+        if self.head_wise:
+            request.block_tables_head_wise = rows
+        else:
+            request.block_tables = rows[0]
+        request.num_computed_tokens = request.table_tokens = cached
+        request.cache_parent, request.num_registered_blocks = hit[-1], n
+        request.prefix_match = None
+        if self._recycling_heads:
+            dead = dead_block_range(cached, self.layout.window, self.layout.sink, self.block_size)
+            request.recycled_upto = max(self._sink_blocks, dead.stop)
+            request.next_recycle_at = (request.recycled_upto + 1) * self.block_size + self.layout.window - 1
+
+    def _register_blocks(self, request: Request) -> None:
+        """Cache every block the request has fully computed since the last call."""
+        bs, parent = self.block_size, request.cache_parent
+        full = request.num_computed_tokens // bs
+        rid = request.request_id
+        for i in range(request.num_registered_blocks, full):
+            if parent is None:
+                break  # the chain above left the cache: nothing deeper can be found by a lookup
+            key = tuple(request.token_ids(i * bs, (i + 1) * bs))
+            pages = [row[i] for row in request.block_tables_head_wise] if self.head_wise else [request.block_tables[i]]
+            parent = self.cache_manager.register_block(parent, key, pages, rid)
+        request.cache_parent, request.num_registered_blocks = parent, full
+
+    def _held_pages_per_rank(self, request: Request) -> list:
+        hpr = self.layout.heads_per_rank
+        if not self.head_wise:
+            return [len(request.block_tables) * hpr] * self.layout.tensor_parallel_size
+        held = [0] * self.layout.tensor_parallel_size
+        for h, row in enumerate(request.block_tables_head_wise):
+            held[h // hpr] += sum(1 for p in row if p != -1)
+        return held
+
+    def clear_prefix_cache(self) -> int:
+        """Evict every cached page no request references (e.g. after a model reload); returns pages freed."""
+        return self.cache_manager.clear_prefix_cache()
 
     def _release(self, request: Request) -> None:
         if self.head_wise:
@@ -298,12 +389,17 @@ class ResourceManagerV1:
             "num_requests_waiting": len(self.waiting),
             "swa_pages_recycled_total": self.swa_pages_recycled_total,
             "num_preemptions_total": self.num_preemptions_total,
+            "prefix_cache_hit_tokens_total": self.prefix_cache_hit_tokens_total,
+            "prefix_cache_query_tokens_total": self.prefix_cache_query_tokens_total,
+            **cm.prefix_cache_stats(),
         }
 
     def check_integrity(self) -> None:
-        """Free lists consistent, and every owned page referenced by exactly its owner's table."""
-        self.cache_manager.check_integrity()
-        expected = [[None] * len(owners) for owners in self.cache_manager.owners()]
+        """Free lists and prefix cache consistent; every page referenced by exactly the requests
+        whose tables hold it (its private owner, or the reference set of a cached page)."""
+        cm = self.cache_manager
+        cm.check_integrity()
+        expected = [[None] * len(owners) for owners in cm.owners()]
         hpr = self.layout.heads_per_rank
         for request in self.running:
             rid = request.request_id
@@ -325,8 +421,12 @@ class ResourceManagerV1:
         for request in self.waiting:
             if request.block_tables or any(request.block_tables_head_wise or []):
                 raise AssertionError(f"{request.request_id}: waiting but holds pages")
-        if expected != self.cache_manager.owners():
-            raise AssertionError("pages owned in the cache manager differ from the pages in block tables")
+        for rank, refs in enumerate(expected):
+            for page, ref in enumerate(refs):
+                want = frozenset() if ref is None else frozenset(ref if isinstance(ref, set) else [ref])
+                if cm.references(rank, page) != want:
+                    raise AssertionError(f"rank {rank} page {page}: the cache manager records references "
+                                         f"{set(cm.references(rank, page))}, block tables hold it for {set(want)}")
         if self.reserve_output_pages:
             sums = [0] * len(self._reserved_per_rank)
             for request in self.running:
@@ -336,6 +436,16 @@ class ResourceManagerV1:
 
 
 def _claim(owners: list, page: int, rid: str) -> None:
-    if owners[page] is not None:
-        raise AssertionError(f"page {page} is in the tables of {owners[page]!r} and {rid!r}")
-    owners[page] = rid
+    """Record that `rid`'s table holds `page`; a page in two tables must be a shared cached page,
+    which the reference-set comparison in check_integrity() then verifies."""
+    held = owners[page]
+    if held is None:
+        owners[page] = rid
+    elif isinstance(held, set):
+        if rid in held:
+            raise AssertionError(f"page {page} appears twice in the tables of {rid!r}")
+        held.add(rid)
+    else:
+        if held == rid:
+            raise AssertionError(f"page {page} appears twice in the tables of {rid!r}")
+        owners[page] = {held, rid}

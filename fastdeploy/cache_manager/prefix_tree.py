@@ -1,0 +1,401 @@
+"""The prefix cache: full KV blocks shared between requests, one page per KV head, SWA-aware eviction.
+
+Index. A trie of `BlockNode`s, one per full block of `block_size` tokens; a node's children are
+keyed by the *exact* token ids of the next block, so the path from the root is the chained block
+hash of upstream without any chance of a collision. A partial block is never cached. A node holds
+one page per *slot*: in head-wise mode a slot is a global KV head (page ids are local to the head's
+rank); in 1-D mode there is a single slot holding the block id. `-1` in a slot is a tombstone: that
+head's copy of the block was evicted (or never cached).
+
+Ownership. A page is free, private to one request (its id in the pool's `owner`), or cached
+(`owner` is `CACHED` and `pool.holders[page]` is the set of requests whose tables reference it).
+A cached page nobody references is *evictable*: it counts as available for allocation and is
+evicted (tombstoned and returned to its home free list) only when a free list runs dry.
+
+Hit validity (DESIGN §4). A hit of `n` blocks lets the next query sit at position `n*bs`. It is
+valid iff every full head holds all `n` blocks and every recycling SWA head holds its sink blocks
+and the blocks `[first_window_block(n*bs), n)`; SWA blocks in between are dead on that basis and
+the request's rows get -1 there, exactly as the recycler would have written them. A path that is
+not valid shrinks to the longest valid prefix.
+
+Eviction policy (per page, cheapest class first, LRU by release time within a class, deeper
+blocks first on ties so a chain is eaten from its tail):
+  0. *stale SWA pages*: a recycling head's page of a non-sink block that no *anchor* below it can
+     see. Anchors are the nodes where hits are likely to end: leaves (a repeated prompt or the next
+     turn of a chat extends a leaf) and branch points (where requests sharing a system prompt
+     diverge). A SWA page outside the window of every anchor of its subtree serves only hits ending
+     at an unremarkable block in the middle of a chain. This class is what lets recycling keep
+     saving memory when prefixes are cached: the out-of-window SWA pages of a request are
+     reclaimable while its full-head pages are still in use (the vLLM #48435 problem). The SWA
+     window pages in front of an anchor are *not* in this class, so a cached prefix does not lose
+     exactly the pages that make it reusable before the rest of it. (Judging staleness against the
+     *deepest* block of a chain instead would evict precisely a shared system prompt's window pages:
+     they lie outside the window of every user's longer tail below the branch point.)
+  1. *whole leaves*: every page of a leaf block is unreferenced; leaf before parent.
+  2. anything else unreferenced (window pages still protected, pages of interior blocks).
+Every unreferenced page is in some class, so "free + evictable" pages really can all be obtained;
+the scheduler's reservation rule relies on that.
+
+The classes are kept in one lazy heap per rank: any change that can alter a page's key pushes a
+fresh entry, and a popped entry is used only if it still equals the page's current key.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Hashable, Iterable, Optional
+
+from fastdeploy.cache_manager.head_wise import first_window_block, sink_blocks
+
+
+class _Marker:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+CACHED = _Marker("<prefix cache>")  # pool owner of a page held by the prefix cache
+
+STALE_SWA, WHOLE_LEAF, OTHER = 0, 1, 2  # eviction classes, cheapest first
+
+
+class BlockNode:
+    """One cached full block: its pages per slot and the bookkeeping the eviction policy needs."""
+
+    __slots__ = ("parent", "key", "depth", "children", "pages", "num_referenced", "protect", "anchor")
+
+    def __init__(self, parent: Optional["BlockNode"], key: Optional[tuple], depth: int, num_slots: int):
+        self.parent = parent
+        self.key = key
+        self.depth = depth            # block index; the root is -1
+        self.children: dict = {}
+        self.pages = [-1] * num_slots
+        self.num_referenced = 0       # pages (slots) of this block referenced by some request
+        self.protect = 0              # anchors whose SWA window covers this block
+        self.anchor = False
+
+    @property
+    def detached(self) -> bool:
+        """Removed from the trie (a request may still point at it as its registration parent)."""
+        return self.parent is None and self.depth >= 0
+
+    def __repr__(self) -> str:
+        return f"BlockNode(depth={self.depth}, pages={self.pages}, refs={self.num_referenced})"
+
+
+class PrefixCache:
+    """The trie, per-page reference sets and the eviction heaps over a set of page pools (one per rank)."""
+
+    def __init__(self, pools: list, slot_rank: list, recycling_slots: Iterable[int], block_size: int,
+                 window: int, sink: int, heads_per_rank: int):
+        self.pools = pools
+        self.slot_rank = list(slot_rank)
+        self.num_slots = len(self.slot_rank)
+        rec = set(recycling_slots)
+        self.recycling = [s in rec for s in range(self.num_slots)]
+        self.full_slots = [s for s in range(self.num_slots) if s not in rec]
+        self.rec_slots = sorted(rec)
+        self.block_size, self.window = block_size, window
+        self.sink_blocks = sink_blocks(sink, block_size) if rec else 0
+        self.heads_per_rank = heads_per_rank  # home lists per pool (1 in 1-D mode)
+        self.root = BlockNode(None, None, -1, self.num_slots)
+        ranks = len(pools)
+        self.where = [dict() for _ in range(ranks)]      # page -> (node, slot)
+        self.tick_of = [dict() for _ in range(ranks)]    # page -> release tick (LRU key)
+        self.heaps = [[] for _ in range(ranks)]
+        self.num_evictable = [0] * ranks
+        self.evictable_per_home = [[0] * pool.num_lists for pool in pools]
+        self.num_nodes = 0
+        self.evictions_total = 0
+        self.version = 0  # bumped whenever a lookup could answer differently
+        self.clock = 0
+        for pool in pools:
+            pool.holders = {}
+
+    # -- lookup and hits -----------------------------------------------------------------------
+    def match(self, block_keys: Iterable[tuple]) -> list:
+        """The longest valid cached path for these consecutive block keys (DESIGN §4 validity)."""
+        node, path, full = self.root, [], self.full_slots
+        for key in block_keys:
+            node = node.children.get(key)
+            if node is None or any(node.pages[s] < 0 for s in full):
+                break
+            path.append(node)
+        return path[:self.valid_depth(path)]
+
+    def valid_depth(self, path: list) -> int:
+        """Largest n <= len(path) such that the recycling heads hold what a query at n*bs can see."""
+        n = len(path)
+        if not self.rec_slots or not n:
+            return n
+        pages_ok = lambda i: all(path[i].pages[s] >= 0 for s in self.rec_slots)  # noqa: E731
+        for i in range(min(self.sink_blocks, n)):
+            if not pages_ok(i):
+                return i  # a sink block every later query sees is gone
+        while n > 0:
+            lo = max(self.sink_blocks, first_window_block(n * self.block_size, self.window, self.block_size))
+            missing = next((i for i in range(n - 1, lo - 1, -1) if not pages_ok(i)), None)
+            if missing is None:
+                return n
+            n = missing  # every hit longer than `missing` can still see block `missing`
+        return 0
+
+    def dead_end(self, n: int) -> int:
+        """SWA blocks [sink_blocks, dead_end) are dead for a request resuming at n full blocks."""
+        return max(self.sink_blocks, first_window_block(n * self.block_size, self.window, self.block_size))
+
+    def acquire(self, path: list, owner: Hashable) -> list:
+        """Reference a valid hit; per slot, its page ids (-1 where a SWA block is already dead)."""
+        n = len(path)
+        lo, hi = self.sink_blocks, self.dead_end(n)
+        rows = [[] for _ in range(self.num_slots)]
+        for i, node in enumerate(path):
+            was_unreferenced = node.num_referenced == 0
+            for s, p in enumerate(node.pages):
+                if self.recycling[s] and lo <= i < hi:
+                    rows[s].append(-1)
+                    continue
+                rows[s].append(p)
+                rank = self.slot_rank[s]
+                holders = self.pools[rank].holders[p]
+                if not holders:
+                    self._count_evictable(rank, p, -1)
+                    node.num_referenced += 1
+                holders.add(owner)
+            if was_unreferenced and node.num_referenced:
+                self._repush(node)  # its still-unreferenced pages are no longer a whole leaf
+        return rows
+
+    # -- registration --------------------------------------------------------------------------
+    def register(self, parent: BlockNode, key: tuple, pages: list, owner: Hashable) -> Optional[BlockNode]:
+        """Cache a block the owner has fully computed under `parent`; returns its node (the next parent).
+
+        If the same block is already cached, the owner's pages stay private except where the cached
+        block has a tombstone, which the owner's page then fills. None when `parent` left the trie.
+        """
+        if parent.detached:
+            return None
+        node = parent.children.get(key)
+        created = node is None
+        if created:
+            node = BlockNode(parent, key, parent.depth + 1, self.num_slots)
+        adopted, was_unreferenced = False, node.num_referenced == 0
+        for s, p in enumerate(pages):
+            if p < 0 or node.pages[s] >= 0:
+                continue
+            rank = self.slot_rank[s]
+            pool = self.pools[rank]
+            if pool.owner[p] != owner:
+                raise ValueError(f"request {owner!r} registers page {p} (rank {rank}) it does not own privately")
+            pool.owner[p] = CACHED
+            pool.holders[p] = {owner}
+            self.where[rank][p] = (node, s)
+            node.pages[s] = p
+            node.num_referenced += 1
+            adopted = True
+        if created:
+            if not adopted:
+                return None  # nothing to cache (every head of the block already recycled)
+            parent.children[key] = node
+            self.num_nodes += 1
+            self._children_changed(parent)
+            self._update_anchor(node)
+        elif adopted and was_unreferenced:
+            self._repush(node)  # its other pages are no longer part of a whole unreferenced leaf
+        if adopted:
+            self.version += 1
+        return node
+
+    # -- release and eviction ------------------------------------------------------------------
+    def unref(self, rank: int, pages: Iterable[int], owner: Hashable) -> None:
+        """Drop the owner's reference to cached pages (validated by the caller); keep them cached."""
+        self.clock += 1
+        holders_of, where, ticks = self.pools[rank].holders, self.where[rank], self.tick_of[rank]
+        for p in pages:
+            holders = holders_of[p]
+            holders.remove(owner)
+            if holders:
+                continue
+            node, s = where[p]
+            ticks[p] = self.clock
+            self._count_evictable(rank, p, +1)
+            node.num_referenced -= 1
+            if node.num_referenced == 0:
+                self._repush(node)  # may have become a whole unreferenced leaf
+            else:
+                self._push(rank, node, s, p)
+
+    def evict(self, rank: int, count: int) -> bool:
+        """Evict `count` unreferenced pages of a rank into their free lists; False (nothing done) if too few."""
+        if count <= 0:
+            return True
+        if self.num_evictable[rank] < count:
+            return False
+        heap, where, holders = self.heaps[rank], self.where[rank], self.pools[rank].holders
+        while count:
+            if not heap:
+                self._rebuild_heap(rank)
+            entry = heapq.heappop(heap)
+            p = entry[3]
+            loc = where.get(p)
+            if loc is None or holders[p] or self._key(rank, loc[0], loc[1], p) != entry:
+                continue  # stale entry: the page was referenced, evicted or changed class since
+            self._evict_page(rank, p, *loc)
+            count -= 1
+        if len(heap) > 4 * self.num_evictable[rank] + 256:
+            self._rebuild_heap(rank)
+        return True
+
+    def clear(self) -> int:
+        """Evict every unreferenced cached page; returns how many."""
+        total = 0
+        for rank in range(len(self.pools)):
+            n = self.num_evictable[rank]
+            self.evict(rank, n)
+            total += n
+        return total
+
+    @property
+    def num_cached_pages(self) -> int:
+        return sum(len(w) for w in self.where)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _count_evictable(self, rank: int, page: int, delta: int) -> None:
+        self.num_evictable[rank] += delta
+        self.evictable_per_home[rank][page % self.pools[rank].num_lists] += delta
+
+    def _key(self, rank: int, node: BlockNode, slot: int, page: int) -> tuple:
+        if self.recycling[slot] and node.depth >= self.sink_blocks and node.protect == 0:
+            cls = STALE_SWA
+        elif node.num_referenced == 0 and not node.children:
+            cls = WHOLE_LEAF
+        else:
+            cls = OTHER
+        return cls, self.tick_of[rank][page], -node.depth, page
+
+    def _push(self, rank: int, node: BlockNode, slot: int, page: int) -> None:
+        heapq.heappush(self.heaps[rank], self._key(rank, node, slot, page))
+
+    def _repush(self, node: BlockNode) -> None:
+        """Push fresh heap entries for the node's unreferenced pages after its class may have changed."""
+        for s, p in enumerate(node.pages):
+            if p >= 0:
+                rank = self.slot_rank[s]
+                if not self.pools[rank].holders[p]:
+                    self._push(rank, node, s, p)
+
+    def _rebuild_heap(self, rank: int) -> None:
+        holders = self.pools[rank].holders
+        heap = [self._key(rank, node, s, p) for p, (node, s) in self.where[rank].items() if not holders[p]]
+        heapq.heapify(heap)
+        self.heaps[rank] = heap
+
+    def _evict_page(self, rank: int, page: int, node: BlockNode, slot: int) -> None:
+        pool = self.pools[rank]
+        node.pages[slot] = -1
+        del self.where[rank][page], self.tick_of[rank][page], pool.holders[page]
+        self._count_evictable(rank, page, -1)
+        pool.release([page])
+        self.evictions_total += 1
+        self.version += 1
+        while node is not self.root and not node.children and all(p < 0 for p in node.pages):
+            parent = node.parent
+            self._remove_leaf(node)
+            node = parent
+
+    def _remove_leaf(self, node: BlockNode) -> None:
+        node.children = {}
+        self._update_anchor(node, force_off=True)
+        parent = node.parent
+        del parent.children[node.key]
+        node.parent = None
+        self.num_nodes -= 1
+        self._children_changed(parent)
+
+    def _children_changed(self, node: BlockNode) -> None:
+        if node is self.root:
+            return
+        self._update_anchor(node)
+        if node.num_referenced == 0 and len(node.children) <= 1:
+            self._repush(node)  # it may have become (or stopped being) a whole leaf
+
+    def _update_anchor(self, node: BlockNode, force_off: bool = False) -> None:
+        """Keep `protect` = number of anchors whose SWA window covers each block."""
+        if not self.rec_slots:
+            return
+        want = not force_off and len(node.children) != 1  # a leaf or a branch point
+        if want == node.anchor:
+            return
+        node.anchor = want
+        delta = 1 if want else -1
+        lo = self.dead_end(node.depth + 1)
+        a = node
+        while a is not self.root and a.depth >= lo:
+            was_zero = a.protect == 0
+            a.protect += delta
+            if was_zero != (a.protect == 0):
+                self._repush(a)
+            a = a.parent
+
+    # -- verification --------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise AssertionError unless trie, references, tombstones, anchors and heaps are consistent."""
+        nodes, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            for key, child in node.children.items():
+                if child.parent is not node or child.key != key or child.depth != node.depth + 1:
+                    raise AssertionError(f"{child!r} is linked wrongly under {node!r}")
+                stack.append(child)
+                nodes.append(child)
+        if len(nodes) != self.num_nodes:
+            raise AssertionError(f"trie has {len(nodes)} nodes, counter says {self.num_nodes}")
+        seen = [0] * len(self.pools)
+        evictable = [0] * len(self.pools)
+        protect = {id(n): 0 for n in nodes}
+        heap_entries = [set(heap) for heap in self.heaps]
+        for node in nodes:
+            if not node.children and all(p < 0 for p in node.pages):
+                raise AssertionError(f"{node!r}: an all-tombstone leaf was not removed")
+            referenced = 0
+            for s, p in enumerate(node.pages):
+                if p < 0:
+                    continue
+                rank = self.slot_rank[s]
+                pool = self.pools[rank]
+                if self.where[rank].get(p) != (node, s) or pool.owner[p] is not CACHED:
+                    raise AssertionError(f"page {p} (rank {rank}) of {node!r} is not recorded as cached there")
+                seen[rank] += 1
+                if pool.holders[p]:
+                    referenced += 1
+                else:
+                    evictable[rank] += 1
+                    if self._key(rank, node, s, p) not in heap_entries[rank]:
+                        raise AssertionError(f"evictable page {p} (rank {rank}) has no valid heap entry")
+            if referenced != node.num_referenced:
+                raise AssertionError(f"{node!r}: {referenced} referenced pages, counter says {node.num_referenced}")
+            if self.rec_slots:
+                anchor = len(node.children) != 1
+                if anchor != node.anchor:
+                    raise AssertionError(f"{node!r}: anchor flag {node.anchor}, expected {anchor}")
+                if anchor:
+                    lo, a = self.dead_end(node.depth + 1), node
+                    while a is not self.root and a.depth >= lo:
+                        protect[id(a)] += 1
+                        a = a.parent
+        for node in nodes:
+            if self.rec_slots and protect[id(node)] != node.protect:
+                raise AssertionError(f"{node!r}: protect {node.protect}, expected {protect[id(node)]}")
+        for rank, pool in enumerate(self.pools):
+            if seen[rank] != len(self.where[rank]):
+                raise AssertionError(f"rank {rank}: {len(self.where[rank])} cached pages recorded, "
+                                     f"{seen[rank]} reachable in the trie")
+            if evictable[rank] != self.num_evictable[rank] or sum(self.evictable_per_home[rank]) != evictable[rank]:
+                raise AssertionError(f"rank {rank}: {evictable[rank]} evictable pages, counters say "
+                                     f"{self.num_evictable[rank]} / {self.evictable_per_home[rank]}")
+            cached_owner = sum(1 for o in pool.owner if o is CACHED)
+            if cached_owner != seen[rank] or len(pool.holders) != seen[rank]:
+                raise AssertionError(f"rank {rank}: {cached_owner} pages owned by the cache, "
+                                     f"{len(pool.holders)} reference sets, {seen[rank]} in the trie")
