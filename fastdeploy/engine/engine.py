@@ -59,7 +59,6 @@ class LLMEngine:
         request = Request(request_id, token_ids, sampling_params, eos_token_id=self.model_config.eos_token_id)
         seed = sampling_params.seed
         request.generator = np.random.default_rng(seed if seed is not None else self._seeds.integers(2 ** 63))
-        request.detokenize_state = [0, ""]
         self.scheduler.add_request(request)
         self.prompt_tokens_total += len(token_ids)
 
@@ -115,7 +114,7 @@ class LLMEngine:
             ),
             finished=request.is_finished,
             metrics={"arrival_time": request.arrival_time, "first_token_time": request.first_token_time,
-                     "num_preemptions": request.num_preemptions},
+                     "num_preemptions": request.num_preemptions, "num_cached_tokens": request.num_cached_tokens},
         )
 
     # -- observability -------------------------------------------------------------------------

@@ -14,6 +14,8 @@ REQUIRED_METRICS = (
     "fastdeploy:kv_pages_total", "fastdeploy:kv_pages_free", "fastdeploy:num_requests_running",
     "fastdeploy:num_requests_waiting", "fastdeploy:swa_pages_recycled_total", "fastdeploy:num_preemptions_total",
     "fastdeploy:prompt_tokens_total", "fastdeploy:generation_tokens_total",
+    "fastdeploy:prefix_cache_hit_tokens_total", "fastdeploy:prefix_cache_query_tokens_total",
+    "fastdeploy:prefix_cache_cached_pages", "fastdeploy:prefix_cache_evictions_total",
 )
 
 
@@ -186,6 +188,15 @@ def test_metrics_expose_design_names_histograms_and_per_head_pages(server, clien
         assert f"# TYPE {hist} histogram" in text
         assert snapshot[f"{hist}_count"] >= 1
         assert snapshot[f'{hist}_bucket{{le="+Inf"}}'] == snapshot[f"{hist}_count"]
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache(server, client, model):
+    prompt = [3 + (i * 7) % 200 for i in range(100)]
+    before = server.metrics()["fastdeploy:prefix_cache_hit_tokens_total"]
+    for _ in range(2):
+        client.completions.create(model=model, prompt=prompt, max_tokens=2, extra_body={"ignore_eos": True})
+    after = server.wait_idle_with_all_pages_free()["fastdeploy:prefix_cache_hit_tokens_total"]
+    assert after - before >= 64  # the second request reused the first one's full blocks
 
 
 def test_metrics_port_serves_metrics_but_not_the_api(server):

@@ -32,6 +32,13 @@ ENGINE_METRICS = (
     ("num_preemptions_total", "num_preemptions_total", "counter", "Requests preempted to free KV pages."),
     ("prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens processed (prefilled)."),
     ("generation_tokens_total", "generation_tokens_total", "counter", "Tokens generated."),
+    ("prefix_cache_hit_tokens_total", "prefix_cache_hit_tokens_total", "counter",
+     "Prompt tokens served from the prefix cache at admission."),
+    ("prefix_cache_query_tokens_total", "prefix_cache_query_tokens_total", "counter",
+     "Prompt tokens looked up in the prefix cache at admission (hit rate = hit / query)."),
+    ("prefix_cache_cached_pages", "prefix_cache_cached_pages", "gauge", "KV pages held by the prefix cache."),
+    ("prefix_cache_evictions_total", "prefix_cache_evictions_total", "counter",
+     "Cached KV pages evicted to make room."),
 )
 
 
