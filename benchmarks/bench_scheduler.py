@@ -43,6 +43,7 @@ def build(args, head_wise: bool, kv_heads: int, root: str) -> ResourceManagerV1:
         block_size=args.block_size, num_gpu_blocks_override=args.running * blocks_per_req + 16,
         max_num_seqs=args.running, max_num_batched_tokens=args.max_num_batched_tokens,
         head_wise_swa_config={"sliding_window": args.window, "sink_size": args.sink, "swa_kv_heads": [0]},
+        enable_prefix_caching=args.enable_prefix_caching,
     ).create_engine_config()
     rm = ResourceManagerV1(cfg)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -71,6 +72,8 @@ def main() -> int:
     p.add_argument("--sink", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--kv-heads", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="measure with prefix caching on (every request shares the same prompt then)")
     p.add_argument("--json", type=str, default=None)
     args = p.parse_args()
 
