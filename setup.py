@@ -18,7 +18,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "openai", "aiohttp", "requests", "matplotlib", "pyyaml"],
+        "test": ["pytest", "hypothesis", "openai", "aiohttp", "requests", "matplotlib", "pyyaml", "tokenizers"],
         "bench": ["aiohttp", "matplotlib", "pyyaml"],
     },
 )

@@ -130,3 +130,21 @@ def test_llm_generate_rejects_a_bad_prompt_before_running_any(monkeypatch):
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate("fine", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out) == 1 and len(out[0].outputs.token_ids) == 3 and isinstance(out[0].outputs.text, str)
+
+
+def test_a_model_directory_with_tokenizer_json_uses_it(monkeypatch, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")
+    LLM(block_size=16, num_gpu_blocks_override=16, max_model_len=256).engine.runner.model.save_pretrained(
+        str(tmp_path))
+    words = ["[UNK]", "<s>", "</s>"] + [f"w{i}" for i in range(256)]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece()
+    tok.save(str(tmp_path / "tokenizer.json"))
+
+    llm = LLM(model=str(tmp_path), block_size=16, num_gpu_blocks_override=16, max_model_len=256)
+    assert llm.engine.tokenizer.encode("w0 w5 w9") == [3, 8, 12]
+    out = llm.generate("w0 w5 w9", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert out.prompt_token_ids == [3, 8, 12]
+    assert out.outputs.text == tok.decode([t for t in out.outputs.token_ids if t != 2])  # </s> is not text
