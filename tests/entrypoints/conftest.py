@@ -74,7 +74,8 @@ class ServerProcess:
         full_env = dict(os.environ, **BASE_SERVER_ENV, **env)
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # its own process group, as under a supervisor
         self.http = httpx.Client(base_url=self.base_url, timeout=REQUEST_TIMEOUT_S)
 
     def log_tail(self, n: int = 60) -> str:

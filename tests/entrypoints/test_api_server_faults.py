@@ -151,6 +151,16 @@ def test_sigterm_ends_streams_stops_engine_and_exits_zero(server_factory, helper
             os.kill(pid, 0)
 
 
+def test_sigterm_to_the_whole_process_group_shuts_down_quietly(server_factory, helpers):
+    """docker stop / systemd signal every process of the group, the engine process included."""
+    srv = server_factory(*SERVER_ARGS)
+    resp = srv.http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2})
+    assert resp.status_code == 200
+    os.killpg(srv.proc.pid, signal.SIGTERM)
+    assert srv.proc.wait(helpers.SHUTDOWN_TIMEOUT_S) == 0, srv.log_tail()
+    assert "Traceback" not in srv.log_tail()
+
+
 def test_dead_engine_turns_health_and_requests_into_503(server_factory, helpers):
     srv = server_factory(*SERVER_ARGS)
     (engine_pid,) = srv.engine_pids()

@@ -115,6 +115,9 @@ def run_engine_process(engine_args, requests_q, outputs_q) -> None:
         if not isinstance(exc, ValueError):
             traceback.print_exc()
         _flush_and_exit(outputs_q, 1)
+    # Paddle's import installs a SIGTERM handler that prints a C++ "traceback" and aborts; a
+    # SIGTERM sent to the whole process group (docker stop, systemd) should end us quietly.
+    signal.signal(signal.SIGTERM, _exit_quietly)
     outputs_q.put(("ready", info))
     try:
         _EngineLoop(engine, info, requests_q, outputs_q).run()
@@ -123,6 +126,10 @@ def run_engine_process(engine_args, requests_q, outputs_q) -> None:
         outputs_q.put(("fatal", f"engine step failed: {type(exc).__name__}: {exc}"))
         _flush_and_exit(outputs_q, 1)
     _flush_and_exit(outputs_q, 0)
+
+
+def _exit_quietly(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 def _flush_and_exit(outputs_q, code: int) -> None:
