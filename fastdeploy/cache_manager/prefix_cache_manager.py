@@ -192,6 +192,16 @@ class PrefixCacheManager:
         if self.prefix_cache is not None:
             for rank in range(len(self._pools)):
                 self._make_room(rank, need)
+        if count == 1:  # a decode crossing a block boundary: one page per head, inlined for schedule()
+            out = []
+            for pool in self._pools:
+                lists, owners = pool.free_lists, pool.owner
+                for home in lists:
+                    page = heapq.heappop(home if home else max(lists, key=len))
+                    owners[page] = req_id
+                    out.append([page])
+                pool.num_free -= hpr
+            return out
         return [pool.take(h, count, req_id) for pool in self._pools for h in range(hpr)]
 
     def recycle_pages_of_heads(self, heads: Sequence[int], pages_per_head: Sequence[list], req_id: Hashable) -> None:
