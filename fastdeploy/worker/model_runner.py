@@ -15,9 +15,6 @@ from fastdeploy.model_executor.models.ernie4_5 import Ernie4_5ForCausalLM
 
 class ModelRunner:
     def __init__(self, fd_config):
-        if fd_config.parallel_config.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1: the CPU model runner executes one rank; per-rank page "
-                             "pools are supported by the scheduler and the serving simulator")
         paddle.set_device("cpu")
         self.fd_config = fd_config
         model = fd_config.model_config
