@@ -225,6 +225,8 @@ def test_bad_requests_are_rejected_with_clear_errors(make_config):
     rm = ResourceManagerV1(cfg)
     with pytest.raises(ValueError, match="empty prompt"):
         rm.add_request(request("e", 0, 4))
+    with pytest.raises(ValueError, match="max_tokens must be set"):
+        rm.add_request(request("unbounded", 4, None))
     with pytest.raises(ValueError, match="exceeds max_model_len=256"):
         rm.add_request(request("long", 250, 10))
     with pytest.raises(ValueError, match="needs up to .* KV pages"):

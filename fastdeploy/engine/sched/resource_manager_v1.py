@@ -92,6 +92,9 @@ class ResourceManagerV1:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.num_tokens < 1:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.sampling_params.max_tokens is None:
+            raise ValueError(f"request {request.request_id!r}: max_tokens must be set (the engine fills it in "
+                             f"from max_model_len)")
         if request.num_tokens + request.max_new_tokens > self.max_model_len:
             raise ValueError(f"request {request.request_id!r}: prompt ({request.num_prompt_tokens} tokens) plus "
                              f"max_tokens ({request.sampling_params.max_tokens}) exceeds max_model_len="
