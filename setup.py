@@ -1,12 +1,30 @@
 """FastDeploy-shaped serving engine with a head-wise sliding-window KV cache."""
 
+import os
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+CPU_OP_SOURCES = os.path.join("custom_ops", "cpu_ops")
+
+
+class BuildPyWithOpSources(build_py):
+    """Ship the C++ op sources inside the package, so a regular install can compile them on first use."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "fastdeploy", "_custom_ops", "cpu_ops")
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(CPU_OP_SOURCES, target)
+
 
 setup(
     name="fastdeploy-headwise-swa",
     version="0.1.0",
     description="LLM serving engine whose sliding-window KV heads recycle their pages per head",
     packages=find_packages(include=["fastdeploy", "fastdeploy.*"]),
+    cmdclass={"build_py": BuildPyWithOpSources},
     python_requires=">=3.10",
     install_requires=[
         "paddlepaddle>=3.0",

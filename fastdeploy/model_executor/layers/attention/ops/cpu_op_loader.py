@@ -25,7 +25,10 @@ from types import ModuleType
 
 MODULE_NAME = "fd_cpu_ops"
 _REPO_ROOT = Path(__file__).resolve().parents[5]
-SOURCE_DIR = _REPO_ROOT / "custom_ops" / "cpu_ops"
+# A source checkout (pip install -e) keeps the sources at custom_ops/cpu_ops, upstream's path; a
+# regular install carries a copy inside the package (setup.py's build_py puts it there).
+_CANDIDATES = (_REPO_ROOT / "custom_ops" / "cpu_ops", Path(__file__).resolve().parents[4] / "_custom_ops" / "cpu_ops")
+SOURCE_DIR = next((p for p in _CANDIDATES if p.is_dir()), _CANDIDATES[0])
 _BUILT_MARKER = "BUILD_OK"
 
 
@@ -59,8 +62,8 @@ def compile_flags() -> list[str]:
 def _sources() -> list[Path]:
     if not SOURCE_DIR.is_dir():
         raise RuntimeError(
-            f"FastDeploy CPU custom-op sources not found at {SOURCE_DIR}; "
-            "run from a source checkout (the ops are compiled on first use)."
+            f"FastDeploy CPU custom-op sources not found (looked in {', '.join(map(str, _CANDIDATES))}); "
+            "reinstall the package (the ops are compiled on first use)."
         )
     return sorted(SOURCE_DIR.glob("*.cc")) + sorted(SOURCE_DIR.glob("*.h"))
 
