@@ -7,7 +7,6 @@ stops the server before it loads anything instead of crashing a step later.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -285,19 +284,6 @@ class FDConfig:
                 raise ValueError(f"kv_cache_memory={budget} bytes holds no block of "
                                  f"{cache.block_bytes(self.model_config, self.parallel_config.tensor_parallel_size)} bytes")
         cache.num_gpu_blocks = int(n)
-
-    # Derived shapes used throughout; kept here so no module recomputes them differently.
-    @property
-    def num_kv_heads(self) -> int:
-        return self.model_config.num_key_value_heads
-
-    @property
-    def kv_heads_per_rank(self) -> int:
-        return self.model_config.num_key_value_heads // self.parallel_config.tensor_parallel_size
-
-    @property
-    def max_blocks_per_seq(self) -> int:
-        return math.ceil(self.model_config.max_model_len / self.cache_config.block_size)
 
     @property
     def swa_recycle_active(self) -> bool:

@@ -261,9 +261,6 @@ class PrefixCacheManager:
             return [self._available(0) * self.heads_per_rank] * self.tensor_parallel_size
         return [self._available(rank) for rank in range(len(self._pools))]
 
-    def pages_owned_by(self, req_id: Hashable) -> int:
-        return sum(1 for pool in self._pools for holder in pool.owner if holder == req_id)
-
     def check_integrity(self) -> None:
         """Raise AssertionError unless every id is free in exactly its home list or owned, per rank.
 

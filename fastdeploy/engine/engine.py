@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Union
+from typing import Union
 
 import numpy as np
 

@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Union
 
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
-from fastdeploy.engine.request import RequestOutput, SamplingParams
+from fastdeploy.engine.request import SamplingParams
 
 Prompt = Union[str, Sequence[int]]
 

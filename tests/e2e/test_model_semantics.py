@@ -8,7 +8,6 @@ import pytest
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
-from fastdeploy.model_executor.models.ernie4_5 import Ernie4_5ForCausalLM
 
 ALL_SWA = {"sliding_window": 16, "sink_size": 4, "swa_kv_heads": [0, 1, 2, 3]}
 

@@ -128,7 +128,7 @@ def run_engine_process(engine_args, requests_q, outputs_q) -> None:
     _flush_and_exit(outputs_q, 0)
 
 
-def _exit_quietly(signum, frame) -> None:
+def _exit_quietly(_signum, _frame) -> None:
     raise SystemExit(0)
 
 
