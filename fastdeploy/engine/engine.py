@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Union
 
 import numpy as np
@@ -55,7 +56,7 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {max_len} "
                              f"(prompt + at least one generated token must fit)")
         if sampling_params.max_tokens is None:
-            sampling_params = _with_max_tokens(sampling_params, max_len - len(token_ids))
+            sampling_params = replace(sampling_params, max_tokens=max_len - len(token_ids))
         request = Request(request_id, token_ids, sampling_params, eos_token_id=self.model_config.eos_token_id)
         seed = sampling_params.seed
         request.generator = np.random.default_rng(seed if seed is not None else self._seeds.integers(2 ** 63))
@@ -137,9 +138,3 @@ class LLMEngine:
                     s["kv_pages_total"], s["kv_pages_free_per_head"], s["swa_pages_recycled_total"],
                     s["num_preemptions_total"], self._tokens_since_log / elapsed)
         self._last_log, self._tokens_since_log = now, 0
-
-
-def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, max_tokens=max_tokens)

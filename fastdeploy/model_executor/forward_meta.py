@@ -19,7 +19,6 @@ class ForwardMeta:
     """
 
     input_ids: paddle.Tensor           # int64 [token_num]
-    positions: paddle.Tensor           # int64 [token_num]
     seq_lens_encoder: paddle.Tensor    # int32 [bsz]
     seq_lens_decoder: paddle.Tensor    # int32 [bsz]
     seq_lens_this_time: paddle.Tensor  # int32 [bsz]
@@ -31,7 +30,3 @@ class ForwardMeta:
     lengths: list
     slot_ids: list                     # the requests' persistent slots (dense reference storage)
     attn_backend: Any = None
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.lengths)

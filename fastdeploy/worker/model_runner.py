@@ -48,7 +48,6 @@ class ModelRunner:
         ids = np.empty(int(cu[-1]), np.int64)
         for i, s in enumerate(scheduled):
             ids[cu[i]:cu[i + 1]] = s.request.token_ids(s.start, s.start + s.num_tokens)
-        positions = np.arange(int(cu[-1]), dtype=np.int64) + np.repeat(np.array(starts) - cu[:-1], lengths)
         encoder = np.array([n if (n > 1 or st < s.request.num_prompt_tokens) else 0
                             for s, st, n in zip(scheduled, starts, lengths)], np.int32)
         sample_rows = np.array([cu[i + 1] - 1 for i, s in enumerate(scheduled) if s.samples], np.int64)
@@ -69,7 +68,7 @@ class ModelRunner:
             tables_1d = paddle.to_tensor(table)
 
         return ForwardMeta(
-            input_ids=paddle.to_tensor(ids), positions=paddle.to_tensor(positions),
+            input_ids=paddle.to_tensor(ids),
             seq_lens_encoder=paddle.to_tensor(encoder),
             seq_lens_decoder=paddle.to_tensor(np.array(starts, np.int32)),
             seq_lens_this_time=paddle.to_tensor(np.array(lengths, np.int32)),

@@ -25,6 +25,10 @@ WEIGHTS_FILE = "model.safetensors"
 ROW_ALIGN = 8
 
 
+def _aligned(rows: int) -> int:
+    return -(-rows // ROW_ALIGN) * ROW_ALIGN
+
+
 def _pad_rows(x: paddle.Tensor, rows: int) -> paddle.Tensor:
     extra = rows - x.shape[0]
     if extra == 0:
@@ -154,7 +158,7 @@ class Ernie4_5ForCausalLM:
     def forward(self, meta: ForwardMeta) -> paddle.Tensor:
         """Logits [num_sampled, vocab] for the last token of every request that samples this step."""
         num_tokens = meta.input_ids.shape[0]
-        rows = -(-num_tokens // ROW_ALIGN) * ROW_ALIGN
+        rows = _aligned(num_tokens)
         hidden = F.embedding(_pad_rows(meta.input_ids, rows), self.embed)
         for layer_id, w in enumerate(self.layers):
             x = self._rms_norm(hidden, w["input_norm"])
@@ -164,9 +168,9 @@ class Ernie4_5ForCausalLM:
             x = self._rms_norm(hidden, w["post_norm"])
             gate, up = paddle.chunk(paddle.matmul(x, w["gate_up"]), 2, axis=-1)
             hidden = hidden + paddle.matmul(F.silu(gate) * up, w["down"])
-        if meta.sample_rows.shape[0] == 0:
-            return paddle.zeros([0, self.config.vocab_size], dtype="float32")
         num_sampled = meta.sample_rows.shape[0]
-        last = paddle.gather(hidden, _pad_rows(meta.sample_rows, -(-num_sampled // ROW_ALIGN) * ROW_ALIGN))
+        if num_sampled == 0:
+            return paddle.zeros([0, self.config.vocab_size], dtype="float32")
+        last = paddle.gather(hidden, _pad_rows(meta.sample_rows, _aligned(num_sampled)))
         logits = paddle.matmul(self._rms_norm(last, self.final_norm), self.lm_head)
         return logits[:num_sampled]
