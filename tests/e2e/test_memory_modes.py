@@ -73,8 +73,9 @@ def test_recycling_really_frees_pages_during_generation(monkeypatch, oracle):
 
 
 def test_native_oracle_with_chunking_and_preemption_is_self_consistent(monkeypatch, oracle):
-    tokens, _ = generate(monkeypatch, "NATIVE_ATTN", "1", "1", reserve="0", num_gpu_blocks_override=60,
-                         max_num_batched_tokens=40)
+    tokens, engine = generate(monkeypatch, "NATIVE_ATTN", "1", "1", reserve="0", num_gpu_blocks_override=48,
+                              max_num_batched_tokens=40)
+    assert engine.get_stats()["num_preemptions_total"] > 0
     assert tokens == oracle
 
 
