@@ -51,12 +51,17 @@ class LLMEngine:
             raise ValueError("sampling_params must be a SamplingParams")
         sampling_params.validate()
         token_ids = self._tokenize(prompt)
-        max_len = self.model_config.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {max_len} "
-                             f"(prompt + at least one generated token must fit)")
-        if sampling_params.max_tokens is None:
-            sampling_params = replace(sampling_params, max_tokens=max_len - len(token_ids))
+        n, max_len = len(token_ids), self.model_config.max_model_len
+        if n >= max_len:
+            raise ValueError(f"This model's maximum context length is {max_len} tokens, but the prompt has {n} "
+                             f"tokens, leaving no room for the completion (max_model_len is {max_len})")
+        if sampling_params.max_tokens is None:  # the OpenAI rule: fill the rest of the context
+            sampling_params = replace(sampling_params, max_tokens=max_len - n)
+        elif n + sampling_params.max_tokens > max_len:
+            raise ValueError(f"This model's maximum context length is {max_len} tokens. However, you requested "
+                             f"{n + sampling_params.max_tokens} tokens ({n} in the prompt, "
+                             f"{sampling_params.max_tokens} for the completion): the total exceeds "
+                             f"max_model_len={max_len}. Reduce the prompt or max_tokens.")
         request = Request(request_id, token_ids, sampling_params, eos_token_id=self.model_config.eos_token_id)
         seed = sampling_params.seed
         request.generator = np.random.default_rng(seed if seed is not None else self._seeds.integers(2 ** 63))
@@ -65,9 +70,10 @@ class LLMEngine:
 
     def _tokenize(self, prompt: Union[str, list]) -> list:
         if isinstance(prompt, str):
-            if not prompt:
+            token_ids = self.tokenizer.encode(prompt)
+            if not token_ids:
                 raise ValueError("prompt is empty")
-            return self.tokenizer.encode(prompt)
+            return token_ids
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
         vocab = self.model_config.vocab_size

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
+# Most top-k logprobs a request may ask for (vLLM's limit; OpenAI allows 5 for completions, 20 for chat).
+MAX_LOGPROBS = 20
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -47,8 +51,8 @@ class SamplingParams:
             bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
         if self.seed is not None and not _is_int(self.seed):
             bad("seed", "must be an integer")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            bad("logprobs", "must be an integer in [0, 20]")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.stop_token_ids is not None and not all(_is_int(t) for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of integers")
 

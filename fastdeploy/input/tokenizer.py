@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class _ChatTemplate:

@@ -118,6 +118,30 @@ def test_chat_completion_returns_assistant_message_and_usage(client, model):
     assert resp.usage.prompt_tokens > 0
 
 
+@pytest.mark.parametrize("role", ["system", "developer", "user", "assistant", "tool"])
+def test_every_openai_role_the_api_accepts_is_rendered_by_the_engine(client, model, role):
+    resp = client.chat.completions.create(model=model, messages=[{"role": role, "content": "x"}], max_tokens=2,
+                                          extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 2
+
+
+def test_min_tokens_holds_back_a_stop_token(client, model):
+    # Find a prompt whose greedy first token is one ASCII byte, so its id is known (byte b is id b + 3).
+    for prompt in ("abc", "hello", "xyz", "0123", "The", "aa", "zz", "Q"):
+        token = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0,
+                                          logprobs=1).choices[0].logprobs.tokens[0]
+        if len(token) == 1 and ord(token) < 128:
+            break
+    else:
+        pytest.fail("no prompt with an ASCII first token")
+    stop = {"stop_token_ids": [3 + ord(token)]}
+    stopped = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, extra_body=stop)
+    held = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                     extra_body={**stop, "min_tokens": 4})
+    assert stopped.usage.completion_tokens == 1 and stopped.choices[0].finish_reason == "stop"
+    assert held.usage.completion_tokens >= 4
+
+
 def test_streamed_chat_matches_non_streamed_and_ends_with_usage(client, model):
     kwargs = dict(model=model, messages=[{"role": "system", "content": "Be brief."},
                                          {"role": "user", "content": "Name a colour."}],

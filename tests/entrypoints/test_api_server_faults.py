@@ -61,7 +61,7 @@ BAD_REQUESTS = [
     ("chat_malformed_json", CHAT, b'{"messages": [', 400, None),
     ("chat_empty_messages", CHAT, _json({"messages": []}), 400, "messages"),
     ("chat_messages_wrong_type", CHAT, _json({"messages": "hello"}), 400, "messages"),
-    ("chat_unknown_role", CHAT, _json({"messages": [{"role": "wizard", "content": "hi"}]}), 400, None),
+    ("chat_unknown_role", CHAT, _json({"messages": [{"role": "wizard", "content": "hi"}]}), 400, "messages.0.role"),
     ("chat_unknown_model", CHAT, _json({"model": "gpt-4", "messages": USER_MSG}), 404, "model"),
     ("chat_negative_max_tokens", CHAT, _json({"messages": USER_MSG, "max_tokens": -1}), 400, "max_tokens"),
     ("chat_top_logprobs_without_logprobs", CHAT, _json({"messages": USER_MSG, "top_logprobs": 2}), 400, None),
@@ -145,6 +145,7 @@ def test_sigterm_ends_streams_stops_engine_and_exits_zero(server_factory, helper
     tail = conn.read_to_eof()  # the in-flight stream is ended by the server, not left hanging
     conn.close()
     assert b"data: [DONE]" in tail
+    assert b'"error"' in tail  # the client learns its stream was cut, not that it finished
     assert srv.proc.wait(helpers.SHUTDOWN_TIMEOUT_S) == 0, srv.log_tail()
     for pid in engine_pids:
         with pytest.raises(ProcessLookupError):

@@ -23,7 +23,6 @@ from typing import Optional
 
 import uvicorn
 from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -67,8 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also serve /metrics on this port (default: only on --port)")
     server.add_argument("--max-concurrency", type=_positive_int, default=None,
                         help="most requests in flight; more get HTTP 429 (default: unlimited)")
-    server.add_argument("--served-model-name", type=str, default=None,
-                        help="model name reported by the API (default: the model's own name)")
     server.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every request")
     server.add_argument("--log-level", type=str, default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
@@ -156,10 +153,6 @@ def build_app(client: EngineClient, metrics: ServerMetrics, api_port: Optional[i
         kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
         return JSONResponse(APIError(exc.status_code, str(exc.detail), type=kind).to_dict(),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
-        return error_response(bad_request(str(exc.errors()[0].get("msg", "invalid request"))))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

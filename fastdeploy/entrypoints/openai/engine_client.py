@@ -93,7 +93,6 @@ class EngineInfo:
     served_model_name: str
     max_model_len: int
     vocab_size: int
-    eos_token_id: int
 
 
 # ============================================================================ engine process
@@ -108,8 +107,7 @@ def run_engine_process(engine_args, requests_q, outputs_q) -> None:
         engine = LLMEngine.from_engine_args(engine_args)
         mc = engine.fd_config.model_config
         info = EngineInfo(served_model_name=mc.served_model_name, max_model_len=int(mc.max_model_len),
-                          vocab_size=int(engine.tokenizer.vocab_size),
-                          eos_token_id=int(engine.tokenizer.eos_token_id))
+                          vocab_size=int(engine.tokenizer.vocab_size))
     except Exception as exc:  # start-up failure: report it, the server exits with it
         outputs_q.put(("fatal", f"{type(exc).__name__}: {exc}"))
         if not isinstance(exc, ValueError):
@@ -193,11 +191,8 @@ class _EngineLoop:
             prompt = payload.prompt
             if payload.messages is not None:
                 prompt = self.engine.tokenizer.apply_chat_template(payload.messages)
-            token_ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            kwargs = dict(payload.sampling)
-            kwargs["max_tokens"] = self._check_length(len(token_ids), kwargs.get("max_tokens"))
-            params = SamplingParams(**kwargs)
-            self.engine.add_request(request_id, token_ids, params)
+            params = SamplingParams(**payload.sampling)
+            self.engine.add_request(request_id, prompt, params)  # validates prompt, length and params
         except ValueError as exc:
             self.outputs_q.put(("rejected", request_id, str(exc), True))
             return
@@ -209,22 +204,6 @@ class _EngineLoop:
             self.wants_logprobs[request_id] = params.logprobs
             self.logprobs_sent[request_id] = 0
         self.outputs_q.put(("added", request_id))
-
-    def _check_length(self, prompt_len: int, max_tokens: Optional[int]) -> int:
-        """Prompt plus completion must fit max_model_len (the OpenAI/vLLM rule); None fills it."""
-        limit = self.info.max_model_len
-        if prompt_len == 0:
-            raise ValueError("prompt must not be empty")
-        if prompt_len >= limit:
-            raise ValueError(f"This model's maximum context length is {limit} tokens, but the prompt has "
-                             f"{prompt_len} tokens, leaving no room for the completion.")
-        if max_tokens is None:
-            return limit - prompt_len
-        if prompt_len + max_tokens > limit:
-            raise ValueError(f"This model's maximum context length is {limit} tokens. However, you requested "
-                             f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
-                             f"the completion). Please reduce the prompt or max_tokens.")
-        return max_tokens
 
     def _forget(self, request_id: str) -> None:
         self.wants_logprobs.pop(request_id, None)
@@ -274,14 +253,13 @@ def _finite(logprob) -> float:
 # ============================================================================ server side
 
 class _RequestState:
-    __slots__ = ("accepted", "queue", "arrival", "first_token", "num_output_tokens")
+    __slots__ = ("accepted", "queue", "arrival", "first_token")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.accepted: asyncio.Future = loop.create_future()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.arrival = time.monotonic()
         self.first_token: Optional[float] = None
-        self.num_output_tokens = 0
 
 
 class EngineClient:
@@ -319,10 +297,6 @@ class EngineClient:
     @property
     def ready(self) -> bool:
         return self.info is not None and self.dead_reason is None and not self.closing
-
-    @property
-    def engine_pid(self) -> Optional[int]:
-        return self._proc.pid if self._proc is not None else None
 
     @property
     def num_in_flight(self) -> int:
@@ -450,7 +424,6 @@ class EngineClient:
         if state.first_token is None and out.num_output_tokens > 0:
             state.first_token = now
             self.metrics.time_to_first_token.observe(now - state.arrival)
-        state.num_output_tokens = out.num_output_tokens
         if out.finished:
             del self._states[out.request_id]
             self.metrics.observe_finished(state.arrival, state.first_token, now, out.num_output_tokens,

@@ -17,8 +17,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-# vLLM's limit; OpenAI allows 5 (completions) and 20 (chat).
-MAX_LOGPROBS = 20
+from fastdeploy.engine.request import MAX_LOGPROBS
+from fastdeploy.input.tokenizer import CHAT_ROLES
 
 
 class APIError(Exception):
@@ -190,7 +190,7 @@ class CompletionRequest(_Request):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal[CHAT_ROLES]  # the roles the engine's chat template renders
     content: Union[str, list["TextPart"], None] = None
 
     @field_validator("content", mode="wrap")
@@ -264,7 +264,7 @@ class CompletionChoice(BaseModel):
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int
     model: str
     choices: list[CompletionChoice]
     usage: Optional[UsageInfo] = None
@@ -299,30 +299,9 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Optional[UsageInfo] = None
-
-
-class DeltaMessage(BaseModel):
-    role: Optional[str] = None
-    content: Optional[str] = None
-
-
-class ChatStreamChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
-    choices: list[ChatStreamChoice]
+    choices: list[ChatChoice]
     usage: Optional[UsageInfo] = None
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import AsyncIterator, Optional
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Iterator, Optional
 
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -61,6 +62,31 @@ def sse(payload) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+@dataclass
+class StreamChunks:
+    """The OpenAI envelope of one streamed response's chunks, and its closing usage + [DONE]."""
+
+    request_id: str
+    object: str
+    created: int
+    model: str
+    include_usage: bool
+
+    def chunk(self, choice: dict) -> str:
+        body = {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None  # stream_options.include_usage: null on every chunk but the last
+        return sse(body)
+
+    def close(self, last: Optional[EngineOutput]) -> Iterator[str]:
+        if self.include_usage and last is not None:
+            usage = UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens)
+            yield sse({"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
+                       "choices": [], "usage": usage.model_dump()})
+        yield SSE_DONE
+
+
 class IncrementalText:
     """Turns the engine's cumulative text into deltas that never split a character.
 
@@ -93,6 +119,25 @@ class OpenAIServing:
 
     def __init__(self, client: EngineClient):
         self.client = client
+
+    async def serve(self, request, raw_request: Request, *, id_prefix: str, chunk_object: str,
+                    payload: AddPayload, stream_body: Callable, respond: Callable) -> Response:
+        """One request's life for either endpoint: admit, then stream SSE chunks or answer once.
+
+        `stream_body(request, stream, chunks)` yields the SSE lines; `respond(request, request_id,
+        created, model, last_output, logprob_entries)` builds the non-streamed response model.
+        """
+        model = self.model_name(request.model)
+        request_id = random_id(id_prefix)
+        stream = await self.admit(request_id, payload)
+        created = int(time.time())
+        if request.stream:
+            chunks = StreamChunks(request_id, chunk_object, created, model, request.include_usage)
+            return self.streaming_response(stream, stream_body(request, stream, chunks))
+        collected = await self.collect(stream, raw_request)
+        if collected is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(respond(request, request_id, created, model, *collected).model_dump())
 
     def model_name(self, requested: Optional[str]) -> str:
         self.client.check_available()
@@ -156,32 +201,27 @@ class OpenAIServing:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
-        model = self.model_name(request.model)
-        request_id = random_id("cmpl")
-        sampling = request.sampling_kwargs(request.max_tokens, request.logprobs)
-        stream = await self.admit(request_id, AddPayload(prompt=request.prompt, sampling=sampling))
-        created = int(time.time())
-        if request.stream:
-            return self.streaming_response(stream, self._stream(request, stream, request_id, model, created))
-        collected = await self.collect(stream, raw_request)
-        if collected is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        last, entries = collected
+        payload = AddPayload(prompt=request.prompt, sampling=request.sampling_kwargs(request.max_tokens,
+                                                                                     request.logprobs))
+        return await self.serve(request, raw_request, id_prefix="cmpl", chunk_object="text_completion",
+                                payload=payload, stream_body=self._stream, respond=self._respond)
+
+    @staticmethod
+    def _respond(request: CompletionRequest, request_id: str, created: int, model: str, last: EngineOutput,
+                 entries: list[TokenLogprob]) -> CompletionResponse:
         logprobs = None
         if request.logprobs is not None:
             logprobs = CompletionLogprobs()
             _extend_logprobs(logprobs, entries, 0)
-        response = CompletionResponse(
+        return CompletionResponse(
             id=request_id, created=created, model=model,
             choices=[CompletionChoice(text=last.text, logprobs=logprobs, finish_reason=last.finish_reason)],
             usage=UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens),
         )
-        return JSONResponse(response.model_dump())
 
-    async def _stream(self, request: CompletionRequest, stream: RequestStream, request_id: str, model: str,
-                      created: int) -> AsyncIterator[str]:
+    @staticmethod
+    async def _stream(request: CompletionRequest, stream: RequestStream, chunks: StreamChunks) -> AsyncIterator[str]:
         text = IncrementalText()
-        include_usage = request.include_usage
         last: Optional[EngineOutput] = None
         async for out in stream:
             last = out
@@ -193,18 +233,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 _extend_logprobs(logprobs, out.new_logprobs, offset_before)
             if not piece and logprobs is None and not out.finished:
                 continue
-            chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                     "choices": [{"index": 0, "text": piece,
-                                  "logprobs": logprobs.model_dump() if logprobs else None,
-                                  "finish_reason": out.finish_reason if out.finished else None}]}
-            if include_usage:
-                chunk["usage"] = None
-            yield sse(chunk)
-        if include_usage and last is not None:
-            usage = UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens)
-            yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                       "choices": [], "usage": usage.model_dump()})
-        yield SSE_DONE
+            yield chunks.chunk({"index": 0, "text": piece, "logprobs": logprobs.model_dump() if logprobs else None,
+                                "finish_reason": out.finish_reason if out.finished else None})
+        for line in chunks.close(last):
+            yield line
 
 
 def _extend_logprobs(logprobs: CompletionLogprobs, entries: list[TokenLogprob], text_offset: int) -> None:
