@@ -38,6 +38,11 @@ def first_window_block(num_processed: int, window: int, block_size: int) -> int:
     return max(0, num_processed - window + 1) // block_size
 
 
+def tokens_to_kill_block(block: int, window: int, block_size: int) -> int:
+    """Fewest processed tokens at which `block` lies below first_window_block (its inverse)."""
+    return (block + 1) * block_size + window - 1
+
+
 def dead_block_range(num_processed: int, window: int, sink: int, block_size: int) -> range:
     """Blocks of a SWA head that no future query can see."""
     start = sink_blocks(sink, block_size)

@@ -173,44 +173,32 @@ class PrefixCacheManager:
         self._require_mode(True, "allocate_gpu_blocks_head_wise")
         owner = _owner(req_id)
         need = self._need_per_rank(num_blocks_per_head, owner)
-        for rank, n in enumerate(need):
-            if n > self._available(rank):
-                raise ValueError(f"request {owner!r} asked for {n} pages on rank {rank} but only "
-                                 f"{self._available(rank)} are free")
-        for rank, n in enumerate(need):
-            self._make_room(rank, n)
-        hpr = self.heads_per_rank
-        return [self._pools[h // hpr].take(h % hpr, n, owner) for h, n in enumerate(num_blocks_per_head)]
+        pages = self._take_per_head(num_blocks_per_head, need, owner)
+        if pages is None:
+            rank = next(r for r, n in enumerate(need) if n > self._available(r))
+            raise ValueError(f"request {owner!r} asked for {need[rank]} pages on rank {rank} but only "
+                             f"{self._available(rank)} are free")
+        return pages
 
     def try_allocate_pages_every_head(self, count: int, req_id: Hashable) -> Optional[list]:
-        """Scheduler fast path: `count` pages for every KV head, or None (nothing taken) if a rank lacks room."""
-        hpr = self.heads_per_rank
-        need = count * hpr
-        for rank, pool in enumerate(self._pools):
-            if pool.num_free < need and (self.prefix_cache is None or self._available(rank) < need):
+        """Scheduler fast path of allocate_gpu_blocks_head_wise: `count` pages for every KV head, or
+        None (nothing taken) when a rank lacks room. The caller guarantees a valid count."""
+        return self._take_per_head([count] * self.layout.num_kv_heads,
+                                   [count * self.heads_per_rank] * self.tensor_parallel_size, req_id)
+
+    def _take_per_head(self, counts: Sequence[int], need_per_rank: list, owner: Hashable) -> Optional[list]:
+        for rank, (pool, n) in enumerate(zip(self._pools, need_per_rank)):
+            if n > pool.num_free and n > self._available(rank):
                 return None
         if self.prefix_cache is not None:
-            for rank in range(len(self._pools)):
-                self._make_room(rank, need)
-        if count == 1:  # a decode crossing a block boundary: one page per head, inlined for schedule()
-            out = []
-            for pool in self._pools:
-                lists, owners = pool.free_lists, pool.owner
-                for home in lists:
-                    page = heapq.heappop(home if home else max(lists, key=len))
-                    owners[page] = req_id
-                    out.append([page])
-                pool.num_free -= hpr
-            return out
-        return [pool.take(h, count, req_id) for pool in self._pools for h in range(hpr)]
+            for rank, n in enumerate(need_per_rank):
+                self._make_room(rank, n)
+        hpr = self.heads_per_rank
+        return [self._pools[h // hpr].take(h % hpr, n, owner) for h, n in enumerate(counts)]
 
     def recycle_pages_of_heads(self, heads: Sequence[int], pages_per_head: Sequence[list], req_id: Hashable) -> None:
-        """Scheduler fast path of recycle_gpu_blocks_head_wise for a few heads; same checks."""
-        hpr = self.heads_per_rank
-        for h, pages in zip(heads, pages_per_head):
-            self._pools[h // hpr].check_owned(pages, req_id, "page", h // hpr)
-        for h, pages in zip(heads, pages_per_head):
-            self._release(h // hpr, pages, req_id)
+        """Scheduler fast path of recycle_gpu_blocks_head_wise for a few heads; the same checks."""
+        self._recycle(heads, pages_per_head, req_id)
 
     def recycle_gpu_blocks_head_wise(self, pages_per_head: Sequence[Iterable[int]],
                                      req_id: Optional[Hashable] = None) -> None:
@@ -220,14 +208,19 @@ class PrefixCacheManager:
         if len(pages_per_head) != self.layout.num_kv_heads:
             raise ValueError(f"request {owner!r}: expected pages for {self.layout.num_kv_heads} KV heads, "
                              f"got {len(pages_per_head)}")
-        # Validate everything before freeing anything, so a bad call changes nothing.
+        self._recycle(range(self.layout.num_kv_heads), pages_per_head, owner)
+
+    def _recycle(self, heads: Iterable[int], pages_per_head: Sequence[list], owner: Hashable) -> None:
+        """Validate every page (per rank: a page listed under two heads is caught) before freeing any."""
         hpr = self.heads_per_rank
-        per_rank = [sum(pages_per_head[rank * hpr:(rank + 1) * hpr], [])
-                    for rank in range(self.tensor_parallel_size)]
+        per_rank: list = [[] for _ in self._pools]
+        for h, pages in zip(heads, pages_per_head):
+            per_rank[h // hpr].extend(pages)
         for rank, (pool, pages) in enumerate(zip(self._pools, per_rank)):
             pool.check_owned(pages, owner, "page", rank)
         for rank, pages in enumerate(per_rank):
-            self._release(rank, pages, owner)
+            if pages:
+                self._release(rank, pages, owner)
 
     @property
     def num_free_pages(self) -> int:

@@ -16,6 +16,7 @@ from fastdeploy.cache_manager.head_wise import (
     predicted_concurrency,
     sink_blocks,
     table_length,
+    tokens_to_kill_block,
 )
 
 
@@ -41,6 +42,12 @@ def test_dead_blocks_match_brute_force_over_windows_sinks_and_lengths(bs):
         got = list(dead_block_range(n, window, sink, bs))
         assert got == brute_dead_blocks(n, window, sink, bs), (n, window, sink, bs)
         assert num_dead_blocks(n, window, sink, bs) == len(got)
+
+
+def test_tokens_to_kill_block_is_the_inverse_of_first_window_block():
+    for block, window, bs in itertools.product(range(6), [1, 3, 16, 17], [1, 4, 16]):
+        n = tokens_to_kill_block(block, window, bs)
+        assert first_window_block(n, window, bs) > block >= first_window_block(n - 1, window, bs)
 
 
 def test_window_longer_than_sequence_kills_nothing():

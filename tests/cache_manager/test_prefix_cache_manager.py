@@ -103,9 +103,8 @@ def test_empty_home_list_borrows_from_the_fullest_other_list(head_wise):
     head_wise.allocate_gpu_blocks_head_wise([10, 0, 0, 0], "a")  # head 0's list is now empty
     head_wise.allocate_gpu_blocks_head_wise([0, 0, 4, 0], "b")   # list 2 has 6 left, lists 1 and 3 have 10
     borrowed = head_wise.allocate_gpu_blocks_head_wise([3, 0, 0, 0], "c")[0]
-    assert [p % 4 for p in borrowed] in ([1, 1, 1], [1, 3, 1], [1, 3, 3], [3, 3, 3], [1, 1, 3], [3, 1, 1],
-                                         [3, 1, 3], [3, 3, 1])
-    assert 2 not in [p % 4 for p in borrowed]
+    # Fullest first, ties to the lower head: list 1 (10), then list 3 (10 vs 9), then list 1 (9 vs 9).
+    assert [p % 4 for p in borrowed] == [1, 3, 1]
     head_wise.check_integrity()
     # A borrowed page goes back to its own home list, not the borrower's.
     head_wise.recycle_gpu_blocks_head_wise([borrowed, [], [], []], "c")
@@ -123,7 +122,7 @@ def test_head_wise_over_allocation_is_all_or_nothing(head_wise):
 
 def test_head_wise_bad_recycle_changes_nothing(head_wise):
     pages = head_wise.allocate_gpu_blocks_head_wise([1, 1, 1, 1], "a")
-    with pytest.raises(ValueError, match=r"page \(rank 0\) 1 freed by request 'a' is already free|already free"):
+    with pytest.raises(ValueError, match="already free"):
         head_wise.recycle_gpu_blocks_head_wise([[pages[0][0], 8], [], [], []], "a")
     assert head_wise.num_free_pages == 36  # the valid page in the bad call was not freed either
     with pytest.raises(ValueError, match="belongs to request 'a'"):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastdeploy.cache_manager.head_wise import predicted_concurrency
+from fastdeploy.cache_manager.head_wise import dead_block_range, predicted_concurrency
 from fastdeploy.engine.request import Request, RequestStatus, SamplingParams
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 
@@ -22,9 +22,19 @@ def request(rid, prompt_len, max_tokens, **params):
 def step(rm, token=9):
     """One scheduler step with a model that samples `token` wherever a chunk ends a request."""
     batch = rm.schedule()
+    assert_no_dead_page_held(rm)
     rm.update_from_output(batch, [token if s.samples else None for s in batch.requests])
     rm.check_integrity()
     return batch
+
+
+def assert_no_dead_page_held(rm):
+    """Right after schedule(), every running request has returned every page that left its window."""
+    if not rm.layout.recycling_heads:
+        return
+    for r in rm.running:
+        dead = dead_block_range(r.num_computed_tokens, rm.layout.window, rm.layout.sink, rm.block_size)
+        assert r.recycled_upto == dead.stop, (r.request_id, r.recycled_upto, dead)
 
 
 def run_to_completion(rm, limit=100_000):

@@ -30,7 +30,13 @@ import collections
 from dataclasses import dataclass, field
 from typing import Optional
 
-from fastdeploy.cache_manager.head_wise import dead_block_range, first_window_block, sink_blocks, table_length
+from fastdeploy.cache_manager.head_wise import (
+    dead_block_range,
+    first_window_block,
+    sink_blocks,
+    table_length,
+    tokens_to_kill_block,
+)
 from fastdeploy.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy.engine.request import Request, RequestStatus
 
@@ -135,20 +141,15 @@ class ResourceManagerV1:
 
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        self.recycle_out_of_window_pages()  # processed-token basis, before any allocation
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        recycling = bool(self._recycling_heads)
-        recycled = 0
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if recycling and request.num_computed_tokens >= request.next_recycle_at:
-                recycled += self._recycle_request(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self._grow_tables(request, num_new):
-                if recycling and self.recycle_out_of_window_pages():
-                    continue  # pages of requests behind this one left their window: retry first
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -160,9 +161,6 @@ class ResourceManagerV1:
                 i += 1
                 continue
             break  # the request preempted itself: nothing behind it is left running
-        self.swa_pages_recycled_total += recycled
-        if recycling and i < len(self.running):
-            self.recycle_out_of_window_pages()  # requests the budget skipped still shed their pages
 
         while self.waiting and not batch.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
@@ -205,11 +203,7 @@ class ResourceManagerV1:
         return progressed
 
     def recycle_out_of_window_pages(self) -> int:
-        """Return every page that left a SWA head's window (processed-token basis); write -1.
-
-        schedule() does this per request, just before that request's allocation, and runs the
-        full pass before it would preempt anyone: no allocation ever waits on a dead page.
-        """
+        """Return every page that left a SWA head's window (processed-token basis); write -1."""
         if not self._recycling_heads:
             return 0
         freed = 0
@@ -220,18 +214,19 @@ class ResourceManagerV1:
         return freed
 
     def _recycle_request(self, request: Request) -> int:
-        window, bs = self.layout.window, self.block_size
         start = request.recycled_upto
-        end = first_window_block(request.num_computed_tokens, window, bs)
+        end = first_window_block(request.num_computed_tokens, self.layout.window, self.block_size)
         tables = request.block_tables_head_wise
         heads = self._recycling_heads
         self.cache_manager.recycle_pages_of_heads(heads, [tables[h][start:end] for h in heads], request.request_id)
         for h in heads:
             tables[h][start:end] = [-1] * (end - start)
-        request.recycled_upto = end
-        # Block `end` dies once first_window_block passes it: n - W + 1 >= (end + 1) * bs.
-        request.next_recycle_at = (end + 1) * bs + window - 1
-        return (end - start) * len(self._recycling_heads)
+        self._set_recycled_upto(request, end)
+        return (end - start) * len(heads)
+
+    def _set_recycled_upto(self, request: Request, block: int) -> None:
+        request.recycled_upto = block
+        request.next_recycle_at = tokens_to_kill_block(block, self.layout.window, self.block_size)
 
     # -- pages ---------------------------------------------------------------------------------
     def _grow_tables(self, request: Request, num_new: int) -> bool:
@@ -294,8 +289,7 @@ class ResourceManagerV1:
         request.block_tables_head_wise = [[] for _ in range(self.layout.num_kv_heads)] if self.head_wise else None
         request.num_computed_tokens = 0
         request.table_tokens = 0
-        request.recycled_upto = self._sink_blocks
-        request.next_recycle_at = (self._sink_blocks + 1) * self.block_size + self.layout.window - 1
+        self._set_recycled_upto(request, self._sink_blocks)
         request.cache_parent = self.cache_manager.prefix_root
         request.num_registered_blocks = 0
 
@@ -329,9 +323,8 @@ class ResourceManagerV1:
         request.cache_parent, request.num_registered_blocks = hit[-1], n
         request.prefix_match = None
         if self._recycling_heads:
-            dead = dead_block_range(cached, self.layout.window, self.layout.sink, self.block_size)
-            request.recycled_upto = max(self._sink_blocks, dead.stop)
-            request.next_recycle_at = (request.recycled_upto + 1) * self.block_size + self.layout.window - 1
+            self._set_recycled_upto(request, dead_block_range(cached, self.layout.window, self.layout.sink,
+                                                              self.block_size).stop)
 
     def _register_blocks(self, request: Request) -> None:
         """Cache every block the request has fully computed since the last call."""
@@ -354,10 +347,6 @@ class ResourceManagerV1:
         for h, row in enumerate(request.block_tables_head_wise):
             held[h // hpr] += sum(1 for p in row if p != -1)
         return held
-
-    def clear_prefix_cache(self) -> int:
-        """Evict every cached page no request references (e.g. after a model reload); returns pages freed."""
-        return self.cache_manager.clear_prefix_cache()
 
     def _release(self, request: Request) -> None:
         if self.head_wise:
@@ -406,6 +395,12 @@ class ResourceManagerV1:
         hpr = self.layout.heads_per_rank
         for request in self.running:
             rid = request.request_id
+            if self._recycling_heads:
+                limit = dead_block_range(request.num_computed_tokens, self.layout.window, self.layout.sink,
+                                         self.block_size).stop
+                if request.recycled_upto > limit:  # never recycle a block a future query can see
+                    raise AssertionError(f"{rid}: recycled up to block {request.recycled_upto}, "
+                                         f"but only blocks below {limit} are dead")
             if self.head_wise:
                 for h, row in enumerate(request.block_tables_head_wise):
                     for i, p in enumerate(row):
