@@ -164,9 +164,8 @@ class ResourceManagerV1:
 
         while self.waiting and not batch.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hit = self._match_prefix(request) if self.prefix_caching else ()
-            num_new = min(request.num_tokens - len(hit) * self.block_size, budget)
-            if not self._admit(request, num_new, hit):
+            num_new = self._admit(request, budget)
+            if num_new is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -248,11 +247,14 @@ class ResourceManagerV1:
         request.table_tokens += missing * self.block_size
         return True
 
-    def _admit(self, request: Request, num_new: int, hit=()) -> bool:
-        if self.reserve_output_pages:
+    def _admit(self, request: Request, budget: int) -> Optional[int]:
+        """Give a waiting request its cached prefix and first chunk; the chunk's size, or None if it must wait."""
+        if self.reserve_output_pages:  # checked first: it does not depend on the prefix hit
             peak = self._peak_pages(request)
             if any(r + p > self.pages_per_rank for r, p in zip(self._reserved_per_rank, peak)):
-                return False
+                return None
+        hit = self._match_prefix(request) if self.prefix_caching else ()
+        num_new = min(request.num_tokens - len(hit) * self.block_size, budget)
         self._reset_tables(request)
         if hit:
             self._take_prefix(request, hit)
@@ -263,10 +265,10 @@ class ResourceManagerV1:
             held = self._held_pages_per_rank(request) if hit else [0] * len(need)
             if any(n - h > free for n, h, free in zip(need, held, self.cache_manager.free_pages_per_rank())):
                 self._release(request)  # drops the references the hit took
-                return False
+                return None
         if not self._grow_tables(request, num_new):
             self._release(request)
-            return False
+            return None
         if self.prefix_caching:
             self.prefix_cache_query_tokens_total += request.num_tokens
             self.prefix_cache_hit_tokens_total += request.num_computed_tokens
@@ -274,7 +276,7 @@ class ResourceManagerV1:
         if self.reserve_output_pages:
             request.reserved_pages_per_rank = peak
             self._reserved_per_rank = [r + p for r, p in zip(self._reserved_per_rank, peak)]
-        return True
+        return num_new
 
     def _peak_pages(self, request: Request) -> list:
         # Memoised: a blocked queue head is re-checked every step and only changes when preempted.
