@@ -27,6 +27,7 @@ import time
 import numpy as np
 import paddle
 
+from fastdeploy.cache_manager.head_wise import dead_block_range
 from fastdeploy.model_executor.layers.attention.ops import append_attention
 from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import compile_flags
 
@@ -66,11 +67,8 @@ class DecodeStep:
         """Pages b*H + h of the 1-D blocks; dead blocks of SWA heads recycled to -1."""
         a, H = self.args, self.args.kv_heads
         table = self.table_1d[:, None, :] * H + np.arange(H, dtype=np.int32)[None, :, None]
-        n = self.context
-        for i in range(self.blocks_per_req):
-            dead = i >= math.ceil(a.sink / a.block_size) and (i + 1) * a.block_size <= n - a.window + 1
-            if dead:
-                table[:, swa_mask.astype(bool), i] = -1
+        dead = dead_block_range(self.context, a.window, a.sink, a.block_size)
+        table[:, swa_mask.astype(bool), dead.start:dead.stop] = -1
         return np.ascontiguousarray(table)
 
     def arm(self, swa_heads: int, mode: str):

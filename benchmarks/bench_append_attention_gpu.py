@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fastdeploy.cache_manager.head_wise import num_dead_blocks
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "custom_ops"))
 import gpu_harness  # noqa: E402
 from gpu_harness import BF16, Case  # noqa: E402
@@ -80,9 +82,8 @@ def decode_pages_read(pos: int, window: int, arm: dict) -> int:
     all_pages = pos // BLOCK + 1
     if arm["visit_all_pages"]:
         return all_pages * KV_HEADS * (2 if arm["dual_pass"] else 1)
-    sink_blocks = -(-SINK // BLOCK)
-    first = max(pos - window + 1, 0) // BLOCK
-    swa_pages = min(sink_blocks, all_pages) + all_pages - max(first, min(sink_blocks, all_pages))
+    # The query at `pos` sees what a future query sees after pos processed tokens (DESIGN §4).
+    swa_pages = all_pages - num_dead_blocks(pos, window, SINK, BLOCK)
     return len(SWA_HEADS) * swa_pages + (KV_HEADS - len(SWA_HEADS)) * all_pages
 
 

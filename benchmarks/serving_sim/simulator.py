@@ -22,6 +22,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+
 from fastdeploy.cache_manager.head_wise import PageLayout, predicted_concurrency
 from fastdeploy.config import CacheConfig, ModelConfig
 from fastdeploy.engine.args_utils import EngineArgs
@@ -391,8 +393,9 @@ def run_arm(scenario: Scenario, recycle: bool, predicted_running: Optional[float
 
 
 def _pct(values: list, q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+    """The same percentile definition as benchmark_serving.py (linear interpolation), so simulated
+    and measured p99s compare like for like."""
+    return float(np.percentile(values, q))
 
 
 def arm_metrics(arm: ArmOutcome) -> dict:

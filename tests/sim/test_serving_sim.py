@@ -17,6 +17,7 @@ from serving_sim.simulator import (Scenario, ceiling, make_fd_config, run_arm, r
 from serving_sim.step_model import ModelShape, StepModel, attended_pairs, keys_read  # noqa: E402
 from serving_sim.workload import Workload  # noqa: E402
 
+from fastdeploy.cache_manager.head_wise import predicted_concurrency  # noqa: E402
 from fastdeploy.model_executor.models.tiny_preset import TINY_PRESET_CONFIG  # noqa: E402
 
 ERNIE_JSON = os.path.join(REPO_ROOT, "benchmarks", "models", "ernie-4.5-21b-a3b.json")
@@ -147,7 +148,9 @@ def test_recycling_gain_is_real_and_bounded_by_the_concurrency_ceiling(tiny_mode
 def test_fixed_lengths_ceiling_is_the_page_need_prediction(tiny_model):
     sc = tiny_scenario(tiny_model)
     pred = ceiling(sc.settings(), sc.workload)
-    assert pred["ceiling"] == pred["running_on"] / pred["running_off"] > 1
+    # Fixed lengths: exactly the engine's own prediction, and a real gain.
+    assert pred == predicted_concurrency(make_fd_config(sc.settings(), recycle=True), 300, 200)
+    assert pred["ceiling"] > 1
 
 
 def test_same_seed_same_result_other_seed_other_arrivals(tiny_model):
