@@ -1,0 +1,47 @@
+"""The benchmark scripts users run still run: each one, tiny, through its real command line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(script, *args, timeout=240):
+    env = dict(os.environ, FD_LOG_INTERVAL="0")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", script), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_bench_offline_runs_both_arms_with_identical_tokens(tmp_path):
+    out = tmp_path / "ab.json"
+    run("bench_offline.py", "--num-prompts", "6", "--input-len", "48", "--output-len", "24", "--window", "16",
+        "--sink", "0", "--concurrency-off", "2", "--json", str(out))
+    result = json.loads(out.read_text())
+    for key in ("throughput_off", "throughput_on", "gain", "ceiling", "peak_running_off", "peak_running_on"):
+        assert key in result
+    assert result["identical_tokens"] is True
+    assert result["peak_running_on"] / result["peak_running_off"] == pytest.approx(result["ceiling"])
+
+
+def test_bench_scheduler_prints_both_arms(tmp_path):
+    out = tmp_path / "sched.json"
+    run("bench_scheduler.py", "--running", "8", "--context", "512", "--decode-steps", "5", "--kv-heads", "4",
+        "--max-num-batched-tokens", "512", "--json", str(out))
+    (row,) = json.loads(out.read_text())
+    assert row["one_d_ms"] > 0 and row["head_wise_ms"] > 0
+
+
+def test_bench_prefix_caching_hits_and_keeps_tokens(tmp_path):
+    out = tmp_path / "pc.json"
+    run("bench_prefix_caching.py", "--prefixes", "2", "--prefix-len", "64", "--requests", "4", "--chats", "2",
+        "--turns", "2", "--json", str(out))
+    results = json.loads(out.read_text())["results"]
+    assert {r["workload"] for r in results} >= {"shared-prefix", "multi-turn"}
+    assert all(r["identical_tokens"] for r in results)
+    assert any(r["on"]["hit_rate"] > 0 for r in results)
