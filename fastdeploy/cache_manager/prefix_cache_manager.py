@@ -57,6 +57,19 @@ class _Pool:
         self.num_free -= count
         return out
 
+    def take_from_every_list(self, count: int, owner: Hashable) -> list:
+        """`count` ids for each home list in turn (borrowing as take() does); one list per home."""
+        lists = self.free_lists
+        if count == 1 and all(lists):  # the decode step's case: nobody needs to borrow
+            owners, out = self.owner, []
+            for free in lists:
+                i = heapq.heappop(free)
+                owners[i] = owner
+                out.append([i])
+            self.num_free -= len(lists)
+            return out
+        return [self.take(home, count, owner) for home in range(self.num_lists)]
+
     def release(self, ids: list) -> None:
         """Free ids already validated by check_owned()."""
         owners, lists, n = self.owner, self.free_lists, self.num_lists
@@ -68,7 +81,7 @@ class _Pool:
     def check_owned(self, ids: Sequence[int], owner: Hashable, what: str, rank: Optional[int] = None) -> None:
         """Raise ValueError unless every id is valid, listed once, and held by `owner`."""
         owners = self.owner
-        if len(set(ids)) != len(ids):
+        if len(ids) > 1 and len(set(ids)) != len(ids):
             raise ValueError(f"{_label(what, rank)} {_first_duplicate(ids)} appears twice in one free call "
                              f"of request {owner!r}")
         for i in ids:
@@ -183,8 +196,14 @@ class PrefixCacheManager:
     def try_allocate_pages_every_head(self, count: int, req_id: Hashable) -> Optional[list]:
         """Scheduler fast path of allocate_gpu_blocks_head_wise: `count` pages for every KV head, or
         None (nothing taken) when a rank lacks room. The caller guarantees a valid count."""
-        return self._take_per_head([count] * self.layout.num_kv_heads,
-                                   [count * self.heads_per_rank] * self.tensor_parallel_size, req_id)
+        need = count * self.heads_per_rank
+        for rank, pool in enumerate(self._pools):
+            if need > pool.num_free and need > self._available(rank):
+                return None
+        if self.prefix_cache is not None:
+            for rank in range(len(self._pools)):
+                self._make_room(rank, need)
+        return [row for pool in self._pools for row in pool.take_from_every_list(count, req_id)]
 
     def _take_per_head(self, counts: Sequence[int], need_per_rank: list, owner: Hashable) -> Optional[list]:
         for rank, (pool, n) in enumerate(zip(self._pools, need_per_rank)):
@@ -212,6 +231,12 @@ class PrefixCacheManager:
 
     def _recycle(self, heads: Iterable[int], pages_per_head: Sequence[list], owner: Hashable) -> None:
         """Validate every page (per rank: a page listed under two heads is caught) before freeing any."""
+        if len(self._pools) == 1:  # one page space: no per-rank split (the scheduler's every step)
+            pages = pages_per_head[0] if len(pages_per_head) == 1 else [p for row in pages_per_head for p in row]
+            self._pools[0].check_owned(pages, owner, "page", 0)
+            if pages:
+                self._release(0, pages, owner)
+            return
         hpr = self.heads_per_rank
         per_rank: list = [[] for _ in self._pools]
         for h, pages in zip(heads, pages_per_head):

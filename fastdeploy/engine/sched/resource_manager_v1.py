@@ -84,6 +84,9 @@ class ResourceManagerV1:
         self.requests: dict = {}
         self._reserved_per_rank = [0] * self.layout.tensor_parallel_size
         self._recycling_heads = self.layout.recycling_heads
+        # Running requests whose processed tokens reached next_recycle_at, noted where their
+        # progress is recorded so the recycle pass need not scan every running request.
+        self._recycle_due: list = []
         self._sink_blocks = sink_blocks(self.layout.sink, self.block_size)
         self.num_preemptions_total = 0
         self.swa_pages_recycled_total = 0
@@ -187,6 +190,8 @@ class ResourceManagerV1:
             if request.is_finished:  # aborted between schedule and update
                 continue
             request.num_computed_tokens = scheduled.start + scheduled.num_tokens
+            if request.num_computed_tokens >= request.next_recycle_at and self._recycling_heads:
+                self._recycle_due.append(request)
             if self.prefix_caching and request.num_computed_tokens >= (request.num_registered_blocks + 1) * bs:
                 self._register_blocks(request)  # a block was completed: cache it
             if not scheduled.samples:
@@ -203,11 +208,11 @@ class ResourceManagerV1:
 
     def recycle_out_of_window_pages(self) -> int:
         """Return every page that left a SWA head's window (processed-token basis); write -1."""
-        if not self._recycling_heads:
-            return 0
+        due, self._recycle_due = self._recycle_due, []
         freed = 0
-        for request in self.running:
-            if request.num_computed_tokens >= request.next_recycle_at:
+        for request in due:
+            # Finished, aborted or preempted since its progress was noted: its pages are gone.
+            if request.status is RequestStatus.RUNNING and request.num_computed_tokens >= request.next_recycle_at:
                 freed += self._recycle_request(request)
         self.swa_pages_recycled_total += freed
         return freed
