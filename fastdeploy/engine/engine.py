@@ -32,6 +32,7 @@ class LLMEngine:
         self._seeds = np.random.default_rng()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.engine_steps_total = 0  # steps that ran the model: the denominator of per-step cost
         self._log_interval = envs.FD_LOG_INTERVAL
         self._last_log = time.monotonic()
         self._tokens_since_log = 0
@@ -98,6 +99,7 @@ class LLMEngine:
         if not batch.requests:
             return []
         tokens, logprobs = self.runner.execute(batch)
+        self.engine_steps_total += 1
         progressed = self.scheduler.update_from_output(batch, tokens, logprobs)
         outputs = []
         for request in progressed:
@@ -128,7 +130,8 @@ class LLMEngine:
     def get_stats(self) -> dict:
         stats = self.scheduler.stats()
         stats.update(prompt_tokens_total=self.prompt_tokens_total,
-                     generation_tokens_total=self.generation_tokens_total)
+                     generation_tokens_total=self.generation_tokens_total,
+                     engine_steps_total=self.engine_steps_total)
         return stats
 
     def _maybe_log(self) -> None:

@@ -147,3 +147,13 @@ def test_a_model_directory_with_tokenizer_json_uses_it(monkeypatch, tmp_path):
     out = llm.generate("w0 w5 w9", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert out.prompt_token_ids == [3, 8, 12]
     assert out.outputs.text == tok.decode([t for t in out.outputs.token_ids if t != 2])  # </s> is not text
+
+
+def test_engine_steps_total_counts_model_steps_only(engine):
+    before = engine.get_stats()["engine_steps_total"]
+    engine.step()  # nothing queued: no model step
+    engine.add_request("steps", [5] * 10, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    # One prefill step that samples the first token, then one decode step per further token.
+    assert engine.get_stats()["engine_steps_total"] - before == 6
