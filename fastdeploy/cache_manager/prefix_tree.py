@@ -244,8 +244,7 @@ class PrefixCache:
                 continue  # stale entry: the page was referenced, evicted or changed class since
             self._evict_page(rank, p, *loc)
             count -= 1
-        if len(heap) > 4 * self.num_evictable[rank] + 256:
-            self._rebuild_heap(rank)
+        self._compact_if_bloated(rank)
         return True
 
     def clear(self) -> int:
@@ -276,7 +275,14 @@ class PrefixCache:
         return cls, self.tick_of[rank][page], -node.depth, page
 
     def _push(self, rank: int, node: BlockNode, slot: int, page: int) -> None:
+        # Hits and releases push fresh entries and leave the old ones stale; compacting here (not
+        # only in evict) bounds the heap when the cache never runs dry. Amortised O(1) per push.
+        self._compact_if_bloated(rank)
         heapq.heappush(self.heaps[rank], self._key(rank, node, slot, page))
+
+    def _compact_if_bloated(self, rank: int) -> None:
+        if len(self.heaps[rank]) > 4 * self.num_evictable[rank] + 256:
+            self._rebuild_heap(rank)
 
     def _repush(self, node: BlockNode) -> None:
         """Push fresh heap entries for the node's unreferenced pages after its class may have changed."""
