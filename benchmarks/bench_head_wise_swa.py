@@ -18,14 +18,9 @@ import asyncio
 import json
 import math
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -35,6 +30,17 @@ import yaml
 import benchmark_serving
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Runs from a checkout without installing; index 1 keeps benchmarks/ (the script's dir) first.
+sys.path.insert(1, REPO_ROOT)
+
+from fastdeploy.entrypoints.openai.metrics import prometheus_totals  # noqa: E402
+from fastdeploy.entrypoints.openai.server_process import (  # noqa: E402
+    ApiServerProcess,
+    ServerStartError,
+    free_port,
+    settings_to_flags,
+)
+
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "benchmarks", "yaml", "swa_1of4.yaml")
 SERVER_KEYS = ("model", "max_model_len", "block_size", "num_gpu_blocks_override", "max_num_seqs",
                "max_num_batched_tokens", "head_wise_swa_config")
@@ -43,6 +49,7 @@ METRIC_RUNNING = "fastdeploy:num_requests_running"
 METRIC_WAITING = "fastdeploy:num_requests_waiting"
 METRIC_PAGES_TOTAL = "fastdeploy:kv_pages_total"
 METRIC_PAGES_FREE = "fastdeploy:kv_pages_free"
+METRIC_STEPS = "fastdeploy:engine_steps_total"
 ARMS = (("off", "0"), ("on", "1"))
 
 
@@ -92,7 +99,6 @@ def load_settings(args: argparse.Namespace) -> tuple[dict, dict]:
 
 def predict(server: dict, workload: dict) -> dict:
     """running_off / running_on / ceiling from the engine's own page-need arithmetic."""
-    sys.path.insert(0, REPO_ROOT)
     # The prediction is for head-wise mode; the recycle flag itself is not an
     # input (the function predicts both arms), so only the mode is pinned.
     os.environ["FD_HEAD_WISE_KV_CACHE"] = "1"
@@ -112,97 +118,11 @@ def predict(server: dict, workload: dict) -> dict:
 # ----------------------------------------------------------------------------- server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def server_command(server: dict, port: int) -> list[str]:
-    cmd = [sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server",
-           "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(port)]
-    for key in SERVER_KEYS:
-        value = server.get(key)
-        if value is None:
-            continue
-        if isinstance(value, (dict, list)):
-            value = json.dumps(value)
-        cmd += ["--" + key.replace("_", "-"), str(value)]
-    return cmd
-
-
-class ServerProcess:
-    """One api_server subprocess with its output in a log file (a pipe could fill and block it)."""
-
-    def __init__(self, cmd: list[str], env: dict, log_path: str):
-        self.cmd, self.log_path = cmd, log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-
-    def log_tail(self, lines: int = 40) -> str:
-        with open(self.log_path, "rb") as f:
-            text = f.read().decode("utf-8", errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
-
-    def wait_healthy(self, base_url: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ABError(f"the server exited with code {self.proc.returncode} while starting; "
-                              f"last lines of {self.log_path}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(base_url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise ABError(f"the server did not answer /health within {timeout_s:.0f} s; "
-                      f"last lines of {self.log_path}:\n{self.log_tail()}")
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                log(f"server pid {self.proc.pid} ignored SIGTERM for {timeout_s:.0f} s; killing it")
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+def server_flags(server: dict) -> list[str]:
+    return settings_to_flags({key: server.get(key) for key in SERVER_KEYS})
 
 
 # ----------------------------------------------------------------------------- metrics
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Metric name -> value; a name exported with labels (e.g. per head) is summed.
-
-    An unlabelled sample of a name wins over labelled ones, so a total exported
-    next to its per-head breakdown is not double counted.
-    """
-    plain: dict[str, float] = {}
-    labelled: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if "{" in line:
-            name, _, rest = line.partition("{")
-            value = rest.rpartition("}")[2].split()
-            target = labelled
-        else:
-            name, *value = line.split()
-            target = plain
-        if not value:
-            continue
-        try:
-            target[name] = target.get(name, 0.0) + float(value[0])
-        except ValueError:
-            continue
-    return {**labelled, **plain}
-
 
 @dataclass
 class Timeline:
@@ -211,6 +131,7 @@ class Timeline:
     waiting: list[float] = field(default_factory=list)
     pages_in_use: list[float] = field(default_factory=list)
     pages_total: Optional[float] = None
+    engine_steps: list[float] = field(default_factory=list)
 
 
 async def poll_metrics(metrics_url: str, timeline: Timeline, stop: asyncio.Event,
@@ -221,9 +142,9 @@ async def poll_metrics(metrics_url: str, timeline: Timeline, stop: asyncio.Event
         while not stop.is_set():
             try:
                 async with session.get(metrics_url) as response:
-                    values = parse_prometheus(await response.text())
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                values = {}
+                    values = prometheus_totals(await response.text())
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+                values = {}  # a missed sample; the timeline goes on with the next one
             now = time.perf_counter() - start
             if METRIC_RUNNING in values and METRIC_PAGES_FREE in values and METRIC_PAGES_TOTAL in values:
                 total = values[METRIC_PAGES_TOTAL]
@@ -232,6 +153,8 @@ async def poll_metrics(metrics_url: str, timeline: Timeline, stop: asyncio.Event
                 timeline.running.append(values[METRIC_RUNNING])
                 timeline.waiting.append(values.get(METRIC_WAITING, 0.0))
                 timeline.pages_in_use.append(total - values[METRIC_PAGES_FREE])
+                if METRIC_STEPS in values:
+                    timeline.engine_steps.append(values[METRIC_STEPS])
                 if now >= next_report:
                     next_report += report_every_s
                     log(f"[{label}] t={now:5.0f}s running={values[METRIC_RUNNING]:.0f} "
@@ -260,6 +183,12 @@ class ArmResult:
     def peak_pages(self) -> float:
         return max(self.timeline.pages_in_use, default=0.0)
 
+    @property
+    def engine_steps(self) -> Optional[float]:
+        """Model steps the engine ran while /metrics was sampled (the run, to within a poll)."""
+        steps = self.timeline.engine_steps
+        return steps[-1] - steps[0] if len(steps) >= 2 else None
+
 
 async def drive(base_url: str, workload: dict, label: str) -> tuple[dict, Timeline]:
     argv = ["--base-url", base_url, "--backend", "openai", "--dataset-name", "random",
@@ -284,15 +213,14 @@ async def drive(base_url: str, workload: dict, label: str) -> tuple[dict, Timeli
 
 def run_arm(name: str, recycle: str, server: dict, workload: dict, args: argparse.Namespace) -> ArmResult:
     port = args.port or free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, FD_HEAD_WISE_KV_CACHE="1", FD_HEAD_WISE_SWA_RECYCLE=recycle)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = {"FD_HEAD_WISE_KV_CACHE": "1", "FD_HEAD_WISE_SWA_RECYCLE": recycle}
     log_path = os.path.join(args.log_dir, f"server_recycle_{name}.log")
     log(f"[{name}] starting server on port {port} (FD_HEAD_WISE_SWA_RECYCLE={recycle}); log: {log_path}")
-    server_proc = ServerProcess(server_command(server, port), env, log_path)
+    server_proc = ApiServerProcess(server_flags(server), port=port, metrics_port=port, env=env, log_path=log_path)
+    base_url = server_proc.base_url
     try:
         started = time.perf_counter()
-        server_proc.wait_healthy(base_url, args.startup_timeout)
+        server_proc.wait_healthy(args.startup_timeout, poll_interval_s=0.5)
         log(f"[{name}] server healthy after {time.perf_counter() - started:.1f} s; "
             f"sending {workload['num_prompts']} requests "
             f"({workload['input_len']} in / {workload['output_len']} out tokens)")
@@ -302,7 +230,7 @@ def run_arm(name: str, recycle: str, server: dict, workload: dict, args: argpars
             raise ABError(f"[{name}] benchmark failed: {exc}\nlast server log lines:\n"
                           f"{server_proc.log_tail()}") from None
     finally:
-        server_proc.stop()
+        server_proc.stop(timeout_s=30.0)
     log(f"[{name}] done: {result['output_throughput']:.1f} output tok/s, "
         f"peak running {max(timeline.running, default=0):.0f}")
     return ArmResult(name, result, timeline)
@@ -325,6 +253,10 @@ def summarize(off: ArmResult, on: ArmResult, prediction: dict, server: dict, wor
         "predicted_running_off": prediction.get("running_off"),
         "predicted_running_on": prediction.get("running_on"),
         "kv_pages_total": off.timeline.pages_total,
+        # gain = steps ratio OFF/ON / step-time ratio ON/OFF: what recycling saves in steps, and
+        # what the bigger batch costs per step on this machine.
+        "steps_ratio": None,
+        "step_time_ratio": None,
         "server": server,
         # JSON has no infinity; "inf" keeps the file readable by strict parsers.
         "workload": {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in workload.items()},
@@ -334,6 +266,7 @@ def summarize(off: ArmResult, on: ArmResult, prediction: dict, server: dict, wor
         summary.update({
             f"peak_running_{arm.name}": arm.peak_running,
             f"peak_pages_in_use_{arm.name}": arm.peak_pages,
+            f"engine_steps_{arm.name}": arm.engine_steps,
             f"mean_ttft_ms_{arm.name}": r["mean_ttft_ms"],
             f"median_ttft_ms_{arm.name}": r["median_ttft_ms"],
             f"mean_tpot_ms_{arm.name}": r["mean_tpot_ms"],
@@ -349,6 +282,10 @@ def summarize(off: ArmResult, on: ArmResult, prediction: dict, server: dict, wor
                 "pages_in_use": arm.timeline.pages_in_use,
             },
         })
+    if off.engine_steps and on.engine_steps:
+        summary["steps_ratio"] = off.engine_steps / on.engine_steps
+        summary["step_time_ratio"] = ((on.result["duration"] / on.engine_steps)
+                                      / (off.result["duration"] / off.engine_steps))
     return summary
 
 
@@ -362,17 +299,23 @@ def print_table(s: dict) -> None:
         ("Peak running requests", "peak_running_{}", "{:.0f}"),
         ("Predicted running requests", "predicted_running_{}", "{}"),
         ("Peak pages in use", "peak_pages_in_use_{}", "{:.0f}"),
+        ("Engine steps", "engine_steps_{}", "{:.0f}"),
         ("Failed requests", "failed_{}", "{}"),
     ]
     print()
     print(f"{'':<30}{'recycle OFF':>14}{'recycle ON':>14}")
     for label, key, fmt in rows:
-        print(f"{label:<30}{fmt.format(s[key.format('off')]):>14}{fmt.format(s[key.format('on')]):>14}")
+        off, on = (s[key.format(arm)] for arm in ("off", "on"))
+        print(f"{label:<30}{'n/a' if off is None else fmt.format(off):>14}{'n/a' if on is None else fmt.format(on):>14}")
     print(f"{'KV pages total':<30}{s['kv_pages_total'] or 0:>14.0f}")
     share = s["share_of_possible_gain"]
     share_text = "n/a" if share is None else f"{100 * share:.0f}% of the possible gain"
     print(f"Gain (ON/OFF output throughput): {s['gain']:.3f}   ceiling: {s['ceiling']:.3f}   "
           f"target >= {s['target_gain']:.3f}   ({share_text})")
+    if s["steps_ratio"] is not None:
+        print(f"Gain = steps ratio OFF/ON {s['steps_ratio']:.3f} / mean step time ratio ON/OFF "
+              f"{s['step_time_ratio']:.3f} (the second factor is ~1 only where a step's cost does not "
+              f"grow with the batch)")
 
 
 def write_plot(path: str, off: ArmResult, on: ArmResult) -> None:
@@ -438,7 +381,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if float(prediction["ceiling"]) <= 1.0:
             log("warning: the ceiling is 1, so this workload is not memory-bound and recycling cannot help")
         arms = {name: run_arm(name, recycle, server, workload, args) for name, recycle in ARMS}
-    except (ABError, OSError, yaml.YAMLError) as exc:
+    except (ABError, ServerStartError, OSError, yaml.YAMLError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

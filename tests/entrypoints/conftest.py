@@ -9,11 +9,7 @@ several conftest.py files and no packages, so `import conftest` would be ambiguo
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 import types
 from pathlib import Path
@@ -21,6 +17,9 @@ from typing import Callable, Optional
 
 import httpx
 import pytest
+
+from fastdeploy.entrypoints.openai.metrics import parse_prometheus_text
+from fastdeploy.entrypoints.openai.server_process import ApiServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # Start-up includes importing Paddle and building the tiny model in the engine process.
@@ -36,12 +35,6 @@ BASE_SERVER_ARGS = ("--block-size", "16", "--num-gpu-blocks-override", "64", "--
 BASE_SERVER_ENV = {"FD_HEAD_WISE_KV_CACHE": "1"}
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -51,61 +44,20 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interva
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def parse_prometheus(text: str) -> dict[str, float]:
-    """`name{labels}` -> value for every sample line."""
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
+class ServerProcess(ApiServerProcess):
+    """The shared launcher with this suite's base settings, an HTTP client and test helpers."""
 
-
-class ServerProcess:
     def __init__(self, args: tuple, env: dict, log_path: Path, separate_metrics_port: bool = False):
-        self.port = free_port()
-        self.metrics_port = free_port() if separate_metrics_port else None
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server", "--host", "127.0.0.1",
-               "--port", str(self.port), *BASE_SERVER_ARGS, *args]
-        if self.metrics_port is not None:
-            cmd += ["--metrics-port", str(self.metrics_port)]
-        full_env = dict(os.environ, **BASE_SERVER_ENV, **env)
-        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)  # its own process group, as under a supervisor
+        super().__init__((*BASE_SERVER_ARGS, *args), env={**BASE_SERVER_ENV, **env}, log_path=log_path,
+                         metrics_port=free_port() if separate_metrics_port else None)
         self.http = httpx.Client(base_url=self.base_url, timeout=REQUEST_TIMEOUT_S)
 
-    def log_tail(self, n: int = 60) -> str:
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
-
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
-            try:
-                if self.http.get("/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{self.log_tail()}")
+        self.wait_healthy(STARTUP_TIMEOUT_S)
 
     def stop(self) -> Optional[int]:
         self.http.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(SHUTDOWN_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
+        return super().stop(SHUTDOWN_TIMEOUT_S)
 
     # ------------------------------------------------------------ helpers
     def model_name(self) -> str:
@@ -115,7 +67,7 @@ class ServerProcess:
         url = f"http://127.0.0.1:{port or self.port}/metrics"
         resp = self.http.get(url)
         assert resp.status_code == 200, resp.text
-        return parse_prometheus(resp.text)
+        return parse_prometheus_text(resp.text)
 
     def engine_pids(self) -> list[int]:
         """The engine process(es): children of the server started by multiprocessing spawn."""
@@ -205,7 +157,7 @@ def assert_openai_error(resp: httpx.Response, status: int, param: Optional[str] 
 @pytest.fixture(scope="session")
 def helpers():
     return types.SimpleNamespace(assert_openai_error=assert_openai_error, wait_until=wait_until,
-                                 parse_prometheus=parse_prometheus, POLL_TIMEOUT_S=POLL_TIMEOUT_S,
+                                 parse_prometheus=parse_prometheus_text, POLL_TIMEOUT_S=POLL_TIMEOUT_S,
                                  SHUTDOWN_TIMEOUT_S=SHUTDOWN_TIMEOUT_S, REQUEST_TIMEOUT_S=REQUEST_TIMEOUT_S, REPO=REPO)
 
 

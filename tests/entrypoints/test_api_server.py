@@ -13,7 +13,7 @@ MAX_MODEL_LEN = 256
 REQUIRED_METRICS = (
     "fastdeploy:kv_pages_total", "fastdeploy:kv_pages_free", "fastdeploy:num_requests_running",
     "fastdeploy:num_requests_waiting", "fastdeploy:swa_pages_recycled_total", "fastdeploy:num_preemptions_total",
-    "fastdeploy:prompt_tokens_total", "fastdeploy:generation_tokens_total",
+    "fastdeploy:prompt_tokens_total", "fastdeploy:generation_tokens_total", "fastdeploy:engine_steps_total",
     "fastdeploy:prefix_cache_hit_tokens_total", "fastdeploy:prefix_cache_query_tokens_total",
     "fastdeploy:prefix_cache_cached_pages", "fastdeploy:prefix_cache_evictions_total",
 )

@@ -1,17 +1,13 @@
 """benchmark_serving: its random dataset, its metric math, and a short run against the real server."""
 
-import importlib.util
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
+
+from fastdeploy.entrypoints.openai.server_process import ApiServerProcess, free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
@@ -109,23 +105,6 @@ def test_stream_chunks_that_carry_no_token_do_not_count_as_tokens():
     assert not _is_token_chunk(None, {"delta": {}, "finish_reason": None})
 
 
-def test_prometheus_parser_sums_labelled_series_and_prefers_an_unlabelled_total():
-    text = "\n".join([
-        "# HELP fastdeploy:kv_pages_free free pages",
-        'fastdeploy:kv_pages_free{head="0"} 10',
-        'fastdeploy:kv_pages_free{head="1"} 5.5',
-        "fastdeploy:kv_pages_total 64",
-        'fastdeploy:num_requests_running{model="m"} 3',
-        'fastdeploy:num_requests_waiting{model="m"} 1',
-        "fastdeploy:num_requests_waiting 2",
-    ])
-    values = bench_head_wise_swa.parse_prometheus(text)
-    assert values["fastdeploy:kv_pages_free"] == 15.5
-    assert values["fastdeploy:kv_pages_total"] == 64
-    assert values["fastdeploy:num_requests_running"] == 3
-    assert values["fastdeploy:num_requests_waiting"] == 2
-
-
 # ----------------------------------------------------------------------------- A/B configs
 
 
@@ -142,51 +121,16 @@ def test_shipped_ab_configs_are_memory_bound(name):
 # ----------------------------------------------------------------------------- live server
 
 
-def _server_available() -> bool:
-    try:
-        return importlib.util.find_spec("fastdeploy.entrypoints.openai.api_server") is not None
-    except ModuleNotFoundError:
-        return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def live_server_url(tmp_path_factory):
-    if not _server_available():
-        pytest.skip("fastdeploy.entrypoints.openai.api_server is not there yet")
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("bench_server") / "server.log"
-    env = dict(os.environ, FD_HEAD_WISE_KV_CACHE="1",
-               PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server", "--host", "127.0.0.1",
-           "--port", str(port), "--metrics-port", str(port), "--max-num-seqs", "8",
-           "--max-model-len", "256", "--block-size", "16", "--num-gpu-blocks-override", "64"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    server = ApiServerProcess(["--max-num-seqs", "8", "--max-model-len", "256", "--block-size", "16",
+                               "--num-gpu-blocks-override", "64"], env={"FD_HEAD_WISE_KV_CACHE": "1"},
+                              log_path=tmp_path_factory.mktemp("bench_server") / "server.log")
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"api_server did not come up:\n{log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2):
-                    break
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.5)
-        yield url
+        server.wait_healthy(timeout_s=240)
+        yield server.base_url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 def _run(url, *extra):
@@ -220,7 +164,7 @@ def test_chat_benchmark_against_the_live_server_has_no_failures_and_exact_output
 def test_benchmark_reports_an_unreachable_server_without_a_traceback():
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "benchmark_serving.py"),
-         "--port", str(_free_port()), "--num-prompts", "1"],
+         "--port", str(free_port()), "--num-prompts", "1"],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "cannot reach the server" in proc.stderr

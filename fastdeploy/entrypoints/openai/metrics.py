@@ -1,4 +1,4 @@
-"""Prometheus text exposition (format 0.0.4) for /metrics, written by hand.
+"""Prometheus text exposition (format 0.0.4) for /metrics, written by hand, and its reader.
 
 Engine gauges and counters come from the engine process's latest `get_stats()` snapshot (published
 every ~0.1 s while busy, 0.5 s while idle, and at once when it goes idle); latency histograms are
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
 from typing import Optional
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -32,6 +33,7 @@ ENGINE_METRICS = (
     ("num_preemptions_total", "num_preemptions_total", "counter", "Requests preempted to free KV pages."),
     ("prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens processed (prefilled)."),
     ("generation_tokens_total", "generation_tokens_total", "counter", "Tokens generated."),
+    ("engine_steps_total", "engine_steps_total", "counter", "Engine steps that ran the model."),
     ("prefix_cache_hit_tokens_total", "prefix_cache_hit_tokens_total", "counter",
      "Prompt tokens served from the prefix cache at admission."),
     ("prefix_cache_query_tokens_total", "prefix_cache_query_tokens_total", "counter",
@@ -121,3 +123,136 @@ class ServerMetrics:
         for hist in (self.time_to_first_token, self.time_per_output_token, self.e2e_request_latency):
             lines += hist.render()
         return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- reading the format
+# The reader lives next to the writer so the two agree on one format; benchmarks and tests scrape
+# /metrics with it. It is strict: a line it cannot read raises, so a broken exposition fails loudly
+# instead of silently losing a series.
+
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+_ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
+# Cumulative or quantile series of one histogram/summary: adding them up means nothing.
+_NON_ADDITIVE_LABELS = ("le", "quantile")
+
+
+def _read_labels(line: str, pos: int) -> tuple[tuple[tuple[str, str], ...], int]:
+    """Labels from just after `{`; returns them in written order and the position after `}`."""
+    labels: list[tuple[str, str]] = []
+    while True:
+        while pos < len(line) and line[pos] in " \t":
+            pos += 1
+        if line.startswith("}", pos):
+            return tuple(labels), pos + 1
+        match = _LABEL_NAME.match(line, pos)
+        if match is None:
+            raise ValueError(f"bad label name at column {pos + 1}")
+        key, pos = match.group(), match.end()
+        if any(key == seen for seen, _ in labels):
+            raise ValueError(f"label {key!r} given twice")
+        if not line.startswith('="', pos):
+            raise ValueError(f'label {key!r} is not followed by ="')
+        pos += 2
+        value: list[str] = []
+        while True:
+            if pos >= len(line):
+                raise ValueError(f"label {key!r} has no closing quote")
+            char = line[pos]
+            if char == '"':
+                pos += 1
+                break
+            if char == "\\":
+                escaped = line[pos + 1:pos + 2]
+                if escaped not in _ESCAPES:
+                    raise ValueError(f"bad escape in label {key!r}")
+                value.append(_ESCAPES[escaped])
+                pos += 2
+            else:
+                value.append(char)
+                pos += 1
+        labels.append((key, "".join(value)))
+        while pos < len(line) and line[pos] in " \t":
+            pos += 1
+        if line.startswith(",", pos):
+            pos += 1
+        elif not line.startswith("}", pos):
+            raise ValueError(f"expected , or }} after label {key!r}")
+
+
+def _read_sample(line: str) -> tuple[str, tuple[tuple[str, str], ...], float]:
+    match = _METRIC_NAME.match(line)
+    if match is None:
+        raise ValueError("no metric name")
+    name, pos = match.group(), match.end()
+    labels: tuple[tuple[str, str], ...] = ()
+    if line.startswith("{", pos):
+        labels, pos = _read_labels(line, pos + 1)
+    rest = line[pos:]
+    fields = rest.split()
+    if not rest[:1].isspace() or len(fields) not in (1, 2):
+        raise ValueError("expected `series value [timestamp]`")
+    try:
+        value = float(fields[0])
+        if len(fields) == 2:
+            int(fields[1])  # the optional timestamp (ms) is checked, then not used
+    except ValueError:
+        raise ValueError(f"not a number: {' '.join(fields)!r}") from None
+    return name, labels, value
+
+
+def iter_prometheus_samples(text: str):
+    """Yield (name, labels, value) per sample line; labels is a tuple of (key, value) as written.
+
+    Skips blank lines and `#` lines (HELP, TYPE, comments). Histogram and summary series are plain
+    samples here: `x_bucket{le="0.5"}`, `x_sum`, `x_count`. Raises ValueError naming the line
+    number for anything else that is not a sample, and for a series given twice (the format
+    allows each once per scrape).
+    """
+    seen: set[str] = set()
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            name, labels, value = _read_sample(line)
+            key = series_key(name, labels)
+            if key in seen:
+                raise ValueError("series given twice")
+        except ValueError as exc:
+            raise ValueError(f"Prometheus text line {number}: {exc}: {raw!r}") from None
+        seen.add(key)
+        yield name, labels, value
+
+
+def series_key(name: str, labels: tuple[tuple[str, str], ...]) -> str:
+    """`name` or `name{k="v",...}`: how render() above writes a series, so keys match the text."""
+    if not labels:
+        return name
+    escaped = (v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for _, v in labels)
+    return name + "{" + ",".join(f'{k}="{v}"' for (k, _), v in zip(labels, escaped)) + "}"
+
+
+def parse_prometheus_text(text: str) -> dict[str, float]:
+    """Every series -> its value, keyed by series_key(): `fastdeploy:kv_pages_free`,
+    `fastdeploy:kv_pages_free_per_head{head="0"}`, `..._bucket{le="+Inf"}`, `..._sum`, `..._count`.
+    """
+    return {series_key(name, labels): value for name, labels, value in iter_prometheus_samples(text)}
+
+
+def prometheus_totals(text: str) -> dict[str, float]:
+    """Metric name -> one number: its unlabelled sample if it has one, else the sum of its
+    labelled samples (e.g. a per-head gauge summed over heads).
+
+    An unlabelled total exported next to its labelled breakdown is therefore not counted twice.
+    Histogram buckets (`le`) and summary quantiles are left out, since summing them means nothing;
+    a histogram's `_sum` and `_count` are plain names and stay.
+    """
+    plain: dict[str, float] = {}
+    labelled: dict[str, float] = {}
+    for name, labels, value in iter_prometheus_samples(text):
+        if not labels:
+            plain[name] = value
+        elif not any(key in _NON_ADDITIVE_LABELS for key, _ in labels):
+            labelled[name] = labelled.get(name, 0.0) + value
+    return {**labelled, **plain}
