@@ -233,11 +233,13 @@ class PrefixCache:
             return True
         if self.num_evictable[rank] < count:
             return False
-        heap, where, holders = self.heaps[rank], self.where[rank], self.pools[rank].holders
+        where, holders = self.where[rank], self.pools[rank].holders
         while count:
-            if not heap:
+            if not self.heaps[rank]:
                 self._rebuild_heap(rank)
-            entry = heapq.heappop(heap)
+            # Looked up each time: evicting a page can repush its node's pages, and a push may
+            # compact, which replaces the heap list.
+            entry = heapq.heappop(self.heaps[rank])
             p = entry[3]
             loc = where.get(p)
             if loc is None or holders[p] or self._key(rank, loc[0], loc[1], p) != entry:
