@@ -52,6 +52,8 @@ class LLMEngine:
             raise ValueError("sampling_params must be a SamplingParams")
         sampling_params.validate()
         token_ids = self._tokenize(prompt)
+        self._check_token_ids("logit_bias", sampling_params.logit_bias or ())
+        self._check_token_ids("stop_token_ids", sampling_params.stop_token_ids or ())
         n, max_len = len(token_ids), self.model_config.max_model_len
         if n >= max_len:
             raise ValueError(f"This model's maximum context length is {max_len} tokens, but the prompt has {n} "
@@ -82,6 +84,12 @@ class LLMEngine:
             if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
         return [int(t) for t in prompt]
+
+    def _check_token_ids(self, field: str, token_ids) -> None:
+        vocab = self.model_config.vocab_size
+        for t in token_ids:
+            if not 0 <= t < vocab:
+                raise ValueError(f"{field}: token id {t} is outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its KV pages now; unknown or finished ids are ignored."""

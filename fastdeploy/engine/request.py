@@ -10,6 +10,8 @@ from typing import Optional
 
 # Most top-k logprobs a request may ask for (vLLM's limit; OpenAI allows 5 for completions, 20 for chat).
 MAX_LOGPROBS = 20
+# OpenAI's bound on a logit_bias value: -100 effectively bans a token, +100 effectively forces it.
+MAX_LOGIT_BIAS = 100
 
 
 class RequestStatus(enum.Enum):
@@ -31,6 +33,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None
     stop_token_ids: Optional[list] = None
+    logit_bias: Optional[dict] = None  # token id -> added to its logit before sampling (OpenAI's range)
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for a parameter no request can run with."""
@@ -55,6 +58,10 @@ class SamplingParams:
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.stop_token_ids is not None and not all(_is_int(t) for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of integers")
+        if self.logit_bias is not None and not (
+                isinstance(self.logit_bias, dict) and all(_is_int(t) for t in self.logit_bias)
+                and all(_is_number(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values())):
+            bad("logit_bias", f"must map token ids to numbers in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]")
 
 
 def _is_int(v) -> bool:

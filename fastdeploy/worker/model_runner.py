@@ -86,7 +86,7 @@ class ModelRunner:
         for row, i in enumerate(sampling):
             request = batch.requests[i].request
             params = request.sampling_params
-            if params.temperature == 0 and params.logprobs is None and \
+            if params.temperature == 0 and params.logprobs is None and not params.logit_bias and \
                     len(request.output_token_ids) >= params.min_tokens:
                 tokens[i] = int(greedy[row])  # the common case, batched above
             else:

@@ -157,3 +157,24 @@ def test_engine_steps_total_counts_model_steps_only(engine):
         engine.step()
     # One prefill step that samples the first token, then one decode step per further token.
     assert engine.get_stats()["engine_steps_total"] - before == 6
+
+
+def test_logit_bias_shifts_greedy_choices_and_leaves_logprobs_unbiased(engine):
+    def run(bias):
+        engine.add_request("bias", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                                             logprobs=1, logit_bias=bias))
+        out = None
+        while engine.has_unfinished_requests():
+            out = [o for o in engine.step() if o.finished] or out
+        return out[0].outputs
+
+    plain = run(None)
+    forced = run({42: 100.0})
+    assert forced.token_ids == [42, 42, 42]
+    assert plain.token_ids[0] != 42
+    # Logprobs describe the model's distribution: the first step's top entry is unchanged by the bias.
+    assert max(forced.logprobs[0], key=forced.logprobs[0].get) == plain.token_ids[0]
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.add_request("bad", [5], SamplingParams(logit_bias={10**6: 1.0}))
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.add_request("bad", [5], SamplingParams(logit_bias={4: 1000.0}))

@@ -142,6 +142,20 @@ def test_min_tokens_holds_back_a_stop_token(client, model):
     assert held.usage.completion_tokens >= 4
 
 
+def test_logit_bias_forces_and_bans_tokens(client, model):
+    def tokens_of(char):
+        return str(3 + ord(char))  # byte b is token id b + 3
+
+    def complete(bias):
+        return client.completions.create(model=model, prompt="hello", max_tokens=6, temperature=0,
+                                         logit_bias=bias).choices[0].text
+
+    assert complete({tokens_of("Z"): 100}) == "ZZZZZZ"
+    # The model's logits are a few units wide: -100 bans Z outright, +50 makes Y the winner.
+    assert complete({tokens_of("Z"): -100, tokens_of("Y"): 50}) == "YYYYYY"
+    assert "Z" not in complete({tokens_of("Z"): -100})
+
+
 def test_streamed_chat_matches_non_streamed_and_ends_with_usage(client, model):
     kwargs = dict(model=model, messages=[{"role": "system", "content": "Be brief."},
                                          {"role": "user", "content": "Name a colour."}],

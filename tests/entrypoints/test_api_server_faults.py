@@ -58,6 +58,13 @@ BAD_REQUESTS = [
     ("token_prompt_over_max_model_len", COMPLETIONS, _json({"prompt": [40] * (MAX_MODEL_LEN + 1)}), 400, None),
     # Only the engine knows its vocabulary: its ValueError must come back as a 400.
     ("token_id_outside_vocabulary", COMPLETIONS, _json({"prompt": [40, 10**6]}), 400, None),
+    ("logit_bias_key_not_a_token_id", COMPLETIONS, _json({"prompt": "hi", "logit_bias": {"abc": 5}}), 400,
+     "logit_bias"),
+    ("logit_bias_value_out_of_range", COMPLETIONS, _json({"prompt": "hi", "logit_bias": {"40": 500}}), 400,
+     "logit_bias"),
+    ("logit_bias_token_outside_vocabulary", COMPLETIONS, _json({"prompt": "hi", "logit_bias": {"1000000": 5}}),
+     400, None),
+    ("stop_token_outside_vocabulary", COMPLETIONS, _json({"prompt": "hi", "stop_token_ids": [10**6]}), 400, None),
     ("chat_malformed_json", CHAT, b'{"messages": [', 400, None),
     ("chat_empty_messages", CHAT, _json({"messages": []}), 400, "messages"),
     ("chat_messages_wrong_type", CHAT, _json({"messages": "hello"}), 400, "messages"),
@@ -65,6 +72,10 @@ BAD_REQUESTS = [
     ("chat_unknown_model", CHAT, _json({"model": "gpt-4", "messages": USER_MSG}), 404, "model"),
     ("chat_negative_max_tokens", CHAT, _json({"messages": USER_MSG, "max_tokens": -1}), 400, "max_tokens"),
     ("chat_top_logprobs_without_logprobs", CHAT, _json({"messages": USER_MSG, "top_logprobs": 2}), 400, None),
+    ("chat_tools", CHAT, _json({"messages": USER_MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+     400, "tools"),
+    ("chat_json_response_format", CHAT, _json({"messages": USER_MSG, "response_format": {"type": "json_object"}}),
+     400, "response_format"),
 ]
 
 

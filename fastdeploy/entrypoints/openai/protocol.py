@@ -2,8 +2,8 @@
 
 Requests are validated here, before anything reaches the engine, so every client mistake becomes a
 4xx with an OpenAI-style error body. Fields OpenAI defines but this engine cannot honour (n > 1,
-echo, penalties, stop strings) are rejected by name instead of being silently ignored; unknown
-extra fields are ignored, as OpenAI clients send many optional ones.
+echo, penalties, stop strings, tools, JSON response formats) are rejected by name instead of being
+silently ignored; unknown extra fields are ignored, as OpenAI clients send many optional ones.
 
 Completions take one prompt per request: a string, a list of token ids, or a one-element list of
 either. Batches of several prompts are rejected with 400 (send one request per prompt).
@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fastdeploy.engine.request import MAX_LOGPROBS
+from fastdeploy.engine.request import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from fastdeploy.input.tokenizer import CHAT_ROLES
 
 
@@ -84,6 +84,7 @@ class _Request(BaseModel):
     frequency_penalty: Optional[float] = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
+    logit_bias: Optional[dict[str, float]] = None  # JSON keys are strings: {"50256": -100}
     user: Optional[str] = None
 
     @field_validator("n")
@@ -115,6 +116,18 @@ class _Request(BaseModel):
             raise ValueError("token ids must be >= 0")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_token_ids(cls, v):
+        if v is None:
+            return v
+        for key, bias in v.items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"bias for token {key} must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {bias}")
+        return v
+
     def sampling_kwargs(self, max_tokens: Optional[int], logprobs: Optional[int]) -> dict:
         """Keyword arguments for SamplingParams; max_tokens=None means 'up to max_model_len'."""
         kw: dict[str, Any] = {
@@ -124,6 +137,7 @@ class _Request(BaseModel):
             "seed": self.seed,
             "logprobs": logprobs,
             "stop_token_ids": list(self.stop_token_ids) if self.stop_token_ids else None,
+            "logit_bias": {int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None,
         }
         if self.temperature is not None:
             kw["temperature"] = self.temperature
@@ -218,6 +232,22 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: Optional[list] = None
+    response_format: Optional[dict] = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise ValueError("tool calling is not supported")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_responses_only(cls, v):
+        if v is not None and v.get("type", "text") != "text":
+            raise ValueError(f"only response_format type 'text' is supported, got {v.get('type')!r}")
+        return v
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens, top-k logprobs."""
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens, logit_bias,
+top-k logprobs (of the model's own distribution, before logit_bias and min_tokens bans)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ def sample_one(logits: np.ndarray, request, eos_token_id: int) -> tuple:
     """(token, logprobs dict or None) for one request's logits [vocab] (float32, not modified)."""
     params = request.sampling_params
     scores = logits.astype(np.float64)
+    if params.logit_bias:
+        ids = np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias))
+        scores[ids] += np.fromiter(params.logit_bias.values(), np.float64, len(params.logit_bias))
     if len(request.output_token_ids) < params.min_tokens:
         # min_tokens: the request may not stop yet, so its stop tokens cannot be drawn.
         banned = [eos_token_id] + list(params.stop_token_ids or [])
