@@ -13,6 +13,7 @@ from fastdeploy import envs
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
+from fastdeploy.engine.stop_strings import find_stop, releasable
 from fastdeploy.input.tokenizer import load_tokenizer
 
 logger = logging.getLogger("fastdeploy.engine")
@@ -111,21 +112,40 @@ class LLMEngine:
         progressed = self.scheduler.update_from_output(batch, tokens, logprobs)
         outputs = []
         for request in progressed:
+            text = self.tokenizer.decode_incremental(request.output_token_ids, request.detokenize_state)
+            if request.sampling_params.stop:
+                text = self._apply_stop_strings(request, text)
             if request.is_finished:
                 self.runner.release(request.request_id)
-            outputs.append(self._output(request))
+            outputs.append(self._output(request, text))
         self.generation_tokens_total += len(progressed)
         self._tokens_since_log += len(progressed)
         self._maybe_log()
         return outputs
 
-    def _output(self, request: Request) -> RequestOutput:
+    def _apply_stop_strings(self, request: Request, text: str) -> str:
+        """Finish the request at its first stop string (cut from the text); else the text a client may
+        see now. Like vLLM, a stop string counts once it ends in the min_tokens-th token or later,
+        and it wins over a length finish in the same step."""
+        params = request.sampling_params
+        if len(request.output_token_ids) >= params.min_tokens:
+            cut = find_stop(text, params.stop, request.stop_checked)
+            if cut is not None:
+                if request.is_finished:
+                    request.finish_reason = "stop"
+                else:
+                    self.scheduler.finish_request(request, "stop")
+                return text[:cut]
+        request.stop_checked = len(text.rstrip("\ufffd"))  # a half character is checked again
+        return text if request.is_finished else releasable(text, params.stop)
+
+    def _output(self, request: Request, text: str) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             outputs=CompletionOutput(
                 token_ids=list(request.output_token_ids),
-                text=self.tokenizer.decode_incremental(request.output_token_ids, request.detokenize_state),
+                text=text,
                 logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
                 finish_reason=request.finish_reason,
             ),

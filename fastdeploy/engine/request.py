@@ -34,6 +34,11 @@ class SamplingParams:
     logprobs: Optional[int] = None
     stop_token_ids: Optional[list] = None
     logit_bias: Optional[dict] = None  # token id -> added to its logit before sampling (OpenAI's range)
+    stop: Optional[list] = None  # strings that end the output (not included in it); a str is one
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for a parameter no request can run with."""
@@ -58,6 +63,9 @@ class SamplingParams:
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.stop_token_ids is not None and not all(_is_int(t) for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of integers")
+        if self.stop is not None and not (isinstance(self.stop, list)
+                                          and all(isinstance(s, str) and s for s in self.stop)):
+            bad("stop", "must be a list of non-empty strings")
         if self.logit_bias is not None and not (
                 isinstance(self.logit_bias, dict) and all(_is_int(t) for t in self.logit_bias)
                 and all(_is_number(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values())):
@@ -127,6 +135,7 @@ class Request:
         self.peak_memo: Optional[tuple] = None  # ((num_tokens, max_new), peak pages per rank)
         self.generator = None  # numpy Generator for sampling, set by the engine (seeded or not)
         self.detokenize_state = [0, ""]  # incremental detokenization: [tokens decoded, their text]
+        self.stop_checked = 0  # characters of the output text searched for stop strings so far
         self.num_preemptions = 0
         self.first_token_time: Optional[float] = None
 

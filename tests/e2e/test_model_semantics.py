@@ -178,3 +178,52 @@ def test_logit_bias_shifts_greedy_choices_and_leaves_logprobs_unbiased(engine):
         engine.add_request("bad", [5], SamplingParams(logit_bias={10**6: 1.0}))
     with pytest.raises(ValueError, match="logit_bias"):
         engine.add_request("bad", [5], SamplingParams(logit_bias={4: 1000.0}))
+
+
+ABC_ONLY = {3 + ord(c): 100.0 for c in "abc"}  # byte b is token id b + 3: outputs are letters a, b, c
+
+
+def _finish(engine, request_id, prompt, params):
+    engine.add_request(request_id, prompt, params)
+    seen, last = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.append(out.outputs.text)
+            last = out
+    return last, seen
+
+
+def test_stop_string_ends_the_output_before_it_and_frees_the_pages(engine):
+    params = dict(temperature=0, max_tokens=24, ignore_eos=True, logit_bias=ABC_ONLY)
+    full, _ = _finish(engine, "free", "stop test", SamplingParams(**params))
+    text = full.outputs.text
+    stop = text[8:10]
+    cut = text.index(stop)
+    out, seen = _finish(engine, "stopped", "stop test", SamplingParams(stop=[stop, "zzz"], **params))
+    assert out.finished and out.outputs.finish_reason == "stop"
+    assert out.outputs.text == text[:cut]
+    assert len(out.outputs.token_ids) == cut + len(stop)  # the stop string's tokens were generated
+    # Every intermediate text is a prefix of the answer: nothing shown was taken back.
+    assert all(out.outputs.text.startswith(t) for t in seen)
+    stats = engine.get_stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_stop_strings_wait_for_min_tokens(engine):
+    params = dict(temperature=0, max_tokens=16, ignore_eos=True, logit_bias=ABC_ONLY)
+    full, _ = _finish(engine, "free", "stop test", SamplingParams(**params))
+    text = full.outputs.text
+    first = text[0]
+    out, _ = _finish(engine, "held", "stop test", SamplingParams(stop=[first], min_tokens=4, **params))
+    # The 4th token may itself be the stop string (it ends the output after min_tokens tokens).
+    later = text.find(first, 3)
+    assert out.outputs.text == (text[:later] if later >= 0 else text)
+    assert len(out.outputs.token_ids) >= 4
+
+
+def test_bad_stop_strings_are_rejected(engine):
+    with pytest.raises(ValueError, match="stop"):
+        engine.add_request("bad", [5], SamplingParams(stop=[""]))
+    with pytest.raises(ValueError, match="stop"):
+        engine.add_request("bad", [5], SamplingParams(stop=["ok", 7]))
+    assert SamplingParams(stop="abc").stop == ["abc"]  # one string, as vLLM takes it

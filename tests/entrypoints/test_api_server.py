@@ -156,6 +156,23 @@ def test_logit_bias_forces_and_bans_tokens(client, model):
     assert "Z" not in complete({tokens_of("Z"): -100})
 
 
+def test_stop_string_cuts_streamed_and_plain_text_alike(client, model):
+    letters = {str(3 + ord(c)): 100 for c in "abc"}  # outputs made of a, b, c only
+    kwargs = dict(model=model, prompt="stop test", max_tokens=24, temperature=0, logit_bias=letters,
+                  extra_body={"ignore_eos": True})
+    text = client.completions.create(**kwargs).choices[0].text
+    stop = text[8:10]
+    plain = client.completions.create(stop=stop, **kwargs).choices[0]
+    assert plain.text == text[:text.index(stop)] and plain.finish_reason == "stop"
+    chunks = list(client.completions.create(stop=[stop, "zz"], stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=24,
+                                          temperature=0, logit_bias=letters, stop=["a", "b", "c"])
+    assert chat.choices[0].message.content == "" and chat.choices[0].finish_reason == "stop"
+    assert chat.usage.completion_tokens == 1
+
+
 def test_streamed_chat_matches_non_streamed_and_ends_with_usage(client, model):
     kwargs = dict(model=model, messages=[{"role": "system", "content": "Be brief."},
                                          {"role": "user", "content": "Name a colour."}],

@@ -64,6 +64,8 @@ BAD_REQUESTS = [
      "logit_bias"),
     ("logit_bias_token_outside_vocabulary", COMPLETIONS, _json({"prompt": "hi", "logit_bias": {"1000000": 5}}),
      400, None),
+    ("empty_stop_string", COMPLETIONS, _json({"prompt": "hi", "stop": ["ok", ""]}), 400, "stop"),
+    ("stop_wrong_type", COMPLETIONS, _json({"prompt": "hi", "stop": 5}), 400, "stop"),
     ("stop_token_outside_vocabulary", COMPLETIONS, _json({"prompt": "hi", "stop_token_ids": [10**6]}), 400, None),
     ("chat_malformed_json", CHAT, b'{"messages": [', 400, None),
     ("chat_empty_messages", CHAT, _json({"messages": []}), 400, "messages"),

@@ -2,7 +2,7 @@
 
 Requests are validated here, before anything reaches the engine, so every client mistake becomes a
 4xx with an OpenAI-style error body. Fields OpenAI defines but this engine cannot honour (n > 1,
-echo, penalties, stop strings, tools, JSON response formats) are rejected by name instead of being
+echo, penalties, tools, JSON response formats) are rejected by name instead of being
 silently ignored; unknown extra fields are ignored, as OpenAI clients send many optional ones.
 
 Completions take one prompt per request: a string, a list of token ids, or a one-element list of
@@ -96,11 +96,12 @@ class _Request(BaseModel):
 
     @field_validator("stop", mode="wrap")
     @classmethod
-    def _no_stop_strings(cls, v, handler):
+    def _stop_strings(cls, v, handler):
         v = _one_error_for_union(v, handler, "stop must be a string or a list of strings")
-        if v:
-            raise ValueError("stop strings are not supported; use stop_token_ids")
-        return v
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops or None
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -137,6 +138,7 @@ class _Request(BaseModel):
             "seed": self.seed,
             "logprobs": logprobs,
             "stop_token_ids": list(self.stop_token_ids) if self.stop_token_ids else None,
+            "stop": self.stop,
             "logit_bias": {int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None,
         }
         if self.temperature is not None:
