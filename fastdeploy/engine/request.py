@@ -12,6 +12,8 @@ from typing import Optional
 MAX_LOGPROBS = 20
 # OpenAI's bound on a logit_bias value: -100 effectively bans a token, +100 effectively forces it.
 MAX_LOGIT_BIAS = 100
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty
+MAX_REPETITION_PENALTY = 100.0  # no standard bound; a larger one is a typo rather than a choice
 
 
 class RequestStatus(enum.Enum):
@@ -35,6 +37,12 @@ class SamplingParams:
     stop_token_ids: Optional[list] = None
     logit_bias: Optional[dict] = None  # token id -> added to its logit before sampling (OpenAI's range)
     stop: Optional[list] = None  # strings that end the output (not included in it); a str is one
+    # Penalties as in vLLM/upstream FastDeploy: presence and frequency subtract from the logits of
+    # tokens already generated (once, or per occurrence); repetition divides positive (multiplies
+    # negative) logits of tokens in the prompt or the output. 0, 0 and 1 turn them off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -63,6 +71,12 @@ class SamplingParams:
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.stop_token_ids is not None and not all(_is_int(t) for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                bad(name, f"must be a number in [-{MAX_PENALTY}, {MAX_PENALTY}]")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY}]")
         if self.stop is not None and not (isinstance(self.stop, list)
                                           and all(isinstance(s, str) and s for s in self.stop)):
             bad("stop", "must be a list of non-empty strings")

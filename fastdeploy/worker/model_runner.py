@@ -9,7 +9,7 @@ from fastdeploy.engine.sched.resource_manager_v1 import ScheduledBatch
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention import get_attention_backend
 from fastdeploy.model_executor.layers.rotary_embedding import rope_tables
-from fastdeploy.model_executor.layers.sampler import sample_one
+from fastdeploy.model_executor.layers.sampler import has_penalties, sample_one
 from fastdeploy.model_executor.models.ernie4_5 import Ernie4_5ForCausalLM
 
 
@@ -87,7 +87,7 @@ class ModelRunner:
             request = batch.requests[i].request
             params = request.sampling_params
             if params.temperature == 0 and params.logprobs is None and not params.logit_bias and \
-                    len(request.output_token_ids) >= params.min_tokens:
+                    not has_penalties(params) and len(request.output_token_ids) >= params.min_tokens:
                 tokens[i] = int(greedy[row])  # the common case, batched above
             else:
                 tokens[i], logprobs[i] = sample_one(logits[row], request, self.eos_token_id)

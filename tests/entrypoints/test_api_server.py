@@ -173,6 +173,17 @@ def test_stop_string_cuts_streamed_and_plain_text_alike(client, model):
     assert chat.usage.completion_tokens == 1
 
 
+def test_penalties_reach_the_sampler(client, model):
+    letters = {str(3 + ord(c)): 100 for c in "abc"}  # outputs made of a, b, c only
+    kwargs = dict(model=model, prompt="hello", max_tokens=6, temperature=0, logit_bias=letters)  # no a, b, c
+    plain = client.completions.create(**kwargs).choices[0].text
+    # A seen letter's logit (~100) is divided by 50: the next two picks must be the unseen letters.
+    spread = client.completions.create(extra_body={"repetition_penalty": 50}, **kwargs).choices[0].text
+    assert sorted(spread[:3]) == ["a", "b", "c"]
+    fresh = client.completions.create(frequency_penalty=2, presence_penalty=2, **kwargs).choices[0].text
+    assert len(plain) == len(spread) == len(fresh) == 6
+
+
 def test_streamed_chat_matches_non_streamed_and_ends_with_usage(client, model):
     kwargs = dict(model=model, messages=[{"role": "system", "content": "Be brief."},
                                          {"role": "user", "content": "Name a colour."}],

@@ -2,7 +2,7 @@
 
 Requests are validated here, before anything reaches the engine, so every client mistake becomes a
 4xx with an OpenAI-style error body. Fields OpenAI defines but this engine cannot honour (n > 1,
-echo, penalties, tools, JSON response formats) are rejected by name instead of being
+echo, tools, JSON response formats) are rejected by name instead of being
 silently ignored; unknown extra fields are ignored, as OpenAI clients send many optional ones.
 
 Completions take one prompt per request: a string, a list of token ids, or a one-element list of
@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fastdeploy.engine.request import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from fastdeploy.engine.request import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY
 from fastdeploy.input.tokenizer import CHAT_ROLES
 
 
@@ -80,8 +80,9 @@ class _Request(BaseModel):
     n: int = 1
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     logit_bias: Optional[dict[str, float]] = None  # JSON keys are strings: {"50256": -100}
@@ -102,13 +103,6 @@ class _Request(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
         return stops or None
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, v):
-        if v:
-            raise ValueError("penalties are not supported (must be 0 or omitted)")
-        return v
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -139,6 +133,9 @@ class _Request(BaseModel):
             "logprobs": logprobs,
             "stop_token_ids": list(self.stop_token_ids) if self.stop_token_ids else None,
             "stop": self.stop,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
             "logit_bias": {int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None,
         }
         if self.temperature is not None:

@@ -1,5 +1,5 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens, logit_bias,
-top-k logprobs (of the model's own distribution, before logit_bias and min_tokens bans)."""
+penalties, top-k logprobs (of the model's own distribution, before bias, penalties and bans)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ def sample_one(logits: np.ndarray, request, eos_token_id: int) -> tuple:
     if params.logit_bias:
         ids = np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias))
         scores[ids] += np.fromiter(params.logit_bias.values(), np.float64, len(params.logit_bias))
+    if has_penalties(params):
+        _apply_penalties(scores, request)
     if len(request.output_token_ids) < params.min_tokens:
         # min_tokens: the request may not stop yet, so its stop tokens cannot be drawn.
         banned = [eos_token_id] + list(params.stop_token_ids or [])
@@ -33,6 +35,22 @@ def sample_one(logits: np.ndarray, request, eos_token_id: int) -> tuple:
         logprobs = {int(t): float(lp[t]) for t in top}
         logprobs[token] = float(lp[token])
     return token, logprobs
+
+
+def has_penalties(params) -> bool:
+    return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
+
+
+def _apply_penalties(scores: np.ndarray, request) -> None:
+    params, vocab = request.sampling_params, scores.shape[0]
+    if request.output_token_ids:
+        counts = np.bincount(request.output_token_ids, minlength=vocab)[:vocab]
+        scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    if params.repetition_penalty != 1:
+        seen = np.unique(np.concatenate([request.prompt_token_ids, request.output_token_ids]).astype(np.int64))
+        seen = seen[seen < vocab]
+        scores[seen] = np.where(scores[seen] > 0, scores[seen] / params.repetition_penalty,
+                                scores[seen] * params.repetition_penalty)
 
 
 def _draw(scores: np.ndarray, top_k: int, top_p: float, generator: np.random.Generator) -> int:
