@@ -184,6 +184,34 @@ def test_penalties_reach_the_sampler(client, model):
     assert len(plain) == len(spread) == len(fresh) == 6
 
 
+def test_n_choices_are_seeded_apart_reproducible_and_counted_in_usage(client, model):
+    kwargs = dict(model=model, prompt="choices", max_tokens=8, temperature=1.0, seed=7,
+                  extra_body={"ignore_eos": True})
+    three = client.completions.create(n=3, **kwargs)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    texts = [c.text for c in three.choices]
+    assert len(set(texts)) == 3  # choice i samples with seed + i
+    assert client.completions.create(n=3, **kwargs).choices[2].text == texts[2]
+    assert client.completions.create(**kwargs).choices[0].text == texts[0]
+    assert three.usage.completion_tokens == 24 and three.usage.prompt_tokens == len("choices")
+
+    streamed: dict = {}
+    finishes: dict = {}
+    for chunk in client.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kwargs):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+            if c.finish_reason:
+                finishes[c.index] = finishes.get(c.index, []) + [c.finish_reason]
+        if chunk.usage is not None:
+            assert chunk.usage.completion_tokens == 24
+    assert [streamed[i] for i in range(3)] == texts
+    assert finishes == {0: ["length"], 1: ["length"], 2: ["length"]}
+
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=1.0, seed=7, n=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8
+
+
 def test_streamed_chat_matches_non_streamed_and_ends_with_usage(client, model):
     kwargs = dict(model=model, messages=[{"role": "system", "content": "Be brief."},
                                          {"role": "user", "content": "Name a colour."}],

@@ -50,7 +50,9 @@ BAD_REQUESTS = [
     ("huge_max_tokens", COMPLETIONS, _json({"prompt": "hi", "max_tokens": 10**12}), 400, None),
     ("negative_temperature", COMPLETIONS, _json({"prompt": "hi", "temperature": -1}), 400, "temperature"),
     ("top_p_out_of_range", COMPLETIONS, _json({"prompt": "hi", "top_p": 1.5}), 400, "top_p"),
-    ("several_choices", COMPLETIONS, _json({"prompt": "hi", "n": 2}), 400, "n"),
+    ("zero_choices", COMPLETIONS, _json({"prompt": "hi", "n": 0}), 400, "n"),
+    ("too_many_choices", COMPLETIONS, _json({"prompt": "hi", "n": 1000}), 400, "n"),
+    ("best_of_other_than_n", COMPLETIONS, _json({"prompt": "hi", "n": 2, "best_of": 3}), 400, None),
     ("empty_prompt", COMPLETIONS, _json({"prompt": ""}), 400, "prompt"),
     ("empty_token_prompt", COMPLETIONS, _json({"prompt": []}), 400, "prompt"),
     ("batched_prompts", COMPLETIONS, _json({"prompt": ["a", "b"]}), 400, "prompt"),
@@ -108,15 +110,25 @@ def _stream_body(max_tokens: int = LONG_GENERATION) -> dict:
     return {"prompt": "tell me a long story", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
 
 
-def test_disconnect_mid_stream_aborts_request_and_frees_its_pages(server):
+@pytest.mark.parametrize("n", [1, MAX_CONCURRENCY])
+def test_disconnect_mid_stream_aborts_request_and_frees_its_pages(server, n):
     before = server.wait_idle_with_all_pages_free()
-    conn = server.raw_request(COMPLETIONS, _stream_body())
+    conn = server.raw_request(COMPLETIONS, dict(_stream_body(), n=n))
     head = conn.read_until(b"}\n\n")  # headers plus at least one event: generation has started
     assert head.startswith(b"HTTP/1.1 200")
     conn.close()
     after = server.wait_idle_with_all_pages_free()
     generated = after["fastdeploy:generation_tokens_total"] - before["fastdeploy:generation_tokens_total"]
-    assert 1 <= generated < LONG_GENERATION, "the request ran to its end instead of being aborted"
+    assert 1 <= generated < n * LONG_GENERATION, "the request ran to its end instead of being aborted"
+    server.assert_still_serves()
+
+
+def test_choices_over_max_concurrency_get_429_and_admit_nothing(server, helpers):
+    before = server.wait_idle_with_all_pages_free()
+    resp = server.http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2, "n": MAX_CONCURRENCY + 1})
+    helpers.assert_openai_error(resp, 429)
+    after = server.wait_idle_with_all_pages_free()
+    assert after["fastdeploy:generation_tokens_total"] == before["fastdeploy:generation_tokens_total"]
     server.assert_still_serves()
 
 

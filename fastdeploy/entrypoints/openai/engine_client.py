@@ -341,12 +341,16 @@ class EngineClient:
         if self.info is None:
             raise EngineUnavailableError("the engine is still starting; retry shortly")
 
+    def check_capacity(self, num_requests: int = 1) -> None:
+        """Raise ConcurrencyLimitError unless `num_requests` more requests fit under --max-concurrency."""
+        if self.max_concurrency is not None and len(self._states) + num_requests > self.max_concurrency:
+            raise ConcurrencyLimitError(f"the server is at its limit of {self.max_concurrency} concurrent "
+                                        f"requests (each of n choices counts as one); retry later")
+
     async def add_request(self, request_id: str, payload: AddPayload) -> "RequestStream":
         """Admit one request; raises EngineUnavailableError, ConcurrencyLimitError or RequestRejectedError."""
         self.check_available()
-        if self.max_concurrency is not None and len(self._states) >= self.max_concurrency:
-            raise ConcurrencyLimitError(f"the server is at its limit of {self.max_concurrency} "
-                                        "concurrent requests; retry later")
+        self.check_capacity()
         state = _RequestState(self._loop)
         self._states[request_id] = state
         self._requests_q.put(("add", request_id, payload))

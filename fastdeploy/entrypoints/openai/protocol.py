@@ -1,8 +1,8 @@
 """OpenAI-shaped request/response models and the API error type.
 
 Requests are validated here, before anything reaches the engine, so every client mistake becomes a
-4xx with an OpenAI-style error body. Fields OpenAI defines but this engine cannot honour (n > 1,
-echo, tools, JSON response formats) are rejected by name instead of being
+4xx with an OpenAI-style error body. Fields OpenAI defines but this engine cannot honour (best_of
+other than n, echo, suffix, tools, JSON response formats) are rejected by name instead of being
 silently ignored; unknown extra fields are ignored, as OpenAI clients send many optional ones.
 
 Completions take one prompt per request: a string, a list of token ids, or a one-element list of
@@ -65,6 +65,10 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# Most choices (n) one request may ask for; each is a separate engine request.
+MAX_CHOICES = 16
+
+
 class _Request(BaseModel):
     """Fields shared by both endpoints; sampling extras follow upstream FastDeploy/vLLM names."""
 
@@ -77,7 +81,7 @@ class _Request(BaseModel):
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=-1)
     seed: Optional[int] = Field(default=None, ge=0, lt=2**63)
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # choices: one engine request each
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
     presence_penalty: Optional[float] = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
@@ -87,13 +91,6 @@ class _Request(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     logit_bias: Optional[dict[str, float]] = None  # JSON keys are strings: {"50256": -100}
     user: Optional[str] = None
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
 
     @field_validator("stop", mode="wrap")
     @classmethod
@@ -178,12 +175,11 @@ class CompletionRequest(_Request):
             raise ValueError("suffix is not supported")
         return v
 
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, v):
-        if v not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
-        return v
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of must equal n (={self.n}): choices are not ranked")
+        return self
 
     @field_validator("prompt", mode="wrap")
     @classmethod

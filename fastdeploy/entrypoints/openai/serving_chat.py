@@ -8,13 +8,7 @@ from typing import AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import Response
 
-from fastdeploy.entrypoints.openai.engine_client import (
-    MIN_LOGPROB,
-    AddPayload,
-    EngineOutput,
-    RequestStream,
-    TokenLogprob,
-)
+from fastdeploy.entrypoints.openai.engine_client import MIN_LOGPROB, AddPayload, TokenLogprob
 from fastdeploy.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -23,9 +17,14 @@ from fastdeploy.entrypoints.openai.protocol import (
     ChatMessageOut,
     ChatTokenLogprob,
     TopLogprob,
-    UsageInfo,
 )
-from fastdeploy.entrypoints.openai.serving_completion import IncrementalText, OpenAIServing, StreamChunks
+from fastdeploy.entrypoints.openai.serving_completion import (
+    ChoiceStreams,
+    IncrementalText,
+    OpenAIServing,
+    StreamChunks,
+    usage_of,
+)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -37,34 +36,37 @@ class OpenAIServingChat(OpenAIServing):
                                 payload=payload, stream_body=self._stream, respond=self._respond)
 
     @staticmethod
-    def _respond(request: ChatCompletionRequest, request_id: str, created: int, model: str, last: EngineOutput,
-                 entries: list[TokenLogprob]) -> ChatCompletionResponse:
+    def _respond(request: ChatCompletionRequest, request_id: str, created: int, model: str, lasts: list,
+                 entries: list) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=request_id, created=created, model=model,
-            choices=[ChatChoice(message=ChatMessageOut(content=last.text),
-                                logprobs=_chat_logprobs(entries) if request.logprobs else None,
-                                finish_reason=last.finish_reason)],
-            usage=UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens),
+            choices=[ChatChoice(index=index, message=ChatMessageOut(content=last.text),
+                                logprobs=_chat_logprobs(choice_entries) if request.logprobs else None,
+                                finish_reason=last.finish_reason)
+                     for index, (last, choice_entries) in enumerate(zip(lasts, entries))],
+            usage=usage_of(lasts),
         )
 
     @staticmethod
-    async def _stream(request: ChatCompletionRequest, stream: RequestStream,
+    async def _stream(request: ChatCompletionRequest, choices: ChoiceStreams,
                       chunks: StreamChunks) -> AsyncIterator[str]:
-        def choice(delta: dict, finish_reason: Optional[str] = None, logprobs: Optional[dict] = None) -> dict:
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        def choice(index: int, delta: dict, finish_reason: Optional[str] = None,
+                   logprobs: Optional[dict] = None) -> dict:
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
-        yield chunks.chunk(choice({"role": "assistant", "content": ""}))
-        text = IncrementalText()
-        last = None
-        async for out in stream:
-            last = out
-            piece = text.delta(out.text, out.finished)
+        for index in range(len(choices.streams)):
+            yield chunks.chunk(choice(index, {"role": "assistant", "content": ""}))
+        texts = [IncrementalText() for _ in choices.streams]
+        lasts: dict = {}
+        async for index, out in choices:
+            lasts[index] = out
+            piece = texts[index].delta(out.text, out.finished)
             logprobs = _chat_logprobs(out.new_logprobs).model_dump() if request.logprobs and out.new_logprobs else None
             if piece or logprobs is not None:
-                yield chunks.chunk(choice({"content": piece}, logprobs=logprobs))
+                yield chunks.chunk(choice(index, {"content": piece}, logprobs=logprobs))
             if out.finished:
-                yield chunks.chunk(choice({}, finish_reason=out.finish_reason))
-        for line in chunks.close(last):
+                yield chunks.chunk(choice(index, {}, finish_reason=out.finish_reason))
+        for line in chunks.close(lasts):
             yield line
 
 

@@ -2,7 +2,8 @@
 
 A request's life: validate -> admit into the engine (errors become 4xx/5xx *before* any byte is
 sent, so a streamed request can still get a proper status) -> relay outputs. A client that goes
-away is noticed in both modes and its engine request aborted, which frees its KV pages at once.
+away is noticed in both modes and its engine requests aborted, which frees their KV pages at once.
+Each of the n choices is its own engine request; their outputs are relayed as they arrive.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable, Iterator, Optional
 
 from starlette.background import BackgroundTask
@@ -79,12 +80,50 @@ class StreamChunks:
             body["usage"] = None  # stream_options.include_usage: null on every chunk but the last
         return sse(body)
 
-    def close(self, last: Optional[EngineOutput]) -> Iterator[str]:
-        if self.include_usage and last is not None:
-            usage = UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens)
+    def close(self, lasts: dict) -> Iterator[str]:
+        """`lasts`: choice index -> its latest EngineOutput."""
+        if self.include_usage and lasts:
             yield sse({"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
-                       "choices": [], "usage": usage.model_dump()})
+                       "choices": [], "usage": usage_of(list(lasts.values())).model_dump()})
         yield SSE_DONE
+
+
+def usage_of(lasts: list) -> UsageInfo:
+    """One prompt, counted once; the completion tokens of every choice."""
+    return UsageInfo.of(lasts[0].num_prompt_tokens, sum(out.num_output_tokens for out in lasts))
+
+
+class ChoiceStreams:
+    """The engine requests of one API request's n choices, read as (index, output) in arrival order."""
+
+    def __init__(self, streams: list):
+        self.streams = streams
+
+    def abort(self) -> None:
+        for stream in self.streams:
+            stream.abort()
+
+    async def __aiter__(self) -> AsyncIterator[tuple]:
+        if len(self.streams) == 1:  # the common case needs no tasks
+            async for out in self.streams[0]:
+                yield 0, out
+            return
+        iterators = [stream.__aiter__() for stream in self.streams]
+        pending = {asyncio.ensure_future(it.__anext__()): i for i, it in enumerate(iterators)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=pending.get):
+                    index = pending.pop(task)
+                    try:
+                        out = task.result()
+                    except StopAsyncIteration:
+                        continue
+                    pending[asyncio.ensure_future(iterators[index].__anext__())] = index
+                    yield index, out
+        finally:
+            for task in pending:
+                task.cancel()
 
 
 class IncrementalText:
@@ -124,17 +163,18 @@ class OpenAIServing:
                     payload: AddPayload, stream_body: Callable, respond: Callable) -> Response:
         """One request's life for either endpoint: admit, then stream SSE chunks or answer once.
 
-        `stream_body(request, stream, chunks)` yields the SSE lines; `respond(request, request_id,
-        created, model, last_output, logprob_entries)` builds the non-streamed response model.
+        `stream_body(request, choices, chunks)` yields the SSE lines; `respond(request, request_id,
+        created, model, last_outputs, logprob_entries)` builds the non-streamed response model from
+        one final output and one list of logprob entries per choice.
         """
         model = self.model_name(request.model)
         request_id = random_id(id_prefix)
-        stream = await self.admit(request_id, payload)
+        choices = await self.admit_choices(request_id, payload, request.n)
         created = int(time.time())
         if request.stream:
             chunks = StreamChunks(request_id, chunk_object, created, model, request.include_usage)
-            return self.streaming_response(stream, stream_body(request, stream, chunks))
-        collected = await self.collect(stream, raw_request)
+            return self.streaming_response(choices, stream_body(request, choices, chunks))
+        collected = await self.collect(choices, raw_request)
         if collected is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(respond(request, request_id, created, model, *collected).model_dump())
@@ -146,23 +186,46 @@ class OpenAIServing:
             raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
         return served
 
+    async def admit_choices(self, request_id: str, payload: AddPayload, n: int) -> ChoiceStreams:
+        """One engine request per choice, all or none. A seeded request gives choice i seed + i, so
+        its choices differ from each other and each is reproducible."""
+        try:
+            self.client.check_capacity(n)  # all choices or none, before any starts generating
+        except ConcurrencyLimitError as exc:
+            raise engine_error_to_api_error(exc) from None
+        streams: list[RequestStream] = []
+        try:
+            for i in range(n):
+                choice_payload = payload
+                if i and payload.sampling.get("seed") is not None:
+                    choice_payload = replace(payload, sampling={**payload.sampling,
+                                                                "seed": (payload.sampling["seed"] + i) % 2 ** 63})
+                streams.append(await self.admit(request_id if n == 1 else f"{request_id}-{i}", choice_payload))
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        return ChoiceStreams(streams)
+
     async def admit(self, request_id: str, payload: AddPayload) -> RequestStream:
         try:
             return await self.client.add_request(request_id, payload)
         except (ConcurrencyLimitError, EngineUnavailableError, RequestRejectedError) as exc:
             raise engine_error_to_api_error(exc) from None
 
-    async def collect(self, stream: RequestStream,
-                      raw_request: Request) -> Optional[tuple[EngineOutput, list[TokenLogprob]]]:
-        """The final output of a non-streamed request and all its logprob entries; None if the
-        client left first (the request is then aborted)."""
+    async def collect(self, choices: ChoiceStreams,
+                      raw_request: Request) -> Optional[tuple[list[EngineOutput], list[list[TokenLogprob]]]]:
+        """Each choice's final output and all its logprob entries; None if the client left first
+        (the requests are then aborted)."""
 
-        async def drain() -> tuple[EngineOutput, list[TokenLogprob]]:
-            entries: list[TokenLogprob] = []
-            last = None
-            async for last in stream:
-                entries.extend(last.new_logprobs or ())
-            return last, entries
+        async def drain() -> tuple[list[EngineOutput], list[list[TokenLogprob]]]:
+            n = len(choices.streams)
+            lasts: list = [None] * n
+            entries: list[list[TokenLogprob]] = [[] for _ in range(n)]
+            async for index, out in choices:
+                lasts[index] = out
+                entries[index].extend(out.new_logprobs or ())
+            return lasts, entries
 
         work = asyncio.ensure_future(drain())
         watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
@@ -172,7 +235,7 @@ class OpenAIServing:
             watcher.cancel()
             if not work.done():
                 work.cancel()
-                stream.abort()
+                choices.abort()
         if work.cancelled():
             return None
         try:
@@ -181,7 +244,7 @@ class OpenAIServing:
             raise engine_error_to_api_error(exc) from None
 
     @staticmethod
-    def streaming_response(stream: RequestStream, body: AsyncIterator[str]) -> StreamingResponse:
+    def streaming_response(choices: ChoiceStreams, body: AsyncIterator[str]) -> StreamingResponse:
         async def guarded() -> AsyncIterator[str]:
             try:
                 async for chunk in body:
@@ -190,13 +253,13 @@ class OpenAIServing:
                 yield sse(engine_error_to_api_error(exc).to_dict())
                 yield SSE_DONE
             finally:
-                stream.abort()  # no-op when finished; frees pages when the client went away
+                choices.abort()  # no-op when finished; frees pages when the client went away
 
         # Starlette cancels the body when the client disconnects; if that happens before the body
         # started, `guarded`'s finally never runs, but this background task still does.
         return StreamingResponse(guarded(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                 background=BackgroundTask(stream.abort))
+                                 background=BackgroundTask(choices.abort))
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -207,24 +270,27 @@ class OpenAIServingCompletion(OpenAIServing):
                                 payload=payload, stream_body=self._stream, respond=self._respond)
 
     @staticmethod
-    def _respond(request: CompletionRequest, request_id: str, created: int, model: str, last: EngineOutput,
-                 entries: list[TokenLogprob]) -> CompletionResponse:
-        logprobs = None
-        if request.logprobs is not None:
-            logprobs = CompletionLogprobs()
-            _extend_logprobs(logprobs, entries, 0)
-        return CompletionResponse(
-            id=request_id, created=created, model=model,
-            choices=[CompletionChoice(text=last.text, logprobs=logprobs, finish_reason=last.finish_reason)],
-            usage=UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens),
-        )
+    def _respond(request: CompletionRequest, request_id: str, created: int, model: str, lasts: list,
+                 entries: list) -> CompletionResponse:
+        choices = []
+        for index, (last, choice_entries) in enumerate(zip(lasts, entries)):
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = CompletionLogprobs()
+                _extend_logprobs(logprobs, choice_entries, 0)
+            choices.append(CompletionChoice(index=index, text=last.text, logprobs=logprobs,
+                                            finish_reason=last.finish_reason))
+        return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                  usage=usage_of(lasts))
 
     @staticmethod
-    async def _stream(request: CompletionRequest, stream: RequestStream, chunks: StreamChunks) -> AsyncIterator[str]:
-        text = IncrementalText()
-        last: Optional[EngineOutput] = None
-        async for out in stream:
-            last = out
+    async def _stream(request: CompletionRequest, choices: ChoiceStreams,
+                      chunks: StreamChunks) -> AsyncIterator[str]:
+        texts = [IncrementalText() for _ in choices.streams]
+        lasts: dict = {}
+        async for index, out in choices:
+            lasts[index] = out
+            text = texts[index]
             offset_before = len(text.sent)
             piece = text.delta(out.text, out.finished)
             logprobs = None
@@ -233,9 +299,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 _extend_logprobs(logprobs, out.new_logprobs, offset_before)
             if not piece and logprobs is None and not out.finished:
                 continue
-            yield chunks.chunk({"index": 0, "text": piece, "logprobs": logprobs.model_dump() if logprobs else None,
+            yield chunks.chunk({"index": index, "text": piece,
+                                "logprobs": logprobs.model_dump() if logprobs else None,
                                 "finish_reason": out.finish_reason if out.finished else None})
-        for line in chunks.close(last):
+        for line in chunks.close(lasts):
             yield line
 
 
