@@ -107,10 +107,10 @@ class LLMEngine:
             self.runner.release(request.request_id)
         if not batch.requests:
             return []
-        tokens, logprobs = self.runner.execute(batch)
+        tokens, logprobs, failures = self.runner.execute(batch)
         self.engine_steps_total += 1
+        outputs = [self._fail(batch.requests[i].request, error) for i, error in failures.items()]
         progressed = self.scheduler.update_from_output(batch, tokens, logprobs)
-        outputs = []
         for request in progressed:
             text = self.tokenizer.decode_incremental(request.output_token_ids, request.detokenize_state)
             if request.sampling_params.stop:
@@ -122,6 +122,14 @@ class LLMEngine:
         self._tokens_since_log += len(progressed)
         self._maybe_log()
         return outputs
+
+    def _fail(self, request: Request, error: str) -> RequestOutput:
+        """End a request whose step failed (its pages are freed); the rest of the batch goes on."""
+        logger.error("request %s failed and was aborted: %s", request.request_id, error)
+        self.scheduler.abort_request(request.request_id)
+        self.runner.release(request.request_id)
+        text = self.tokenizer.decode_incremental(request.output_token_ids, request.detokenize_state)
+        return self._output(request, text)
 
     def _apply_stop_strings(self, request: Request, text: str) -> str:
         """Finish the request at its first stop string (cut from the text); else the text a client may

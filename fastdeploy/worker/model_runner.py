@@ -9,7 +9,7 @@ from fastdeploy.engine.sched.resource_manager_v1 import ScheduledBatch
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention import get_attention_backend
 from fastdeploy.model_executor.layers.rotary_embedding import rope_tables
-from fastdeploy.model_executor.layers.sampler import has_penalties, sample_one
+from fastdeploy.model_executor.layers.sampler import has_penalties, is_greedy, sample_one
 from fastdeploy.model_executor.models.ernie4_5 import Ernie4_5ForCausalLM
 
 
@@ -77,18 +77,23 @@ class ModelRunner:
             slot_ids=[self._slot(s.request.request_id) for s in scheduled], attn_backend=self.attn_backend)
 
     def execute(self, batch: ScheduledBatch) -> tuple:
-        """Run one step; returns (token per scheduled request or None, logprobs per request or None)."""
+        """Run one step; returns (token per scheduled request or None, logprobs per request or None,
+        {index: error message} of requests whose sampling failed: they get no token)."""
         meta = self.build_forward_meta(batch)
         logits = self.model.forward(meta).numpy()
         tokens, logprobs = [None] * len(batch.requests), [None] * len(batch.requests)
+        failures: dict = {}
         sampling = [i for i, s in enumerate(batch.requests) if s.samples]
         greedy = np.argmax(logits, axis=-1) if len(sampling) else ()
         for row, i in enumerate(sampling):
             request = batch.requests[i].request
             params = request.sampling_params
-            if params.temperature == 0 and params.logprobs is None and not params.logit_bias and \
+            if is_greedy(params) and params.logprobs is None and not params.logit_bias and \
                     not has_penalties(params) and len(request.output_token_ids) >= params.min_tokens:
                 tokens[i] = int(greedy[row])  # the common case, batched above
             else:
-                tokens[i], logprobs[i] = sample_one(logits[row], request, self.eos_token_id)
-        return tokens, logprobs
+                try:
+                    tokens[i], logprobs[i] = sample_one(logits[row], request, self.eos_token_id)
+                except Exception as exc:  # one request's parameters must not stop the batch
+                    failures[i] = f"{type(exc).__name__}: {exc}"
+        return tokens, logprobs, failures

@@ -227,3 +227,18 @@ def test_bad_stop_strings_are_rejected(engine):
     with pytest.raises(ValueError, match="stop"):
         engine.add_request("bad", [5], SamplingParams(stop=["ok", 7]))
     assert SamplingParams(stop="abc").stop == ["abc"]  # one string, as vLLM takes it
+
+
+def test_a_request_whose_sampling_fails_is_aborted_and_the_batch_goes_on(engine):
+    vocab = engine.model_config.vocab_size
+    engine.add_request("ok", [5, 6], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    # Every token is a stop token and min_tokens forbids stopping: nothing can be sampled.
+    engine.add_request("impossible", [5, 6], SamplingParams(temperature=1.0, max_tokens=4, min_tokens=2,
+                                                            stop_token_ids=list(range(vocab))))
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert final["impossible"].outputs.finish_reason == "abort"
+    assert final["ok"].outputs.finish_reason == "length" and len(final["ok"].outputs.token_ids) == 4
+    stats = engine.get_stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]

@@ -10,7 +10,8 @@ VOCAB, EOS = 16, 2
 
 
 def request(prompt=(7,), output=(), **params):
-    r = Request("r", list(prompt), SamplingParams(temperature=0, max_tokens=32, logprobs=3, **params), eos_token_id=EOS)
+    params = {"temperature": 0, "logprobs": 3, **params}
+    r = Request("r", list(prompt), SamplingParams(max_tokens=32, **params), eos_token_id=EOS)
     r.output_token_ids = list(output)
     return r
 
@@ -54,3 +55,20 @@ def test_logprobs_report_the_unpenalised_distribution():
 def test_out_of_range_penalties_are_rejected(params):
     with pytest.raises(ValueError, match="penalty"):
         SamplingParams(**params).validate()
+
+
+def test_extreme_but_valid_parameters_sample_without_overflow():
+    z = logits(t5=3.0, t6=0.5)
+    r = request(prompt=[5, 6], repetition_penalty=1e-308, temperature=1.0, logprobs=None)
+    r.generator = np.random.default_rng(0)
+    assert sample_one(z, r, EOS)[0] in range(VOCAB)  # 3.0 / 1e-308 overflows to +inf unless guarded
+    tiny = request(temperature=1e-300, logprobs=None)
+    tiny.generator = np.random.default_rng(0)
+    assert sample_one(z, tiny, EOS)[0] == 5  # a temperature this small is greedy
+
+
+def test_a_distribution_with_every_token_banned_is_an_error_not_a_nan_draw():
+    r = request(output=[], min_tokens=3, stop_token_ids=list(range(VOCAB)), temperature=1.0)
+    r.generator = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="banned"):
+        sample_one(logits(t5=1.0), r, EOS)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
+# Below this temperature sampling is greedy (as in vLLM): dividing by a tinier one only overflows.
+GREEDY_TEMPERATURE = 1e-5
+
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits - logits.max(axis=-1, keepdims=True)
@@ -20,14 +23,18 @@ def sample_one(logits: np.ndarray, request, eos_token_id: int) -> tuple:
         scores[ids] += np.fromiter(params.logit_bias.values(), np.float64, len(params.logit_bias))
     if has_penalties(params):
         _apply_penalties(scores, request)
+    # A tiny repetition penalty can push a logit to +inf, which would turn the softmax into NaN.
+    np.nan_to_num(scores, copy=False, nan=-np.inf, posinf=np.finfo(np.float64).max, neginf=-np.inf)
     if len(request.output_token_ids) < params.min_tokens:
         # min_tokens: the request may not stop yet, so its stop tokens cannot be drawn.
         banned = [eos_token_id] + list(params.stop_token_ids or [])
         scores[[t for t in banned if 0 <= t < scores.shape[0]]] = -np.inf
-    if params.temperature == 0 or params.top_k == 1:
+    if np.isneginf(scores).all():
+        raise ValueError("every token is banned (min_tokens with stop_token_ids covering the vocabulary)")
+    if is_greedy(params):
         token = int(np.argmax(scores))
     else:
-        token = _draw(scores / params.temperature, params.top_k, params.top_p, request.generator)
+        token = _draw(scores, params.temperature, params.top_k, params.top_p, request.generator)
     logprobs = None
     if params.logprobs is not None:
         lp = log_softmax(logits.astype(np.float64))
@@ -35,6 +42,10 @@ def sample_one(logits: np.ndarray, request, eos_token_id: int) -> tuple:
         logprobs = {int(t): float(lp[t]) for t in top}
         logprobs[token] = float(lp[token])
     return token, logprobs
+
+
+def is_greedy(params) -> bool:
+    return params.temperature < GREEDY_TEMPERATURE or params.top_k == 1
 
 
 def has_penalties(params) -> bool:
@@ -53,12 +64,13 @@ def _apply_penalties(scores: np.ndarray, request) -> None:
                                 scores[seen] * params.repetition_penalty)
 
 
-def _draw(scores: np.ndarray, top_k: int, top_p: float, generator: np.random.Generator) -> int:
+def _draw(scores: np.ndarray, temperature: float, top_k: int, top_p: float, generator: np.random.Generator) -> int:
     order = np.argsort(-scores, kind="stable")
     if top_k and top_k > 0:
         order = order[:top_k]
     kept = scores[order]
-    probs = np.exp(kept - kept.max())
+    # Shift before scaling: the largest term is exp(0) = 1 and nothing overflows.
+    probs = np.exp((kept - kept.max()) / temperature)
     probs /= probs.sum()
     if top_p < 1.0:
         # Smallest prefix of the sorted distribution whose mass reaches top_p (always >= 1 token).
