@@ -217,8 +217,8 @@ def test_bad_engine_flag_fails_before_serving_with_a_message(tmp_path, helpers):
 
 @pytest.mark.parametrize("extreme", [{"repetition_penalty": 1e-308}, {"temperature": 1e-308}])
 def test_extreme_sampling_values_are_served_not_fatal(server, extreme):
-    resp = server.http.post(COMPLETIONS, json={"prompt": "hello hello hello", "max_tokens": 4, "ignore_eos": True, "temperature": 1.0,
-                                               **extreme})
+    body = {"prompt": "hello hello hello", "max_tokens": 4, "ignore_eos": True, "temperature": 1.0, **extreme}
+    resp = server.http.post(COMPLETIONS, json=body)
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 4
     server.assert_still_serves()
