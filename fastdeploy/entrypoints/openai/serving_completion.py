@@ -229,14 +229,16 @@ class OpenAIServing:
 
         work = asyncio.ensure_future(drain())
         watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+        client_left = True
         try:
             await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            client_left = not work.done()
         finally:
             watcher.cancel()
             if not work.done():
-                work.cancel()
+                work.cancel()  # takes effect at its next await, not here
                 choices.abort()
-        if work.cancelled():
+        if client_left:
             return None
         try:
             return work.result()
