@@ -12,6 +12,9 @@ from typing import Optional
 MAX_LOGPROBS = 20
 # OpenAI's bound on a logit_bias value: -100 effectively bans a token, +100 effectively forces it.
 MAX_LOGIT_BIAS = 100
+# Stop strings are searched every step: bound their number and length (OpenAI allows 4).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LENGTH = 256
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty
 MAX_REPETITION_PENALTY = 100.0  # no standard bound; a larger one is a typo rather than a choice
 
@@ -77,9 +80,11 @@ class SamplingParams:
                 bad(name, f"must be a number in [-{MAX_PENALTY}, {MAX_PENALTY}]")
         if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             bad("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY}]")
-        if self.stop is not None and not (isinstance(self.stop, list)
-                                          and all(isinstance(s, str) and s for s in self.stop)):
-            bad("stop", "must be a list of non-empty strings")
+        if self.stop is not None and not (
+                isinstance(self.stop, list) and len(self.stop) <= MAX_STOP_STRINGS
+                and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LENGTH for s in self.stop)):
+            bad("stop", f"must be a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                        f"{MAX_STOP_STRING_LENGTH} characters")
         if self.logit_bias is not None and not (
                 isinstance(self.logit_bias, dict) and all(_is_int(t) for t in self.logit_bias)
                 and all(_is_number(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values())):

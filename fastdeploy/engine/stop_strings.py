@@ -25,8 +25,12 @@ def find_stop(text: str, stops: Sequence[str], checked: int) -> Optional[int]:
 def releasable(text: str, stops: Sequence[str]) -> str:
     """`text` without its longest tail that is the beginning of some stop string."""
     longest = min(len(text), max(len(s) for s in stops) - 1)
-    for k in range(longest, 0, -1):
-        tail = text[-k:]
-        if any(s.startswith(tail) for s in stops):
-            return text[:-k]
+    firsts = {s[0] for s in stops}
+    # Earliest start first, so the first hit is the longest tail; a tail must begin like a stop
+    # string, which rules out almost every position with one set lookup.
+    for start in range(len(text) - longest, len(text)):
+        if text[start] in firsts:
+            tail = text[start:]
+            if any(s.startswith(tail) for s in stops):
+                return text[:start]
     return text

@@ -226,6 +226,10 @@ def test_bad_stop_strings_are_rejected(engine):
         engine.add_request("bad", [5], SamplingParams(stop=[""]))
     with pytest.raises(ValueError, match="stop"):
         engine.add_request("bad", [5], SamplingParams(stop=["ok", 7]))
+    with pytest.raises(ValueError, match="stop"):
+        engine.add_request("bad", [5], SamplingParams(stop=["x" * 257]))
+    with pytest.raises(ValueError, match="stop"):
+        engine.add_request("bad", [5], SamplingParams(stop=[str(i) for i in range(17)]))
     assert SamplingParams(stop="abc").stop == ["abc"]  # one string, as vLLM takes it
 
 

@@ -71,6 +71,8 @@ BAD_REQUESTS = [
     ("repetition_penalty_zero", COMPLETIONS, _json({"prompt": "hi", "repetition_penalty": 0}), 400,
      "repetition_penalty"),
     ("empty_stop_string", COMPLETIONS, _json({"prompt": "hi", "stop": ["ok", ""]}), 400, "stop"),
+    ("too_many_stop_strings", COMPLETIONS, _json({"prompt": "hi", "stop": [str(i) for i in range(17)]}), 400, "stop"),
+    ("stop_string_too_long", COMPLETIONS, _json({"prompt": "hi", "stop": ["x" * 257]}), 400, "stop"),
     ("stop_wrong_type", COMPLETIONS, _json({"prompt": "hi", "stop": 5}), 400, "stop"),
     ("stop_token_outside_vocabulary", COMPLETIONS, _json({"prompt": "hi", "stop_token_ids": [10**6]}), 400, None),
     ("chat_malformed_json", CHAT, b'{"messages": [', 400, None),

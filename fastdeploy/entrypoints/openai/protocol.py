@@ -17,7 +17,14 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fastdeploy.engine.request import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY
+from fastdeploy.engine.request import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STRING_LENGTH,
+    MAX_STOP_STRINGS,
+)
 from fastdeploy.input.tokenizer import CHAT_ROLES
 
 
@@ -99,6 +106,10 @@ class _Request(BaseModel):
         stops = [v] if isinstance(v, str) else list(v or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        if any(len(s) > MAX_STOP_STRING_LENGTH for s in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_LENGTH} characters")
         return stops or None
 
     @field_validator("stop_token_ids")
