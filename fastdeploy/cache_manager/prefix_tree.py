@@ -283,8 +283,20 @@ class PrefixCache:
         heapq.heappush(self.heaps[rank], self._key(rank, node, slot, page))
 
     def _compact_if_bloated(self, rank: int) -> None:
-        if len(self.heaps[rank]) > 4 * self.num_evictable[rank] + 256:
-            self._rebuild_heap(rank)
+        """Drop stale entries once they outnumber live ones 3 to 1; O(heap), so O(1) per push
+        amortised, whatever the number of cached pages still in use."""
+        heap = self.heaps[rank]
+        if len(heap) <= 4 * self.num_evictable[rank] + 256:
+            return
+        where, holders, live = self.where[rank], self.pools[rank].holders, {}
+        for entry in heap:
+            page = entry[3]
+            loc = where.get(page)
+            if loc is not None and not holders[page] and self._key(rank, loc[0], loc[1], page) == entry:
+                live[page] = entry  # duplicates of a current entry collapse to one
+        heap = list(live.values())
+        heapq.heapify(heap)
+        self.heaps[rank] = heap
 
     def _repush(self, node: BlockNode) -> None:
         """Push fresh heap entries for the node's unreferenced pages after its class may have changed."""
@@ -295,6 +307,8 @@ class PrefixCache:
                     self._push(rank, node, s, p)
 
     def _rebuild_heap(self, rank: int) -> None:
+        """One current entry per evictable page, from the trie's page index: the fallback for an
+        empty heap, O(cached pages)."""
         holders = self.pools[rank].holders
         heap = [self._key(rank, node, s, p) for p, (node, s) in self.where[rank].items() if not holders[p]]
         heapq.heapify(heap)
