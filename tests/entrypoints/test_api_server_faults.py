@@ -131,12 +131,28 @@ def test_disconnect_mid_stream_aborts_request_and_frees_its_pages(server, helper
     server.assert_still_serves()
 
 
-def test_choices_over_max_concurrency_get_429_and_admit_nothing(server, helpers):
+def test_more_choices_than_max_concurrency_is_a_400_not_a_retryable_429(server, helpers):
     before = server.wait_idle_with_all_pages_free()
     resp = server.http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2, "n": MAX_CONCURRENCY + 1})
-    helpers.assert_openai_error(resp, 429)
+    err = helpers.assert_openai_error(resp, 400, "n")
+    assert str(MAX_CONCURRENCY) in err["message"]
     after = server.wait_idle_with_all_pages_free()
     assert after["fastdeploy:generation_tokens_total"] == before["fastdeploy:generation_tokens_total"]
+    server.assert_still_serves()
+
+
+def test_choices_that_do_not_all_fit_get_429_and_none_starts(server, helpers):
+    server.wait_idle_with_all_pages_free()
+    conn = server.raw_request(COMPLETIONS, _stream_body())  # takes one of the MAX_CONCURRENCY slots
+    try:
+        assert conn.read_until(b"}\n\n").startswith(b"HTTP/1.1 200")
+        busy = server.metrics()
+        resp = server.http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2, "n": MAX_CONCURRENCY})
+        helpers.assert_openai_error(resp, 429)
+        assert server.metrics()["fastdeploy:num_requests_running"] <= busy["fastdeploy:num_requests_running"]
+    finally:
+        conn.close()
+    server.wait_idle_with_all_pages_free()
     server.assert_still_serves()
 
 

@@ -349,17 +349,31 @@ class EngineClient:
 
     async def add_request(self, request_id: str, payload: AddPayload) -> "RequestStream":
         """Admit one request; raises EngineUnavailableError, ConcurrencyLimitError or RequestRejectedError."""
+        return (await self.add_requests([(request_id, payload)]))[0]
+
+    async def add_requests(self, items: list) -> list:
+        """Admit [(request_id, payload), ...] together, all or none: their slots are taken before
+        the first await, and if one is rejected (or the caller is cancelled) the others are aborted."""
         self.check_available()
-        self.check_capacity()
-        state = _RequestState(self._loop)
-        self._states[request_id] = state
-        self._requests_q.put(("add", request_id, payload))
+        self.check_capacity(len(items))
+        states = []
+        for request_id, payload in items:
+            state = _RequestState(self._loop)
+            self._states[request_id] = state
+            self._requests_q.put(("add", request_id, payload))
+            states.append(state)
         try:
-            await state.accepted
+            results = await asyncio.gather(*(state.accepted for state in states), return_exceptions=True)
         except asyncio.CancelledError:
-            self.abort(request_id)
+            for request_id, _ in items:
+                self.abort(request_id)
             raise
-        return RequestStream(self, request_id, state)
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            for request_id, _ in items:
+                self.abort(request_id)
+            raise failure
+        return [RequestStream(self, request_id, state) for (request_id, _), state in zip(items, states)]
 
     def abort(self, request_id: str, reason: Optional[BaseException] = None) -> None:
         """Idempotent: drop the request here and free its pages in the engine."""

@@ -25,7 +25,6 @@ from fastdeploy.entrypoints.openai.engine_client import (
     EngineOutput,
     EngineUnavailableError,
     RequestRejectedError,
-    RequestStream,
     TokenLogprob,
 )
 from fastdeploy.entrypoints.openai.protocol import (
@@ -189,27 +188,18 @@ class OpenAIServing:
     async def admit_choices(self, request_id: str, payload: AddPayload, n: int) -> ChoiceStreams:
         """One engine request per choice, all or none. A seeded request gives choice i seed + i, so
         its choices differ from each other and each is reproducible."""
+        limit = self.client.max_concurrency
+        if limit is not None and n > limit:  # a 429 would invite retries that can never succeed
+            raise APIError(400, f"n={n} choices exceed this server's --max-concurrency of {limit}", param="n")
+        items = []
+        for i in range(n):
+            choice_payload = payload
+            if i and payload.sampling.get("seed") is not None:
+                choice_payload = replace(payload, sampling={**payload.sampling,
+                                                            "seed": (payload.sampling["seed"] + i) % 2 ** 63})
+            items.append((request_id if n == 1 else f"{request_id}-{i}", choice_payload))
         try:
-            self.client.check_capacity(n)  # all choices or none, before any starts generating
-        except ConcurrencyLimitError as exc:
-            raise engine_error_to_api_error(exc) from None
-        streams: list[RequestStream] = []
-        try:
-            for i in range(n):
-                choice_payload = payload
-                if i and payload.sampling.get("seed") is not None:
-                    choice_payload = replace(payload, sampling={**payload.sampling,
-                                                                "seed": (payload.sampling["seed"] + i) % 2 ** 63})
-                streams.append(await self.admit(request_id if n == 1 else f"{request_id}-{i}", choice_payload))
-        except BaseException:
-            for stream in streams:
-                stream.abort()
-            raise
-        return ChoiceStreams(streams)
-
-    async def admit(self, request_id: str, payload: AddPayload) -> RequestStream:
-        try:
-            return await self.client.add_request(request_id, payload)
+            return ChoiceStreams(await self.client.add_requests(items))
         except (ConcurrencyLimitError, EngineUnavailableError, RequestRejectedError) as exc:
             raise engine_error_to_api_error(exc) from None
 
