@@ -279,16 +279,17 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(request: CompletionRequest, choices: ChoiceStreams,
                       chunks: StreamChunks) -> AsyncIterator[str]:
         texts = [IncrementalText() for _ in choices.streams]
+        # Offsets count the tokens' text, as the non-streamed answer does: the text sent so far
+        # can lag behind (a half character, or a possible stop string, is held back).
+        token_offsets = [0] * len(choices.streams)
         lasts: dict = {}
         async for index, out in choices:
             lasts[index] = out
-            text = texts[index]
-            offset_before = len(text.sent)
-            piece = text.delta(out.text, out.finished)
+            piece = texts[index].delta(out.text, out.finished)
             logprobs = None
             if request.logprobs is not None and out.new_logprobs:
                 logprobs = CompletionLogprobs()
-                _extend_logprobs(logprobs, out.new_logprobs, offset_before)
+                token_offsets[index] = _extend_logprobs(logprobs, out.new_logprobs, token_offsets[index])
             if not piece and logprobs is None and not out.finished:
                 continue
             yield chunks.chunk({"index": index, "text": piece,
@@ -298,7 +299,8 @@ class OpenAIServingCompletion(OpenAIServing):
             yield line
 
 
-def _extend_logprobs(logprobs: CompletionLogprobs, entries: list[TokenLogprob], text_offset: int) -> None:
+def _extend_logprobs(logprobs: CompletionLogprobs, entries: list[TokenLogprob], text_offset: int) -> int:
+    """Append the entries; returns the text offset after them."""
     offset = text_offset
     for entry in entries:
         logprobs.tokens.append(entry.token)
@@ -309,3 +311,4 @@ def _extend_logprobs(logprobs: CompletionLogprobs, entries: list[TokenLogprob], 
         logprobs.top_logprobs.append(top or None)
         logprobs.text_offset.append(offset)
         offset += len(entry.token)
+    return offset
