@@ -172,18 +172,11 @@ class CompletionRequest(_Request):
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 
-    @field_validator("echo")
+    @field_validator("echo", "suffix")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
+    def _unsupported(cls, v, info):
         if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v):
-        if v:
-            raise ValueError("suffix is not supported")
+            raise ValueError(f"{info.field_name} is not supported")
         return v
 
     @model_validator(mode="after")
