@@ -50,6 +50,8 @@ BAD_REQUESTS = [
     ("huge_max_tokens", COMPLETIONS, _json({"prompt": "hi", "max_tokens": 10**12}), 400, None),
     ("negative_temperature", COMPLETIONS, _json({"prompt": "hi", "temperature": -1}), 400, "temperature"),
     ("top_p_out_of_range", COMPLETIONS, _json({"prompt": "hi", "top_p": 1.5}), 400, "top_p"),
+    ("echo", COMPLETIONS, _json({"prompt": "hi", "echo": True}), 400, "echo"),
+    ("suffix", COMPLETIONS, _json({"prompt": "hi", "suffix": "end"}), 400, "suffix"),
     ("zero_choices", COMPLETIONS, _json({"prompt": "hi", "n": 0}), 400, "n"),
     ("too_many_choices", COMPLETIONS, _json({"prompt": "hi", "n": 1000}), 400, "n"),
     ("best_of_other_than_n", COMPLETIONS, _json({"prompt": "hi", "n": 2, "best_of": 3}), 400, None),
