@@ -38,6 +38,9 @@ BAD_REQUESTS = [
     ("malformed_json", COMPLETIONS, b'{"prompt": "hi", "max_tokens": ', 400, None),
     ("invalid_utf8", COMPLETIONS, b'{"prompt": "\xff\xfe bad bytes"}', 400, None),
     ("empty_body", COMPLETIONS, b"", 400, None),
+    ("lone_surrogate_in_prompt", COMPLETIONS, b'{"prompt": "hi \\ud800 there"}', 400, None),
+    ("lone_surrogate_in_model", COMPLETIONS, b'{"prompt": "hi", "model": "\\udc00x"}', 400, None),
+    ("lone_surrogate_in_stop", COMPLETIONS, b'{"prompt": "hi", "stop": ["\\ud800"]}', 400, None),
     ("body_not_an_object", COMPLETIONS, b"[1, 2, 3]", 400, None),
     ("missing_prompt", COMPLETIONS, _json({"max_tokens": 4}), 400, "prompt"),
     ("prompt_wrong_type", COMPLETIONS, _json({"prompt": 12}), 400, "prompt"),
@@ -251,3 +254,10 @@ def test_extreme_sampling_values_are_served_not_fatal(server, extreme):
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 4
     server.assert_still_serves()
+
+
+def test_an_escaped_surrogate_pair_is_ordinary_text(server):
+    body = b'{"prompt": "smile \\ud83d\\ude00", "max_tokens": 2, "ignore_eos": true}'
+    resp = server.http.post(COMPLETIONS, content=body, headers={"Content-Type": "application/json"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["prompt_tokens"] == len("smile ".encode()) + 4  # the emoji's 4 UTF-8 bytes

@@ -110,7 +110,28 @@ async def read_json_object(raw_request: Request) -> dict:
         raise bad_request("request body is nested too deeply") from None
     if not isinstance(obj, dict):
         raise bad_request("request body must be a JSON object")
+    # JSON may escape half a UTF-16 surrogate pair ("\ud800"); such a string is no text: it could
+    # not be tokenized, nor even quoted back in an error message.
+    if "\\u" in text and _has_lone_surrogate(obj):
+        raise bad_request("request body contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)")
     return obj
+
+
+def _has_lone_surrogate(value) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def parse_request(model_cls, obj: dict):
