@@ -305,8 +305,8 @@ def print_table(s: dict) -> None:
     print()
     print(f"{'':<30}{'recycle OFF':>14}{'recycle ON':>14}")
     for label, key, fmt in rows:
-        off, on = (s[key.format(arm)] for arm in ("off", "on"))
-        print(f"{label:<30}{'n/a' if off is None else fmt.format(off):>14}{'n/a' if on is None else fmt.format(on):>14}")
+        off, on = ("n/a" if s[key.format(arm)] is None else fmt.format(s[key.format(arm)]) for arm in ("off", "on"))
+        print(f"{label:<30}{off:>14}{on:>14}")
     print(f"{'KV pages total':<30}{s['kv_pages_total'] or 0:>14.0f}")
     share = s["share_of_possible_gain"]
     share_text = "n/a" if share is None else f"{100 * share:.0f}% of the possible gain"

@@ -55,6 +55,11 @@ class LLMEngine:
         token_ids = self._tokenize(prompt)
         self._check_token_ids("logit_bias", sampling_params.logit_bias or ())
         self._check_token_ids("stop_token_ids", sampling_params.stop_token_ids or ())
+        vocab = self.model_config.vocab_size
+        if sampling_params.min_tokens and len({self.model_config.eos_token_id,
+                                               *(sampling_params.stop_token_ids or ())}) >= vocab:
+            raise ValueError("min_tokens leaves nothing to sample: EOS and stop_token_ids cover the whole "
+                             "vocabulary")
         n, max_len = len(token_ids), self.model_config.max_model_len
         if n >= max_len:
             raise ValueError(f"This model's maximum context length is {max_len} tokens, but the prompt has {n} "

@@ -233,16 +233,36 @@ def test_bad_stop_strings_are_rejected(engine):
     assert SamplingParams(stop="abc").stop == ["abc"]  # one string, as vLLM takes it
 
 
-def test_a_request_whose_sampling_fails_is_aborted_and_the_batch_goes_on(engine):
-    vocab = engine.model_config.vocab_size
-    engine.add_request("ok", [5, 6], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    # Every token is a stop token and min_tokens forbids stopping: nothing can be sampled.
-    engine.add_request("impossible", [5, 6], SamplingParams(temperature=1.0, max_tokens=4, min_tokens=2,
-                                                            stop_token_ids=list(range(vocab))))
+def test_a_request_whose_sampling_fails_is_aborted_and_the_batch_goes_on(engine, monkeypatch):
+    import fastdeploy.worker.model_runner as model_runner
+
+    # Validation leaves no known input that breaks sampling, so a failure is injected for one request.
+    real_sample_one = model_runner.sample_one
+
+    def failing_for_doomed(logits, request, eos_token_id):
+        if request.request_id == "doomed":
+            raise FloatingPointError("injected")
+        return real_sample_one(logits, request, eos_token_id)
+
+    monkeypatch.setattr(model_runner, "sample_one", failing_for_doomed)
+    engine.add_request("ok", [5, 6], SamplingParams(temperature=0.7, seed=1, max_tokens=4, ignore_eos=True))
+    engine.add_request("doomed", [5, 6], SamplingParams(temperature=0.7, max_tokens=4))
     final = {}
     while engine.has_unfinished_requests():
         final.update({o.request_id: o for o in engine.step() if o.finished})
-    assert final["impossible"].outputs.finish_reason == "abort"
+    assert final["doomed"].outputs.finish_reason == "abort" and final["doomed"].outputs.token_ids == []
     assert final["ok"].outputs.finish_reason == "length" and len(final["ok"].outputs.token_ids) == 4
     stats = engine.get_stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_min_tokens_with_every_token_a_stop_token_is_rejected_up_front(engine):
+    vocab = engine.model_config.vocab_size
+    with pytest.raises(ValueError, match="nothing to sample"):
+        engine.add_request("impossible", [5, 6], SamplingParams(min_tokens=2, stop_token_ids=list(range(vocab))))
+    # Without min_tokens the same stop set is fine: the first token simply stops the request.
+    engine.add_request("stops", [5, 6], SamplingParams(temperature=0, max_tokens=4, stop_token_ids=list(range(vocab))))
+    final = []
+    while engine.has_unfinished_requests():
+        final += [o for o in engine.step() if o.finished]
+    assert final[0].outputs.finish_reason == "stop" and len(final[0].outputs.token_ids) == 1

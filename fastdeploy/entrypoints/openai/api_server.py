@@ -108,6 +108,8 @@ async def read_json_object(raw_request: Request) -> dict:
             from None
     except RecursionError:
         raise bad_request("request body is nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer literal past Python's 4300-digit conversion limit
+        raise bad_request(f"request body has a value that cannot be read: {exc}") from None
     if not isinstance(obj, dict):
         raise bad_request("request body must be a JSON object")
     # JSON may escape half a UTF-16 surrogate pair ("\ud800"); such a string is no text: it could
@@ -177,7 +179,7 @@ def build_app(client: EngineClient, metrics: ServerMetrics, api_port: Optional[i
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):
-        logger.exception("unhandled error")
+        # Starlette re-raises after this response is sent, and uvicorn logs the traceback once.
         return error_response(APIError(500, "internal server error", type="internal_server_error"))
 
     @app.post("/v1/completions")
