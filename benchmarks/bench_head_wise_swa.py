@@ -131,7 +131,7 @@ class Timeline:
     waiting: list[float] = field(default_factory=list)
     pages_in_use: list[float] = field(default_factory=list)
     pages_total: Optional[float] = None
-    engine_steps: list[float] = field(default_factory=list)
+    engine_steps: Optional[float] = None  # model steps between the idle scrapes before and after the run
 
 
 async def poll_metrics(metrics_url: str, timeline: Timeline, stop: asyncio.Event,
@@ -153,8 +153,6 @@ async def poll_metrics(metrics_url: str, timeline: Timeline, stop: asyncio.Event
                 timeline.running.append(values[METRIC_RUNNING])
                 timeline.waiting.append(values.get(METRIC_WAITING, 0.0))
                 timeline.pages_in_use.append(total - values[METRIC_PAGES_FREE])
-                if METRIC_STEPS in values:
-                    timeline.engine_steps.append(values[METRIC_STEPS])
                 if now >= next_report:
                     next_report += report_every_s
                     log(f"[{label}] t={now:5.0f}s running={values[METRIC_RUNNING]:.0f} "
@@ -185,9 +183,28 @@ class ArmResult:
 
     @property
     def engine_steps(self) -> Optional[float]:
-        """Model steps the engine ran while /metrics was sampled (the run, to within a poll)."""
-        steps = self.timeline.engine_steps
-        return steps[-1] - steps[0] if len(steps) >= 2 else None
+        return self.timeline.engine_steps
+
+
+async def idle_engine_steps(metrics_url: str, timeout_s: float = 30.0) -> Optional[float]:
+    """fastdeploy:engine_steps_total once /metrics shows an idle engine with every page free.
+
+    /metrics is a snapshot the engine publishes every ~0.1 s; waiting for the idle state makes
+    sure the snapshot is from after the last step of the run, not from inside it.
+    """
+    deadline = time.perf_counter() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while time.perf_counter() < deadline:
+            try:
+                async with session.get(metrics_url) as response:
+                    values = prometheus_totals(await response.text())
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+                values = {}
+            if (values.get(METRIC_RUNNING) == 0 and METRIC_STEPS in values
+                    and values.get(METRIC_PAGES_FREE) == values.get(METRIC_PAGES_TOTAL)):
+                return values[METRIC_STEPS]
+            await asyncio.sleep(0.1)
+    return None
 
 
 async def drive(base_url: str, workload: dict, label: str) -> tuple[dict, Timeline]:
@@ -202,12 +219,16 @@ async def drive(base_url: str, workload: dict, label: str) -> tuple[dict, Timeli
         argv += ["--max-concurrency", str(workload["max_concurrency"])]
     bench_args = benchmark_serving.build_parser().parse_args(argv)
     timeline, stop = Timeline(), asyncio.Event()
+    steps_before = await idle_engine_steps(base_url + "/metrics")
     poller = asyncio.create_task(poll_metrics(base_url + "/metrics", timeline, stop, label))
     try:
         result = await benchmark_serving.run_benchmark_async(bench_args)
     finally:
         stop.set()
         await poller
+    steps_after = await idle_engine_steps(base_url + "/metrics")
+    if steps_before is not None and steps_after is not None:
+        timeline.engine_steps = steps_after - steps_before
     return result, timeline
 
 

@@ -45,3 +45,19 @@ def test_bench_prefix_caching_hits_and_keeps_tokens(tmp_path):
     assert {r["workload"] for r in results} >= {"shared-prefix", "multi-turn"}
     assert all(r["identical_tokens"] for r in results)
     assert any(r["on"]["hit_rate"] > 0 for r in results)
+
+
+def test_bench_head_wise_swa_runs_both_servers_and_splits_the_gain(tmp_path):
+    out, plot = tmp_path / "ab.json", tmp_path / "ab.png"
+    stdout = run("bench_head_wise_swa.py", "--num-prompts", "8", "--input-len", "32", "--output-len", "48",
+                 "--max-model-len", "96", "--num-gpu-blocks-override", "24", "--max-num-seqs", "8",
+                 "--max-num-batched-tokens", "128",
+                 "--head-wise-swa-config", '{"sliding_window": 16, "sink_size": 0, "swa_kv_heads": [0, 1]}',
+                 "--json", str(out), "--plot", str(plot), "--log-dir", str(tmp_path))
+    result = json.loads(out.read_text())
+    assert result["failed_off"] == result["failed_on"] == 0
+    assert result["peak_running_on"] > result["peak_running_off"]
+    assert result["engine_steps_off"] > result["engine_steps_on"] > 0
+    # The printed split multiplies back to the gain (durations and steps come from the same run).
+    assert result["steps_ratio"] / result["step_time_ratio"] == pytest.approx(result["gain"], rel=0.05)
+    assert "Engine steps" in stdout and plot.stat().st_size > 0
