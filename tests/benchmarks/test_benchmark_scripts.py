@@ -49,7 +49,8 @@ def test_bench_prefix_caching_hits_and_keeps_tokens(tmp_path):
 
 def test_bench_head_wise_swa_runs_both_servers_and_splits_the_gain(tmp_path):
     out, plot = tmp_path / "ab.json", tmp_path / "ab.png"
-    stdout = run("bench_head_wise_swa.py", "--num-prompts", "8", "--input-len", "32", "--output-len", "48",
+    # 12 requests: three waves of 4 with recycling OFF, two of 6 with it ON.
+    stdout = run("bench_head_wise_swa.py", "--num-prompts", "12", "--input-len", "32", "--output-len", "48",
                  "--max-model-len", "96", "--num-gpu-blocks-override", "24", "--max-num-seqs", "8",
                  "--max-num-batched-tokens", "128",
                  "--head-wise-swa-config", '{"sliding_window": 16, "sink_size": 0, "swa_kv_heads": [0, 1]}',
