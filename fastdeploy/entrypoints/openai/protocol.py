@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from fastdeploy.engine.request import (
     MAX_LOGIT_BIAS,
@@ -90,7 +90,7 @@ class _Request(BaseModel):
     seed: Optional[int] = Field(default=None, ge=0, lt=2**63)
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # choices: one engine request each
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[StrictInt]] = None
     presence_penalty: Optional[float] = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: Optional[float] = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
@@ -165,7 +165,8 @@ class StreamOptions(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    # Strict: JSON true/false or 5.0 is no token id (lax mode would read them as 1, 0, 5).
+    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
     max_tokens: Optional[int] = Field(default=16, ge=1)
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
