@@ -323,3 +323,23 @@ def test_peak_running_ratio_matches_prediction(make_config, swa_heads):
     print(f"\nSWA heads {swa_heads}: peak running off={peaks['head_wise_recycle_off']} "
           f"on={peaks['head_wise_recycle_on']} predicted ceiling={pred['ceiling']:.3f}, "
           f"steps off/on={steps['head_wise_recycle_off'] / steps['head_wise_recycle_on']:.3f}")
+
+
+def test_finished_requests_are_not_kept_alive_by_the_scheduler(make_config):
+    import gc
+    import weakref
+
+    cfg = make_config(num_gpu_blocks_override=64, head_wise_swa_config=SWA, max_num_batched_tokens=64)
+    rm = ResourceManagerV1(cfg)
+    refs = []
+    # Each request's last step brings its processed tokens to 83 (40 prompt + 43 outputs), the count
+    # at which SWA block 3 leaves the window (W=20, block 16): it finishes due for recycling.
+    for rid in "abc":
+        r = request(rid, 40, 44)
+        rm.add_request(r)
+        refs.append(weakref.ref(r))
+        del r
+    run_to_completion(rm)
+    assert rm.swa_pages_recycled_total > 0
+    gc.collect()
+    assert [ref() for ref in refs if ref() is not None] == []  # the engine idles now: nothing may pin them

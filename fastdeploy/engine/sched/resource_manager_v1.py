@@ -356,6 +356,8 @@ class ResourceManagerV1:
         return held
 
     def _release(self, request: Request) -> None:
+        if request in self._recycle_due:  # a short list; keeps no finished request alive when idle
+            self._recycle_due.remove(request)
         if self.head_wise:
             tables = request.block_tables_head_wise or []
             live = [[p for p in row if p != -1] for row in tables]
