@@ -7,6 +7,7 @@ import paddle
 
 from fastdeploy.engine.sched.resource_manager_v1 import ScheduledBatch
 from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.model_executor.host_tensor import host_tensor
 from fastdeploy.model_executor.layers.attention import get_attention_backend
 from fastdeploy.model_executor.layers.rotary_embedding import rope_tables
 from fastdeploy.model_executor.layers.sampler import has_penalties, is_greedy, sample_one
@@ -59,21 +60,21 @@ class ModelRunner:
             for i, s in enumerate(scheduled):
                 for h, row in enumerate(s.request.block_tables_head_wise):
                     table[i, h, :len(row)] = row
-            tables_hw = paddle.to_tensor(table)
+            tables_hw = host_tensor(table)
         else:
             width = max(len(s.request.block_tables) for s in scheduled)
             table = np.full((bsz, width), -1, np.int32)
             for i, s in enumerate(scheduled):
                 table[i, :len(s.request.block_tables)] = s.request.block_tables
-            tables_1d = paddle.to_tensor(table)
+            tables_1d = host_tensor(table)
 
         return ForwardMeta(
-            input_ids=paddle.to_tensor(ids),
-            seq_lens_encoder=paddle.to_tensor(encoder),
-            seq_lens_decoder=paddle.to_tensor(np.array(starts, np.int32)),
-            seq_lens_this_time=paddle.to_tensor(np.array(lengths, np.int32)),
-            cu_seqlens_q=paddle.to_tensor(cu), block_tables=tables_1d, block_tables_head_wise=tables_hw,
-            sample_rows=paddle.to_tensor(sample_rows), starts=starts, lengths=lengths,
+            input_ids=host_tensor(ids),
+            seq_lens_encoder=host_tensor(encoder),
+            seq_lens_decoder=host_tensor(np.array(starts, np.int32)),
+            seq_lens_this_time=host_tensor(np.array(lengths, np.int32)),
+            cu_seqlens_q=host_tensor(cu), block_tables=tables_1d, block_tables_head_wise=tables_hw,
+            sample_rows=host_tensor(sample_rows), starts=starts, lengths=lengths,
             slot_ids=[self._slot(s.request.request_id) for s in scheduled], attn_backend=self.attn_backend)
 
     def execute(self, batch: ScheduledBatch) -> tuple:

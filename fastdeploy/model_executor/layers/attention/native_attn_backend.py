@@ -14,6 +14,7 @@ import paddle
 import paddle.nn.functional as F
 
 from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.model_executor.host_tensor import host_tensor
 from fastdeploy.model_executor.layers.attention.swa_spec import swa_attention_args
 from fastdeploy.model_executor.layers.rotary_embedding import apply_rope
 
@@ -57,7 +58,7 @@ class NativeAttentionBackend:
             keys = self.keys[layer_id][slot, :start + n].repeat_interleave(group, axis=1)    # [L, nh, d]
             values = self.values[layer_id][slot, :start + n].repeat_interleave(group, axis=1)
             scores = paddle.matmul(q.transpose([1, 0, 2]), keys.transpose([1, 2, 0])) / math.sqrt(d)
-            visible = paddle.to_tensor(self.visibility(start, n))
+            visible = host_tensor(self.visibility(start, n))
             scores = paddle.where(visible, scores, paddle.full_like(scores, float("-inf")))
             probs = F.softmax(scores, axis=-1)                                              # [nh, n, L]
             out = paddle.matmul(probs, values.transpose([1, 0, 2]))                         # [nh, n, d]
