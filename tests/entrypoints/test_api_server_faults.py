@@ -124,20 +124,26 @@ def _stream_body(max_tokens: int = LONG_GENERATION) -> dict:
     return {"prompt": "tell me a long story", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
 
 
+def _disconnect_once_generating(server, helpers, conn, before: float) -> float:
+    """Close `conn` once /metrics shows its request generating; the tokens generated since `before`
+    (the generation counter read while idle, before the request was sent).
+
+    /metrics is a snapshot published every ~0.1 s: without the wait, the "all pages free" read
+    afterwards could be the snapshot from before the request started.
+    """
+    helpers.wait_until(lambda: server.metrics().get("fastdeploy:generation_tokens_total", 0) > before,
+                       helpers.POLL_TIMEOUT_S, "/metrics to show the request generating")
+    conn.close()
+    return server.wait_idle_with_all_pages_free()["fastdeploy:generation_tokens_total"] - before
+
+
 @pytest.mark.parametrize("n", [1, MAX_CONCURRENCY])
 def test_disconnect_mid_stream_aborts_request_and_frees_its_pages(server, helpers, n):
-    before = server.wait_idle_with_all_pages_free()
+    before = server.wait_idle_with_all_pages_free()["fastdeploy:generation_tokens_total"]
     conn = server.raw_request(COMPLETIONS, dict(_stream_body(), n=n))
     head = conn.read_until(b"}\n\n")  # headers plus at least one event: generation has started
     assert head.startswith(b"HTTP/1.1 200")
-    # /metrics is a snapshot published every ~0.1 s: wait until it shows this request, or the
-    # "all pages free" below could be the snapshot from before it started.
-    helpers.wait_until(lambda: server.metrics().get("fastdeploy:generation_tokens_total", 0)
-                       > before["fastdeploy:generation_tokens_total"], helpers.POLL_TIMEOUT_S,
-                       "/metrics to show the request generating")
-    conn.close()
-    after = server.wait_idle_with_all_pages_free()
-    generated = after["fastdeploy:generation_tokens_total"] - before["fastdeploy:generation_tokens_total"]
+    generated = _disconnect_once_generating(server, helpers, conn, before)
     # Below one full generation: had any choice run to its end, this would fail.
     assert 1 <= generated < LONG_GENERATION, "a choice ran to its end instead of being aborted"
     server.assert_still_serves()
@@ -170,15 +176,9 @@ def test_choices_that_do_not_all_fit_get_429_and_none_starts(server, helpers):
 @pytest.mark.parametrize("n", [1, MAX_CONCURRENCY])
 def test_disconnect_while_waiting_for_non_streamed_response_aborts_request(server, helpers, n):
     tracebacks_before = server.log_path.read_text(errors="replace").count("Traceback")
-    before = server.wait_idle_with_all_pages_free()
-    body = dict(_stream_body(), stream=False, n=n)
-    conn = server.raw_request(COMPLETIONS, body)
-    helpers.wait_until(lambda: server.metrics().get("fastdeploy:generation_tokens_total", 0)
-                       > before["fastdeploy:generation_tokens_total"], helpers.POLL_TIMEOUT_S,
-                       "the request to start generating")
-    conn.close()
-    after = server.wait_idle_with_all_pages_free()
-    generated = after["fastdeploy:generation_tokens_total"] - before["fastdeploy:generation_tokens_total"]
+    before = server.wait_idle_with_all_pages_free()["fastdeploy:generation_tokens_total"]
+    conn = server.raw_request(COMPLETIONS, dict(_stream_body(), stream=False, n=n))
+    generated = _disconnect_once_generating(server, helpers, conn, before)
     assert generated < LONG_GENERATION, "the request ran to its end instead of being aborted"
     server.assert_still_serves()
     assert server.log_path.read_text(errors="replace").count("Traceback") == tracebacks_before
