@@ -15,6 +15,7 @@ from fastdeploy.engine.request import CompletionOutput, Request, RequestOutput, 
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 from fastdeploy.engine.stop_strings import find_stop, releasable
 from fastdeploy.input.tokenizer import load_tokenizer
+from fastdeploy.model_executor.layers.sampler import min_tokens_bans
 
 logger = logging.getLogger("fastdeploy.engine")
 
@@ -55,9 +56,8 @@ class LLMEngine:
         token_ids = self._tokenize(prompt)
         self._check_token_ids("logit_bias", sampling_params.logit_bias or ())
         self._check_token_ids("stop_token_ids", sampling_params.stop_token_ids or ())
-        vocab = self.model_config.vocab_size
-        if sampling_params.min_tokens and len({self.model_config.eos_token_id,
-                                               *(sampling_params.stop_token_ids or ())}) >= vocab:
+        if sampling_params.min_tokens and len(min_tokens_bans(sampling_params, self.model_config.eos_token_id)) \
+                >= self.model_config.vocab_size:
             raise ValueError("min_tokens leaves nothing to sample: EOS and stop_token_ids cover the whole "
                              "vocabulary")
         n, max_len = len(token_ids), self.model_config.max_model_len
@@ -85,17 +85,14 @@ class LLMEngine:
             return token_ids
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
-        vocab = self.model_config.vocab_size
-        for t in prompt:
-            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        self._check_token_ids("prompt", prompt)
         return [int(t) for t in prompt]
 
     def _check_token_ids(self, field: str, token_ids) -> None:
         vocab = self.model_config.vocab_size
         for t in token_ids:
-            if not 0 <= t < vocab:
-                raise ValueError(f"{field}: token id {t} is outside the vocabulary [0, {vocab})")
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"{field}: token id {t!r} is outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its KV pages now; unknown or finished ids are ignored."""

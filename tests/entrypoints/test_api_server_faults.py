@@ -159,7 +159,7 @@ def test_more_choices_than_max_concurrency_is_a_400_not_a_retryable_429(server, 
     server.assert_still_serves()
 
 
-def test_choices_that_do_not_all_fit_get_429_and_none_starts(server, helpers):
+def test_choices_that_do_not_all_fit_get_429_and_leave_nothing_in_flight(server, helpers):
     server.wait_idle_with_all_pages_free()
     conn = server.raw_request(COMPLETIONS, _stream_body())  # takes one of the MAX_CONCURRENCY slots
     try:

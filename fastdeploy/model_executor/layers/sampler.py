@@ -26,9 +26,7 @@ def sample_one(logits: np.ndarray, request, eos_token_id: int) -> tuple:
     # A tiny repetition penalty can push a logit to +inf, which would turn the softmax into NaN.
     np.nan_to_num(scores, copy=False, nan=-np.inf, posinf=np.finfo(np.float64).max, neginf=-np.inf)
     if len(request.output_token_ids) < params.min_tokens:
-        # min_tokens: the request may not stop yet, so its stop tokens cannot be drawn.
-        banned = [eos_token_id] + list(params.stop_token_ids or [])
-        scores[[t for t in banned if 0 <= t < scores.shape[0]]] = -np.inf
+        scores[[t for t in min_tokens_bans(params, eos_token_id) if 0 <= t < scores.shape[0]]] = -np.inf
     if np.isneginf(scores).all():
         raise ValueError("every token is banned (min_tokens with stop_token_ids covering the vocabulary)")
     if is_greedy(params):
@@ -42,6 +40,11 @@ def sample_one(logits: np.ndarray, request, eos_token_id: int) -> tuple:
         logprobs = {int(t): float(lp[t]) for t in top}
         logprobs[token] = float(lp[token])
     return token, logprobs
+
+
+def min_tokens_bans(params, eos_token_id: int) -> set:
+    """Tokens that cannot be drawn before min_tokens: they would stop the request."""
+    return {eos_token_id, *(params.stop_token_ids or ())}
 
 
 def is_greedy(params) -> bool:
