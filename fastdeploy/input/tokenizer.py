@@ -57,6 +57,13 @@ class ByteTokenizer(_ChatTemplate):
             return state[1]
         return text + tail
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (none for the specials)."""
+        return bytes([token_id - self.NUM_SPECIAL]) if self.NUM_SPECIAL <= token_id < 256 + self.NUM_SPECIAL else b""
+
+    def id_to_token(self, token_id: int) -> Optional[str]:
+        return {self.pad_token_id: "<pad>", self.bos_token_id: "<s>", self.eos_token_id: "</s>"}.get(token_id)
+
 
 class HFTokenizer(_ChatTemplate):
     """A `tokenizer.json` (Hugging Face tokenizers) or a sentencepiece `tokenizer.model`."""
@@ -74,6 +81,8 @@ class HFTokenizer(_ChatTemplate):
             tok = Tokenizer.from_file(json_path)
             self._encode = lambda text: tok.encode(text, add_special_tokens=False).ids
             self._decode = lambda ids: tok.decode(ids)
+            self._piece = tok.id_to_token
+            self._byte_level = _decoder_is_byte_level(json_path)
         else:
             try:
                 import sentencepiece
@@ -82,6 +91,8 @@ class HFTokenizer(_ChatTemplate):
             sp = sentencepiece.SentencePieceProcessor(model_file=sp_path)
             self._encode = lambda text: sp.encode(text)
             self._decode = lambda ids: sp.decode(ids)
+            self._piece = sp.id_to_piece
+            self._byte_level = False
 
     def encode(self, text: str) -> list:
         return list(self._encode(text))
@@ -89,9 +100,61 @@ class HFTokenizer(_ChatTemplate):
     def decode(self, ids: list) -> str:
         return self._decode([i for i in ids if i != self.eos_token_id])
 
+    def id_to_token(self, token_id: int) -> Optional[str]:
+        try:
+            return self._piece(token_id)
+        except Exception:  # out of range for this vocabulary
+            return None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: a byte-fallback piece `<0xNN>` is that byte, a byte-level
+        BPE piece maps back through GPT-2's byte alphabet, a sentencepiece piece's U+2581 is a space."""
+        piece = self.id_to_token(token_id)
+        if piece is None:
+            return self.decode([token_id]).encode("utf-8")
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if self._byte_level:
+            alphabet = _byte_level_alphabet()
+            if all(ch in alphabet for ch in piece):
+                return bytes(alphabet[ch] for ch in piece)
+        if token_id == self.eos_token_id:
+            return b""
+        return piece.replace("\u2581", " ").encode("utf-8")
+
     def decode_incremental(self, ids: list, state: list) -> str:
         # Subword decoders are not concatenative (leading spaces, merges): decode everything.
         return self.decode(ids)
+
+
+def _decoder_is_byte_level(json_path: str) -> bool:
+    import json
+
+    with open(json_path, encoding="utf-8") as f:
+        decoder = json.load(f).get("decoder") or {}
+    kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders") or []]
+    return "ByteLevel" in kinds
+
+
+_ALPHABET: dict = {}
+
+
+def _byte_level_alphabet() -> dict:
+    """GPT-2's byte-level BPE alphabet, inverted: printable character -> the byte it stands for."""
+    if not _ALPHABET:
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                     *range(ord("\xae"), ord("\xff") + 1)]
+        shifted = 0
+        for b in range(256):
+            if b in printable:
+                _ALPHABET[chr(b)] = b
+            else:
+                _ALPHABET[chr(256 + shifted)] = b
+                shifted += 1
+    return _ALPHABET
 
 
 def load_tokenizer(model_config) -> "ByteTokenizer | HFTokenizer":

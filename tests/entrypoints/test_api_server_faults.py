@@ -67,7 +67,6 @@ BAD_REQUESTS = [
     ("float_token_id", COMPLETIONS, _json({"prompt": [40, 5.0]}), 400, "prompt"),
     ("boolean_stop_token_id", COMPLETIONS, _json({"prompt": "hi", "stop_token_ids": [False]}), 400, None),
     ("empty_token_prompt", COMPLETIONS, _json({"prompt": []}), 400, "prompt"),
-    ("batched_prompts", COMPLETIONS, _json({"prompt": ["a", "b"]}), 400, "prompt"),
     ("text_prompt_over_max_model_len", COMPLETIONS, _json({"prompt": "a" * (2 * MAX_MODEL_LEN)}), 400, None),
     ("token_prompt_over_max_model_len", COMPLETIONS, _json({"prompt": [40] * (MAX_MODEL_LEN + 1)}), 400, None),
     # Only the engine knows its vocabulary: its ValueError must come back as a 400.

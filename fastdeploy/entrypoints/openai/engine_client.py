@@ -70,9 +70,10 @@ class AddPayload:
 
 @dataclass
 class TokenLogprob:
-    token: str
+    token: str                 # the token's text; "bytes:\\xNN..." when it is not whole UTF-8 on its own
     logprob: Optional[float]
-    top: list  # [(token_str, logprob), ...], most likely first
+    top: list                  # [(token_str, logprob, token_bytes), ...], most likely first
+    bytes: list = field(default_factory=list)  # the token's own bytes (OpenAI chat `bytes`)
 
 
 @dataclass
@@ -86,6 +87,10 @@ class EngineOutput:
     finished: bool
     finish_reason: Optional[str]
     new_logprobs: Optional[list] = None         # TokenLogprob for tokens new since the last output
+    # Upstream FastDeploy's `arrival_time`: seconds from the request's arrival in the engine to this
+    # output (its newest token); clients derive server-side TTFT / ITL / E2E latency from it.
+    arrival_time: float = 0.0
+    num_cached_tokens: int = 0                  # prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -215,6 +220,8 @@ class _EngineLoop:
             request_id=out.request_id, num_prompt_tokens=len(out.prompt_token_ids),
             num_output_tokens=len(comp.token_ids), text=comp.text, finished=out.finished,
             finish_reason=comp.finish_reason,
+            arrival_time=max(0.0, time.time() - out.metrics.get("arrival_time", time.time())),
+            num_cached_tokens=int(out.metrics.get("num_cached_tokens") or 0),
         )
         if out.request_id in self.wants_logprobs:
             converted.new_logprobs = self._new_logprobs(out.request_id, comp)
@@ -227,13 +234,14 @@ class _EngineLoop:
         sent = self.logprobs_sent.get(request_id, 0)
         k = self.wants_logprobs[request_id]
         entries = []
-        decode = self.engine.tokenizer.decode
+        tokenizer = self.engine.tokenizer
         for token_id, dist in zip(comp.token_ids[sent:], (comp.logprobs or [])[sent:]):
             dist = dist or {}
             top = sorted(dist.items(), key=lambda kv: kv[1], reverse=True)[:k]
             chosen = dist.get(token_id)
-            entries.append(TokenLogprob(token=decode([token_id]), logprob=None if chosen is None else _finite(chosen),
-                                        top=[(decode([t]), _finite(lp)) for t, lp in top]))
+            text, raw = token_text_and_bytes(tokenizer, token_id)
+            entries.append(TokenLogprob(token=text, logprob=None if chosen is None else _finite(chosen), bytes=raw,
+                                        top=[_top_entry(tokenizer, t, lp) for t, lp in top]))
         self.logprobs_sent[request_id] = sent + len(entries)
         return entries
 
@@ -242,6 +250,26 @@ class _EngineLoop:
         if now - self.last_stats >= min_interval:
             self.last_stats = now
             self.outputs_q.put(("stats", self.engine.get_stats()))
+
+
+def token_text_and_bytes(tokenizer, token_id: int, name_specials: bool = False) -> tuple:
+    """(text, bytes) of one token, as OpenAI reports logprob tokens: a token that is only part of
+    a UTF-8 character (a lone byte of a byte-level vocabulary) has no text of its own, so its text
+    is `bytes:\\xNN...` (unique per token, unlike the U+FFFD its decoding shows) and its bytes are
+    its real bytes, from which a client can rebuild the output text. `name_specials`: a special
+    token that decodes to nothing is shown by its vocabulary name (top_logprobs keys stay unique)."""
+    text = tokenizer.decode([token_id])
+    raw = tokenizer.token_bytes(token_id) if hasattr(tokenizer, "token_bytes") else text.encode("utf-8")
+    if "\ufffd" in text and "\ufffd" not in raw.decode("utf-8", errors="ignore"):
+        text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    elif not text and name_specials and hasattr(tokenizer, "id_to_token"):  # a special token decodes to nothing
+        text = tokenizer.id_to_token(token_id) or ""
+    return text, list(raw)
+
+
+def _top_entry(tokenizer, token_id: int, logprob) -> tuple:
+    text, raw = token_text_and_bytes(tokenizer, token_id, name_specials=True)
+    return text, _finite(logprob), raw
 
 
 def _finite(logprob) -> float:

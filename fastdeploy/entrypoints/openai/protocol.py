@@ -5,8 +5,9 @@ Requests are validated here, before anything reaches the engine, so every client
 other than n, echo, suffix, tools, JSON response formats) are rejected by name instead of being
 silently ignored; unknown extra fields are ignored, as OpenAI clients send many optional ones.
 
-Completions take one prompt per request: a string, a list of token ids, or a one-element list of
-either. Batches of several prompts are rejected with 400 (send one request per prompt).
+Completions take a string, a list of token ids, or a list of either (one choice per prompt and n,
+as OpenAI does). `metadata` is merged into the request as upstream FastDeploy merges it: its keys
+that name sampling fields (e.g. `{"min_tokens": 64}`) override those fields; other keys are ignored.
 """
 
 from __future__ import annotations
@@ -74,6 +75,13 @@ def random_id(prefix: str) -> str:
 
 # Most choices (n) one request may ask for; each is a separate engine request.
 MAX_CHOICES = 16
+# Most prompts one completions request may batch (each times n is an engine request).
+MAX_PROMPTS = 64
+# Request fields a `metadata` key may set (upstream copies every metadata key into the request it
+# sends its engine; these are the ones this engine has).
+METADATA_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed",
+                   "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "logit_bias")
 
 
 class _Request(BaseModel):
@@ -98,6 +106,17 @@ class _Request(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     logit_bias: Optional[dict[str, float]] = None  # JSON keys are strings: {"50256": -100}
     user: Optional[str] = None
+    metadata: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_metadata(cls, data):
+        """Upstream FastDeploy's rule: metadata's keys override the request's own fields."""
+        if isinstance(data, dict) and isinstance(data.get("metadata"), dict):
+            merged = {k: v for k, v in data["metadata"].items() if k in METADATA_FIELDS and k in cls.model_fields}
+            if merged:
+                data = {**data, **merged}
+        return data
 
     @field_validator("stop", mode="wrap")
     @classmethod
@@ -158,16 +177,21 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM / upstream: usage so far on every chunk too
 
 
 class CompletionRequest(_Request):
     # Strict: JSON true/false or 5.0 is no token id (lax mode would read them as 1, 0, 5).
     prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
-    max_tokens: Optional[int] = Field(default=16, ge=1)
+    max_tokens: Optional[int] = Field(default=None, ge=1)  # None: up to max_model_len, as upstream
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: Optional[str] = None
@@ -188,18 +212,23 @@ class CompletionRequest(_Request):
 
     @field_validator("prompt", mode="wrap")
     @classmethod
-    def _single_non_empty_prompt(cls, v, handler):
-        v = _one_error_for_union(v, handler, "prompt must be a string, a list of token ids, or a one-element "
-                                             "list of either")
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("batched prompts are not supported; send one request per prompt")
-            v = v[0]
-        if len(v) == 0:
-            raise ValueError("prompt must not be empty")
-        if isinstance(v, list) and any(t < 0 for t in v):
-            raise ValueError("token ids must be >= 0")
+    def _non_empty_prompts(cls, v, handler):
+        v = _one_error_for_union(v, handler, "prompt must be a string, a list of token ids, or a list of either")
+        prompts = v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+        for prompt in prompts:
+            if len(prompt) == 0:
+                raise ValueError("prompt must not be empty")
+            if isinstance(prompt, list) and any(t < 0 for t in prompt):
+                raise ValueError("token ids must be >= 0")
         return v
+
+    @property
+    def prompts(self) -> list:
+        """One entry per prompt: a string or a list of token ids."""
+        v = self.prompt
+        return list(v) if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
 
 
 class ChatMessage(BaseModel):
@@ -266,15 +295,21 @@ class ChatCompletionRequest(_Request):
 
 # ----------------------------------------------------------------------------- responses
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "UsageInfo":
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class CompletionLogprobs(BaseModel):

@@ -3,7 +3,7 @@ process (the tokenizer lives there), then served like a completion."""
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -33,7 +33,7 @@ class OpenAIServingChat(OpenAIServing):
         payload = AddPayload(prompt=None, messages=messages,
                              sampling=request.sampling_kwargs(request.output_limit, request.num_logprobs))
         return await self.serve(request, raw_request, id_prefix="chatcmpl", chunk_object="chat.completion.chunk",
-                                payload=payload, stream_body=self._stream, respond=self._respond)
+                                payloads=[payload], stream_body=self._stream, respond=self._respond)
 
     @staticmethod
     def _respond(request: ChatCompletionRequest, request_id: str, created: int, model: str, lasts: list,
@@ -44,28 +44,28 @@ class OpenAIServingChat(OpenAIServing):
                                 logprobs=_chat_logprobs(choice_entries) if request.logprobs else None,
                                 finish_reason=last.finish_reason)
                      for index, (last, choice_entries) in enumerate(zip(lasts, entries))],
-            usage=usage_of(lasts),
+            usage=usage_of(lasts, request.n),
         )
 
     @staticmethod
     async def _stream(request: ChatCompletionRequest, choices: ChoiceStreams,
                       chunks: StreamChunks) -> AsyncIterator[str]:
-        def choice(index: int, delta: dict, finish_reason: Optional[str] = None,
-                   logprobs: Optional[dict] = None) -> dict:
-            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-
-        for index in range(len(choices.streams)):
-            yield chunks.chunk(choice(index, {"role": "assistant", "content": ""}))
+        """One chunk per generated token, as upstream FastDeploy streams: the first token's chunk
+        carries the assistant role (so a client's first chunk marks its real first token), the
+        last token's chunk the finish reason."""
         texts = [IncrementalText() for _ in choices.streams]
+        started = [False] * len(choices.streams)
         lasts: dict = {}
         async for index, out in choices:
             lasts[index] = out
-            piece = texts[index].delta(out.text, out.finished)
+            delta = {"content": texts[index].delta(out.text, out.finished)}
+            if not started[index]:
+                delta = {"role": "assistant", **delta}
+                started[index] = True
             logprobs = _chat_logprobs(out.new_logprobs).model_dump() if request.logprobs and out.new_logprobs else None
-            if piece or logprobs is not None:
-                yield chunks.chunk(choice(index, {"content": piece}, logprobs=logprobs))
-            if out.finished:
-                yield chunks.chunk(choice(index, {}, finish_reason=out.finish_reason))
+            yield chunks.chunk({"index": index, "delta": delta, "logprobs": logprobs,
+                                "finish_reason": out.finish_reason if out.finished else None,
+                                "arrival_time": out.arrival_time}, lasts)
         for line in chunks.close(lasts):
             yield line
 
@@ -74,8 +74,8 @@ def _chat_logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:
     return ChatLogprobs(content=[
         ChatTokenLogprob(
             token=entry.token, logprob=entry.logprob if entry.logprob is not None else MIN_LOGPROB,
-            bytes=list(entry.token.encode("utf-8")),
-            top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8"))) for t, lp in entry.top],
+            bytes=list(entry.bytes),
+            top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(raw)) for t, lp, raw in entry.top],
         )
         for entry in entries
     ])

@@ -64,32 +64,49 @@ SSE_DONE = "data: [DONE]\n\n"
 
 @dataclass
 class StreamChunks:
-    """The OpenAI envelope of one streamed response's chunks, and its closing usage + [DONE]."""
+    """The OpenAI envelope of one streamed response's chunks, and its closing usage + [DONE].
+
+    Upstream FastDeploy's granularity: one chunk per generated token, the finish reason on the last
+    token's chunk, then (stream_options.include_usage) a usage chunk with no choices. With
+    continuous_usage_stats every chunk also carries the usage so far.
+    """
 
     request_id: str
     object: str
     created: int
     model: str
     include_usage: bool
+    continuous_usage: bool = False
+    n: int = 1  # choices per prompt: usage counts each prompt once
 
-    def chunk(self, choice: dict) -> str:
+    def chunk(self, choice: dict, lasts: Optional[dict] = None) -> str:
         body = {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [choice]}
-        if self.include_usage:
-            body["usage"] = None  # stream_options.include_usage: null on every chunk but the last
+        if self.include_usage:  # stream_options.include_usage: null on every chunk but the last
+            body["usage"] = usage_of(lasts, self.n).model_dump() if self.continuous_usage and lasts else None
         return sse(body)
 
     def close(self, lasts: dict) -> Iterator[str]:
         """`lasts`: choice index -> its latest EngineOutput."""
         if self.include_usage and lasts:
             yield sse({"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
-                       "choices": [], "usage": usage_of(list(lasts.values())).model_dump()})
+                       "choices": [], "usage": usage_of(lasts, self.n).model_dump()})
         yield SSE_DONE
 
 
-def usage_of(lasts: list) -> UsageInfo:
-    """One prompt, counted once; the completion tokens of every choice."""
-    return UsageInfo.of(lasts[0].num_prompt_tokens, sum(out.num_output_tokens for out in lasts))
+def usage_of(lasts, n: int = 1) -> UsageInfo:
+    """`lasts`: the latest output of each choice, as a list in choice order or a dict index -> output.
+    Each prompt (choices index // n) is counted once; the completion tokens of every choice."""
+    items = lasts.items() if isinstance(lasts, dict) else enumerate(lasts)
+    prompt_tokens = cached = completion = 0
+    seen_prompts = set()
+    for index, out in items:
+        completion += out.num_output_tokens
+        if index // n not in seen_prompts:
+            seen_prompts.add(index // n)
+            prompt_tokens += out.num_prompt_tokens
+            cached += out.num_cached_tokens
+    return UsageInfo.of(prompt_tokens, completion, cached)
 
 
 class ChoiceStreams:
@@ -159,8 +176,10 @@ class OpenAIServing:
         self.client = client
 
     async def serve(self, request, raw_request: Request, *, id_prefix: str, chunk_object: str,
-                    payload: AddPayload, stream_body: Callable, respond: Callable) -> Response:
+                    payloads: list, stream_body: Callable, respond: Callable) -> Response:
         """One request's life for either endpoint: admit, then stream SSE chunks or answer once.
+
+        `payloads`: one AddPayload per prompt; choice `p * n + i` is choice i of prompt p.
 
         `stream_body(request, choices, chunks)` yields the SSE lines; `respond(request, request_id,
         created, model, last_outputs, logprob_entries)` builds the non-streamed response model from
@@ -168,10 +187,11 @@ class OpenAIServing:
         """
         model = self.model_name(request.model)
         request_id = random_id(id_prefix)
-        choices = await self.admit_choices(request_id, payload, request.n)
+        choices = await self.admit_choices(request_id, payloads, request.n)
         created = int(time.time())
         if request.stream:
-            chunks = StreamChunks(request_id, chunk_object, created, model, request.include_usage)
+            chunks = StreamChunks(request_id, chunk_object, created, model, request.include_usage,
+                                  request.continuous_usage, request.n)
             return self.streaming_response(choices, stream_body(request, choices, chunks))
         collected = await self.collect(choices, raw_request)
         if collected is None:
@@ -185,19 +205,22 @@ class OpenAIServing:
             raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
         return served
 
-    async def admit_choices(self, request_id: str, payload: AddPayload, n: int) -> ChoiceStreams:
-        """One engine request per choice, all or none. A seeded request gives choice i seed + i, so
-        its choices differ from each other and each is reproducible."""
+    async def admit_choices(self, request_id: str, payloads: list, n: int) -> ChoiceStreams:
+        """One engine request per choice (n per prompt), all or none. A seeded request gives choice i
+        of a prompt seed + i, so its choices differ from each other and each is reproducible."""
         limit = self.client.max_concurrency
-        if limit is not None and n > limit:  # a 429 would invite retries that can never succeed
-            raise APIError(400, f"n={n} choices exceed this server's --max-concurrency of {limit}", param="n")
+        total = n * len(payloads)
+        if limit is not None and total > limit:  # a 429 would invite retries that can never succeed
+            raise APIError(400, f"{total} choices (n={n} x {len(payloads)} prompts) exceed this server's "
+                                f"--max-concurrency of {limit}", param="n")
         items = []
-        for i in range(n):
-            choice_payload = payload
-            if i and payload.sampling.get("seed") is not None:
-                choice_payload = replace(payload, sampling={**payload.sampling,
-                                                            "seed": (payload.sampling["seed"] + i) % 2 ** 63})
-            items.append((request_id if n == 1 else f"{request_id}-{i}", choice_payload))
+        for payload in payloads:
+            for i in range(n):
+                choice_payload = payload
+                if i and payload.sampling.get("seed") is not None:
+                    choice_payload = replace(payload, sampling={**payload.sampling,
+                                                                "seed": (payload.sampling["seed"] + i) % 2 ** 63})
+                items.append((request_id if total == 1 else f"{request_id}-{len(items)}", choice_payload))
         try:
             return ChoiceStreams(await self.client.add_requests(items))
         except (ConcurrencyLimitError, EngineUnavailableError, RequestRejectedError) as exc:
@@ -256,10 +279,10 @@ class OpenAIServing:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
-        payload = AddPayload(prompt=request.prompt, sampling=request.sampling_kwargs(request.max_tokens,
-                                                                                     request.logprobs))
+        sampling = request.sampling_kwargs(request.max_tokens, request.logprobs)
+        payloads = [AddPayload(prompt=prompt, sampling=sampling) for prompt in request.prompts]
         return await self.serve(request, raw_request, id_prefix="cmpl", chunk_object="text_completion",
-                                payload=payload, stream_body=self._stream, respond=self._respond)
+                                payloads=payloads, stream_body=self._stream, respond=self._respond)
 
     @staticmethod
     def _respond(request: CompletionRequest, request_id: str, created: int, model: str, lasts: list,
@@ -273,11 +296,13 @@ class OpenAIServingCompletion(OpenAIServing):
             choices.append(CompletionChoice(index=index, text=last.text, logprobs=logprobs,
                                             finish_reason=last.finish_reason))
         return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                  usage=usage_of(lasts))
+                                  usage=usage_of(lasts, request.n))
 
     @staticmethod
     async def _stream(request: CompletionRequest, choices: ChoiceStreams,
                       chunks: StreamChunks) -> AsyncIterator[str]:
+        """One chunk per engine output, i.e. per generated token; its text may be empty while a half
+        character or a possible stop string is held back."""
         texts = [IncrementalText() for _ in choices.streams]
         # Offsets count the tokens' text, as the non-streamed answer does: the text sent so far
         # can lag behind (a half character, or a possible stop string, is held back).
@@ -290,11 +315,10 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.logprobs is not None and out.new_logprobs:
                 logprobs = CompletionLogprobs()
                 token_offsets[index] = _extend_logprobs(logprobs, out.new_logprobs, token_offsets[index])
-            if not piece and logprobs is None and not out.finished:
-                continue
             yield chunks.chunk({"index": index, "text": piece,
                                 "logprobs": logprobs.model_dump() if logprobs else None,
-                                "finish_reason": out.finish_reason if out.finished else None})
+                                "finish_reason": out.finish_reason if out.finished else None,
+                                "arrival_time": out.arrival_time}, lasts)
         for line in chunks.close(lasts):
             yield line
 
@@ -306,7 +330,7 @@ def _extend_logprobs(logprobs: CompletionLogprobs, entries: list[TokenLogprob], 
         logprobs.tokens.append(entry.token)
         logprobs.token_logprobs.append(entry.logprob)
         top: dict[str, float] = {}
-        for tok, lp in entry.top:  # most likely first; distinct ids may decode alike (e.g. U+FFFD)
+        for tok, lp, _ in entry.top:  # most likely first; byte tokens have distinct "bytes:\\xNN" texts
             top.setdefault(tok, lp)
         logprobs.top_logprobs.append(top or None)
         logprobs.text_offset.append(offset)
