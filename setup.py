@@ -34,6 +34,7 @@ setup(
         "uvicorn",
         "pydantic>=2",
         "tqdm",
+        "prometheus_client",
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "openai", "aiohttp", "requests", "matplotlib", "pyyaml", "tokenizers"],

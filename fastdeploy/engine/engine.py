@@ -169,7 +169,11 @@ class LLMEngine:
         stats = self.scheduler.stats()
         stats.update(prompt_tokens_total=self.prompt_tokens_total,
                      generation_tokens_total=self.generation_tokens_total,
-                     engine_steps_total=self.engine_steps_total)
+                     engine_steps_total=self.engine_steps_total,
+                     max_num_seqs=self.fd_config.scheduler_config.max_num_seqs,
+                     # upstream's "block" gauges count pages in head-wise mode, whole blocks in 1-D mode
+                     kv_pages_per_block=1 if self.fd_config.head_wise_kv_cache
+                     else stats["kv_pages_total"] // max(1, self.fd_config.cache_config.num_gpu_blocks))
         return stats
 
     def _maybe_log(self) -> None:

@@ -401,6 +401,8 @@ class EngineClient:
             for request_id, _ in items:
                 self.abort(request_id)
             raise failure
+        for _ in items:
+            self.metrics.observe_admitted()
         return [RequestStream(self, request_id, state) for (request_id, _), state in zip(items, states)]
 
     def abort(self, request_id: str, reason: Optional[BaseException] = None) -> None:
@@ -469,7 +471,7 @@ class EngineClient:
         now = time.monotonic()
         if state.first_token is None and out.num_output_tokens > 0:
             state.first_token = now
-            self.metrics.time_to_first_token.observe(now - state.arrival)
+            self.metrics.observe_first_token(now - state.arrival)
         if out.finished:
             del self._states[out.request_id]
             self.metrics.observe_finished(state.arrival, state.first_token, now, out.num_output_tokens,

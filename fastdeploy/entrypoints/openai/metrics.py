@@ -1,19 +1,40 @@
-"""Prometheus text exposition (format 0.0.4) for /metrics, written by hand, and its reader.
+"""/metrics with prometheus_client (what upstream FastDeploy uses), and the reader tests and
+benchmarks scrape it with (prometheus_client's own parser).
 
-Engine gauges and counters come from the engine process's latest `get_stats()` snapshot (published
-every ~0.1 s while busy, 0.5 s while idle, and at once when it goes idle); latency histograms are
-observed here, in the server, from the moment a request arrives to when its tokens are routed.
-Counter names end in `_total` and carry `# TYPE ... counter`.
+Two sources feed one registry per server:
+- engine gauges and counters come from the engine process's latest `get_stats()` snapshot
+  (published every ~0.1 s while busy, 0.5 s while idle, and at once when it goes idle). The engine
+  ships the snapshot to the server over its output queue, so only the server process exports
+  metrics and prometheus_client's multiprocess mode (files under PROMETHEUS_MULTIPROC_DIR) is not
+  needed; `EngineStatsCollector` turns the snapshot into families at scrape time.
+- latency histograms and request counters are observed here, in the server, from the moment a
+  request arrives to when its tokens are routed.
+
+Our head-wise names (`kv_pages_*`, `swa_pages_recycled_total`, ...) stay; upstream FastDeploy's
+cache and batch gauges are exported next to them under upstream's names, types and meaning. In
+head-wise mode a "block" of those gauges is one **page** (one KV head's block_size tokens): pages,
+not whole blocks, are what head-wise mode allocates, recycles and lends between heads. In 1-D mode
+a block is upstream's block (all KV heads of block_size tokens = num_kv_heads pages). The stats key
+`kv_pages_per_block` carries that factor.
+
+Adding a labelled gauge (e.g. per tensor-parallel rank): put a list in the engine's stats and one
+row in ENGINE_METRICS naming the label; entry i of the list gets label value "i".
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-import re
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+
+# `x_created` timestamps next to every counter and histogram only double the scrape; dashboards
+# built for upstream do not read them.
+disable_created_metrics()
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 PREFIX = "fastdeploy:"
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -21,238 +42,206 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                 1.0, 2.5, 5.0, 7.5, 10.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+TOKEN_COUNT_BUCKETS = tuple(m * 10 ** e for e in range(5) for m in (1, 2, 5))  # 1, 2, 5, ..., 50000 (1-2-5)
 
-# (stats key, metric suffix, type, help). Keys are those of LLMEngine.get_stats().
+# (stats key, metric name without prefix, type, help, label). Keys are those of LLMEngine.get_stats();
+# a row with a label exports a list value as one sample per entry.
 ENGINE_METRICS = (
-    ("kv_pages_total", "kv_pages_total", "gauge", "KV cache pages (one KV head x block_size tokens) in total."),
-    ("kv_pages_free", "kv_pages_free", "gauge", "KV cache pages currently free."),
-    ("num_requests_running", "num_requests_running", "gauge", "Requests scheduled in the running batch."),
-    ("num_requests_waiting", "num_requests_waiting", "gauge", "Requests waiting for admission."),
+    ("kv_pages_total", "kv_pages_total", "gauge", "KV cache pages (one KV head x block_size tokens) in total.", None),
+    ("kv_pages_free", "kv_pages_free", "gauge", "KV cache pages currently free (evictable cached pages included).",
+     None),
+    ("kv_pages_free_per_head", "kv_pages_free_per_head", "gauge", "Free KV pages in each KV head's home free list.",
+     "head"),
+    ("num_requests_running", "num_requests_running", "gauge", "Requests scheduled in the running batch.", None),
+    ("num_requests_waiting", "num_requests_waiting", "gauge", "Requests waiting for admission.", None),
     ("swa_pages_recycled_total", "swa_pages_recycled_total", "counter",
-     "Sliding-window pages returned to the free lists after leaving the window."),
-    ("num_preemptions_total", "num_preemptions_total", "counter", "Requests preempted to free KV pages."),
-    ("prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens processed (prefilled)."),
-    ("generation_tokens_total", "generation_tokens_total", "counter", "Tokens generated."),
-    ("engine_steps_total", "engine_steps_total", "counter", "Engine steps that ran the model."),
+     "Sliding-window pages returned to the free lists after leaving the window.", None),
+    ("num_preemptions_total", "num_preemptions_total", "counter", "Requests preempted to free KV pages.", None),
+    ("prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens processed (prefilled).", None),
+    ("generation_tokens_total", "generation_tokens_total", "counter", "Tokens generated.", None),
+    ("engine_steps_total", "engine_steps_total", "counter", "Engine steps that ran the model.", None),
     ("prefix_cache_hit_tokens_total", "prefix_cache_hit_tokens_total", "counter",
-     "Prompt tokens served from the prefix cache at admission."),
+     "Prompt tokens served from the prefix cache at admission.", None),
     ("prefix_cache_query_tokens_total", "prefix_cache_query_tokens_total", "counter",
-     "Prompt tokens looked up in the prefix cache at admission (hit rate = hit / query)."),
-    ("prefix_cache_cached_pages", "prefix_cache_cached_pages", "gauge", "KV pages held by the prefix cache."),
+     "Prompt tokens looked up in the prefix cache at admission (hit rate = hit / query).", None),
+    ("prefix_cache_cached_pages", "prefix_cache_cached_pages", "gauge", "KV pages held by the prefix cache.", None),
     ("prefix_cache_evictions_total", "prefix_cache_evictions_total", "counter",
-     "Cached KV pages evicted to make room."),
+     "Cached KV pages evicted to make room.", None),
+)
+
+# Upstream FastDeploy's names (fastdeploy/metrics/metrics.py), computed from the snapshot by
+# upstream_values(): (name without prefix, type, upstream's help text).
+UPSTREAM_METRICS = (
+    ("gpu_cache_usage_perc", "gauge", "GPU KV-cache usage. 1 means 100 percent usage"),
+    ("max_gpu_block_num", "gauge", "Number of total blocks determined when service started"),
+    ("available_gpu_block_num", "gauge", "Number of available gpu blocks in cache, including blocks in LRU list"),
+    ("free_gpu_block_num", "gauge", "Number of free blocks in cache"),
+    ("available_gpu_resource", "gauge", "Available blocks percentage, i.e. available_gpu_block_num / "
+                                        "max_gpu_block_num"),
+    ("batch_size", "gauge", "Real batch size during inference"),
+    ("max_batch_size", "gauge", "Maximum batch size determined when service started"),
+    ("available_batch_size", "gauge", "Number of requests that can still be inserted during the Decode phase"),
+    ("hit_token_rate", "gauge", "Token-level prefix cache hit rate"),
+    ("gpu_hit_token_rate", "gauge", "Token-level GPU prefix cache hit rate"),
+    ("prefix_cache_token_num", "counter", "Total number of cached tokens"),
+    ("prefix_gpu_cache_token_num", "counter", "Total number of cached tokens on GPU"),
 )
 
 
-def _fmt(value: float) -> str:
-    if isinstance(value, bool):
-        return str(int(value))
-    if isinstance(value, int):
-        return str(value)
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
+def upstream_values(stats: dict) -> dict:
+    """Upstream's cache and batch gauges from one engine snapshot ("block" as in the module doc).
+
+    available = free + evictable (upstream counts blocks in its LRU list as available); free
+    excludes them; usage = 1 - free / max, as upstream's resource manager computes it.
+    """
+    per_block = stats.get("kv_pages_per_block") or 1
+    total = stats["kv_pages_total"] / per_block
+    available = stats["kv_pages_free"] / per_block
+    free = (stats["kv_pages_free"] - stats.get("prefix_cache_evictable_pages", 0)) / per_block
+    running = stats["num_requests_running"]
+    max_batch = stats.get("max_num_seqs", running)
+    query = stats.get("prefix_cache_query_tokens_total", 0)
+    hit = stats.get("prefix_cache_hit_tokens_total", 0)
+    hit_rate = hit / query if query else 0.0
+    return {
+        "gpu_cache_usage_perc": 1.0 - free / total if total else 0.0,
+        "max_gpu_block_num": total,
+        "available_gpu_block_num": available,
+        "free_gpu_block_num": free,
+        "available_gpu_resource": available / total if total else 0.0,
+        "batch_size": running,
+        "max_batch_size": max_batch,
+        "available_batch_size": max(0, max_batch - running),
+        "hit_token_rate": hit_rate,
+        "gpu_hit_token_rate": hit_rate,
+        "prefix_cache_token_num": hit,
+        "prefix_gpu_cache_token_num": hit,
+    }
 
 
-class Histogram:
-    """Cumulative-bucket histogram; observe() runs on the event loop thread only."""
+def _family(name: str, kind: str, help_text: str, label: Optional[str] = None) -> Metric:
+    if kind == "counter":
+        return CounterMetricFamily(name, help_text, labels=[label] if label else None)
+    return GaugeMetricFamily(name, help_text, labels=[label] if label else None)
 
-    def __init__(self, name: str, help_text: str, buckets: tuple):
-        self.name = PREFIX + name
-        self.help = help_text
-        self.buckets = tuple(sorted(buckets))
-        self.counts = [0] * (len(self.buckets) + 1)  # last slot: above every bound
-        self.sum = 0.0
-        self.count = 0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
+class EngineStatsCollector:
+    """A prometheus_client collector over the latest engine snapshot and the server's in-flight count."""
 
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, n in zip(self.buckets, self.counts):
-            cumulative += n
-            lines.append(f'{self.name}_bucket{{le="{_fmt(float(bound))}"}} {cumulative}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{self.name}_sum {_fmt(self.sum)}")
-        lines.append(f"{self.name}_count {self.count}")
-        return lines
+    def __init__(self, source: Callable[[], tuple]):
+        self.source = source  # () -> (stats dict or None, num_in_flight)
+
+    def collect(self) -> Iterator[Metric]:
+        stats, num_in_flight = self.source()
+        if stats is not None:
+            for key, suffix, kind, help_text, label in ENGINE_METRICS:
+                if key not in stats:
+                    continue
+                family = _family(PREFIX + suffix, kind, help_text, label)
+                if label:
+                    for i, value in enumerate(stats[key]):
+                        family.add_metric([str(i)], float(value))
+                else:
+                    family.add_metric([], float(stats[key]))
+                yield family
+            if "kv_pages_total" in stats:
+                values = upstream_values(stats)
+                for suffix, kind, help_text in UPSTREAM_METRICS:
+                    family = _family(PREFIX + suffix, kind, help_text)
+                    family.add_metric([], float(values[suffix]))
+                    yield family
+        family = GaugeMetricFamily(PREFIX + "num_requests_in_flight", "HTTP requests admitted and not yet finished.")
+        family.add_metric([], float(num_in_flight))
+        yield family
 
 
 class ServerMetrics:
+    """The server's registry: the engine snapshot collector plus what the server observes itself."""
+
     def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._snapshot: tuple = (None, 0)
+        self.registry.register(EngineStatsCollector(lambda: self._snapshot))
+        r = self.registry
         self.time_to_first_token = Histogram(
-            "time_to_first_token_seconds", "Time from request arrival to its first generated token.", TTFT_BUCKETS)
+            PREFIX + "time_to_first_token_seconds", "Time from request arrival to its first generated token.",
+            buckets=TTFT_BUCKETS, registry=r)
         self.time_per_output_token = Histogram(
-            "time_per_output_token_seconds", "Mean time between output tokens after the first, per request.",
-            TPOT_BUCKETS)
+            PREFIX + "time_per_output_token_seconds", "Mean time between output tokens after the first, per request.",
+            buckets=TPOT_BUCKETS, registry=r)
         self.e2e_request_latency = Histogram(
-            "e2e_request_latency_seconds", "Time from request arrival to its last token.", E2E_BUCKETS)
-        self.requests_finished: dict[str, int] = {}
+            PREFIX + "e2e_request_latency_seconds", "Time from request arrival to its last token.",
+            buckets=E2E_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(
+            PREFIX + "request_generation_tokens", "Number of generation tokens processed.",
+            buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self.request_success = Counter(PREFIX + "request_success_total", "Requests that finished, by finish reason.",
+                                       ["finish_reason"], registry=r)
+        self.requests_number = Counter(PREFIX + "requests_number", "Total number of requests received", registry=r)
+        self.first_token_latency = Gauge(PREFIX + "first_token_latency", "Latest time to first token in seconds",
+                                         registry=r)
+        self.infer_latency = Gauge(PREFIX + "infer_latency", "Latest time to generate one token in seconds",
+                                   registry=r)
+
+    def observe_admitted(self) -> None:
+        self.requests_number.inc()
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+        self.first_token_latency.set(seconds)
 
     def observe_finished(self, arrival: float, first_token: Optional[float], now: float, num_output_tokens: int,
                          finish_reason: Optional[str]) -> None:
         self.e2e_request_latency.observe(now - arrival)
+        self.request_generation_tokens.observe(num_output_tokens)
         if first_token is not None and num_output_tokens > 1:
-            self.time_per_output_token.observe((now - first_token) / (num_output_tokens - 1))
-        reason = finish_reason or "unknown"
-        self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
+            tpot = (now - first_token) / (num_output_tokens - 1)
+            self.time_per_output_token.observe(tpot)
+            self.infer_latency.set(tpot)
+        self.request_success.labels(finish_reason=finish_reason or "unknown").inc()
 
     def render(self, stats: Optional[dict], num_in_flight: int) -> str:
-        lines: list[str] = []
-        if stats is not None:
-            for key, suffix, kind, help_text in ENGINE_METRICS:
-                if key in stats:
-                    lines += [f"# HELP {PREFIX}{suffix} {help_text}", f"# TYPE {PREFIX}{suffix} {kind}",
-                              f"{PREFIX}{suffix} {_fmt(stats[key])}"]
-            per_head = stats.get("kv_pages_free_per_head")
-            if per_head is not None:
-                name = PREFIX + "kv_pages_free_per_head"
-                lines += [f"# HELP {name} Free KV pages in each KV head's home free list.",
-                          f"# TYPE {name} gauge"]
-                lines += [f'{name}{{head="{h}"}} {_fmt(v)}' for h, v in enumerate(per_head)]
-        name = PREFIX + "num_requests_in_flight"
-        lines += [f"# HELP {name} HTTP requests admitted and not yet finished.", f"# TYPE {name} gauge",
-                  f"{name} {num_in_flight}"]
-        name = PREFIX + "request_success_total"
-        lines += [f"# HELP {name} Requests that finished, by finish reason.", f"# TYPE {name} counter"]
-        lines += [f'{name}{{finish_reason="{r}"}} {n}' for r, n in sorted(self.requests_finished.items())]
-        for hist in (self.time_to_first_token, self.time_per_output_token, self.e2e_request_latency):
-            lines += hist.render()
-        return "\n".join(lines) + "\n"
+        self._snapshot = (stats, num_in_flight)
+        return generate_latest(self.registry).decode("utf-8")
 
 
-# ----------------------------------------------------------------------------- reading the format
-# The reader lives next to the writer so the two agree on one format; benchmarks and tests scrape
-# /metrics with it. It is strict: a line it cannot read raises, so a broken exposition fails loudly
-# instead of silently losing a series.
-
-_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-_ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
-# Cumulative or quantile series of one histogram/summary: adding them up means nothing.
-_NON_ADDITIVE_LABELS = ("le", "quantile")
+# ----------------------------------------------------------------------------- reading /metrics
+# Benchmarks and tests read /metrics with prometheus_client's parser; these two views flatten it.
 
 
-def _read_labels(line: str, pos: int) -> tuple[tuple[tuple[str, str], ...], int]:
-    """Labels from just after `{`; returns them in written order and the position after `}`."""
-    labels: list[tuple[str, str]] = []
-    while True:
-        while pos < len(line) and line[pos] in " \t":
-            pos += 1
-        if line.startswith("}", pos):
-            return tuple(labels), pos + 1
-        match = _LABEL_NAME.match(line, pos)
-        if match is None:
-            raise ValueError(f"bad label name at column {pos + 1}")
-        key, pos = match.group(), match.end()
-        if any(key == seen for seen, _ in labels):
-            raise ValueError(f"label {key!r} given twice")
-        if not line.startswith('="', pos):
-            raise ValueError(f'label {key!r} is not followed by ="')
-        pos += 2
-        value: list[str] = []
-        while True:
-            if pos >= len(line):
-                raise ValueError(f"label {key!r} has no closing quote")
-            char = line[pos]
-            if char == '"':
-                pos += 1
-                break
-            if char == "\\":
-                escaped = line[pos + 1:pos + 2]
-                if escaped not in _ESCAPES:
-                    raise ValueError(f"bad escape in label {key!r}")
-                value.append(_ESCAPES[escaped])
-                pos += 2
-            else:
-                value.append(char)
-                pos += 1
-        labels.append((key, "".join(value)))
-        while pos < len(line) and line[pos] in " \t":
-            pos += 1
-        if line.startswith(",", pos):
-            pos += 1
-        elif not line.startswith("}", pos):
-            raise ValueError(f"expected , or }} after label {key!r}")
-
-
-def _read_sample(line: str) -> tuple[str, tuple[tuple[str, str], ...], float]:
-    match = _METRIC_NAME.match(line)
-    if match is None:
-        raise ValueError("no metric name")
-    name, pos = match.group(), match.end()
-    labels: tuple[tuple[str, str], ...] = ()
-    if line.startswith("{", pos):
-        labels, pos = _read_labels(line, pos + 1)
-    rest = line[pos:]
-    fields = rest.split()
-    if not rest[:1].isspace() or len(fields) not in (1, 2):
-        raise ValueError("expected `series value [timestamp]`")
-    try:
-        value = float(fields[0])
-        if len(fields) == 2:
-            int(fields[1])  # the optional timestamp (ms) is checked, then not used
-    except ValueError:
-        raise ValueError(f"not a number: {' '.join(fields)!r}") from None
-    return name, labels, value
-
-
-def iter_prometheus_samples(text: str):
-    """Yield (name, labels, value) per sample line; labels is a tuple of (key, value) as written.
-
-    Skips blank lines and `#` lines (HELP, TYPE, comments). Histogram and summary series are plain
-    samples here: `x_bucket{le="0.5"}`, `x_sum`, `x_count`. Raises ValueError naming the line
-    number for anything else that is not a sample, and for a series given twice (the format
-    allows each once per scrape).
-    """
-    seen: set[str] = set()
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            name, labels, value = _read_sample(line)
-            key = series_key(name, labels)
-            if key in seen:
-                raise ValueError("series given twice")
-        except ValueError as exc:
-            raise ValueError(f"Prometheus text line {number}: {exc}: {raw!r}") from None
-        seen.add(key)
-        yield name, labels, value
-
-
-def series_key(name: str, labels: tuple[tuple[str, str], ...]) -> str:
-    """`name` or `name{k="v",...}`: how render() above writes a series, so keys match the text."""
+def series_key(name: str, labels: dict) -> str:
+    """`name` or `name{k="v",...}` (labels in the order given)."""
     if not labels:
         return name
-    escaped = (v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for _, v in labels)
-    return name + "{" + ",".join(f'{k}="{v}"' for (k, _), v in zip(labels, escaped)) + "}"
+    escaped = {k: v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for k, v in labels.items()}
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in escaped.items()) + "}"
 
 
 def parse_prometheus_text(text: str) -> dict[str, float]:
-    """Every series -> its value, keyed by series_key(): `fastdeploy:kv_pages_free`,
+    """Every sample -> its value, keyed by series_key(): `fastdeploy:kv_pages_free`,
     `fastdeploy:kv_pages_free_per_head{head="0"}`, `..._bucket{le="+Inf"}`, `..._sum`, `..._count`.
-    """
-    return {series_key(name, labels): value for name, labels, value in iter_prometheus_samples(text)}
+    Raises ValueError for text the parser cannot read or a series given twice."""
+    series: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = series_key(sample.name, sample.labels)
+            if key in series:
+                raise ValueError(f"series given twice: {key}")
+            series[key] = sample.value
+    return series
 
 
 def prometheus_totals(text: str) -> dict[str, float]:
-    """Metric name -> one number: its unlabelled sample if it has one, else the sum of its
-    labelled samples (e.g. a per-head gauge summed over heads).
-
-    An unlabelled total exported next to its labelled breakdown is therefore not counted twice.
-    Histogram buckets (`le`) and summary quantiles are left out, since summing them means nothing;
-    a histogram's `_sum` and `_count` are plain names and stay.
-    """
+    """Sample name -> one number: its unlabelled sample if it has one, else the sum of its labelled
+    samples (e.g. a per-head gauge summed over heads). Histogram buckets (`le`) and summary
+    quantiles are left out, since summing them means nothing; `_sum` and `_count` stay."""
     plain: dict[str, float] = {}
     labelled: dict[str, float] = {}
-    for name, labels, value in iter_prometheus_samples(text):
-        if not labels:
+    for key, value in parse_prometheus_text(text).items():
+        name, _, rest = key.partition("{")
+        if not rest:
             plain[name] = value
-        elif not any(key in _NON_ADDITIVE_LABELS for key, _ in labels):
+        elif not (rest.startswith("le=") or rest.startswith("quantile=") or ',le="' in rest
+                  or ',quantile="' in rest):
             labelled[name] = labelled.get(name, 0.0) + value
     return {**labelled, **plain}
