@@ -208,7 +208,7 @@ async def idle_engine_steps(metrics_url: str, timeout_s: float = 30.0) -> Option
 
 
 async def drive(base_url: str, workload: dict, label: str) -> tuple[dict, Timeline]:
-    argv = ["--base-url", base_url, "--backend", "openai", "--dataset-name", "random",
+    argv = ["--base-url", base_url, "--backend", "openai", "--dataset-name", "random-ids",
             "--random-input-len", str(workload["input_len"]),
             "--random-output-len", str(workload["output_len"]),
             "--num-prompts", str(workload["num_prompts"]),

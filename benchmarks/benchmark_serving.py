@@ -1,15 +1,22 @@
-"""Online serving benchmark for the OpenAI-compatible api_server.
+"""Online serving benchmark for the OpenAI-compatible api_server, with upstream FastDeploy's
+interface: its flags and defaults, datasets (EB / EBChat jsonl, random words), request yaml
+(`--hyperparameter-path`, merged into every request), printed sections and `--save-result` JSON.
 
-Sends a synthetic workload at a chosen arrival rate (Poisson, or gamma with
---burstiness), streams every response, and reports throughput and latency
-percentiles (TTFT, TPOT, ITL, E2EL). Flags follow upstream FastDeploy/vLLM.
+    python benchmarks/benchmark_serving.py --backend openai-chat --model default \
+        --dataset-name EBChat --dataset-path benchmarks/datasets/ebchat_sample.jsonl \
+        --hyperparameter-path benchmarks/yaml/request_yaml/tiny.yaml --num-prompts 16 \
+        --percentile-metrics ttft,s_ttft,tpot,itl,s_itl,e2el,s_e2el,s_decode,input_len,s_input_len,output_len \
+        --save-result
 
-    python benchmarks/benchmark_serving.py --backend openai --port 8000 \
-        --dataset-name random --random-input-len 256 --random-output-len 64 \
-        --num-prompts 64 --ignore-eos
+Ours in addition: `--dataset-name random-ids` (token-id prompts of exact length), `--json PATH`,
+`--plot PATH`, a progress bar, `--model` optional (the first model the server lists), and
+`--endpoint` defaulting to the backend's endpoint. Server-side metrics (S_TTFT, S_ITL, S_E2EL,
+S_decode) are computed from the `arrival_time` of every streamed chunk exactly as upstream's tool
+does, so the two tools print the same numbers for the same run: S_TTFT reads the second chunk's
+arrival time, S_E2EL the last one's.
 
-Other scripts call `run_benchmark(args)` / `await run_benchmark_async(args)`
-with `args = build_parser().parse_args([...])` and get the result dict back.
+Other scripts call `run_benchmark(args)` / `await run_benchmark_async(args)` with
+`args = build_parser().parse_args([...])` and get the result dict back.
 """
 
 from __future__ import annotations
@@ -21,12 +28,13 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import AsyncIterator, Optional, Union
+from typing import AsyncIterator, Optional
 
 import aiohttp
 import numpy as np
+import yaml
 from tqdm.asyncio import tqdm
 
 from backend_request_func import (
@@ -36,26 +44,39 @@ from backend_request_func import (
     RequestFuncInput,
     RequestFuncOutput,
 )
+from benchmark_dataset import (
+    DatasetError,
+    SampleRequest,
+    sample_eb,
+    sample_eb_chat,
+    sample_random_ids,
+    sample_random_text,
+)
 
-# Ids 0-2 are pad/bos/eos-like specials in ERNIE-style vocabularies; random
-# prompts avoid them so a prompt never ends early or means something special.
-FIRST_REGULAR_TOKEN_ID = 3
-# Printable, non-space ASCII: one byte each, so one token each for a
-# byte-level tokenizer, and nothing a server might strip.
-ASCII_PROMPT_CHARS = np.array([chr(c) for c in range(33, 127)])
-METRIC_NAMES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-                "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+# (attribute, label, header) of upstream's sections, in upstream's order. Times print in ms,
+# lengths and S_decode (tok/s) as they are.
+TIME_SECTIONS = (
+    ("ttft", "TTFT", "Time to First Token"),
+    ("s_ttft", "S_TTFT", "Infer Time to First Token"),
+    ("res_ttft", "Response TTFT", "Response Time to First Token"),
+    ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+    ("itl", "ITL", "Inter-token Latency"),
+    ("s_itl", "S_ITL", "Infer Inter-token Latency"),
+    ("e2el", "E2EL", "End-to-end Latency"),
+    ("s_e2el", "S_E2EL", "Infer End-to-end Latency"),
+)
+LENGTH_SECTIONS = (
+    ("input_len", "Cached Tokens", "Cached Tokens"),
+    ("s_input_len", "Input Length", "Infer Input Length"),
+    ("reasoning_len", "Reasoning Lenth", "Reasoning Length"),  # upstream's spelling of the label
+    ("output_len", "Output Length", "Output Length"),
+)
+DECODE_SECTION = ("s_decode", "Decode", "Decode Speed (tok/s)")
+ALL_METRICS = {name for name, _, _ in (*TIME_SECTIONS, *LENGTH_SECTIONS, DECODE_SECTION)}
 
 
 class BenchmarkError(RuntimeError):
     """A problem the user must fix (server down, bad flags); printed without a trace."""
-
-
-@dataclass
-class SampleRequest:
-    prompt: Union[str, list[int]]
-    prompt_len: int
-    expected_output_len: int
 
 
 @dataclass
@@ -65,53 +86,11 @@ class ServerInfo:
     max_model_len: Optional[int]
 
 
-# ----------------------------------------------------------------------------- dataset
+# ----------------------------------------------------------------------------- arrivals
 
 
-def _lengths(rng: np.random.Generator, center: int, range_ratio: float, n: int) -> np.ndarray:
-    """Integer lengths uniform in [center*(1-r), center*(1+r)], at least 1."""
-    low = max(1, math.floor(center * (1 - range_ratio)))
-    high = max(low, math.ceil(center * (1 + range_ratio)))
-    return rng.integers(low, high + 1, size=n)
-
-
-def sample_random_requests(
-    num_prompts: int,
-    input_len: int,
-    output_len: int,
-    range_ratio: float,
-    vocab_size: int,
-    seed: int,
-    as_text: bool = False,
-) -> list[SampleRequest]:
-    """Random prompts with exact lengths: token ids, or single-byte ASCII text.
-
-    Token-id prompts reach the model untouched, so `prompt_len` is the true
-    input length; text prompts are for the chat endpoint, whose template adds
-    its own tokens on top.
-    """
-    if not 0.0 <= range_ratio < 1.0:
-        raise BenchmarkError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
-    if input_len < 1 or output_len < 1:
-        raise BenchmarkError("--random-input-len and --random-output-len must be >= 1")
-    if not as_text and vocab_size <= FIRST_REGULAR_TOKEN_ID:
-        raise BenchmarkError(f"vocab size {vocab_size} leaves no regular token ids")
-    rng = np.random.default_rng(seed)
-    input_lens = _lengths(rng, input_len, range_ratio, num_prompts)
-    output_lens = _lengths(rng, output_len, range_ratio, num_prompts)
-    requests = []
-    for n_in, n_out in zip(input_lens.tolist(), output_lens.tolist()):
-        if as_text:
-            prompt = "".join(rng.choice(ASCII_PROMPT_CHARS, size=n_in).tolist())
-        else:
-            prompt = rng.integers(FIRST_REGULAR_TOKEN_ID, vocab_size, size=n_in).tolist()
-        requests.append(SampleRequest(prompt, n_in, n_out))
-    return requests
-
-
-async def get_request(
-    requests: list[SampleRequest], request_rate: float, burstiness: float, seed: int
-) -> AsyncIterator[SampleRequest]:
+async def get_request(requests: list, request_rate: float, burstiness: float,
+                      seed: int) -> AsyncIterator[SampleRequest]:
     """Yield requests at gamma-distributed intervals (burstiness 1 = Poisson).
 
     Mean interval is 1/request_rate whatever the burstiness; lower burstiness
@@ -122,38 +101,51 @@ async def get_request(
         yield request
         if math.isinf(request_rate) or i == len(requests) - 1:
             continue
-        interval = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness))
-        await asyncio.sleep(interval)
+        await asyncio.sleep(rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness)))
 
 
 # ----------------------------------------------------------------------------- metrics
 
 
-def _percentile_key(p: float) -> str:
+def _p_word(p: float) -> str:
     return str(int(p)) if float(p).is_integer() else str(p)
 
 
-def calculate_metrics(
-    outputs: list[RequestFuncOutput],
-    duration_s: float,
-    percentile_metrics: list[str],
-    percentiles: list[float],
-) -> dict:
-    """Aggregate per-request observations into the benchmark's result fields.
+def per_request_samples(outputs: list) -> dict:
+    """Each metric's samples over the successful requests, computed as upstream's tool does."""
+    s = {name: [] for name in ALL_METRICS}
+    for o in outputs:
+        if not o.success or not o.output_tokens:
+            continue
+        arrivals = o.arrival_time
+        s["output_len"].append(o.output_tokens)
+        s["reasoning_len"].append(o.reasoning_tokens)
+        s["input_len"].append(o.prompt_len)
+        s["s_input_len"].append(o.prompt_tokens)
+        if o.output_tokens > 1:
+            s["tpot"].append((o.latency - o.ttft) / (o.output_tokens - 1))
+        s["itl"] += o.itl
+        later = arrivals[1:]
+        s["s_itl"] += [later[j + 1] - later[j] for j in range(len(later) - 2)]
+        s["ttft"].append(o.ttft)
+        s["s_ttft"].append(arrivals[1] if len(arrivals) > 1 else arrivals[0])
+        s["res_ttft"].append(o.res_ttft)
+        s["e2el"].append(o.latency)
+        s["s_e2el"].append(arrivals[-1])
+        if len(arrivals) > 2 and arrivals[-1] > arrivals[1]:
+            s["s_decode"].append((o.output_tokens - 1) / (arrivals[-1] - arrivals[1]))
+    return s
 
-    TPOT of a request is its decode time spread over the tokens after the
-    first, so single-token requests have none. ITL pools every gap of every
-    request. Times are reported in milliseconds.
-    """
-    done = [o for o in outputs if o.success]
-    total_input = sum(o.prompt_len for o in done)
-    total_output = sum(o.output_tokens for o in done)
-    samples = {
-        "ttft": [o.ttft for o in done],
-        "tpot": [(o.latency - o.ttft) / (o.output_tokens - 1) for o in done if o.output_tokens > 1],
-        "itl": [gap for o in done for gap in o.itl],
-        "e2el": [o.latency for o in done],
-    }
+
+def calculate_metrics(outputs: list, duration_s: float, percentile_metrics: list,
+                      percentiles: list) -> dict:
+    """Upstream's aggregate fields, plus `failed` (ours). Times in ms; mean/median/std/pXX of the
+    selected metrics, keyed as upstream keys them (`mean_ttft_ms`, `p99_output_len`, ...)."""
+    samples = per_request_samples(outputs)
+    done = [o for o in outputs if o.success and o.output_tokens]
+    total_input = sum(o.prompt_tokens for o in done)
+    total_output = sum(samples["output_len"])
+    duration_s = duration_s or float("nan")
     result = {
         "duration": duration_s,
         "completed": len(done),
@@ -161,116 +153,149 @@ def calculate_metrics(
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,
         "request_throughput": len(done) / duration_s,
+        "request_goodput:": None,  # upstream's key, colon included; goodput SLOs are not evaluated
         "output_throughput": total_output / duration_s,
         "total_token_throughput": (total_input + total_output) / duration_s,
     }
     for name in percentile_metrics:
-        values_ms = np.asarray(samples[name], dtype=np.float64) * 1000.0
-        empty = values_ms.size == 0
-        result[f"mean_{name}_ms"] = 0.0 if empty else float(values_ms.mean())
-        result[f"median_{name}_ms"] = 0.0 if empty else float(np.median(values_ms))
-        result[f"std_{name}_ms"] = 0.0 if empty else float(values_ms.std())
+        scale, suffix = (1000.0, "_ms") if name in {n for n, _, _ in TIME_SECTIONS} else (1.0, "")
+        values = np.asarray(samples[name] or [0.0], dtype=np.float64) * scale
+        result[f"mean_{name}{suffix}"] = float(values.mean())
+        result[f"median_{name}{suffix}"] = float(np.median(values))
+        result[f"std_{name}{suffix}"] = float(values.std())
         for p in percentiles:
-            value = 0.0 if empty else float(np.percentile(values_ms, p))
-            result[f"p{_percentile_key(p)}_{name}_ms"] = value
+            result[f"p{_p_word(p)}_{name}{suffix}"] = float(np.percentile(values, p))
     return result
 
 
-def print_result(result: dict, percentile_metrics: list[str], percentiles: list[float]) -> None:
+def print_result(result: dict, percentile_metrics: list, percentiles: list) -> None:
+    """Upstream's layout: a totals block, then one section per selected metric."""
     width = 50
+    row = "{:<40} {:<10}".format
     print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=width, c="="))
-    rows = [
-        ("Successful requests:", result["completed"]),
-        ("Failed requests:", result["failed"]),
-        ("Benchmark duration (s):", f"{result['duration']:.2f}"),
-        ("Total input tokens:", result["total_input_tokens"]),
-        ("Total generated tokens:", result["total_output_tokens"]),
-        ("Request throughput (req/s):", f"{result['request_throughput']:.2f}"),
-        ("Output token throughput (tok/s):", f"{result['output_throughput']:.2f}"),
-        ("Total token throughput (tok/s):", f"{result['total_token_throughput']:.2f}"),
-    ]
-    if result.get("max_concurrency") is not None:
-        rows.insert(3, ("Maximum request concurrency:", result["max_concurrency"]))
-    for label, value in rows:
-        print(f"{label:<40}{value:<10}")
-    for name in percentile_metrics:
-        print("{s:{c}^{n}}".format(s=METRIC_NAMES[name], n=width, c="-"))
-        upper = name.upper()
-        print(f"{'Mean ' + upper + ' (ms):':<40}{result[f'mean_{name}_ms']:<10.2f}")
-        print(f"{'Median ' + upper + ' (ms):':<40}{result[f'median_{name}_ms']:<10.2f}")
+    print(row("Successful requests:", result["completed"]))
+    print(row("Failed requests:", result["failed"]))
+    print(row("Benchmark duration (s):", f"{result['duration']:.2f}"))
+    print(row("Total input tokens:", result["total_input_tokens"]))
+    print(row("Total generated tokens:", result["total_output_tokens"]))
+    print(row("Request throughput (req/s):", f"{result['request_throughput']:.3f}"))
+    print(row("Output token throughput (tok/s):", f"{result['output_throughput']:.2f}"))
+    print(row("Total Token throughput (tok/s):", f"{result['total_token_throughput']:.2f}"))
+
+    def section(name: str, label: str, header: str, unit: str) -> None:
+        if name not in percentile_metrics:
+            return
+        suffix = "_ms" if unit else ""
+        print("{s:{c}^{n}}".format(s=header, n=width, c="-"))
+        print(row(f"Mean {label}{unit}:", f"{result[f'mean_{name}{suffix}']:.2f}"))
+        print(row(f"Median {label}{unit}:", f"{result[f'median_{name}{suffix}']:.2f}"))
         for p in percentiles:
-            key = _percentile_key(p)
-            print(f"{'P' + key + ' ' + upper + ' (ms):':<40}{result[f'p{key}_{name}_ms']:<10.2f}")
+            print(row(f"P{_p_word(p)} {label}{unit}:", f"{result[f'p{_p_word(p)}_{name}{suffix}']:.2f}"))
+
+    section(*DECODE_SECTION, "")
+    for name, label, header in TIME_SECTIONS:
+        section(name, label, header, " (ms)")
+    for name, label, header in LENGTH_SECTIONS:
+        section(name, label, header, "")
     print("=" * width)
 
 
-# ----------------------------------------------------------------------------- run
+# ----------------------------------------------------------------------------- server
 
 
-async def fetch_server_info(session: aiohttp.ClientSession, models_url: str) -> list[dict]:
+async def fetch_server_info(models_url: str) -> list:
     """The model entries of GET /v1/models, or a BenchmarkError naming the URL."""
+    headers = {"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"} if os.environ.get("OPENAI_API_KEY") else {}
     try:
-        async with session.get(models_url, timeout=aiohttp.ClientTimeout(total=30)) as response:
-            if response.status != 200:
-                body = (await response.text())[:300]
-                raise BenchmarkError(f"GET {models_url} returned HTTP {response.status}: {body}")
-            return (await response.json()).get("data") or []
+        async with aiohttp.ClientSession() as session:
+            async with session.get(models_url, headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as response:
+                if response.status != 200:
+                    raise BenchmarkError(f"GET {models_url} returned HTTP {response.status}: "
+                                         f"{(await response.text())[:300]}")
+                return (await response.json()).get("data") or []
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-        raise BenchmarkError(
-            f"cannot reach the server at {models_url} ({type(exc).__name__}: {exc}); "
-            "is the api_server running on that host and port?"
-        ) from None
+        raise BenchmarkError(f"cannot reach the server at {models_url} ({type(exc).__name__}: {exc}); "
+                             "is the api_server running on that host and port?") from None
 
 
-def resolve_server_info(entries: list[dict], model: Optional[str]) -> ServerInfo:
+def resolve_server_info(entries: list, model: Optional[str]) -> ServerInfo:
     if model is None:
         if not entries:
             raise BenchmarkError("the server lists no models; pass --model")
         entry = entries[0]
     else:
-        entry = next((e for e in entries if e.get("id") == model), {})
-    return ServerInfo(
-        model=model or entry["id"],
-        vocab_size=entry.get("vocab_size"),
-        max_model_len=entry.get("max_model_len"),
-    )
+        entry = next((e for e in entries if e.get("id") == model), entries[0] if entries else {})
+    return ServerInfo(model=model or entry["id"], vocab_size=entry.get("vocab_size"),
+                      max_model_len=entry.get("max_model_len"))
 
 
-async def benchmark(
-    *,
-    backend: str,
-    api_url: str,
-    model: str,
-    requests: list[SampleRequest],
-    request_rate: float = float("inf"),
-    burstiness: float = 1.0,
-    max_concurrency: Optional[int] = None,
-    ignore_eos: bool = False,
-    percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el"),
-    percentiles: tuple[float, ...] = (99.0,),
-    seed: int = 0,
-    disable_tqdm: bool = False,
-    initial_test: bool = True,
-) -> dict:
-    """Send `requests` to `api_url` and return the aggregated result dict."""
+# ----------------------------------------------------------------------------- run
+
+
+def load_requests(args: argparse.Namespace, info: ServerInfo) -> list:
+    try:
+        if args.dataset_name == "EB":
+            return sample_eb(args.dataset_path, args.num_prompts, args.seed, args.shuffle)
+        if args.dataset_name == "EBChat":
+            return sample_eb_chat(args.dataset_path, args.num_prompts, args.sharegpt_output_len, args.seed,
+                                  args.shuffle)
+        if args.dataset_name == "random":
+            return sample_random_text(args.num_prompts, args.random_input_len, args.random_output_len,
+                                      args.random_range_ratio, args.seed)
+        requests = sample_random_ids(args.num_prompts, args.random_input_len, args.random_output_len,
+                                     args.random_range_ratio, info.vocab_size or args.tokenizer_vocab_size,
+                                     args.seed, as_text=args.backend == "openai-chat")
+    except (DatasetError, OSError) as exc:
+        raise BenchmarkError(str(exc)) from None
+    longest = max(r.prompt_len + r.expected_output_len for r in requests)
+    if info.max_model_len is not None and longest > info.max_model_len:
+        raise BenchmarkError(f"input + output length reaches {longest} tokens but the server's max_model_len is "
+                             f"{info.max_model_len}; lower --random-input-len/--random-output-len")
+    return requests
+
+
+def load_hyperparameters(path: Optional[str]) -> dict:
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            params = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise BenchmarkError(f"cannot read --hyperparameter-path {path}: {exc}") from None
+    if not isinstance(params, dict):
+        raise BenchmarkError(f"--hyperparameter-path {path} must hold a mapping of request fields")
+    return params
+
+
+async def benchmark(*, backend: str, api_url: str, model: str, requests: list, hyper_parameters: dict,
+                    request_rate: float = float("inf"), burstiness: float = 1.0,
+                    max_concurrency: Optional[int] = None, ignore_eos: bool = False, logprobs: Optional[int] = None,
+                    pd_metrics: bool = False, debug: bool = False, drop_ratio: float = 0.0, seed: int = 0,
+                    disable_tqdm: bool = False, initial_test: bool = True) -> tuple[dict, list]:
+    """Send `requests` to `api_url`; returns (aggregate-ready raw fields, outputs in finish order)."""
     request_func = ASYNC_REQUEST_FUNCS[backend]
     if burstiness <= 0:
         raise BenchmarkError(f"--burstiness must be > 0, got {burstiness}")
     if request_rate <= 0:
         raise BenchmarkError(f"--request-rate must be > 0, got {request_rate}")
+    if not 0.0 <= drop_ratio < 1.0:
+        raise BenchmarkError(f"--drop-ratio must be in [0, 1), got {drop_ratio}")
 
-    def to_input(req: SampleRequest, output_len: Optional[int] = None) -> RequestFuncInput:
-        return RequestFuncInput(
-            prompt=req.prompt, api_url=api_url, prompt_len=req.prompt_len,
-            output_len=output_len or req.expected_output_len, model=model, ignore_eos=ignore_eos,
-        )
+    def to_input(req: SampleRequest) -> RequestFuncInput:
+        return RequestFuncInput(no=req.no, prompt=req.prompt, history_QA=req.history_QA,
+                                hyper_parameters=hyper_parameters, api_url=api_url, prompt_len=req.prompt_len,
+                                output_len=req.expected_output_len, model=model, logprobs=logprobs,
+                                ignore_eos=ignore_eos, debug=debug, pd_metrics=pd_metrics,
+                                response_format=req.response_format, random_flag=req.random_flag,
+                                fixed_output_len=req.fixed_output_len)
 
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=False)
-    async with aiohttp.ClientSession(timeout=AIOHTTP_TIMEOUT, connector=connector) as session:
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
+    async with aiohttp.ClientSession(timeout=AIOHTTP_TIMEOUT, connector=connector, trust_env=True) as session:
         if initial_test:
-            # One short request first: a wrong endpoint or model fails in a
-            # second with the server's message instead of N times.
-            probe = await request_func(to_input(requests[0], min(4, requests[0].expected_output_len)), session)
+            # Upstream's single test request (kept short here): a wrong endpoint or model fails at
+            # once with the server's message instead of N times.
+            short = replace(requests[0], expected_output_len=min(4, requests[0].expected_output_len))
+            probe = await request_func(to_input(short), session=session)
             if not probe.success:
                 raise BenchmarkError(f"initial test request to {api_url} failed: {probe.error}")
 
@@ -279,45 +304,69 @@ async def benchmark(
 
         async def send(req: SampleRequest) -> RequestFuncOutput:
             if semaphore is None:
-                output = await request_func(to_input(req), session)
-            else:
-                async with semaphore:
-                    output = await request_func(to_input(req), session)
-            progress.update(1)
-            return output
+                return await request_func(to_input(req), pbar=progress, session=session)
+            async with semaphore:
+                return await request_func(to_input(req), pbar=progress, session=session)
 
         start = time.perf_counter()
-        tasks = []
-        async for req in get_request(requests, request_rate, burstiness, seed):
-            tasks.append(asyncio.create_task(send(req)))
-        outputs: list[RequestFuncOutput] = await asyncio.gather(*tasks)
+        tasks = [asyncio.create_task(send(req)) async for req in get_request(requests, request_rate, burstiness,
+                                                                                seed)]
+        outputs: list = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         progress.close()
 
-    result = calculate_metrics(outputs, duration, list(percentile_metrics), list(percentiles))
+    outputs.sort(key=lambda o: o.end_timestamp)
+    kept = outputs
+    if drop_ratio > 0:
+        # Upstream: drop drop_ratio of the requests, half from each end of the finish order, and
+        # time the rest from the first kept finish to the last.
+        half = int(len(outputs) * drop_ratio) // 2
+        kept = [o for o in outputs[half:len(outputs) - half] if o.end_timestamp]
+        if len(kept) < 2:
+            raise BenchmarkError(f"--drop-ratio {drop_ratio} leaves {len(kept)} finished requests")
+        duration = kept[-1].end_timestamp - kept[0].end_timestamp
+    return {"duration": duration, "kept": kept}, outputs
+
+
+def build_result(args: argparse.Namespace, info: ServerInfo, requests: list, raw: dict, outputs: list,
+                 percentile_metrics: list, percentiles: list) -> dict:
+    """Upstream's result JSON: setup, traffic, aggregates, then the per-request lists."""
+    result = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": args.backend,
+        "model_id": info.model,
+        "tokenizer_id": args.tokenizer or info.model,
+        "num_prompts": args.num_prompts,
+    }
+    for item in args.metadata or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise BenchmarkError(f"--metadata takes KEY=VALUE, got {item!r}")
+        result[key.strip()] = value.strip()
+    result.update(request_rate=args.request_rate if args.request_rate < float("inf") else "inf",
+                  burstiness=args.burstiness, max_concurrency=args.max_concurrency)
+    result.update(calculate_metrics(raw["kept"], raw["duration"], percentile_metrics, percentiles))
+    done = [o for o in outputs if o.success and o.output_tokens]
     result.update(
-        backend=backend,
-        model_id=model,
-        num_prompts=len(requests),
-        request_rate=request_rate,
-        burstiness=burstiness,
-        max_concurrency=max_concurrency,
+        reasoning_lens=[o.reasoning_tokens for o in outputs],
         input_lens=[o.prompt_len for o in outputs],
-        output_lens=[o.output_tokens for o in outputs],
+        infer_input_lens=[o.prompt_tokens for o in outputs],
+        output_lens=[o.output_tokens for o in done],
         ttfts=[o.ttft for o in outputs],
-        e2els=[o.latency for o in outputs],
+        res_ttfts=[o.res_ttft for o in outputs],
         itls=[o.itl for o in outputs],
+        input_texts=[r.prompt for r in requests],
         generated_texts=[o.generated_text for o in outputs],
+        reasoning_contents=[o.reasoning_content for o in outputs],
         errors=[o.error for o in outputs],
+        metrics=[o.metrics for o in outputs],
     )
+    if args.save_detailed:  # ours: what the server-side sections were computed from
+        result.update(arrival_times=[o.arrival_time for o in outputs], e2els=[o.latency for o in outputs])
     return result
 
 
-def _base_url(args: argparse.Namespace) -> str:
-    return (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-
-
-def _parse_list(text: str, valid: Optional[set] = None) -> list[str]:
+def _parse_list(text: str, valid: Optional[set] = None) -> list:
     items = [item.strip() for item in text.split(",") if item.strip()]
     if valid is not None:
         unknown = [item for item in items if item not in valid]
@@ -326,56 +375,48 @@ def _parse_list(text: str, valid: Optional[set] = None) -> list[str]:
     return items
 
 
+def _base_url(args: argparse.Namespace) -> str:
+    if args.base_url:
+        return args.base_url.rstrip("/")
+    hosts = [h.strip() for item in args.ip_list or [] for h in item.split(",") if h.strip()]
+    if len(hosts) > 1:
+        raise BenchmarkError("--ip-list with several servers is not supported; run once per server")
+    return f"http://{hosts[0]}" if hosts else f"http://{args.host}:{args.port}"
+
+
 async def run_benchmark_async(args: argparse.Namespace) -> dict:
     """Everything `main` does except printing errors and exiting: returns the result dict."""
     base_url = _base_url(args)
-    percentile_metrics = _parse_list(args.percentile_metrics, set(METRIC_NAMES))
+    percentile_metrics = _parse_list(args.percentile_metrics, ALL_METRICS)
     try:
         percentiles = [float(p) for p in _parse_list(args.metric_percentiles)]
     except ValueError:
         raise BenchmarkError(f"--metric-percentiles must be numbers, got {args.metric_percentiles!r}") from None
     if any(not 0 <= p <= 100 for p in percentiles):
         raise BenchmarkError("--metric-percentiles must lie in [0, 100]")
+    hyper_parameters = load_hyperparameters(args.hyperparameter_path)
 
-    async with aiohttp.ClientSession() as session:
-        entries = await fetch_server_info(session, base_url + "/v1/models")
-    info = resolve_server_info(entries, args.model)
-    vocab_size = info.vocab_size or args.tokenizer_vocab_size
-
-    if args.dataset_name != "random":
-        raise BenchmarkError(f"unsupported --dataset-name {args.dataset_name!r}")
-    requests = sample_random_requests(
-        args.num_prompts, args.random_input_len, args.random_output_len,
-        args.random_range_ratio, vocab_size, args.seed, as_text=args.backend == "openai-chat",
-    )
-    longest = max(r.prompt_len + r.expected_output_len for r in requests)
-    if info.max_model_len is not None and longest > info.max_model_len:
-        raise BenchmarkError(
-            f"input + output length reaches {longest} tokens but the server's "
-            f"max_model_len is {info.max_model_len}; lower --random-input-len/--random-output-len"
-        )
-
+    info = resolve_server_info(await fetch_server_info(base_url + "/v1/models"), args.served_model_name or args.model)
+    requests = load_requests(args, info)
     endpoint = args.endpoint or DEFAULT_ENDPOINTS[args.backend]
-    print(f"Model {info.model!r} (vocab {vocab_size}, max_model_len {info.max_model_len}); "
-          f"{len(requests)} prompts, request rate {args.request_rate}, "
-          f"burstiness {args.burstiness}, max concurrency {args.max_concurrency}")
-    result = await benchmark(
-        backend=args.backend,
-        api_url=base_url + endpoint,
-        model=info.model,
-        requests=requests,
-        request_rate=args.request_rate,
-        burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency,
-        ignore_eos=args.ignore_eos,
-        percentile_metrics=tuple(percentile_metrics),
-        percentiles=tuple(percentiles),
-        seed=args.seed,
-        disable_tqdm=args.disable_tqdm,
-    )
+    print(f"Model {info.model!r} (max_model_len {info.max_model_len}); {len(requests)} {args.dataset_name} prompts "
+          f"to {endpoint}, request rate {args.request_rate}, burstiness {args.burstiness}, "
+          f"max concurrency {args.max_concurrency}, drop ratio {args.drop_ratio}"
+          + (f", request yaml {args.hyperparameter_path}" if hyper_parameters else ""))
+    raw, outputs = await benchmark(
+        backend=args.backend, api_url=base_url + endpoint, model=info.model, requests=requests,
+        hyper_parameters=hyper_parameters, request_rate=args.request_rate, burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+        pd_metrics=args.pd_metrics, debug=args.debug, drop_ratio=args.drop_ratio, seed=args.seed,
+        disable_tqdm=args.disable_tqdm)
+    result = build_result(args, info, requests, raw, outputs, percentile_metrics, percentiles)
     print_result(result, percentile_metrics, percentiles)
     if args.save_result:
         save_result(args, result)
+    if args.json:
+        _write_json(args.json, result)
+    if args.plot:
+        plot_latencies(result, outputs, args.plot)
     return result
 
 
@@ -383,57 +424,116 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     return asyncio.run(run_benchmark_async(args))
 
 
+def _write_json(path: str, record: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(record, f, ensure_ascii=False)
+
+
 def save_result(args: argparse.Namespace, result: dict) -> str:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    record = {"date": stamp, **result}
+    """Upstream's file name: {backend}-{rate}qps[-concurrency{c}]-{model}-{date}.json."""
     name = args.result_filename
     if name is None:
-        concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
-        model = os.path.basename(str(result["model_id"]).rstrip("/"))
-        name = f"{args.backend}-{args.request_rate}qps{concurrency}-{model}-{stamp}.json"
-    path = os.path.join(args.result_dir or ".", name)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(record, f, indent=2)
+        concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
+        model = str(result["model_id"]).rstrip("/").split("/")[-1]
+        name = f"{args.backend}-{args.request_rate}qps{concurrency}-{model}-{result['date']}.json"
+    path = os.path.join(args.result_dir, name) if args.result_dir else name
+    _write_json(path, result)
     print(f"Result saved to {path}")
     return path
 
 
+def plot_latencies(result: dict, outputs: list, path: str) -> None:
+    """Ours: TTFT and ITL distributions, client side next to server side (arrival_time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [o for o in outputs if o.success and o.arrival_time]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.hist([o.ttft * 1000 for o in done], bins=30, alpha=0.6, label="TTFT (client)")
+    left.hist([o.arrival_time[0] * 1000 for o in done], bins=30, alpha=0.6, label="first arrival_time (server)")
+    left.set_xlabel("ms")
+    left.legend()
+    right.hist([gap * 1000 for o in done for gap in o.itl], bins=50, alpha=0.6, label="ITL (client)")
+    right.hist([(b - a) * 1000 for o in done for a, b in zip(o.arrival_time, o.arrival_time[1:])], bins=50,
+               alpha=0.6, label="ITL (server arrival_time)")
+    right.set_xlabel("ms")
+    right.legend()
+    fig.suptitle(f"{result['backend']} {result['completed']} requests, {result['output_throughput']:.1f} tok/s")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"Plot saved to {path}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=sorted(ASYNC_REQUEST_FUNCS), default="openai")
-    parser.add_argument("--base-url", default=None, help="Server URL; overrides --host/--port.")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--endpoint", default=None,
-                        help="Default: /v1/completions (openai) or /v1/chat/completions (openai-chat).")
-    parser.add_argument("--model", default=None, help="Default: the first model the server lists.")
-    parser.add_argument("--tokenizer-vocab-size", type=int, default=256,
-                        help="Vocabulary size for random token ids when /v1/models does not report one.")
-    parser.add_argument("--dataset-name", choices=["random"], default="random")
-    parser.add_argument("--random-input-len", type=int, default=1024)
-    parser.add_argument("--random-output-len", type=int, default=128)
-    parser.add_argument("--random-range-ratio", type=float, default=0.0,
-                        help="Lengths are uniform in [len*(1-r), len*(1+r)]; 0 = fixed lengths.")
-    parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--request-rate", type=float, default=float("inf"),
-                        help="Requests per second; inf sends all at once.")
-    parser.add_argument("--burstiness", type=float, default=1.0,
-                        help="Gamma shape of arrival intervals: 1 = Poisson, <1 burstier, >1 steadier.")
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ignore-eos", action="store_true",
-                        help="Send ignore_eos and min_tokens so every request generates exactly its output length.")
-    parser.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
-    parser.add_argument("--metric-percentiles", default="99")
-    parser.add_argument("--disable-tqdm", action="store_true")
-    parser.add_argument("--save-result", action="store_true")
-    parser.add_argument("--result-dir", default=None)
-    parser.add_argument("--result-filename", default=None)
-    return parser
+    """Upstream's flags and defaults; the ones this engine has no use for are accepted and ignored."""
+    p = argparse.ArgumentParser(description="Benchmark the online serving throughput.")
+    p.add_argument("--backend", choices=sorted(ASYNC_REQUEST_FUNCS), default="openai-chat")
+    p.add_argument("--base-url", default=None, help="Server or API base url if not using http host and port.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--endpoint", default=None,
+                   help="API endpoint (default: /v1/completions for openai, /v1/chat/completions for openai-chat).")
+    p.add_argument("--ip-list", nargs="*", default=[], help="ip:port of the server (one).")
+    p.add_argument("--dataset-name", default="EBChat", choices=["EB", "EBChat", "random", "random-ids"])
+    p.add_argument("--dataset-path", default=None, help="jsonl file of the EB / EBChat dataset.")
+    p.add_argument("--hyperparameter-path", default=None, help="request yaml merged into every request.")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--model", default=None, help="Served model name (default: the first the server lists).")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--use-beam-search", action="store_true")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument("--request-rate", type=float, default=float("inf"))
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shuffle", action="store_true")
+    p.add_argument("--pd-metrics", action="store_true", help="ask for per-request metrics (collect_metrics).")
+    p.add_argument("--drop-ratio", type=float, default=0.0, help="Drop ratio of the outputs. [0, 1)")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--save-result", action="store_true")
+    p.add_argument("--debug", action="store_true")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="also save every chunk's arrival_time and every E2E latency")
+    p.add_argument("--metadata", metavar="KEY=VALUE", nargs="*")
+    p.add_argument("--result-dir", default=None)
+    p.add_argument("--result-filename", default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,reasoning_len",
+                   help=f"comma-separated, from: {','.join(sorted(ALL_METRICS))}")
+    p.add_argument("--metric-percentiles", default="99")
+    p.add_argument("--goodput", nargs="+", required=False)
+    p.add_argument("--sonnet-input-len", type=int, default=550)
+    p.add_argument("--sonnet-output-len", type=int, default=150)
+    p.add_argument("--sonnet-prefix-len", type=int, default=200)
+    p.add_argument("--sharegpt-output-len", type=int, default=None)
+    p.add_argument("--random-input-len", type=int, default=200)
+    p.add_argument("--random-output-len", type=int, default=1024)
+    p.add_argument("--random-range-ratio", type=float, default=0.1)
+    p.add_argument("--hf-subset", default=None)
+    p.add_argument("--hf-split", default=None)
+    p.add_argument("--hf-output-len", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--tokenizer-mode", default="auto", choices=["auto", "slow", "mistral", "custom"])
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--lora-modules", nargs="+", default=None)
+    ours = p.add_argument_group("ours")
+    ours.add_argument("--tokenizer-vocab-size", type=int, default=256,
+                      help="random-ids: vocabulary size when /v1/models does not report one.")
+    ours.add_argument("--json", default=None, metavar="PATH", help="write the result dict to PATH")
+    ours.add_argument("--plot", default=None, metavar="PATH", help="save TTFT / ITL histograms (png) to PATH")
+    return p
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         run_benchmark(args)
