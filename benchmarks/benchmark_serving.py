@@ -137,8 +137,29 @@ def per_request_samples(outputs: list) -> dict:
     return s
 
 
+def parse_goodput(pairs: Optional[list]) -> dict:
+    """Upstream's `--goodput ttft:500 tpot:50`: SLOs in ms on ttft, tpot or e2el."""
+    slos = {}
+    for pair in pairs or []:
+        name, sep, value = pair.partition(":")
+        try:
+            slos[name] = float(value) if sep else float("nan")
+        except ValueError:
+            slos[name] = float("nan")
+        if name not in ("ttft", "tpot", "e2el") or not slos[name] >= 0:
+            raise BenchmarkError(f"--goodput takes KEY:VALUE with KEY in ttft, tpot, e2el and VALUE >= 0 ms, "
+                                 f"got {pair!r}")
+    return slos
+
+
+def _meets(o, slos: dict) -> bool:
+    tpot = (o.latency - o.ttft) / (o.output_tokens - 1) if o.output_tokens > 1 else 0.0
+    values = {"ttft": o.ttft, "tpot": tpot, "e2el": o.latency}
+    return all(values[name] * 1000.0 <= slo for name, slo in slos.items())
+
+
 def calculate_metrics(outputs: list, duration_s: float, percentile_metrics: list,
-                      percentiles: list) -> dict:
+                      percentiles: list, goodput: Optional[dict] = None) -> dict:
     """Upstream's aggregate fields, plus `failed` (ours). Times in ms; mean/median/std/pXX of the
     selected metrics, keyed as upstream keys them (`mean_ttft_ms`, `p99_output_len`, ...)."""
     samples = per_request_samples(outputs)
@@ -153,7 +174,8 @@ def calculate_metrics(outputs: list, duration_s: float, percentile_metrics: list
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,
         "request_throughput": len(done) / duration_s,
-        "request_goodput:": None,  # upstream's key, colon included; goodput SLOs are not evaluated
+        # upstream's key, colon included: requests/s meeting every --goodput SLO
+        "request_goodput:": sum(_meets(o, goodput) for o in done) / duration_s if goodput else None,
         "output_throughput": total_output / duration_s,
         "total_token_throughput": (total_input + total_output) / duration_s,
     }
@@ -179,6 +201,8 @@ def print_result(result: dict, percentile_metrics: list, percentiles: list) -> N
     print(row("Total input tokens:", result["total_input_tokens"]))
     print(row("Total generated tokens:", result["total_output_tokens"]))
     print(row("Request throughput (req/s):", f"{result['request_throughput']:.3f}"))
+    if result.get("request_goodput:") is not None:
+        print(row("Request goodput (req/s):", f"{result['request_goodput:']:.2f}"))
     print(row("Output token throughput (tok/s):", f"{result['output_throughput']:.2f}"))
     print(row("Total Token throughput (tok/s):", f"{result['total_token_throughput']:.2f}"))
 
@@ -345,7 +369,8 @@ def build_result(args: argparse.Namespace, info: ServerInfo, requests: list, raw
         result[key.strip()] = value.strip()
     result.update(request_rate=args.request_rate if args.request_rate < float("inf") else "inf",
                   burstiness=args.burstiness, max_concurrency=args.max_concurrency)
-    result.update(calculate_metrics(raw["kept"], raw["duration"], percentile_metrics, percentiles))
+    result.update(calculate_metrics(raw["kept"], raw["duration"], percentile_metrics, percentiles,
+                                    parse_goodput(args.goodput)))
     done = [o for o in outputs if o.success and o.output_tokens]
     result.update(
         reasoning_lens=[o.reasoning_tokens for o in outputs],

@@ -145,6 +145,14 @@ def test_metrics_follow_upstreams_formulas():
     assert m["p99.9_itl_ms"] == pytest.approx(150.0)
 
 
+def test_goodput_counts_requests_meeting_every_slo():
+    outputs = [_output(0.1, 1.0, 10, [], [0.1, 0.2], 5), _output(0.6, 1.0, 10, [], [0.1, 0.2], 5)]
+    m = calculate_metrics(outputs, 2.0, [], [], goodput=benchmark_serving.parse_goodput(["ttft:500", "tpot:100"]))
+    assert m["request_goodput:"] == pytest.approx(0.5)  # the second misses the TTFT SLO
+    with pytest.raises(benchmark_serving.BenchmarkError, match="goodput"):
+        benchmark_serving.parse_goodput(["itl:5"])
+
+
 def test_metrics_of_a_run_where_everything_failed_are_zero_not_nan():
     m = calculate_metrics([_output(0, 0, 0, [], [], 4, success=False)], 1.0, ["ttft", "s_ttft"], [99])
     assert m["completed"] == 0 and m["failed"] == 1

@@ -401,8 +401,7 @@ class EngineClient:
             for request_id, _ in items:
                 self.abort(request_id)
             raise failure
-        for _ in items:
-            self.metrics.observe_admitted()
+        self.metrics.observe_admitted()  # one API request, whatever its number of choices
         return [RequestStream(self, request_id, state) for (request_id, _), state in zip(items, states)]
 
     def abort(self, request_id: str, reason: Optional[BaseException] = None) -> None:
