@@ -13,7 +13,8 @@ from fastdeploy.entrypoints.openai.server_process import ApiServerProcess, Serve
 STATS = {"kv_pages_total": 256, "kv_pages_free": 200, "num_requests_running": 3, "num_requests_waiting": 1,
          "swa_pages_recycled_total": 17, "kv_pages_free_per_head": [50, 60, 40, 50],
          "prefix_cache_evictable_pages": 40, "prefix_cache_hit_tokens_total": 30,
-         "prefix_cache_query_tokens_total": 120, "max_num_seqs": 8, "kv_pages_per_block": 1}
+         "prefix_cache_query_tokens_total": 120, "max_num_seqs": 8, "kv_pages_per_block": 1,
+         "prefix_cache_hit_requests_total": 1, "prefix_cache_query_requests_total": 4}
 
 
 def _rendered() -> str:
@@ -59,6 +60,7 @@ def test_upstream_cache_and_batch_gauges_are_derived_from_the_page_counts():
     assert up["gpu_cache_usage_perc"] == pytest.approx(1 - 160 / 256)
     assert (up["batch_size"], up["max_batch_size"], up["available_batch_size"]) == (3, 8, 5)
     assert up["hit_token_rate"] == pytest.approx(0.25)
+    assert series["fastdeploy:hit_req_rate"] == pytest.approx(0.25)
 
 
 def test_in_one_d_mode_a_block_is_all_kv_heads_of_block_size_tokens():

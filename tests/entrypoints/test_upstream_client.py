@@ -157,7 +157,7 @@ def test_logprob_alternatives_have_unique_keys_and_real_bytes(server):
     assert rebuilt == chat["message"]["content"]
 
 
-UPSTREAM_GAUGES = ("gpu_cache_usage_perc", "available_gpu_block_num", "free_gpu_block_num", "max_gpu_block_num",
+UPSTREAM_GAUGES = ("hit_req_rate", "gpu_cache_usage_perc", "available_gpu_block_num", "free_gpu_block_num", "max_gpu_block_num",
                    "available_gpu_resource", "batch_size", "max_batch_size", "available_batch_size",
                    "hit_token_rate", "gpu_hit_token_rate")
 
@@ -180,5 +180,7 @@ def test_every_upstream_gauge_is_present_and_consistent_with_ours_after_load(ser
     assert g["max_batch_size"] == 8 and g["available_batch_size"] == 8 - g["batch_size"]
     hit, query = m["fastdeploy:prefix_cache_hit_tokens_total"], m["fastdeploy:prefix_cache_query_tokens_total"]
     assert hit > 0 and g["hit_token_rate"] == pytest.approx(hit / query) == g["gpu_hit_token_rate"]
+    assert 0 < g["hit_req_rate"] <= 1
     assert m["fastdeploy:prefix_cache_token_num_total"] == hit
+    assert m["fastdeploy:request_prompt_tokens_count"] == m["fastdeploy:e2e_request_latency_seconds_count"]
     assert m["fastdeploy:requests_number_total"] >= 2

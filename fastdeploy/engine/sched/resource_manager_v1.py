@@ -93,6 +93,8 @@ class ResourceManagerV1:
         self.prefix_caching = self.cache_manager.prefix_cache is not None
         self.prefix_cache_hit_tokens_total = 0
         self.prefix_cache_query_tokens_total = 0
+        self.prefix_cache_query_requests_total = 0  # admissions looked up / with a hit (upstream's hit_req_rate)
+        self.prefix_cache_hit_requests_total = 0
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -277,6 +279,8 @@ class ResourceManagerV1:
         if self.prefix_caching:
             self.prefix_cache_query_tokens_total += request.num_tokens
             self.prefix_cache_hit_tokens_total += request.num_computed_tokens
+            self.prefix_cache_query_requests_total += 1
+            self.prefix_cache_hit_requests_total += request.num_computed_tokens > 0
             request.num_cached_tokens = request.num_computed_tokens
         if self.reserve_output_pages:
             request.reserved_pages_per_rank = peak
@@ -392,6 +396,8 @@ class ResourceManagerV1:
             "num_preemptions_total": self.num_preemptions_total,
             "prefix_cache_hit_tokens_total": self.prefix_cache_hit_tokens_total,
             "prefix_cache_query_tokens_total": self.prefix_cache_query_tokens_total,
+            "prefix_cache_hit_requests_total": self.prefix_cache_hit_requests_total,
+            "prefix_cache_query_requests_total": self.prefix_cache_query_requests_total,
             **cm.prefix_cache_stats(),
         }
 

@@ -474,7 +474,7 @@ class EngineClient:
         if out.finished:
             del self._states[out.request_id]
             self.metrics.observe_finished(state.arrival, state.first_token, now, out.num_output_tokens,
-                                          out.finish_reason)
+                                          out.finish_reason, out.num_prompt_tokens)
         state.queue.put_nowait(out)
 
     def _on_engine_exit(self, reason: str) -> None:

@@ -81,6 +81,7 @@ UPSTREAM_METRICS = (
     ("batch_size", "gauge", "Real batch size during inference"),
     ("max_batch_size", "gauge", "Maximum batch size determined when service started"),
     ("available_batch_size", "gauge", "Number of requests that can still be inserted during the Decode phase"),
+    ("hit_req_rate", "gauge", "Request-level prefix cache hit rate"),
     ("hit_token_rate", "gauge", "Token-level prefix cache hit rate"),
     ("gpu_hit_token_rate", "gauge", "Token-level GPU prefix cache hit rate"),
     ("prefix_cache_token_num", "counter", "Total number of cached tokens"),
@@ -103,6 +104,8 @@ def upstream_values(stats: dict) -> dict:
     query = stats.get("prefix_cache_query_tokens_total", 0)
     hit = stats.get("prefix_cache_hit_tokens_total", 0)
     hit_rate = hit / query if query else 0.0
+    req_query = stats.get("prefix_cache_query_requests_total", 0)
+    req_hit_rate = stats.get("prefix_cache_hit_requests_total", 0) / req_query if req_query else 0.0
     return {
         "gpu_cache_usage_perc": 1.0 - free / total if total else 0.0,
         "max_gpu_block_num": total,
@@ -112,6 +115,7 @@ def upstream_values(stats: dict) -> dict:
         "batch_size": running,
         "max_batch_size": max_batch,
         "available_batch_size": max(0, max_batch - running),
+        "hit_req_rate": req_hit_rate,
         "hit_token_rate": hit_rate,
         "gpu_hit_token_rate": hit_rate,
         "prefix_cache_token_num": hit,
@@ -175,6 +179,12 @@ class ServerMetrics:
         self.request_generation_tokens = Histogram(
             PREFIX + "request_generation_tokens", "Number of generation tokens processed.",
             buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram(
+            PREFIX + "request_prompt_tokens", "Number of prefill tokens processed.", buckets=TOKEN_COUNT_BUCKETS,
+            registry=r)
+        self.request_decode_time = Histogram(
+            PREFIX + "request_decode_time_seconds", "Time spent in decode phase (from first token to last token)",
+            buckets=E2E_BUCKETS, registry=r)
         self.request_success = Counter(PREFIX + "request_success_total", "Requests that finished, by finish reason.",
                                        ["finish_reason"], registry=r)
         self.requests_number = Counter(PREFIX + "requests_number", "Total number of requests received", registry=r)
@@ -191,9 +201,13 @@ class ServerMetrics:
         self.first_token_latency.set(seconds)
 
     def observe_finished(self, arrival: float, first_token: Optional[float], now: float, num_output_tokens: int,
-                         finish_reason: Optional[str]) -> None:
+                         finish_reason: Optional[str], num_prompt_tokens: Optional[int] = None) -> None:
         self.e2e_request_latency.observe(now - arrival)
         self.request_generation_tokens.observe(num_output_tokens)
+        if num_prompt_tokens is not None:
+            self.request_prompt_tokens.observe(num_prompt_tokens)
+        if first_token is not None:
+            self.request_decode_time.observe(now - first_token)
         if first_token is not None and num_output_tokens > 1:
             tpot = (now - first_token) / (num_output_tokens - 1)
             self.time_per_output_token.observe(tpot)
