@@ -225,7 +225,7 @@ def test_ebchat_with_a_request_yaml_saves_upstreams_result_json(live_server_url,
                   "--dataset-path", os.path.join(DATASETS, "ebchat_sample.jsonl"),
                   "--hyperparameter-path", os.path.join(REQUEST_YAML, "fixed_32.yaml"), "--num-prompts", "4",
                   "--save-result", "--result-dir", str(tmp_path), "--metadata", "run=test",
-                  "--json", str(tmp_path / "ours.json"))
+                  "--json", str(tmp_path / "ours.json"), "--plot", str(tmp_path / "latency.png"))
     assert result["failed"] == 0, result["errors"]
     assert result["output_lens"] == [32] * 4  # the yaml's max_tokens / metadata.min_tokens
     (saved,) = [p for p in tmp_path.iterdir() if p.name.startswith("openai-chat-infqps-concurrency4-")]
@@ -238,6 +238,7 @@ def test_ebchat_with_a_request_yaml_saves_upstreams_result_json(live_server_url,
         assert key in record, key
     assert record["run"] == "test" and record["request_rate"] == "inf"
     assert json.loads((tmp_path / "ours.json").read_text())["completed"] == 4
+    assert (tmp_path / "latency.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_a_repeated_prompt_reports_cached_tokens(live_server_url):
