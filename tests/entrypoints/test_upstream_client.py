@@ -184,3 +184,4 @@ def test_every_upstream_gauge_is_present_and_consistent_with_ours_after_load(ser
     assert m["fastdeploy:prefix_cache_token_num_total"] == hit
     assert m["fastdeploy:request_prompt_tokens_count"] == m["fastdeploy:e2e_request_latency_seconds_count"]
     assert m["fastdeploy:requests_number_total"] >= 2
+    assert m["fastdeploy:request_params_max_tokens_count"] >= 2

@@ -401,7 +401,8 @@ class EngineClient:
             for request_id, _ in items:
                 self.abort(request_id)
             raise failure
-        self.metrics.observe_admitted()  # one API request, whatever its number of choices
+        # one API request, whatever its number of choices
+        self.metrics.observe_admitted(items[0][1].sampling.get("max_tokens"))
         return [RequestStream(self, request_id, state) for (request_id, _), state in zip(items, states)]
 
     def abort(self, request_id: str, reason: Optional[BaseException] = None) -> None:

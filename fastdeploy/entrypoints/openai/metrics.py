@@ -182,6 +182,9 @@ class ServerMetrics:
         self.request_prompt_tokens = Histogram(
             PREFIX + "request_prompt_tokens", "Number of prefill tokens processed.", buckets=TOKEN_COUNT_BUCKETS,
             registry=r)
+        self.request_params_max_tokens = Histogram(
+            PREFIX + "request_params_max_tokens", "Histogram of max_tokens parameter in request parameters",
+            buckets=TOKEN_COUNT_BUCKETS, registry=r)
         self.request_decode_time = Histogram(
             PREFIX + "request_decode_time_seconds", "Time spent in decode phase (from first token to last token)",
             buckets=E2E_BUCKETS, registry=r)
@@ -193,8 +196,10 @@ class ServerMetrics:
         self.infer_latency = Gauge(PREFIX + "infer_latency", "Latest time to generate one token in seconds",
                                    registry=r)
 
-    def observe_admitted(self) -> None:
+    def observe_admitted(self, max_tokens: Optional[int] = None) -> None:
         self.requests_number.inc()
+        if max_tokens is not None:  # None: up to max_model_len, no number to record
+            self.request_params_max_tokens.observe(max_tokens)
 
     def observe_first_token(self, seconds: float) -> None:
         self.time_to_first_token.observe(seconds)
