@@ -29,6 +29,13 @@ def _choice_flag(name: str, default: str, choices: tuple) -> Callable[[], str]:
     return read
 
 
+def _list_flag(name: str) -> Callable[[], list]:
+    def read() -> list:
+        return [item.strip() for item in os.getenv(name, "").split(",") if item.strip()]
+
+    return read
+
+
 environment_variables: dict[str, Callable[[], Any]] = {
     # 1: every KV head of a request owns its own row of pages (per-head block tables).
     "FD_HEAD_WISE_KV_CACHE": _int_flag("FD_HEAD_WISE_KV_CACHE", "0"),
@@ -44,6 +51,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FD_ATTENTION_BACKEND": _choice_flag("FD_ATTENTION_BACKEND", "APPEND_ATTN", ("APPEND_ATTN", "NATIVE_ATTN")),
     # Seconds between the engine's periodic status log lines (0 disables them).
     "FD_LOG_INTERVAL": _int_flag("FD_LOG_INTERVAL", "10"),
+    # Comma-separated API keys the server requires on /v1/* (upstream's name); --api-key overrides it.
+    "FD_API_KEY": _list_flag("FD_API_KEY"),
 }
 
 

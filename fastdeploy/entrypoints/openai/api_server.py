@@ -3,6 +3,8 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
 GET /health (200 once the engine process is ready, 503 while starting, after it died, or while
 shutting down), GET /metrics (Prometheus text; also on --metrics-port when that differs).
+With --api-key (or FD_API_KEY) every /v1/* route needs `Authorization: Bearer <key>`; bodies over
+--max-request-body-bytes get 413 (access_control.py).
 
 Every error a client can cause is a 4xx with an OpenAI error body; the engine runs in its own
 process (engine_client.py). SIGTERM/SIGINT: stop accepting, end in-flight requests, stop the
@@ -19,7 +21,7 @@ import signal
 import socket
 import sys
 from contextlib import asynccontextmanager
-from typing import Optional
+from typing import Optional, Sequence
 
 import uvicorn
 from fastapi import FastAPI
@@ -28,7 +30,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from fastdeploy import envs
 from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.entrypoints.openai.access_control import (
+    DEFAULT_MAX_BODY_BYTES,
+    APIKeyGuard,
+    BodySizeLimit,
+    body_too_large,
+    resolve_api_keys,
+)
 from fastdeploy.entrypoints.openai.engine_client import EngineClient, EngineUnavailableError
 from fastdeploy.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from fastdeploy.entrypoints.openai.protocol import (
@@ -45,7 +55,6 @@ from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingComple
 
 logger = logging.getLogger("fastdeploy.entrypoints.api_server")
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
 # Backstop for uvicorn's wait on open connections at shutdown; in-flight requests are aborted
 # first, so they normally close within a step.
 GRACEFUL_SHUTDOWN_S = 10
@@ -66,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also serve /metrics on this port (default: only on --port)")
     server.add_argument("--max-concurrency", type=_positive_int, default=None,
                         help="most requests in flight; more get HTTP 429 (default: unlimited)")
+    server.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every /v1/* route (repeat for several "
+                             "keys; /health, /metrics and /version stay open). Default: the comma-separated "
+                             "FD_API_KEY environment variable; neither set: no key needed")
+    server.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="larger request bodies get HTTP 413")
     server.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every request")
     server.add_argument("--log-level", type=str, default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
@@ -89,10 +104,11 @@ def error_response(err: APIError) -> JSONResponse:
 async def read_json_object(raw_request: Request) -> dict:
     """The body as a JSON object; anything else is a 4xx naming what is wrong."""
     chunks, size = [], 0
+    limit = raw_request.app.state.max_body_bytes
     async for chunk in raw_request.stream():
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
+        if size > limit:
+            raise body_too_large(limit)
         chunks.append(chunk)
     body = b"".join(chunks)
     try:
@@ -144,9 +160,10 @@ def parse_request(model_cls, obj: dict):
 
 
 def build_app(client: EngineClient, metrics: ServerMetrics, api_port: Optional[int] = None,
-              on_startup_failure=None) -> FastAPI:
+              on_startup_failure=None, api_keys: Sequence[str] = (),
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The ASGI app. When api_port is given, requests arriving on any other port (the metrics
-    port) may only reach /metrics and /health."""
+    port) may only reach /metrics and /health. With api_keys, /v1/* needs one of them."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -160,8 +177,12 @@ def build_app(client: EngineClient, metrics: ServerMetrics, api_port: Optional[i
     completions = OpenAIServingCompletion(client)
     chat = OpenAIServingChat(client)
 
+    app.state.max_body_bytes = max_body_bytes
     if api_port is not None:
         app.add_middleware(MetricsPortGuard, api_port=api_port)
+    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
+    if api_keys:
+        app.add_middleware(APIKeyGuard, api_keys=api_keys)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -288,8 +309,10 @@ def main(argv: Optional[list] = None) -> int:
     metrics = ServerMetrics()
     client = EngineClient(engine_args, metrics, max_concurrency=args.max_concurrency)
     server_box: list[_Server] = []
+    api_keys = resolve_api_keys(args.api_key, envs.FD_API_KEY)
     app = build_app(client, metrics, api_port=args.port,
-                    on_startup_failure=lambda reason: server_box[0].fail_startup(reason))
+                    on_startup_failure=lambda reason: server_box[0].fail_startup(reason),
+                    api_keys=api_keys, max_body_bytes=args.max_request_body_bytes)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = _Server(config, client)
