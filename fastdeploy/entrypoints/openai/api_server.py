@@ -31,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from fastdeploy import envs
+from fastdeploy.paddle_env import require_paddle
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.entrypoints.openai.access_control import (
     DEFAULT_MAX_BODY_BYTES,
@@ -290,6 +291,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        require_paddle()
+    except ImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = EngineArgs.from_cli_args(args)
     try:
