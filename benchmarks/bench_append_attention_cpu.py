@@ -25,6 +25,8 @@ import sys
 import time
 
 import numpy as np
+
+import fastdeploy  # noqa: F401,I001  (before paddle: it filters Paddle's import-time ccache warning)
 import paddle
 
 from fastdeploy.cache_manager.head_wise import dead_block_range

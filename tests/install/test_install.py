@@ -65,3 +65,13 @@ def test_offline_api_without_paddle_raises_import_error_naming_both_wheels():
         "try:\n    from fastdeploy import LLM\nexcept ImportError as e:\n    print(e)\n    raise SystemExit(3)")
     assert proc.returncode == 3, proc.stderr
     assert "`paddlepaddle`" in proc.stdout and "`paddlepaddle-gpu`" in proc.stdout
+
+
+def test_importing_the_project_and_paddle_prints_no_ccache_warning():
+    # PATH without ccache, as on a fresh machine: Paddle warns at import unless the project filtered it.
+    proc = subprocess.run(
+        [sys.executable, "-c", "import fastdeploy.model_executor.layers.attention.ops, paddle"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={"PYTHONPATH": str(REPO), "PATH": str(Path(sys.executable).parent)})
+    assert proc.returncode == 0, proc.stderr
+    assert "ccache" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr
