@@ -15,6 +15,7 @@ from fastdeploy.engine.request import CompletionOutput, Request, RequestOutput, 
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 from fastdeploy.engine.stop_strings import find_stop, releasable
 from fastdeploy.input.tokenizer import load_tokenizer
+from fastdeploy.log_format import restyle_paddle_handlers
 from fastdeploy.model_executor.layers.sampler import min_tokens_bans
 
 logger = logging.getLogger("fastdeploy.engine")
@@ -26,6 +27,8 @@ class LLMEngine:
     def __init__(self, fd_config):
         from fastdeploy.worker.model_runner import ModelRunner  # imports Paddle
 
+        restyle_paddle_handlers()  # Paddle's import may have given the root logger its own format
+
         self.fd_config = fd_config
         self.model_config = fd_config.model_config
         self.tokenizer = load_tokenizer(self.model_config)
@@ -36,7 +39,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.engine_steps_total = 0  # steps that ran the model: the denominator of per-step cost
         self._activity = ActivityLog(envs.FD_LOG_INTERVAL, logger)
-        logger.info("engine ready: %s, %d KV blocks (%d pages), head-wise=%s recycle=%s backend=%s",
+        logger.info("engine built: %s, %d KV blocks (%d pages), head-wise=%s recycle=%s backend=%s",
                     self.model_config.served_model_name, fd_config.cache_config.num_gpu_blocks,
                     self.scheduler.cache_manager.num_total_pages, fd_config.head_wise_kv_cache,
                     fd_config.swa_recycle_active, fd_config.attention_backend)

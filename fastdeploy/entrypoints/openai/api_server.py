@@ -21,7 +21,7 @@ import signal
 import socket
 import sys
 from contextlib import asynccontextmanager
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import uvicorn
 from fastapi import FastAPI
@@ -31,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from fastdeploy import envs
+from fastdeploy.log_format import configure_logging, uvicorn_log_config
 from fastdeploy.paddle_env import require_paddle
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.entrypoints.openai.access_control import (
@@ -59,32 +60,66 @@ logger = logging.getLogger("fastdeploy.entrypoints.api_server")
 # Backstop for uvicorn's wait on open connections at shutdown; in-flight requests are aborted
 # first, so they normally close within a step.
 GRACEFUL_SHUTDOWN_S = 10
+# How often start-up checks whether the engine process is ready, to print the one "ready" line.
+READY_POLL_S = 0.05
 # Paths also served on --metrics-port when it differs from --port.
-METRICS_PORT_PATHS = ("/metrics", "/health")
+METRICS_PORT_PATHS = ("/metrics", "/health", "/version")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after every flag's help; the environment-flag epilog keeps its line breaks."""
+
+
+def env_flags_epilog() -> str:
+    lines = ["environment flags (read at start-up; see docs/ for what they change):"]
+    for name, default, meaning in envs.describe():
+        lines.append(f"  {name}={default}")
+        if meaning:
+            lines.append(f"      {meaning}")
+    return "\n".join(lines)
+
+
+def version_string() -> str:
+    from importlib import metadata
+
+    from fastdeploy import __version__
+
+    paddle = "not installed"
+    for dist in ("paddlepaddle", "paddlepaddle-gpu"):
+        try:
+            paddle = f"{dist} {metadata.version(dist)}"
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    return f"fastdeploy-headwise-swa {__version__} ({paddle})"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="FastDeploy OpenAI-compatible API server",
+        prog="python -m fastdeploy.entrypoints.openai.api_server",
+        description="FastDeploy OpenAI-compatible API server (head-wise SWA KV cache).",
+        epilog=env_flags_epilog(),
+        formatter_class=_HelpFormatter,
         # EngineArgs may define some of these flags too; its definition wins.
         conflict_handler="resolve",
     )
+    parser.add_argument("--version", action="version", version=version_string())
     server = parser.add_argument_group("server")
     server.add_argument("--host", type=str, default="0.0.0.0", help="address to listen on")
     server.add_argument("--port", type=int, default=8000, help="port of the API")
     server.add_argument("--metrics-port", type=int, default=None,
-                        help="also serve /metrics on this port (default: only on --port)")
+                        help="also serve /metrics on this port (None: only on --port)")
     server.add_argument("--max-concurrency", type=_positive_int, default=None,
-                        help="most requests in flight; more get HTTP 429 (default: unlimited)")
+                        help="most requests in flight; more get HTTP 429 (None: unlimited)")
     server.add_argument("--api-key", action="append", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on every /v1/* route (repeat for several "
-                             "keys; /health, /metrics and /version stay open). Default: the comma-separated "
+                             "keys; /health, /metrics and /version stay open). None: the comma-separated "
                              "FD_API_KEY environment variable; neither set: no key needed")
     server.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies get HTTP 413")
     server.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every request")
     server.add_argument("--log-level", type=str, default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
+                        choices=["critical", "error", "warning", "info", "debug"], help="server log level")
     EngineArgs.add_cli_args(parser)
     return parser
 
@@ -162,16 +197,25 @@ def parse_request(model_cls, obj: dict):
 
 def build_app(client: EngineClient, metrics: ServerMetrics, api_port: Optional[int] = None,
               on_startup_failure=None, api_keys: Sequence[str] = (),
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready: Optional[Callable[[], None]] = None) -> FastAPI:
     """The ASGI app. When api_port is given, requests arriving on any other port (the metrics
-    port) may only reach /metrics and /health. With api_keys, /v1/* needs one of them."""
+    port) may only reach /metrics and /health. With api_keys, /v1/* needs one of them. on_ready
+    runs once, when the engine process is ready (when /health turns 200)."""
+
+    async def announce_ready():
+        while client.info is None:
+            await asyncio.sleep(READY_POLL_S)
+        on_ready()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         client.start(on_fatal=on_startup_failure)
+        ready_task = asyncio.create_task(announce_ready()) if on_ready is not None else None
         try:
             yield
         finally:
+            if ready_task is not None:
+                ready_task.cancel()
             await client.shutdown()
 
     app = FastAPI(title="FastDeploy OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -221,6 +265,12 @@ def build_app(client: EngineClient, metrics: ServerMetrics, api_port: Optional[i
         card = ModelCard(id=info.served_model_name, root=info.served_model_name,
                          max_model_len=info.max_model_len, vocab_size=info.vocab_size)
         return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/version")
+    async def version() -> Response:
+        from fastdeploy import __version__
+
+        return JSONResponse({"version": __version__})
 
     @app.get("/health")
     async def health() -> Response:
@@ -296,7 +346,7 @@ def main(argv: Optional[list] = None) -> int:
     except ImportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     engine_args = EngineArgs.from_cli_args(args)
     try:
         engine_args.create_engine_config()  # fail on a bad flag before opening any port
@@ -304,23 +354,33 @@ def main(argv: Optional[list] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    try:
-        sockets = [bind_socket(args.host, args.port)]
-        if args.metrics_port is not None and args.metrics_port != args.port:
-            sockets.append(bind_socket(args.host, args.metrics_port))
-    except OSError as exc:
-        print(f"error: cannot listen on {args.host}: {exc}", file=sys.stderr)
-        return 2
+    listen = [("--port", args.port)]
+    if args.metrics_port is not None and args.metrics_port != args.port:
+        listen.append(("--metrics-port", args.metrics_port))
+    sockets = []
+    for flag, port in listen:
+        try:
+            sockets.append(bind_socket(args.host, port))
+        except OSError as exc:
+            print(f"error: cannot listen on {args.host}:{port} ({flag}): {exc.strerror or exc}", file=sys.stderr)
+            return 2
 
     metrics = ServerMetrics()
     client = EngineClient(engine_args, metrics, max_concurrency=args.max_concurrency)
     server_box: list[_Server] = []
     api_keys = resolve_api_keys(args.api_key, envs.FD_API_KEY)
+
+    def announce_ready() -> None:
+        logger.info("ready: serving %s on http://%s:%d%s%s", client.info.served_model_name, args.host, args.port,
+                    f" (metrics also on port {args.metrics_port})" if len(sockets) > 1 else "",
+                    " (API key required on /v1/*)" if api_keys else "")
+
     app = build_app(client, metrics, api_port=args.port,
                     on_startup_failure=lambda reason: server_box[0].fail_startup(reason),
-                    api_keys=api_keys, max_body_bytes=args.max_request_body_bytes)
+                    api_keys=api_keys, max_body_bytes=args.max_request_body_bytes, on_ready=announce_ready)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            log_config=uvicorn_log_config(args.log_level))
     server = _Server(config, client)
     server_box.append(server)
 
@@ -328,8 +388,7 @@ def main(argv: Optional[list] = None) -> int:
     # first, that re-raise is a no-op and a graceful shutdown exits 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    logger.info("serving on http://%s:%d%s", args.host, args.port,
-                f" (metrics also on port {args.metrics_port})" if len(sockets) > 1 else "")
+    logger.info("starting on http://%s:%d: building the engine; a 'ready' line follows", args.host, args.port)
     server.run(sockets=sockets)
     if server.startup_error is not None:
         print(f"error: the engine failed to start: {server.startup_error}", file=sys.stderr)
