@@ -11,7 +11,7 @@
 //   3. attention per (token, KV head): the query heads of the group share each
 //      K/V row; a SWA head visits only the sink pages and the pages that
 //      overlap its window, so its cost is O(window + sink), not O(sequence).
-// The argument layout is pinned in the project's op contract.
+// The argument layout is pinned in docs/op_contract.md.
 
 #include <algorithm>
 #include <cstdlib>

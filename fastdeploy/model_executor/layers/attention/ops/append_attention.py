@@ -1,6 +1,6 @@
 """Python entry of the AppendAttention op (one layer, one step, paged KV cache).
 
-The argument layout is the project's op contract: ``qkv`` rows are the new
+The argument layout is the op contract (docs/op_contract.md): ``qkv`` rows are the new
 tokens of a mixed prefill/decode batch; ``key_cache``/``value_cache``
 (``[num_blocks, kv_num_heads, block_size, head_dim]``) are updated in place
 with the rotated K and the V of those tokens; ``block_tables`` is either the

@@ -120,7 +120,7 @@ def _build(out_dir: Path) -> ModuleType:
 
     _check_compiler()
     print(
-        f"[fastdeploy] compiling the CPU attention op into {out_dir} (first use only, ~1 min)...",
+        f"[fastdeploy] compiling the CPU attention op into {out_dir} (first use only, about 15 s)...",
         file=sys.stderr,
         flush=True,
     )
