@@ -31,8 +31,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from fastdeploy import envs
-from fastdeploy.log_format import configure_logging, uvicorn_log_config
-from fastdeploy.paddle_env import require_paddle
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.entrypoints.openai.access_control import (
     DEFAULT_MAX_BODY_BYTES,
@@ -54,6 +52,8 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion, engine_error_to_api_error
+from fastdeploy.log_format import configure_logging, uvicorn_log_config
+from fastdeploy.paddle_env import require_paddle
 
 logger = logging.getLogger("fastdeploy.entrypoints.api_server")
 
@@ -295,7 +295,7 @@ class MetricsPortGuard:
     async def __call__(self, scope, receive, send):
         server = scope.get("server") if scope["type"] == "http" else None
         if server and server[1] != self.api_port and scope["path"] not in METRICS_PORT_PATHS:
-            response = error_response(APIError(404, "only /metrics and /health are served on the metrics port",
+            response = error_response(APIError(404, "only /metrics, /health and /version are served here",
                                                code="not_found"))
             await response(scope, receive, send)
             return
