@@ -1,5 +1,6 @@
 """A server started with --api-key and --max-request-body-bytes: every /v1/* route needs a key
-(401 in OpenAI's error format otherwise), /health and /metrics stay open, large bodies get 413."""
+(401 in OpenAI's error format otherwise), /health, /metrics and /version stay open, large bodies
+get 413."""
 
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ def test_openai_client_with_the_key_works_and_without_it_gets_authentication_err
             bad.completions.create(model="default", prompt="ok", max_tokens=2)
 
 
-@pytest.mark.parametrize("path", ["/health", "/metrics"])
-def test_health_and_metrics_stay_open_without_a_key(server, path):
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/version"])
+def test_health_metrics_and_version_stay_open_without_a_key(server, path):
     assert server.http.get(path).status_code == 200
 
 
