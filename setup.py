@@ -26,8 +26,9 @@ setup(
     packages=find_packages(include=["fastdeploy", "fastdeploy.*"]),
     cmdclass={"build_py": BuildPyWithOpSources},
     python_requires=">=3.10",
+    # Paddle is deliberately not required here: pip would install the CPU wheel over an installed
+    # `paddlepaddle-gpu` (both provide the `paddle` package). The `cpu` extra installs it.
     install_requires=[
-        "paddlepaddle>=3.0",
         "numpy",
         "safetensors",
         "fastapi",
@@ -37,6 +38,7 @@ setup(
         "prometheus_client",
     ],
     extras_require={
+        "cpu": ["paddlepaddle>=3.0"],
         "test": ["pytest", "hypothesis", "openai", "aiohttp", "requests", "matplotlib", "pyyaml", "tokenizers"],
         "bench": ["aiohttp", "matplotlib", "pyyaml"],
     },

@@ -6,7 +6,7 @@ request) over the same cache:
   k SWA 1d-mask  k SWA heads, every page visited and out-of-window scores
                  masked (visit_all_pages=True), as upstream does with a 1-D table
   k SWA headwise k SWA heads, head-wise table whose dead pages (retention
-                 rule, DESIGN §4) are -1 and skipped
+                 rule, docs/retention_rule.md) are -1 and skipped
 Reported: median time per step over --reps runs, and speed-up vs "full".
 The issue's target: all-SWA head-wise at 64k <= 0.1x the full arm.
 A second table compares 1 vs 2 threads (FD_CPU_ATTN_NUM_THREADS).
@@ -25,6 +25,8 @@ import sys
 import time
 
 import numpy as np
+
+import fastdeploy  # noqa: F401,I001  (before paddle: it filters Paddle's import-time ccache warning)
 import paddle
 
 from fastdeploy.cache_manager.head_wise import dead_block_range

@@ -82,7 +82,7 @@ def decode_pages_read(pos: int, window: int, arm: dict) -> int:
     all_pages = pos // BLOCK + 1
     if arm["visit_all_pages"]:
         return all_pages * KV_HEADS * (2 if arm["dual_pass"] else 1)
-    # The query at `pos` sees what a future query sees after pos processed tokens (DESIGN §4).
+    # The query at `pos` sees what a future query sees after pos processed tokens (docs/retention_rule.md).
     swa_pages = all_pages - num_dead_blocks(pos, window, SINK, BLOCK)
     return len(SWA_HEADS) * swa_pages + (KV_HEADS - len(SWA_HEADS)) * all_pages
 

@@ -371,7 +371,7 @@ def write_plot(path: str, off: ArmResult, on: ArmResult) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML with server: and workload: sections.")
-    parser.add_argument("--json", default=None, help="Write the summary (DESIGN §6 keys) here.")
+    parser.add_argument("--json", default=None, help="Write the summary (docs/benchmarks.md keys) here.")
     parser.add_argument("--plot", default=None, help="Write a PNG of running requests and pages in use here.")
     parser.add_argument("--port", type=int, default=None, help="Server port (default: a free one).")
     parser.add_argument("--startup-timeout", type=float, default=300.0)

@@ -38,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--cache-dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=str, default=None, help="write the results (DESIGN §6 keys) here")
+    p.add_argument("--json", type=str, default=None, help="write the results (docs/benchmarks.md keys) here")
     return p.parse_args(argv)
 
 

@@ -41,7 +41,8 @@ def main() -> int:
         name="fastdeploy_ops_gpu",
         ext_modules=CUDAExtension(
             sources=[str(GPU_OPS / "append_attention.cu"), *map(str, KERNEL_SOURCES)],
-            include_dirs=[str(GPU_OPS)],
+            # cpu_ops/ holds append_attention_checks.h, the input checks shared with the CPU op.
+            include_dirs=[str(GPU_OPS), str(HERE / "cpu_ops")],
             extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": NVCC_FLAGS},
         ),
     )

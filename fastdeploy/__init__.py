@@ -4,12 +4,18 @@
 importing a pure-Python submodule (config, cache manager, scheduler) does not import Paddle.
 """
 
+from fastdeploy.paddle_env import quiet_paddle_import_warnings, require_paddle
+
+# Before any submodule can import Paddle (see paddle_env.py).
+quiet_paddle_import_warnings()
+
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams"]
 
 
 def __getattr__(name):
     if name == "LLM":
+        require_paddle()
         from fastdeploy.entrypoints.llm import LLM
 
         return LLM

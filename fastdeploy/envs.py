@@ -16,6 +16,7 @@ def _int_flag(name: str, default: str) -> Callable[[], int]:
         except ValueError:
             raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
 
+    read.default = default
     return read
 
 
@@ -26,6 +27,23 @@ def _choice_flag(name: str, default: str, choices: tuple) -> Callable[[], str]:
             raise ValueError(f"environment variable {name}={raw!r} must be one of {', '.join(choices)}")
         return raw
 
+    read.default = default
+    return read
+
+
+def _str_flag(name: str, default: str) -> Callable[[], str]:
+    def read() -> str:
+        return os.getenv(name, default)
+
+    read.default = default or "(unset)"
+    return read
+
+
+def _list_flag(name: str) -> Callable[[], list]:
+    def read() -> list:
+        return [item.strip() for item in os.getenv(name, "").split(",") if item.strip()]
+
+    read.default = "(none)"
     return read
 
 
@@ -44,6 +62,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FD_ATTENTION_BACKEND": _choice_flag("FD_ATTENTION_BACKEND", "APPEND_ATTN", ("APPEND_ATTN", "NATIVE_ATTN")),
     # Seconds between the engine's periodic status log lines (0 disables them).
     "FD_LOG_INTERVAL": _int_flag("FD_LOG_INTERVAL", "10"),
+    # Threads of the CPU attention op (read by the C++ op; 0 or unset: every usable core, for large steps).
+    "FD_CPU_ATTN_NUM_THREADS": _int_flag("FD_CPU_ATTN_NUM_THREADS", "0"),
+    # Where the CPU op is compiled and cached (unset: ~/.cache/fastdeploy/custom_ops).
+    "FD_CUSTOM_OP_DIR": _str_flag("FD_CUSTOM_OP_DIR", ""),
+    # Comma-separated API keys the server requires on /v1/* (upstream's name); --api-key overrides it.
+    "FD_API_KEY": _list_flag("FD_API_KEY"),
 }
 
 
@@ -55,3 +79,24 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list:
     return list(environment_variables.keys())
+
+
+def describe() -> list:
+    """(name, default, meaning) of every flag, the meaning being the comment above its entry here
+    (for --help, so the help cannot drift from this file)."""
+    import re
+
+    comments: dict = {}
+    pending: list = []
+    with open(__file__, encoding="utf-8") as f:
+        for line in f:
+            stripped = line.strip()
+            if stripped.startswith("# "):
+                pending.append(stripped[2:])
+                continue
+            match = re.match(r'"([A-Z0-9_]+)":', stripped)
+            if match:
+                comments[match.group(1)] = " ".join(pending)
+            pending = []
+    return [(name, getattr(reader, "default", "?"), comments.get(name, ""))
+            for name, reader in environment_variables.items()]

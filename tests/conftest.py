@@ -3,13 +3,20 @@
 import pytest
 
 from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.paddle_env import CCACHE_WARNING
 
-# (FD_HEAD_WISE_KV_CACHE, FD_HEAD_WISE_SWA_RECYCLE) for the three memory modes of DESIGN §7.
+# (FD_HEAD_WISE_KV_CACHE, FD_HEAD_WISE_SWA_RECYCLE) for the three memory modes of docs/testing.md.
 MEMORY_MODES = {
     "1d": ("0", "1"),
     "head_wise_recycle_off": ("1", "0"),
     "head_wise_recycle_on": ("1", "1"),
 }
+
+
+def pytest_configure(config):
+    # pytest restores the warning filters around collection and every test, dropping the one
+    # `import fastdeploy` installs (fastdeploy/paddle_env.py); re-state it as a pytest filter.
+    config.addinivalue_line("filterwarnings", f"ignore:{CCACHE_WARNING}:UserWarning")
 
 
 @pytest.fixture

@@ -412,7 +412,7 @@ def arm_metrics(arm: ArmOutcome) -> dict:
 
 
 def ab_row(scenario: Scenario, off: ArmOutcome, on: ArmOutcome, predicted: dict) -> dict:
-    """One result row: DESIGN §6 A/B keys plus the per-arm serving metrics."""
+    """One result row: docs/benchmarks.md A/B keys plus the per-arm serving metrics."""
     settings = scenario.settings()
     m_off, m_on = arm_metrics(off), arm_metrics(on)
     row = {

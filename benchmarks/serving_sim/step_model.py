@@ -126,7 +126,7 @@ class ModelShape:
         return self.total_params * BF16_BYTES
 
 
-# -- key counting: which keys a query, or a chunk of queries, sees (DESIGN §4) -------------------
+# -- key counting: which keys a query, or a chunk of queries, sees (docs/retention_rule.md) ----
 def _sum_min(m: int, cap: int) -> int:
     """sum_{u=1..m} min(u, cap) for m >= 0."""
     if m <= cap:

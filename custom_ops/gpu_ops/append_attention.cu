@@ -1,20 +1,19 @@
 // Paddle custom op `append_attention_gpu`: a thin wrapper over the C ABI launcher in
-// append_attn/ (same arguments and semantics as the CPU op; bf16/fp16 tensors on the GPU).
+// append_attn/ (same arguments, semantics and input checks as the CPU op; bf16/fp16 tensors on
+// the GPU).
 // key_cache / value_cache are updated in place. Built by custom_ops/setup_ops.py when Paddle has
 // CUDA.
 #include <string>
 #include <vector>
 
+#include "append_attention_checks.h"  // custom_ops/cpu_ops, shared with the CPU op
 #include "append_attn/append_attn_api.cuh"
 #include "paddle/extension.h"
 
 namespace {
 
 int to_attn_dtype(paddle::DataType t) {
-  if (t == paddle::DataType::BFLOAT16) return APPEND_ATTN_BF16;
-  if (t == paddle::DataType::FLOAT16) return APPEND_ATTN_FP16;
-  PD_THROW("append_attention_gpu: qkv must be bfloat16 or float16");
-  return -1;
+  return t == paddle::DataType::BFLOAT16 ? APPEND_ATTN_BF16 : APPEND_ATTN_FP16;
 }
 
 }  // namespace
@@ -26,17 +25,18 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
     const paddle::Tensor& block_tables, const paddle::Tensor& rotary_cos,
     const paddle::Tensor& rotary_sin, const paddle::Tensor& swa_head_mask, int num_heads,
     int kv_num_heads, int head_dim, int sliding_window, int sink_size, bool visit_all_pages) {
-  PD_CHECK(qkv.is_gpu() && key_cache.is_gpu() && block_tables.is_gpu(),
-           "append_attention_gpu: tensors must be on the GPU");
-  PD_CHECK(key_cache.dtype() == qkv.dtype() && value_cache.dtype() == qkv.dtype(),
-           "append_attention_gpu: caches must have qkv's dtype");
+  // The CPU op's checks (one header): every input, then every table entry the step touches, on
+  // host copies of the int32 inputs, all before the first kernel writes the cache.
+  const fd_attn::DeviceRules rules = fd_attn::gpu_rules();
+  const fd_attn::Geometry g = fd_attn::check_inputs(
+      rules, qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
+      cu_seqlens_q, block_tables, rotary_cos, rotary_sin, swa_head_mask, num_heads, kv_num_heads,
+      head_dim, sliding_window, sink_size, visit_all_pages);
+  const fd_attn::HostBatch host = fd_attn::host_batch(g, seq_lens_decoder, seq_lens_this_time,
+                                                      cu_seqlens_q, block_tables, swa_head_mask);
+  fd_attn::check_batch(rules, g, host.batch);
   const auto& cache_shape = key_cache.shape();  // [num_blocks, kv_heads, block_size, head_dim]
   const auto& table_shape = block_tables.shape();
-  PD_CHECK(cache_shape.size() == 4 && cache_shape[1] == kv_num_heads && cache_shape[3] == head_dim,
-           "append_attention_gpu: cache shape must be [num_blocks, kv_num_heads, block_size, "
-           "head_dim]");
-  PD_CHECK(table_shape.size() == 2 || table_shape.size() == 3,
-           "append_attention_gpu: block_tables must be 2-D (1-D mode) or 3-D (head-wise)");
 
   AppendAttnParams p;
   p.dtype = to_attn_dtype(qkv.dtype());

@@ -4,7 +4,7 @@ A page is one KV head's `block_size` tokens. Block `b` of the cache tensor
 `[num_blocks, H, block_size, head_dim]` holds pages `b*H .. b*H + H-1`; page `p` lives at
 `cache[p // H, p % H]` and its *home* head is `p % H` (H = KV heads on the rank).
 
-Retention (DESIGN §4): with `n` tokens processed, block `i` of a SWA head (window W, sink S) is dead
+Retention (docs/retention_rule.md): with `n` tokens processed, block `i` of a SWA head (window W, sink S) is dead
 iff `i >= ceil(S / bs)` and `(i + 1) * bs <= n - W + 1`. Dead blocks therefore form one contiguous
 range `[sink_blocks, first_window_block(n))`. Admission, allocation, capacity planning and
 recycling all go through `PageLayout`, so they cannot disagree about how many pages a head holds.

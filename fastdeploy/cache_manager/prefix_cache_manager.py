@@ -126,7 +126,7 @@ class _Pool:
 
 
 class PrefixCacheManager:
-    """Free-list manager for the KV cache, in 1-D or head-wise mode (DESIGN §3, §6)."""
+    """Free-list manager for the KV cache, in 1-D or head-wise mode (docs/memory_model.md)."""
 
     def __init__(self, fd_config, tensor_parallel_size: int = 1):
         if tensor_parallel_size != fd_config.parallel_config.tensor_parallel_size:

@@ -12,8 +12,8 @@ Ownership. A page is free, private to one request (its id in the pool's `owner`)
 A cached page nobody references is *evictable*: it counts as available for allocation and is
 evicted (tombstoned and returned to its home free list) only when a free list runs dry.
 
-Hit validity (DESIGN §4). A hit of `n` blocks lets the next query sit at position `n*bs`. It is
-valid iff every full head holds all `n` blocks and every recycling SWA head holds its sink blocks
+Hit validity (docs/retention_rule.md). A hit of `n` blocks lets the next query sit at position
+`n*bs`. It is valid iff every full head holds all `n` blocks and every recycling SWA head holds its sink blocks
 and the blocks `[first_window_block(n*bs), n)`; SWA blocks in between are dead on that basis and
 the request's rows get -1 there, exactly as the recycler would have written them. A path that is
 not valid shrinks to the longest valid prefix.
@@ -116,7 +116,7 @@ class PrefixCache:
 
     # -- lookup and hits -----------------------------------------------------------------------
     def match(self, block_keys: Iterable[tuple]) -> list:
-        """The longest valid cached path for these consecutive block keys (DESIGN §4 validity)."""
+        """The longest valid cached path for these consecutive block keys (validity: module docstring)."""
         node, path, full = self.root, [], self.full_slots
         for key in block_keys:
             node = node.children.get(key)

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import replace
 from typing import Union
 
 import numpy as np
 
 from fastdeploy import envs
+from fastdeploy.engine.activity_log import ActivityLog
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 from fastdeploy.engine.stop_strings import find_stop, releasable
 from fastdeploy.input.tokenizer import load_tokenizer
+from fastdeploy.log_format import restyle_paddle_handlers
 from fastdeploy.model_executor.layers.sampler import min_tokens_bans
 
 logger = logging.getLogger("fastdeploy.engine")
@@ -26,6 +27,8 @@ class LLMEngine:
     def __init__(self, fd_config):
         from fastdeploy.worker.model_runner import ModelRunner  # imports Paddle
 
+        restyle_paddle_handlers()  # Paddle's import may have given the root logger its own format
+
         self.fd_config = fd_config
         self.model_config = fd_config.model_config
         self.tokenizer = load_tokenizer(self.model_config)
@@ -35,10 +38,8 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.engine_steps_total = 0  # steps that ran the model: the denominator of per-step cost
-        self._log_interval = envs.FD_LOG_INTERVAL
-        self._last_log = time.monotonic()
-        self._tokens_since_log = 0
-        logger.info("engine ready: %s, %d KV blocks (%d pages), head-wise=%s recycle=%s backend=%s",
+        self._activity = ActivityLog(envs.FD_LOG_INTERVAL, logger)
+        logger.info("engine built: %s, %d KV blocks (%d pages), head-wise=%s recycle=%s backend=%s",
                     self.model_config.served_model_name, fd_config.cache_config.num_gpu_blocks,
                     self.scheduler.cache_manager.num_total_pages, fd_config.head_wise_kv_cache,
                     fd_config.swa_recycle_active, fd_config.attention_backend)
@@ -109,6 +110,7 @@ class LLMEngine:
             self.runner.release(request.request_id)
         if not batch.requests:
             return []
+        self._activity.step_started()
         tokens, logprobs, failures = self.runner.execute(batch)
         self.engine_steps_total += 1
         outputs = [self._fail(batch.requests[i].request, error) for i, error in failures.items()]
@@ -121,8 +123,7 @@ class LLMEngine:
                 self.runner.release(request.request_id)
             outputs.append(self._output(request, text))
         self.generation_tokens_total += len(progressed)
-        self._tokens_since_log += len(progressed)
-        self._maybe_log()
+        self._activity.step_finished(len(progressed), self.get_stats, busy=self.has_unfinished_requests())
         return outputs
 
     def _fail(self, request: Request, error: str) -> RequestOutput:
@@ -175,17 +176,3 @@ class LLMEngine:
                      kv_pages_per_block=1 if self.fd_config.head_wise_kv_cache
                      else stats["kv_pages_total"] // max(1, self.fd_config.cache_config.num_gpu_blocks))
         return stats
-
-    def _maybe_log(self) -> None:
-        if self._log_interval <= 0:
-            return
-        now = time.monotonic()
-        elapsed = now - self._last_log
-        if elapsed < self._log_interval:
-            return
-        s = self.get_stats()
-        logger.info("running=%d waiting=%d free_pages=%d/%d per_head=%s swa_recycled=%d preemptions=%d "
-                    "gen_tok/s=%.1f", s["num_requests_running"], s["num_requests_waiting"], s["kv_pages_free"],
-                    s["kv_pages_total"], s["kv_pages_free_per_head"], s["swa_pages_recycled_total"],
-                    s["num_preemptions_total"], self._tokens_since_log / elapsed)
-        self._last_log, self._tokens_since_log = now, 0

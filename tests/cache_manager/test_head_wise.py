@@ -21,7 +21,7 @@ from fastdeploy.cache_manager.head_wise import (
 
 
 def visible(j, t, window, sink):
-    """DESIGN §4: query t of a SWA head sees key j."""
+    """docs/retention_rule.md: query t of a SWA head sees key j."""
     return j <= t and (j < sink or j > t - window)
 
 

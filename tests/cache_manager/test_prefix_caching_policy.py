@@ -129,7 +129,7 @@ def test_preempted_request_resumes_from_its_own_cached_blocks(make_config):
     assert len(victim.output_token_ids) == 60
 
 
-# -- head-wise hit validity (DESIGN §4) ------------------------------------------------------------
+# -- head-wise hit validity (docs/retention_rule.md) ---------------------------------------------
 @pytest.fixture
 def long_prefix(make_config):
     """A finished 300-token request: 18 full blocks cached; a repeat may hit all 18 (query at 288)."""

@@ -1,6 +1,6 @@
 """Float64 reference of AppendAttention and random case builder for the CUDA kernel tests.
 
-Written straight from the op contract (visibility rule, RoPE pairs, table modes), independent of
+Written straight from the op contract (docs/op_contract.md: visibility rule, RoPE pairs, table modes), independent of
 the kernels' page-walking arithmetic: it gathers exactly the keys each query may see and raises
 if one of them sits behind a -1 entry.
 """
@@ -109,7 +109,7 @@ def reference(case: Case):
 
 
 def dead_blocks(processed: int, window: int, sink: int, block_size: int) -> list[int]:
-    """Blocks of a SWA head the retention rule (DESIGN §4) lets the scheduler recycle."""
+    """Blocks of a SWA head the retention rule (docs/retention_rule.md) lets the scheduler recycle."""
     first = -(-sink // block_size)
     dead = []
     i = first

@@ -1,4 +1,4 @@
-"""Float64 numpy reference of the AppendAttention op contract.
+"""Float64 numpy reference of the AppendAttention op contract (docs/op_contract.md).
 
 Deliberately simple and unpaged in its math: it reads the prior K/V of every
 request through the block table into dense per-head arrays (positions whose

@@ -48,7 +48,7 @@ class Case:
 
 
 def dead_blocks(n, window, sink, bs):
-    """Blocks of a SWA head that the retention rule (DESIGN §4) has recycled after n tokens."""
+    """Blocks of a SWA head that the retention rule (docs/retention_rule.md) has recycled after n tokens."""
     return {i for i in range(math.ceil(n / bs)) if i >= math.ceil(sink / bs) and (i + 1) * bs <= n - window + 1}
 
 

@@ -57,6 +57,7 @@ def test_out_of_range_penalties_are_rejected(params):
         SamplingParams(**params).validate()
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # no numpy overflow warning either
 def test_extreme_but_valid_parameters_sample_without_overflow():
     z = logits(t5=3.0, t6=0.5)
     r = request(prompt=[5, 6], repetition_penalty=1e-308, temperature=1.0, logprobs=None)

@@ -56,7 +56,7 @@ def test_prefill_chunk_without_sampling_skips_the_lm_head():
 
 @pytest.mark.parametrize("window,sink", [(None, 0), (1, 0), (3, 0), (3, 2), (5, 7), (4, 1)])
 def test_key_counts_follow_the_swa_rule(window, sink):
-    def visible(t):  # DESIGN §4: key j <= t is seen iff j < S or j > t - W
+    def visible(t):  # docs/retention_rule.md: key j <= t is seen iff j < S or j > t - W
         return {j for j in range(t + 1) if window is None or j < sink or j > t - window}
 
     for start in range(12):

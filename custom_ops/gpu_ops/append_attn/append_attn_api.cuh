@@ -1,7 +1,7 @@
 // Plain C ABI of the CUDA AppendAttention kernels (head-wise SWA KV caches).
 //
 // One call = one layer's attention step for a mixed batch of prefill chunks and decodes, with the
-// semantics and argument layout of the CPU op (see op_contract in the design notes): RoPE on q and
+// semantics and argument layout of the CPU op (docs/op_contract.md): RoPE on q and
 // k, new K/V written into the paged cache, then attention over each request's cached keys through
 // a 1-D ([bsz, max_blocks]) or head-wise ([bsz, kv_heads, max_blocks]) table. All pointers are
 // device pointers. The same entry serves the Paddle op wrapper and the ctypes test harness, so it

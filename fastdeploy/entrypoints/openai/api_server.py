@@ -3,6 +3,8 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
 GET /health (200 once the engine process is ready, 503 while starting, after it died, or while
 shutting down), GET /metrics (Prometheus text; also on --metrics-port when that differs).
+With --api-key (or FD_API_KEY) every /v1/* route needs `Authorization: Bearer <key>`; bodies over
+--max-request-body-bytes get 413 (access_control.py).
 
 Every error a client can cause is a 4xx with an OpenAI error body; the engine runs in its own
 process (engine_client.py). SIGTERM/SIGINT: stop accepting, end in-flight requests, stop the
@@ -19,7 +21,7 @@ import signal
 import socket
 import sys
 from contextlib import asynccontextmanager
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import uvicorn
 from fastapi import FastAPI
@@ -28,7 +30,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from fastdeploy import envs
 from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.entrypoints.openai.access_control import (
+    DEFAULT_MAX_BODY_BYTES,
+    APIKeyGuard,
+    BodySizeLimit,
+    body_too_large,
+    resolve_api_keys,
+)
 from fastdeploy.entrypoints.openai.engine_client import EngineClient, EngineUnavailableError
 from fastdeploy.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from fastdeploy.entrypoints.openai.protocol import (
@@ -42,33 +52,74 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion, engine_error_to_api_error
+from fastdeploy.log_format import configure_logging, uvicorn_log_config
+from fastdeploy.paddle_env import require_paddle
 
 logger = logging.getLogger("fastdeploy.entrypoints.api_server")
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
 # Backstop for uvicorn's wait on open connections at shutdown; in-flight requests are aborted
 # first, so they normally close within a step.
 GRACEFUL_SHUTDOWN_S = 10
+# How often start-up checks whether the engine process is ready, to print the one "ready" line.
+READY_POLL_S = 0.05
 # Paths also served on --metrics-port when it differs from --port.
-METRICS_PORT_PATHS = ("/metrics", "/health")
+METRICS_PORT_PATHS = ("/metrics", "/health", "/version")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after every flag's help; the environment-flag epilog keeps its line breaks."""
+
+
+def env_flags_epilog() -> str:
+    lines = ["environment flags (read at start-up; see docs/ for what they change):"]
+    for name, default, meaning in envs.describe():
+        lines.append(f"  {name}={default}")
+        if meaning:
+            lines.append(f"      {meaning}")
+    return "\n".join(lines)
+
+
+def version_string() -> str:
+    from importlib import metadata
+
+    from fastdeploy import __version__
+
+    paddle = "not installed"
+    for dist in ("paddlepaddle", "paddlepaddle-gpu"):
+        try:
+            paddle = f"{dist} {metadata.version(dist)}"
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    return f"fastdeploy-headwise-swa {__version__} ({paddle})"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="FastDeploy OpenAI-compatible API server",
+        prog="python -m fastdeploy.entrypoints.openai.api_server",
+        description="FastDeploy OpenAI-compatible API server (head-wise SWA KV cache).",
+        epilog=env_flags_epilog(),
+        formatter_class=_HelpFormatter,
         # EngineArgs may define some of these flags too; its definition wins.
         conflict_handler="resolve",
     )
+    parser.add_argument("--version", action="version", version=version_string())
     server = parser.add_argument_group("server")
     server.add_argument("--host", type=str, default="0.0.0.0", help="address to listen on")
     server.add_argument("--port", type=int, default=8000, help="port of the API")
     server.add_argument("--metrics-port", type=int, default=None,
-                        help="also serve /metrics on this port (default: only on --port)")
+                        help="also serve /metrics on this port (None: only on --port)")
     server.add_argument("--max-concurrency", type=_positive_int, default=None,
-                        help="most requests in flight; more get HTTP 429 (default: unlimited)")
+                        help="most requests in flight; more get HTTP 429 (None: unlimited)")
+    server.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every /v1/* route (repeat for several "
+                             "keys; /health, /metrics and /version stay open). None: the comma-separated "
+                             "FD_API_KEY environment variable; neither set: no key needed")
+    server.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="larger request bodies get HTTP 413")
     server.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every request")
     server.add_argument("--log-level", type=str, default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
+                        choices=["critical", "error", "warning", "info", "debug"], help="server log level")
     EngineArgs.add_cli_args(parser)
     return parser
 
@@ -89,10 +140,11 @@ def error_response(err: APIError) -> JSONResponse:
 async def read_json_object(raw_request: Request) -> dict:
     """The body as a JSON object; anything else is a 4xx naming what is wrong."""
     chunks, size = [], 0
+    limit = raw_request.app.state.max_body_bytes
     async for chunk in raw_request.stream():
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
+        if size > limit:
+            raise body_too_large(limit)
         chunks.append(chunk)
     body = b"".join(chunks)
     try:
@@ -144,24 +196,38 @@ def parse_request(model_cls, obj: dict):
 
 
 def build_app(client: EngineClient, metrics: ServerMetrics, api_port: Optional[int] = None,
-              on_startup_failure=None) -> FastAPI:
+              on_startup_failure=None, api_keys: Sequence[str] = (),
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready: Optional[Callable[[], None]] = None) -> FastAPI:
     """The ASGI app. When api_port is given, requests arriving on any other port (the metrics
-    port) may only reach /metrics and /health."""
+    port) may only reach /metrics and /health. With api_keys, /v1/* needs one of them. on_ready
+    runs once, when the engine process is ready (when /health turns 200)."""
+
+    async def announce_ready():
+        while client.info is None:
+            await asyncio.sleep(READY_POLL_S)
+        on_ready()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         client.start(on_fatal=on_startup_failure)
+        ready_task = asyncio.create_task(announce_ready()) if on_ready is not None else None
         try:
             yield
         finally:
+            if ready_task is not None:
+                ready_task.cancel()
             await client.shutdown()
 
     app = FastAPI(title="FastDeploy OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
     completions = OpenAIServingCompletion(client)
     chat = OpenAIServingChat(client)
 
+    app.state.max_body_bytes = max_body_bytes
     if api_port is not None:
         app.add_middleware(MetricsPortGuard, api_port=api_port)
+    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
+    if api_keys:
+        app.add_middleware(APIKeyGuard, api_keys=api_keys)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -200,6 +266,12 @@ def build_app(client: EngineClient, metrics: ServerMetrics, api_port: Optional[i
                          max_model_len=info.max_model_len, vocab_size=info.vocab_size)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
+    @app.get("/version")
+    async def version() -> Response:
+        from fastdeploy import __version__
+
+        return JSONResponse({"version": __version__})
+
     @app.get("/health")
     async def health() -> Response:
         client.check_available()
@@ -223,7 +295,7 @@ class MetricsPortGuard:
     async def __call__(self, scope, receive, send):
         server = scope.get("server") if scope["type"] == "http" else None
         if server and server[1] != self.api_port and scope["path"] not in METRICS_PORT_PATHS:
-            response = error_response(APIError(404, "only /metrics and /health are served on the metrics port",
+            response = error_response(APIError(404, "only /metrics, /health and /version are served here",
                                                code="not_found"))
             await response(scope, receive, send)
             return
@@ -269,7 +341,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        require_paddle()
+    except ImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level)
     engine_args = EngineArgs.from_cli_args(args)
     try:
         engine_args.create_engine_config()  # fail on a bad flag before opening any port
@@ -277,21 +354,33 @@ def main(argv: Optional[list] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    try:
-        sockets = [bind_socket(args.host, args.port)]
-        if args.metrics_port is not None and args.metrics_port != args.port:
-            sockets.append(bind_socket(args.host, args.metrics_port))
-    except OSError as exc:
-        print(f"error: cannot listen on {args.host}: {exc}", file=sys.stderr)
-        return 2
+    listen = [("--port", args.port)]
+    if args.metrics_port is not None and args.metrics_port != args.port:
+        listen.append(("--metrics-port", args.metrics_port))
+    sockets = []
+    for flag, port in listen:
+        try:
+            sockets.append(bind_socket(args.host, port))
+        except OSError as exc:
+            print(f"error: cannot listen on {args.host}:{port} ({flag}): {exc.strerror or exc}", file=sys.stderr)
+            return 2
 
     metrics = ServerMetrics()
     client = EngineClient(engine_args, metrics, max_concurrency=args.max_concurrency)
     server_box: list[_Server] = []
+    api_keys = resolve_api_keys(args.api_key, envs.FD_API_KEY)
+
+    def announce_ready() -> None:
+        logger.info("ready: serving %s on http://%s:%d%s%s", client.info.served_model_name, args.host, args.port,
+                    f" (metrics also on port {args.metrics_port})" if len(sockets) > 1 else "",
+                    " (API key required on /v1/*)" if api_keys else "")
+
     app = build_app(client, metrics, api_port=args.port,
-                    on_startup_failure=lambda reason: server_box[0].fail_startup(reason))
+                    on_startup_failure=lambda reason: server_box[0].fail_startup(reason),
+                    api_keys=api_keys, max_body_bytes=args.max_request_body_bytes, on_ready=announce_ready)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            log_config=uvicorn_log_config(args.log_level))
     server = _Server(config, client)
     server_box.append(server)
 
@@ -299,8 +388,7 @@ def main(argv: Optional[list] = None) -> int:
     # first, that re-raise is a no-op and a graceful shutdown exits 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    logger.info("serving on http://%s:%d%s", args.host, args.port,
-                f" (metrics also on port {args.metrics_port})" if len(sockets) > 1 else "")
+    logger.info("starting on http://%s:%d: building the engine; a 'ready' line follows", args.host, args.port)
     server.run(sockets=sockets)
     if server.startup_error is not None:
         print(f"error: the engine failed to start: {server.startup_error}", file=sys.stderr)

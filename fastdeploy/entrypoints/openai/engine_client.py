@@ -459,7 +459,7 @@ class EngineClient:
                 state.accepted.set_exception(RequestRejectedError(msg[2], msg[3]))
         elif kind == "ready":
             self.info = msg[1]
-            logger.info("engine ready: model %s, max_model_len %d", self.info.served_model_name,
+            logger.debug("engine ready: model %s, max_model_len %d", self.info.served_model_name,
                         self.info.max_model_len)
         elif kind == "fatal":
             self._on_engine_exit(msg[1])

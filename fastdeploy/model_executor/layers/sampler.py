@@ -63,8 +63,11 @@ def _apply_penalties(scores: np.ndarray, request) -> None:
     if params.repetition_penalty != 1:
         seen = np.unique(np.concatenate([request.prompt_token_ids, request.output_token_ids]).astype(np.int64))
         seen = seen[seen < vocab]
-        scores[seen] = np.where(scores[seen] > 0, scores[seen] / params.repetition_penalty,
-                                scores[seen] * params.repetition_penalty)
+        # A tiny penalty may overflow a positive logit to +inf: expected, and clamped by the caller
+        # (np.nan_to_num in sample_one), so numpy's overflow warning would only be noise.
+        with np.errstate(over="ignore"):
+            scores[seen] = np.where(scores[seen] > 0, scores[seen] / params.repetition_penalty,
+                                    scores[seen] * params.repetition_penalty)
 
 
 def _draw(scores: np.ndarray, temperature: float, top_k: int, top_p: float, generator: np.random.Generator) -> int:

@@ -2,7 +2,7 @@
 
 Each running request keeps its rotated K and its V in a dense per-slot buffer
 `[max_num_seqs, max_model_len, H, head_dim]`; every query scores every key of its request and the
-SWA rule of DESIGN §4 is applied as a mask. Slow on purpose: nothing here is clever.
+SWA rule of docs/retention_rule.md is applied as a mask. Slow on purpose: nothing here is clever.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class NativeAttentionBackend:
         self.q_head_is_swa = np.repeat(np.array(mask, dtype=bool), group)  # [num_heads]
 
     def visibility(self, start: int, num_new: int) -> np.ndarray:
-        """[num_heads, num_new, start + num_new] bool: DESIGN §4, per query head."""
+        """[num_heads, num_new, start + num_new] bool: docs/retention_rule.md, per query head."""
         t = np.arange(start, start + num_new)[:, None]
         j = np.arange(start + num_new)[None, :]
         causal = j <= t

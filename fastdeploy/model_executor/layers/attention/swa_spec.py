@@ -1,6 +1,6 @@
 """The model's attention semantics as kernel arguments: which KV heads slide, window, sink.
 
-These are a *model* property (DESIGN §2): identical in every memory mode, so both backends read
+These are a *model* property (docs/architecture.md): identical in every memory mode, so both backends read
 them from the model config, never from the head-wise flags.
 """
 

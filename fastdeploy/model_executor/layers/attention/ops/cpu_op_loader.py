@@ -23,6 +23,8 @@ from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 
+from fastdeploy.paddle_env import CCACHE_WARNING
+
 MODULE_NAME = "fd_cpu_ops"
 _REPO_ROOT = Path(__file__).resolve().parents[5]
 # A source checkout (pip install -e) keeps the sources at custom_ops/cpu_ops, upstream's path; a
@@ -120,7 +122,7 @@ def _build(out_dir: Path) -> ModuleType:
 
     _check_compiler()
     print(
-        f"[fastdeploy] compiling the CPU attention op into {out_dir} (first use only, ~1 min)...",
+        f"[fastdeploy] compiling the CPU attention op into {out_dir} (first use only, about 15 s)...",
         file=sys.stderr,
         flush=True,
     )
@@ -152,12 +154,19 @@ def _quiet_paddle_extension_logs():
     logger = logging.getLogger("utils.cpp_extension")
     level = logger.level
     logger.setLevel(logging.WARNING)
+    # The build runs setup.py in a child Python, which imports Paddle again: filter it there too.
+    saved = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [saved, f"ignore:{CCACHE_WARNING}:UserWarning"]))
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*ccache.*")
+            warnings.filterwarnings("ignore", message=CCACHE_WARNING, category=UserWarning)
             yield
     finally:
         logger.setLevel(level)
+        if saved is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = saved
 
 
 @lru_cache(maxsize=None)

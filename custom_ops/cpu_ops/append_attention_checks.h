@@ -1,0 +1,346 @@
+// Input validation of the append_attention op, shared by the CPU op
+// (cpu_ops/append_attention.cc) and the CUDA op wrapper
+// (gpu_ops/append_attention.cu), so the two cannot drift apart.
+//
+// Both wrappers call, before anything is written:
+//   1. check_inputs(): place, contiguity and dtype of every input, the op's
+//      integer attributes, the qkv width, the cache shape, the lengths of the
+//      int32 vectors, the table rank and dims against [bsz, kv_heads,
+//      max_blocks] (or [bsz, max_blocks] in 1-D mode), the rotary tables;
+//   2. check_batch() on host copies of the small int32 inputs: cu_seqlens_q
+//      is the prefix sum of seq_lens_this_time and fits the rows of qkv,
+//      positions fit the rotary tables, and every table entry the step reads
+//      or writes is a valid page (-1 where a page is needed is a scheduler
+//      bug, reported with request, head and block index).
+// The only differences between devices are in DeviceRules (which place and
+// which dtypes); every message starts with the op's name.
+//
+// It lives next to the CPU sources because the CPU op is compiled on first
+// use from this directory (a copy of it is shipped inside the package); the
+// CUDA build adds cpu_ops/ to its include path.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "paddle/extension.h"
+
+namespace fd_attn {
+
+struct Geometry {
+  int num_heads = 0;
+  int kv_heads = 0;
+  int group = 0;  // q heads per KV head
+  int head_dim = 0;
+  int block_size = 0;
+  int64_t num_blocks = 0;
+  int64_t num_pages = 0;  // num_blocks * kv_heads
+  int max_blocks = 0;     // table columns
+  bool head_wise = false;
+  int64_t window = 0;
+  int64_t sink = 0;
+  bool visit_all = false;
+  int64_t max_position = 0;  // rows of the rotary tables
+  int64_t token_num = 0;     // rows of qkv
+  int bsz = 0;
+};
+
+// Host pointers to the step's int32 inputs.
+struct Batch {
+  int bsz = 0;
+  const int32_t* seq_lens_decoder = nullptr;
+  const int32_t* seq_lens_this_time = nullptr;
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* table = nullptr;
+  const int32_t* swa = nullptr;
+};
+
+// Page id of block `i` of KV head `h` of request `r`; a 1-D block b is page
+// b * H + h, so both table kinds share every line of the attention code (this
+// is what makes the two paths bit-identical on the same pages).
+inline int64_t page_of(const Geometry& g, const Batch& b, int r, int h, int i) {
+  if (g.head_wise) {
+    return b.table[(int64_t(r) * g.kv_heads + h) * g.max_blocks + i];
+  }
+  const int32_t block = b.table[int64_t(r) * g.max_blocks + i];
+  return block < 0 ? int64_t(block) : int64_t(block) * g.kv_heads + h;
+}
+
+// Keys [lo, hi) a query reads, as at most two disjoint runs (sink, window).
+struct KeyRuns {
+  int n = 0;
+  int64_t lo[2] = {0, 0};
+  int64_t hi[2] = {0, 0};
+};
+
+// `last` is the last key position needed (the query position, or the end of
+// the step when validating the whole step from its first query `first`).
+inline KeyRuns visible_runs(const Geometry& g, bool swa, int64_t first, int64_t last) {
+  KeyRuns runs;
+  const int64_t win_lo = std::max<int64_t>(0, first - g.window + 1);
+  const int64_t sink_hi = std::min<int64_t>(g.sink, first + 1);
+  if (!swa || g.visit_all || win_lo <= sink_hi) {
+    runs.n = 1;
+    runs.lo[0] = 0;
+    runs.hi[0] = last + 1;
+    return runs;
+  }
+  if (sink_hi > 0) {
+    runs.lo[runs.n] = 0;
+    runs.hi[runs.n] = sink_hi;
+    ++runs.n;
+  }
+  runs.lo[runs.n] = win_lo;
+  runs.hi[runs.n] = last + 1;
+  ++runs.n;
+  return runs;
+}
+
+// What differs between the CPU op and the CUDA wrapper.
+struct DeviceRules {
+  const char* op;      // message prefix
+  const char* device;  // "CPU" / "GPU", for messages
+  bool gpu;            // inputs must be GPU (else CPU) tensors
+  bool check_place;    // false only for the validate-only test op, whose inputs are CPU tensors
+  bool qkv_fp32, qkv_bf16, qkv_fp16;
+  bool cache_matches_qkv;  // the CUDA kernels need cache dtype == qkv dtype
+  bool cache_fp32, cache_bf16, cache_fp16;
+};
+
+inline DeviceRules cpu_rules() {
+  return {"append_attention", "CPU", false, true, true, true, false, false, true, true, false};
+}
+
+inline DeviceRules gpu_rules() {
+  return {"append_attention_gpu", "GPU", true, true, false, true, true, true, false, true, true};
+}
+
+inline std::string dtype_list(bool fp32, bool bf16, bool fp16) {
+  std::string s;
+  for (const auto& [ok, name] : {std::pair<bool, const char*>{fp32, "float32"},
+                                 {bf16, "bfloat16"},
+                                 {fp16, "float16"}}) {
+    if (!ok) continue;
+    if (!s.empty()) s += " or ";
+    s += name;
+  }
+  return s;
+}
+
+inline bool dtype_allowed(paddle::DataType t, bool fp32, bool bf16, bool fp16) {
+  return (fp32 && t == paddle::DataType::FLOAT32) || (bf16 && t == paddle::DataType::BFLOAT16) ||
+         (fp16 && t == paddle::DataType::FLOAT16);
+}
+
+inline void check_int32_vector(const DeviceRules& rules, const paddle::Tensor& t, const char* name,
+                               int64_t len) {
+  PD_CHECK(t.dtype() == paddle::DataType::INT32, rules.op, ": ", name, " must be int32");
+  PD_CHECK(t.shape().size() == 1 && t.shape()[0] == len, rules.op, ": ", name,
+           " must have shape [", len, "]");
+}
+
+// Everything that does not need the values of the int32 inputs.
+inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv,
+                             const paddle::Tensor& key_cache, const paddle::Tensor& value_cache,
+                             const paddle::Tensor& seq_lens_encoder,
+                             const paddle::Tensor& seq_lens_decoder,
+                             const paddle::Tensor& seq_lens_this_time,
+                             const paddle::Tensor& cu_seqlens_q,
+                             const paddle::Tensor& block_tables,
+                             const paddle::Tensor& rotary_cos, const paddle::Tensor& rotary_sin,
+                             const paddle::Tensor& swa_head_mask, int num_heads,
+                             int kv_num_heads, int head_dim, int sliding_window, int sink_size,
+                             bool visit_all_pages) {
+  const std::pair<const paddle::Tensor*, const char*> inputs[] = {
+      {&qkv, "qkv"},
+      {&key_cache, "key_cache"},
+      {&value_cache, "value_cache"},
+      {&seq_lens_encoder, "seq_lens_encoder"},
+      {&seq_lens_decoder, "seq_lens_decoder"},
+      {&seq_lens_this_time, "seq_lens_this_time"},
+      {&cu_seqlens_q, "cu_seqlens_q"},
+      {&block_tables, "block_tables"},
+      {&rotary_cos, "rotary_cos"},
+      {&rotary_sin, "rotary_sin"},
+      {&swa_head_mask, "swa_head_mask"}};
+  for (const auto& [t, name] : inputs) {
+    PD_CHECK(t->initialized(), rules.op, ": ", name, " is not initialized");
+    if (rules.check_place) {
+      PD_CHECK(rules.gpu ? t->is_gpu() : t->is_cpu(), rules.op, ": every input must be a ",
+               rules.device, " tensor, but ", name, " is on ", t->place().DebugString());
+    }
+    PD_CHECK(t->is_contiguous(), rules.op, ": ", name, " must be contiguous");
+  }
+  PD_CHECK(num_heads > 0 && kv_num_heads > 0 && num_heads % kv_num_heads == 0, rules.op,
+           ": num_heads (", num_heads, ") must be a positive multiple of kv_num_heads (",
+           kv_num_heads, ")");
+  PD_CHECK(head_dim > 0 && head_dim % 2 == 0, rules.op,
+           ": head_dim must be positive and even, got ", head_dim);
+  PD_CHECK(sliding_window >= 1, rules.op, ": sliding_window must be >= 1, got ", sliding_window);
+  PD_CHECK(sink_size >= 0, rules.op, ": sink_size must be >= 0, got ", sink_size);
+
+  const auto& qs = qkv.shape();
+  PD_CHECK(dtype_allowed(qkv.dtype(), rules.qkv_fp32, rules.qkv_bf16, rules.qkv_fp16), rules.op,
+           ": qkv must be ", dtype_list(rules.qkv_fp32, rules.qkv_bf16, rules.qkv_fp16));
+  const int64_t width = int64_t(num_heads + 2 * kv_num_heads) * head_dim;
+  PD_CHECK(qs.size() == 2 && qs[1] == width, rules.op,
+           ": qkv must be [token_num, (num_heads + 2 * kv_num_heads) * head_dim] = [*, ", width,
+           "], got rank ", qs.size(), qs.size() == 2 ? " width " : "",
+           qs.size() == 2 ? std::to_string(qs[1]) : "");
+
+  const auto& cs = key_cache.shape();
+  PD_CHECK(cs.size() == 4 && cs[1] == kv_num_heads && cs[3] == head_dim && cs[2] > 0, rules.op,
+           ": key_cache must be [num_blocks, kv_num_heads=", kv_num_heads,
+           ", block_size, head_dim=", head_dim, "]");
+  PD_CHECK(value_cache.shape() == cs && value_cache.dtype() == key_cache.dtype(), rules.op,
+           ": value_cache must match key_cache in shape and dtype");
+  if (rules.cache_matches_qkv) {
+    PD_CHECK(key_cache.dtype() == qkv.dtype(), rules.op, ": caches must have qkv's dtype");
+  } else {
+    PD_CHECK(dtype_allowed(key_cache.dtype(), rules.cache_fp32, rules.cache_bf16, rules.cache_fp16),
+             rules.op, ": caches must be ",
+             dtype_list(rules.cache_fp32, rules.cache_bf16, rules.cache_fp16));
+  }
+
+  const int64_t bsz = seq_lens_this_time.shape().size() == 1 ? seq_lens_this_time.shape()[0] : -1;
+  PD_CHECK(bsz >= 0, rules.op, ": seq_lens_this_time must be 1-D [bsz]");
+  check_int32_vector(rules, seq_lens_this_time, "seq_lens_this_time", bsz);
+  check_int32_vector(rules, seq_lens_encoder, "seq_lens_encoder", bsz);
+  check_int32_vector(rules, seq_lens_decoder, "seq_lens_decoder", bsz);
+  check_int32_vector(rules, cu_seqlens_q, "cu_seqlens_q", bsz + 1);
+  check_int32_vector(rules, swa_head_mask, "swa_head_mask", kv_num_heads);
+
+  const auto& ts = block_tables.shape();
+  PD_CHECK(block_tables.dtype() == paddle::DataType::INT32, rules.op,
+           ": block_tables must be int32");
+  PD_CHECK((ts.size() == 2 && ts[0] == bsz) ||
+               (ts.size() == 3 && ts[0] == bsz && ts[1] == kv_num_heads),
+           rules.op,
+           ": block_tables must be [bsz, max_blocks] (1-D) or [bsz, kv_num_heads, max_blocks] "
+           "(head-wise) with bsz=",
+           bsz, ", kv_num_heads=", kv_num_heads, ", got rank ", ts.size());
+  PD_CHECK(ts.back() > 0 || bsz == 0, rules.op, ": block_tables has no columns");
+
+  for (const paddle::Tensor* t : {&rotary_cos, &rotary_sin}) {
+    PD_CHECK(t->dtype() == paddle::DataType::FLOAT32 && t->shape().size() == 2 &&
+                 t->shape()[1] == head_dim / 2,
+             rules.op, ": rotary_cos/rotary_sin must be float32 [max_position, head_dim/2=",
+             head_dim / 2, "]");
+  }
+  PD_CHECK(rotary_cos.shape() == rotary_sin.shape(), rules.op,
+           ": rotary_cos and rotary_sin must have the same shape");
+
+  Geometry g;
+  g.num_heads = num_heads;
+  g.kv_heads = kv_num_heads;
+  g.group = num_heads / kv_num_heads;
+  g.head_dim = head_dim;
+  g.block_size = int(cs[2]);
+  g.num_blocks = cs[0];
+  g.num_pages = cs[0] * kv_num_heads;
+  g.head_wise = ts.size() == 3;
+  g.max_blocks = int(ts.back());
+  g.window = sliding_window;
+  g.sink = sink_size;
+  g.visit_all = visit_all_pages;
+  g.max_position = rotary_cos.shape()[0];
+  g.token_num = qs[0];
+  g.bsz = int(bsz);
+  return g;
+}
+
+// The int32 inputs as a Batch of host pointers. Inputs on a device are copied to the host first
+// (`keep` owns the copies): a few hundred bytes plus the table, one sync per call.
+struct HostBatch {
+  std::vector<paddle::Tensor> keep;
+  Batch batch;
+};
+
+inline HostBatch host_batch(const Geometry& g, const paddle::Tensor& seq_lens_decoder,
+                            const paddle::Tensor& seq_lens_this_time,
+                            const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& block_tables,
+                            const paddle::Tensor& swa_head_mask) {
+  HostBatch h;
+  for (const paddle::Tensor* t :
+       {&seq_lens_decoder, &seq_lens_this_time, &cu_seqlens_q, &block_tables, &swa_head_mask}) {
+    h.keep.push_back(t->is_cpu() ? *t : t->copy_to(paddle::CPUPlace(), true));
+  }
+  h.batch.bsz = g.bsz;
+  h.batch.seq_lens_decoder = h.keep[0].data<int32_t>();
+  h.batch.seq_lens_this_time = h.keep[1].data<int32_t>();
+  h.batch.cu_seqlens_q = h.keep[2].data<int32_t>();
+  h.batch.table = h.keep[3].data<int32_t>();
+  h.batch.swa = h.keep[4].data<int32_t>();
+  return h;
+}
+
+inline std::string where(int r, int h, int i) {
+  return "request " + std::to_string(r) + ", kv head " + std::to_string(h) + ", block index " +
+         std::to_string(i);
+}
+
+// Every page the step reads or writes must exist.
+inline void check_pages(const DeviceRules& rules, const Geometry& g, const Batch& b) {
+  for (int r = 0; r < b.bsz; ++r) {
+    const int64_t c = b.seq_lens_this_time[r];
+    if (c == 0) continue;
+    const int64_t n = b.seq_lens_decoder[r];
+    for (int h = 0; h < g.kv_heads; ++h) {
+      const KeyRuns runs = visible_runs(g, b.swa[h] != 0, n, n + c - 1);
+      for (int k = 0; k < runs.n; ++k) {
+        const int first = int(runs.lo[k] / g.block_size);
+        const int last = int((runs.hi[k] - 1) / g.block_size);
+        PD_CHECK(last < g.max_blocks, rules.op, ": request ", r, " needs block index ", last,
+                 " (positions up to ", runs.hi[k] - 1, ") but block_tables has only ",
+                 g.max_blocks, " columns");
+        for (int i = first; i <= last; ++i) {
+          const int64_t page = page_of(g, b, r, h, i);
+          if (page < 0) {
+            PD_THROW(rules.op, ": block table entry is ", page, " at ", where(r, h, i),
+                     ", but the step needs it (positions [", int64_t(i) * g.block_size, ", ",
+                     int64_t(i + 1) * g.block_size, "), seq_lens_decoder=", n,
+                     ", seq_lens_this_time=", c,
+                     g.visit_all ? "; visit_all_pages=True reads every page [0, t], so it needs "
+                                   "a table without recycled entries)"
+                                 : ")");
+          }
+          PD_CHECK(page < g.num_pages, rules.op, ": page id ", page, " at ", where(r, h, i),
+                   " is out of range (the cache has ", g.num_pages,
+                   g.head_wise ? " pages)" : " pages; 1-D block ",
+                   g.head_wise ? "" : std::to_string(page / g.kv_heads),
+                   g.head_wise ? "" : " >= num_blocks)");
+        }
+      }
+    }
+  }
+}
+
+// Everything that needs the values of the int32 inputs (host pointers).
+inline void check_batch(const DeviceRules& rules, const Geometry& g, const Batch& b) {
+  PD_CHECK(b.bsz == 0 || b.cu_seqlens_q[0] == 0, rules.op, ": cu_seqlens_q[0] must be 0, got ",
+           b.cu_seqlens_q[0]);
+  for (int h = 0; h < g.kv_heads; ++h) {
+    PD_CHECK(b.swa[h] == 0 || b.swa[h] == 1, rules.op, ": swa_head_mask[", h,
+             "] must be 0 or 1, got ", b.swa[h]);
+  }
+  for (int r = 0; r < b.bsz; ++r) {
+    const int64_t c = b.seq_lens_this_time[r];
+    const int64_t n = b.seq_lens_decoder[r];
+    PD_CHECK(c >= 0 && n >= 0, rules.op, ": request ", r, " has negative seq_lens_this_time (",
+             c, ") or seq_lens_decoder (", n, ")");
+    PD_CHECK(b.cu_seqlens_q[r + 1] - b.cu_seqlens_q[r] == c, rules.op,
+             ": cu_seqlens_q is not the prefix sum of seq_lens_this_time at request ", r,
+             " (cu[", r, "]=", b.cu_seqlens_q[r], ", cu[", r + 1, "]=", b.cu_seqlens_q[r + 1],
+             ", this_time=", c, ")");
+    PD_CHECK(c == 0 || n + c <= g.max_position, rules.op, ": request ", r,
+             " reaches position ", n + c - 1, " but rotary_cos/rotary_sin have only ",
+             g.max_position, " rows");
+  }
+  PD_CHECK(b.cu_seqlens_q[b.bsz] <= g.token_num, rules.op, ": cu_seqlens_q[bsz]=",
+           b.cu_seqlens_q[b.bsz], " exceeds the ", g.token_num, " rows of qkv");
+  check_pages(rules, g, b);
+}
+
+}  // namespace fd_attn

@@ -1,0 +1,164 @@
+"""The input checks shared by the CPU op and the CUDA wrapper (custom_ops/cpu_ops/append_attention_checks.h).
+
+Each bad input is fed three ways: to the CPU op (which must raise before writing anything: the
+cache is compared byte for byte), and to the validate-only op with the CPU op's rules and with the
+CUDA wrapper's rules, so the GPU wrapper's checks are exercised on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy.model_executor.layers.attention.ops import append_attention, validate_append_attention_inputs
+
+KV_HEADS, GROUP, HEAD_DIM, BLOCK, NUM_BLOCKS, MAX_BLOCKS = 2, 2, 16, 16, 8, 4
+NUM_HEADS = KV_HEADS * GROUP
+ATTRS = dict(num_heads=NUM_HEADS, kv_num_heads=KV_HEADS, head_dim=HEAD_DIM, sliding_window=8, sink_size=0)
+ORDER = ("qkv", "key_cache", "value_cache", "seq_lens_encoder", "seq_lens_decoder", "seq_lens_this_time",
+         "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin", "swa_head_mask")
+
+
+def valid_inputs() -> dict[str, np.ndarray]:
+    """Request 0 decodes its token 40 (blocks 0-2), request 1 prefills 5 tokens (block 0); head 0 is SWA."""
+    rng = np.random.default_rng(0)
+    this_time = np.array([1, 5], np.int32)
+    decoder = np.array([40, 0], np.int32)
+    table = np.full((2, KV_HEADS, MAX_BLOCKS), -1, np.int32)
+    table[0, :, :3] = [[-1, -1, 0], [1, 3, 6]]  # head 0 slides (W=8): blocks 0-1 are dead at 40
+    table[1, :, :1] = [[4], [5]]
+    angle = np.arange(64)[:, None] * 10000.0 ** (-np.arange(0, HEAD_DIM, 2) / HEAD_DIM)[None, :]
+    return dict(
+        qkv=rng.standard_normal((6, (NUM_HEADS + 2 * KV_HEADS) * HEAD_DIM)).astype(np.float32),
+        key_cache=rng.standard_normal((NUM_BLOCKS, KV_HEADS, BLOCK, HEAD_DIM)).astype(np.float32),
+        value_cache=rng.standard_normal((NUM_BLOCKS, KV_HEADS, BLOCK, HEAD_DIM)).astype(np.float32),
+        seq_lens_encoder=np.array([0, 5], np.int32),
+        seq_lens_decoder=decoder,
+        seq_lens_this_time=this_time,
+        cu_seqlens_q=np.array([0, 1, 6], np.int32),
+        block_tables=table,
+        rotary_cos=np.cos(angle).astype(np.float32),
+        rotary_sin=np.sin(angle).astype(np.float32),
+        swa_head_mask=np.array([1, 0], np.int32),
+    )
+
+
+def _set(name, value):
+    def change(a):
+        a[name] = value(a) if callable(value) else value
+    return change
+
+
+def _entry(r, h, i, value):
+    def change(a):
+        a["block_tables"][r, h, i] = value
+    return change
+
+
+BAD_INPUTS = {
+    "qkv narrower than (num_heads + 2 kv_heads) * head_dim": (
+        _set("qkv", lambda a: a["qkv"][:, :-HEAD_DIM].copy()), r"qkv must be \[token_num"),
+    "qkv of rank 3": (_set("qkv", lambda a: a["qkv"][None]), r"qkv must be \[token_num"),
+    "qkv float64": (_set("qkv", lambda a: a["qkv"].astype(np.float64)), "qkv must be"),
+    "seq_lens_this_time int64": (_set("seq_lens_this_time", lambda a: a["seq_lens_this_time"].astype(np.int64)),
+                                 "seq_lens_this_time must be int32"),
+    "cu_seqlens_q too short": (_set("cu_seqlens_q", np.array([0, 1], np.int32)),
+                               r"cu_seqlens_q must have shape \[3\]"),
+    "cu_seqlens_q not the prefix sum": (_set("cu_seqlens_q", np.array([0, 2, 6], np.int32)), "not the prefix sum"),
+    "cu_seqlens_q not starting at 0": (_set("cu_seqlens_q", np.array([1, 2, 7], np.int32)),
+                                       r"cu_seqlens_q\[0\] must be 0"),
+    "cu_seqlens_q past the rows of qkv": (
+        _set("qkv", lambda a: a["qkv"][:5].copy()), r"cu_seqlens_q\[bsz\]=6 exceeds the 5 rows of qkv"),
+    "table of rank 1": (_set("block_tables", lambda a: a["block_tables"].reshape(-1)), "block_tables must be"),
+    "table of rank 4": (_set("block_tables", lambda a: a["block_tables"][None]), "block_tables must be"),
+    "table rows != bsz": (_set("block_tables", lambda a: a["block_tables"][:1].copy()), "block_tables must be"),
+    "table heads != kv_heads": (_set("block_tables", lambda a: a["block_tables"][:, :1].copy()),
+                                "block_tables must be"),
+    "table int64": (_set("block_tables", lambda a: a["block_tables"].astype(np.int64)), "block_tables must be int32"),
+    "table too narrow for the step": (
+        _set("block_tables", lambda a: a["block_tables"][:, :, :1].copy()), "needs block index 2"),
+    "page id past the cache (full head, other heads valid)": (
+        _entry(1, 1, 0, NUM_BLOCKS * KV_HEADS), r"page id 16 at request 1, kv head 1, block index 0 is out of range"),
+    "-1 where the step writes": (_entry(1, 1, 0, -1), r"entry is -1 at request 1, kv head 1, block index 0"),
+    "-1 inside a SWA window": (_entry(0, 0, 2, -1), r"entry is -1 at request 0, kv head 0, block index 2"),
+    "rotary table too short": (_set("rotary_cos", lambda a: a["rotary_cos"][:10].copy()), "rotary_cos"),
+    "swa_head_mask not 0/1": (_set("swa_head_mask", np.array([2, 0], np.int32)), r"swa_head_mask\[0\] must be 0 or 1"),
+    "negative seq_lens_decoder": (_set("seq_lens_decoder", np.array([-1, 0], np.int32)), "negative"),
+}
+
+
+def _tensors(arrays, qkv_dtype=None, cache_dtype=None):
+    t = {k: paddle.to_tensor(v) for k, v in arrays.items()}
+    if qkv_dtype:
+        t["qkv"] = t["qkv"].astype(qkv_dtype)
+    if cache_dtype:
+        t["key_cache"] = t["key_cache"].astype(cache_dtype)
+        t["value_cache"] = t["value_cache"].astype(cache_dtype)
+    return t
+
+
+def _validate(t, rules, check_place=False):
+    validate_append_attention_inputs(*(t[k] for k in ORDER), rules=rules, check_place=check_place, **ATTRS)
+
+
+def test_valid_step_passes_both_rule_sets_and_runs():
+    arrays = valid_inputs()
+    _validate(_tensors(arrays), "cpu", check_place=True)
+    _validate(_tensors(arrays, "bfloat16", "bfloat16"), "gpu")
+    _validate(_tensors(arrays, "float16", "float16"), "gpu")
+    out = append_attention(**_tensors(arrays), **ATTRS)
+    assert out.shape == [6, NUM_HEADS * HEAD_DIM]
+
+
+@pytest.mark.parametrize("what", list(BAD_INPUTS))
+def test_cpu_op_rejects_bad_input_before_writing_the_cache(what):
+    change, message = BAD_INPUTS[what]
+    arrays = valid_inputs()
+    change(arrays)
+    t = _tensors(arrays)
+    key_before, value_before = t["key_cache"].numpy().copy(), t["value_cache"].numpy().copy()
+    with pytest.raises(ValueError, match=message):
+        append_attention(**t, **ATTRS)
+    assert np.array_equal(t["key_cache"].numpy(), key_before)
+    assert np.array_equal(t["value_cache"].numpy(), value_before)
+
+
+@pytest.mark.parametrize("what", list(BAD_INPUTS))
+def test_gpu_wrapper_rules_reject_the_same_bad_input(what):
+    change, message = BAD_INPUTS[what]
+    arrays = valid_inputs()
+    change(arrays)
+    if arrays["qkv"].dtype == np.float64:
+        t = _tensors(arrays)  # float64 is wrong under both rule sets
+    else:
+        t = _tensors(arrays, "bfloat16", "bfloat16")
+    with pytest.raises(ValueError, match=message) as info:
+        _validate(t, "gpu")
+    assert "append_attention_gpu: " in str(info.value)  # the wrapper's name, not the CPU op's
+
+
+@pytest.mark.parametrize(
+    "qkv_dtype, cache_dtype, message",
+    [
+        ("float32", "float32", "qkv must be bfloat16 or float16"),
+        ("bfloat16", "float16", "caches must have qkv's dtype"),
+        ("float16", "float32", "caches must have qkv's dtype"),
+    ],
+)
+def test_gpu_wrapper_rules_reject_dtypes_its_kernels_do_not_have(qkv_dtype, cache_dtype, message):
+    t = _tensors(valid_inputs(), qkv_dtype, cache_dtype)
+    with pytest.raises(ValueError, match=message):
+        _validate(t, "gpu")
+
+
+def test_cpu_op_rejects_float16_which_it_has_no_kernel_for():
+    t = _tensors(valid_inputs(), "float16", "float16")
+    with pytest.raises(ValueError, match="qkv must be float32 or bfloat16"):
+        append_attention(**t, **ATTRS)
+
+
+def test_gpu_wrapper_rules_reject_cpu_tensors_naming_the_input():
+    t = _tensors(valid_inputs(), "bfloat16", "bfloat16")
+    with pytest.raises(ValueError, match=r"every input must be a GPU tensor, but qkv is on .*(cpu|CPU)"):
+        _validate(t, "gpu", check_place=True)
