@@ -140,11 +140,12 @@ def load_checkpoint(model_dir: str, expected_shapes: dict, dtype: str, keep_floa
 
 
 def device_supports(dtype: str) -> bool:
-    """Whether the current device has a matmul kernel for `dtype` (Paddle's CPU build has none for bf16/fp16)."""
+    """Whether the device the model runs on (the CPU) has a matmul kernel for `dtype`; Paddle's CPU
+    kernels have none for bfloat16/float16."""
     if dtype == "float32":
         return True
     try:
-        x = paddle.ones([2, 2], dtype=dtype)
+        x = paddle.to_tensor(np.ones((2, 2), np.float32), place=paddle.CPUPlace()).astype(dtype)
         paddle.matmul(x, x, transpose_y=True)
         return True
     except (RuntimeError, NotImplementedError, ValueError):

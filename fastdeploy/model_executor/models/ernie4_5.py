@@ -139,6 +139,8 @@ class Ernie4_5ForCausalLM:
                    tie_word_embeddings=cfg.tie_word_embeddings, eos_token_id=cfg.eos_token_id)
         if cfg.head_wise_swa is not None:
             raw["head_wise_swa"] = cfg.head_wise_swa.to_dict()
+        if cfg.preset is not None:  # no tokenizer file to save: reload with the preset's byte tokenizer
+            raw["fastdeploy_byte_tokenizer"] = True
         with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
             json.dump(raw, f, indent=2)
         save_file({k: v.astype("float32").numpy() for k, v in self.weights.items()}, os.path.join(path, WEIGHTS_FILE))
