@@ -42,6 +42,9 @@ class LLMEngine:
                     self.model_config.served_model_name, fd_config.cache_config.num_gpu_blocks,
                     self.scheduler.cache_manager.num_total_pages, fd_config.head_wise_kv_cache,
                     fd_config.swa_recycle_active, fd_config.attention_backend)
+        if self.model_config.preset is not None:
+            logger.warning("model %s is a built-in preset with random weights: its generated text is meaningless",
+                           self.model_config.preset)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
