@@ -175,7 +175,8 @@ def sentencepiece_as_tokenizer(path: str):
     pieces = [(p.piece, p.score) for p in proto.pieces]
     unk = pieces[proto.trainer_spec.unk_id][0]
     if proto.trainer_spec.model_type == 1:  # unigram
-        tok = Tokenizer(Unigram(pieces, unk_id=proto.trainer_spec.unk_id, byte_fallback=proto.trainer_spec.byte_fallback))
+        spec = proto.trainer_spec
+        tok = Tokenizer(Unigram(pieces, unk_id=spec.unk_id, byte_fallback=spec.byte_fallback))
     else:
         vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
         tok = Tokenizer(BPE(vocab=vocab, merges=_bpe_merges(vocab), unk_token=unk, fuse_unk=True, byte_fallback=True))
