@@ -36,10 +36,16 @@ setup(
         "pydantic>=2",
         "tqdm",
         "prometheus_client",
+        "jinja2",  # the checkpoint's chat template (tokenizer_config.json / chat_template.jinja)
+        "tokenizers",  # the checkpoint's tokenizer.json, and tokenizer.model converted to the same pipeline
+        "sentencepiece",  # reads tokenizer.model (its protobuf comes with paddle)
     ],
     extras_require={
         "cpu": ["paddlepaddle>=3.0"],
-        "test": ["pytest", "hypothesis", "openai", "aiohttp", "requests", "matplotlib", "pyyaml", "tokenizers"],
+        "test": ["pytest", "hypothesis", "openai", "aiohttp", "requests", "matplotlib", "pyyaml", "tokenizers",
+                 # The oracle for checkpoints, MoE routing and chat templates. 1.2.0: no numpy/tokenizers
+                 # upper pins (0.4.x pins numpy<=1.26.4, tokenizers<0.22) and runs on paddlepaddle 3.3.
+                 "paddleformers==1.2.0"],
         "bench": ["aiohttp", "matplotlib", "pyyaml"],
     },
 )

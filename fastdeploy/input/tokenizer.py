@@ -1,34 +1,43 @@
-"""Tokenizers: byte-level for the tiny preset, tokenizer.json / sentencepiece for model directories."""
+"""Tokenizers: byte-level for the built-in presets, the checkpoint's own for model directories.
+
+A model directory brings `tokenizer.json` (Hugging Face tokenizers) or a sentencepiece
+`tokenizer.model`, with its special and added tokens (`tokenizer_config.json`,
+`special_tokens_map.json`, `added_tokens.json`) and its Jinja chat template. Special tokens written
+in text (`</s>`, `<|end_of_sentence|>`) encode as their single id. Decoding never raises: an id the
+tokenizer does not know (the model's vocab is larger, or a sampled id past the tokenizer) is
+dropped from the text, so one odd token cannot take a batch down.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+from fastdeploy.input.chat_template import (  # noqa: F401  (CHAT_ROLES is re-exported)
+    CHAT_ROLES,
+    JinjaChatTemplate,
+    PlainChatTemplate,
+    find_chat_template,
+)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# transformers' order: tokens missing from the vocab get new ids in this order.
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-class _ChatTemplate:
-    """A plain-text chat template: one `<|role|>` line per message, then the assistant's turn."""
+class _Chat:
+    chat_template = PlainChatTemplate()
 
-    def apply_chat_template(self, messages: list) -> str:
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list")
-        parts = []
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict):
-                raise ValueError(f"messages[{i}] must be an object with role and content")
-            role, content = message.get("role"), message.get("content")
-            if role not in CHAT_ROLES:
-                raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
-            if not isinstance(content, str):
-                raise ValueError(f"messages[{i}].content must be a string")
-            parts.append(f"<|{role}|>\n{content}\n")
-        parts.append("<|assistant|>\n")
-        return "".join(parts)
+    def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> str:
+        return self.chat_template.render(messages, add_generation_prompt)
+
+    def encode_chat(self, messages: list, add_generation_prompt: bool = True) -> list:
+        """Prompt token ids of a conversation: the template places the special tokens itself."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
 
 
-class ByteTokenizer(_ChatTemplate):
+class ByteTokenizer(_Chat):
     """UTF-8 bytes shifted past three specials: 0 <pad>, 1 <s>, 2 </s>; byte b is id b + 3."""
 
     NUM_SPECIAL = 3
@@ -65,40 +74,83 @@ class ByteTokenizer(_ChatTemplate):
         return {self.pad_token_id: "<pad>", self.bos_token_id: "<s>", self.eos_token_id: "</s>"}.get(token_id)
 
 
-class HFTokenizer(_ChatTemplate):
-    """A `tokenizer.json` (Hugging Face tokenizers) or a sentencepiece `tokenizer.model`."""
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"model: cannot read {path}: {exc}") from None
+    return value if isinstance(value, dict) else {}
 
-    def __init__(self, model_dir: str, eos_token_id: int, vocab_size: int):
+
+def _content(token) -> Optional[str]:
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) and token else None
+
+
+class HFTokenizer(_Chat):
+    """A `tokenizer.json` (Hugging Face tokenizers) or a sentencepiece `tokenizer.model` (converted to the
+    same `tokenizers` pipeline transformers builds from it)."""
+
+    def __init__(self, model_dir: str, eos_token_id, vocab_size: int):
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
+        config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+        special_map = {**config, **_read_json(os.path.join(model_dir, "special_tokens_map.json"))}
+        self.special_tokens = {k: _content(special_map.get(k)) for k in SPECIAL_TOKEN_KEYS
+                               if _content(special_map.get(k))}
+        special = list(dict.fromkeys([*self.special_tokens.values(), *filter(
+            None, map(_content, special_map.get("additional_special_tokens") or ()))]))
+        added = {c: int(i) for c, i in _read_json(os.path.join(model_dir, "added_tokens.json")).items()}
+        for token_id, spec in (config.get("added_tokens_decoder") or {}).items():
+            if _content(spec):
+                added[_content(spec)] = int(token_id)
+                if isinstance(spec, dict) and spec.get("special") and _content(spec) not in special:
+                    special.append(_content(spec))
+
         json_path = os.path.join(model_dir, "tokenizer.json")
-        sp_path = os.path.join(model_dir, "tokenizer.model")
+        try:
+            from tokenizers import AddedToken, Tokenizer
+        except ImportError:
+            raise RuntimeError("the model's tokenizer needs the tokenizers package: pip install tokenizers") from None
         if os.path.isfile(json_path):
-            try:
-                from tokenizers import Tokenizer
-            except ImportError:
-                raise RuntimeError("the model ships tokenizer.json: pip install tokenizers") from None
             tok = Tokenizer.from_file(json_path)
-            self._encode = lambda text: tok.encode(text, add_special_tokens=False).ids
-            self._decode = lambda ids: tok.decode(ids)
-            self._piece = tok.id_to_token
-            self._byte_level = _decoder_is_byte_level(json_path)
         else:
-            try:
-                import sentencepiece
-            except ImportError:
-                raise RuntimeError("the model ships tokenizer.model: pip install sentencepiece") from None
-            sp = sentencepiece.SentencePieceProcessor(model_file=sp_path)
-            self._encode = lambda text: sp.encode(text)
-            self._decode = lambda ids: sp.decode(ids)
-            self._piece = sp.id_to_piece
-            self._byte_level = False
+            tok = sentencepiece_as_tokenizer(os.path.join(model_dir, "tokenizer.model"))
+        # Tokens the config names as special/added become whole tokens in text, as in transformers:
+        # those with declared ids first, in id order (a new token takes the next free id), then the rest.
+        for token in sorted(added, key=added.get):
+            if token in special:
+                tok.add_special_tokens([AddedToken(token, special=True, normalized=False)])
+            else:
+                tok.add_tokens([AddedToken(token, normalized=False)])
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special if t not in added])
+        self.special_ids = {tok.token_to_id(t) for t in special} - {None}
+        self._known = tok.get_vocab_size(with_added_tokens=True)
+        self._encode = lambda text: tok.encode(text, add_special_tokens=False).ids
+        self._decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
+        self._piece = tok.id_to_token
+        self._byte_level = os.path.isfile(json_path) and _decoder_is_byte_level(json_path)
+        source = find_chat_template(model_dir, config)
+        if source is not None:
+            self.chat_template = JinjaChatTemplate(source, self.special_tokens)
 
     def encode(self, text: str) -> list:
         return list(self._encode(text))
 
     def decode(self, ids: list) -> str:
-        return self._decode([i for i in ids if i != self.eos_token_id])
+        eos = self._eos_ids()
+        kept = [i for i in ids if 0 <= i < self._known and i not in self.special_ids and i not in eos]
+        try:
+            return self._decode(kept)
+        except Exception:  # a tokenizer that still rejects an id must not stop the engine
+            return "\ufffd" * len(kept)
+
+    def _eos_ids(self) -> set:
+        return {self.eos_token_id} if isinstance(self.eos_token_id, int) else set(self.eos_token_id)
 
     def id_to_token(self, token_id: int) -> Optional[str]:
         try:
@@ -121,7 +173,7 @@ class HFTokenizer(_ChatTemplate):
             alphabet = _byte_level_alphabet()
             if all(ch in alphabet for ch in piece):
                 return bytes(alphabet[ch] for ch in piece)
-        if token_id == self.eos_token_id:
+        if token_id in self.special_ids or token_id in self._eos_ids():
             return b""
         return piece.replace("\u2581", " ").encode("utf-8")
 
@@ -157,13 +209,58 @@ def _byte_level_alphabet() -> dict:
     return _ALPHABET
 
 
-def load_tokenizer(model_config) -> "ByteTokenizer | HFTokenizer":
-    model_dir: Optional[str] = model_config.model
-    if model_dir and any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer.model")):
-        return HFTokenizer(model_dir, model_config.eos_token_id, model_config.vocab_size)
-    tok = ByteTokenizer(model_config.pad_token_id, model_config.bos_token_id, model_config.eos_token_id)
-    if model_config.vocab_size < tok.vocab_size:
-        raise ValueError(f"model has vocab_size={model_config.vocab_size} but no tokenizer file; the byte-level "
-                         f"tokenizer needs {tok.vocab_size}")
-    tok.vocab_size = model_config.vocab_size
+def _bpe_merges(vocab: dict) -> list:
+    """BPE merges of a sentencepiece vocab, as transformers derives them: every split of a piece into
+    two pieces of the vocab, ranked by the merged piece's id, then the left and right lengths."""
+    merges = []
+    for piece, piece_id in vocab.items():
+        local = [(piece[:i], piece[i:], piece_id) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])))
+    return [(left, right) for left, right, _ in merges]
+
+
+def sentencepiece_as_tokenizer(path: str):
+    """A sentencepiece `tokenizer.model` as the `tokenizers` pipeline PaddleFormers' Ernie4_5Tokenizer
+    (transformers' LlamaTokenizer) builds from it: BPE (or Unigram) with byte fallback over the
+    sentencepiece vocab, the model's precompiled normaliser then spaces -> "▁" (no dummy prefix, no
+    pre-tokenizer), control pieces special. Checked against PaddleFormers in the tests."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError:
+        raise RuntimeError("the model ships tokenizer.model: pip install sentencepiece protobuf") from None
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers
+    from tokenizers.models import BPE, Unigram
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    with open(path, "rb") as f:
+        proto.ParseFromString(f.read())
+    pieces = [(p.piece, p.score) for p in proto.pieces]
+    unk = pieces[proto.trainer_spec.unk_id][0]
+    if proto.trainer_spec.model_type == 1:  # unigram
+        spec = proto.trainer_spec
+        tok = Tokenizer(Unigram(pieces, unk_id=spec.unk_id, byte_fallback=spec.byte_fallback))
+    else:
+        vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
+        tok = Tokenizer(BPE(vocab=vocab, merges=_bpe_merges(vocab), unk_token=unk, fuse_unk=True, byte_fallback=True))
+    charsmap = proto.normalizer_spec.precompiled_charsmap
+    tok.normalizer = normalizers.Sequence(([normalizers.Precompiled(charsmap)] if charsmap else [])
+                                          + [normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    control, user = 3, 4  # SentencePiece.Type
+    tok.add_special_tokens([AddedToken(p.piece, special=True, normalized=False)
+                            for p in proto.pieces if p.type == control])
+    tok.add_tokens([AddedToken(p.piece, normalized=False) for p in proto.pieces if p.type == user])
     return tok
+
+
+def load_tokenizer(model_config) -> "ByteTokenizer | HFTokenizer":
+    """The checkpoint's tokenizer; only the built-in presets use the byte tokenizer, sized to its own
+    vocab (their ids past 258 decode to nothing)."""
+    model_dir: Optional[str] = model_config.model
+    if model_dir is not None and any(os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
+        return HFTokenizer(model_dir, model_config.eos_token_ids, model_config.vocab_size)
+    if model_dir is None or model_config.raw.get("fastdeploy_byte_tokenizer"):  # a preset, or one saved
+        return ByteTokenizer(model_config.pad_token_id, model_config.bos_token_id, model_config.eos_token_id)
+    raise ValueError(f"model: {model_dir!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")

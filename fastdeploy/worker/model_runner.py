@@ -21,7 +21,7 @@ class ModelRunner:
         model = fd_config.model_config
         self.head_wise = fd_config.head_wise_kv_cache
         self.num_kv_heads = model.num_key_value_heads
-        self.eos_token_id = model.eos_token_id
+        self.eos_token_id = model.eos_token_ids
         self.model = Ernie4_5ForCausalLM.load(model)
         cos, sin = rope_tables(model.head_dim, model.max_model_len, model.rope_theta)
         self.attn_backend = get_attention_backend(fd_config, cos, sin)
