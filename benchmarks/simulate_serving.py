@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from serving_sim import report  # noqa: E402
 from serving_sim.hardware import PRESETS, get_hardware  # noqa: E402
-from serving_sim.simulator import Scenario, arm_metrics, run_scenarios  # noqa: E402
+from serving_sim.simulator import ADMISSIONS, Scenario, arm_metrics, run_scenarios  # noqa: E402
+from serving_sim.step_model import ATTENTION_READS  # noqa: E402
 from serving_sim.workload import Workload  # noqa: E402
 
 # Options that describe one scenario; giving any of them switches from the table to that scenario.
@@ -58,11 +59,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--flops-efficiency", type=float, help="fraction of peak bf16 FLOP/s kernels reach (1.0)")
     g = p.add_argument_group("both modes")
     g.add_argument("--overhead-ms", type=float, default=3.0, help="fixed per-step overhead (default 3 ms)")
-    g.add_argument("--admission", choices=["reserve", "on-demand", "both"], default=None,
-                   help="reserve: FD_RESERVE_OUTPUT_PAGES=1 (peak pages at admission, no preemption); "
-                        "on-demand: FD_RESERVE_OUTPUT_PAGES=0 (upstream-like, preempts); both: one row each. "
-                        "Default: reserve for one scenario; both for the table (on-demand rows only for "
-                        "A800 / sink 64 / 128 prompts).")
+    g.add_argument("--admission", default=None, type=_admissions,
+                   help="comma-separated admission policies, one row each: reserve (peak pages at admission, "
+                        "no preemption), on-demand (upstream-like, preempts), projected (needs a scheduler that "
+                        "reads FD_ADMISSION_POLICY); 'both' = reserve,on-demand; 'all' = every policy. "
+                        "Default: reserve for one scenario; reserve,on-demand for the table (on-demand rows only "
+                        "for A800 / sink 64 / 128 prompts).")
+    g.add_argument("--attention", choices=ATTENTION_READS, default="skip",
+                   help="keys a SWA head's kernel reads: skip (ours: sink + window only) or masked (upstream's "
+                        "1-D kernel and the Hackathon PR1: every key up to the query, masked)")
     g.add_argument("--max-sim-prompts", type=int, default=report.DEFAULT_MAX_SIM_PROMPTS,
                    help="simulate at most max(this, 2.5 x predicted concurrency) prompts and extrapolate the "
                         "saturated steady state to the rest; 0 = simulate every prompt")
@@ -76,13 +81,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _admissions(text: str) -> tuple:
+    names = {"both": ("reserve", "on-demand"), "all": ADMISSIONS}.get(text) or tuple(text.split(","))
+    unknown = [a for a in names if a not in ADMISSIONS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown admission {', '.join(unknown)}; choose from {', '.join(ADMISSIONS)}, "
+                                         f"both, all")
+    return names
+
+
 def scenarios_from(args: argparse.Namespace) -> tuple:
     """(scenarios, table_mode)."""
     if all(getattr(args, k) is None for k in SCENARIO_DEFAULTS):
-        table_admissions = ("reserve",) if args.admission == "reserve" else ("reserve", "on-demand")
-        return report.table_scenarios(args.overhead_ms, args.max_sim_prompts, table_admissions), True
-    admission = args.admission or "reserve"
-    admissions = ("reserve", "on-demand") if admission == "both" else (admission,)
+        table_admissions = args.admission or ("reserve", "on-demand")
+        return report.table_scenarios(args.overhead_ms, args.max_sim_prompts, table_admissions,
+                                      attention=args.attention), True
+    admissions = args.admission or ("reserve",)
     v = {k: (d if getattr(args, k) is None else getattr(args, k)) for k, d in SCENARIO_DEFAULTS.items()}
     hw = get_hardware(v["hardware"]).scaled(v["bw_efficiency"], v["flops_efficiency"])
     workload = Workload(v["num_prompts"], v["input_len"], v["output_len"], v["request_rate"], v["range_ratio"],
@@ -90,13 +104,14 @@ def scenarios_from(args: argparse.Namespace) -> tuple:
     out = []
     for admission in admissions:
         out.append(Scenario(
-            name=f"{hw.name} swa{v['swa_heads']} W{v['window']} S{v['sink']} n{v['num_prompts']} {admission}",
+            name=f"{hw.name} swa{v['swa_heads']} W{v['window']} S{v['sink']} n{v['num_prompts']} {admission}"
+                 + ("" if args.attention == "skip" else f" {args.attention}"),
             model_config=v["model_config"], hardware=hw, workload=workload, swa_heads=v["swa_heads"],
             window=v["window"], sink=v["sink"], block_size=v["block_size"],
             num_gpu_blocks_override=v["num_gpu_blocks_override"],
             gpu_memory_utilization=v["gpu_memory_utilization"], max_num_seqs=v["max_num_seqs"],
             max_num_batched_tokens=v["max_num_batched_tokens"], max_model_len=v["max_model_len"],
-            overhead_ms=args.overhead_ms, reserve_output_pages=admission == "reserve",
+            overhead_ms=args.overhead_ms, admission=admission, attention=args.attention,
             max_sim_prompts=args.max_sim_prompts))
     return out, False
 

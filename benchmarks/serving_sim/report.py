@@ -27,7 +27,7 @@ DEFAULT_MAX_SIM_PROMPTS = 100
 
 
 def table_scenarios(overhead_ms: float = 3.0, max_sim_prompts: int = DEFAULT_MAX_SIM_PROMPTS,
-                    admissions: tuple = ("reserve",), seed: int = 0) -> list:
+                    admissions: tuple = ("reserve",), seed: int = 0, attention: str = "skip") -> list:
     out = []
     for hw in ("A800-80GB", "H200"):
         for swa_heads in (1, 4):
@@ -44,7 +44,7 @@ def table_scenarios(overhead_ms: float = 3.0, max_sim_prompts: int = DEFAULT_MAX
                             model_config=MODEL_CONFIG, hardware=get_hardware(hw),
                             workload=Workload(n, INPUT_LEN, OUTPUT_LEN, REQUEST_RATE, seed=seed),
                             swa_heads=swa_heads, window=4096, sink=sink, max_num_seqs=MAX_NUM_SEQS,
-                            overhead_ms=overhead_ms, reserve_output_pages=admission == "reserve",
+                            overhead_ms=overhead_ms, admission=admission, attention=attention,
                             max_sim_prompts=max_sim_prompts))
     return out
 
@@ -61,9 +61,16 @@ def _pct(x: float) -> str:
     return f"{(x - 1) * 100:+.1f}%"
 
 
+def pages_cell(r: dict) -> str:
+    """Peak and time-averaged KV pages in use, as fractions of the pool, OFF / ON."""
+    return (f"{r['peak_pages_fraction_off']:.0%}, {r['mean_pages_fraction_off']:.0%} / "
+            f"{r['peak_pages_fraction_on']:.0%}, {r['mean_pages_fraction_on']:.0%}")
+
+
 def markdown_table(rows: list) -> str:
-    head = ("| GPU | SWA heads | sink | prompts | admission | KV blocks | running OFF→ON | out tok/s OFF | "
-            "out tok/s ON | predicted gain | ceiling | claimed |")
+    head = ("| GPU | SWA heads | sink | prompts | admission | KV blocks | running OFF→ON | pages in use OFF/ON "
+            "(peak, mean) | preemptions OFF/ON | recomputed tokens OFF/ON | out tok/s OFF | out tok/s ON | "
+            "predicted gain | ceiling | claimed |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         sim = ""
@@ -72,12 +79,16 @@ def markdown_table(rows: list) -> str:
         lines.append(
             f"| {r['hardware']} | {r['swa_heads']}/{r['num_kv_heads']} | {r['sink']} | {r['num_prompts']}{sim} | "
             f"{r['admission']} | {r['num_gpu_blocks']} | {r['peak_running_off']}→{r['peak_running_on']} | "
+            f"{pages_cell(r)} | {r['preemptions_off']} / {r['preemptions_on']} | "
+            f"{r['recomputed_tokens_off']:,} / {r['recomputed_tokens_on']:,} | "
             f"{r['throughput_off']:.0f} | {r['throughput_on']:.0f} | **{_pct(r['gain'])}** | "
             f"{_pct(r['ceiling'])} | {claim_for(r)} |")
     if any(r["extrapolated"] for r in rows):
         lines.append("")
         lines.append("(a/b sim.): prompts simulated in the OFF/ON arm; the remaining ones are added at the "
                      "steady-state completion rate measured in the saturated part of the run.")
+    lines.append("pages in use: of the simulated prompts, at schedule time (peak) and averaged over virtual time "
+                 "(mean); recomputed tokens: prompt and output tokens computed again after a preemption.")
     if any(r["admission"] == "on-demand" for r in rows):
         lines.append("on-demand: upstream-like admission (FD_RESERVE_OUTPUT_PAGES=0) with preemption; the "
                      "ceiling column still assumes the reservation rule, so on-demand gains can exceed it.")

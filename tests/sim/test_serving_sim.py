@@ -109,10 +109,10 @@ def tiny_scenario(model, **kw):
     return Scenario(**args)
 
 
-@pytest.mark.parametrize("reserve", [True, False])
+@pytest.mark.parametrize("admission", ["reserve", "on-demand"])
 @pytest.mark.parametrize("recycle", [False, True])
-def test_every_request_finishes_with_its_length_and_all_pages_come_back(tiny_model, recycle, reserve):
-    sc = tiny_scenario(tiny_model, reserve_output_pages=reserve, workload=Workload(
+def test_every_request_finishes_with_its_length_and_all_pages_come_back(tiny_model, recycle, admission):
+    sc = tiny_scenario(tiny_model, admission=admission, workload=Workload(
         30, 300, 200, request_rate=math.inf, range_ratio=0.5, seed=1))
     settings = sc.settings()
     requests = sc.workload.requests()
@@ -123,8 +123,8 @@ def test_every_request_finishes_with_its_length_and_all_pages_come_back(tiny_mod
     assert all(0 < ttft <= e2el for ttft, e2el in zip(result.ttft, result.e2el))
     assert result.peak_pages_used <= result.pages_total
     assert (result.swa_pages_recycled > 0) == recycle
-    if reserve:
-        assert result.preemptions == 0
+    if admission == "reserve":
+        assert result.preemptions == 0 and result.recomputed_tokens == 0
 
 
 def test_memoized_peak_pages_change_no_scheduling_decision(tiny_model):
