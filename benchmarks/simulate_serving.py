@@ -7,6 +7,8 @@ head-wise cache with identical settings: recycle OFF (FD_HEAD_WISE_SWA_RECYCLE=0
     python benchmarks/simulate_serving.py                      # the README report table
     python benchmarks/simulate_serving.py --hardware H200 --swa-heads 1 --num-prompts 256 \\
         --json out.json --plot out.png                         # one scenario
+    python benchmarks/simulate_serving.py --scenario seed-t53 --windows 1024,4096,8192 --decision \\
+        --json cells.json                    # the Hackathon PR1 table: fit on one cell, predict the rest
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from serving_sim import report  # noqa: E402
+from serving_sim import report, seed_t53  # noqa: E402
 from serving_sim.hardware import PRESETS, get_hardware  # noqa: E402
 from serving_sim.simulator import ADMISSIONS, Scenario, arm_metrics, run_scenarios  # noqa: E402
 from serving_sim.step_model import ATTENTION_READS  # noqa: E402
@@ -57,6 +59,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--max-model-len", type=int)
     s.add_argument("--bw-efficiency", type=float, help="fraction of peak HBM bandwidth kernels reach (1.0)")
     s.add_argument("--flops-efficiency", type=float, help="fraction of peak bf16 FLOP/s kernels reach (1.0)")
+    t = p.add_argument_group("--scenario seed-t53: the Hackathon No.53 PR1 measurement, fitted on one cell")
+    t.add_argument("--scenario", choices=["seed-t53"],
+                   help="seed-t53: A800, ERNIE-4.5-21B-A3B, 10.6k/4k tokens, 8 req/s, seed 42, 4/4 SWA, S 0, "
+                        "max_num_batched_tokens 32768, on-demand admission, masked attention; fit one parameter on "
+                        "recycle OFF at 128 prompts, predict OFF/ON at 128 and 1024 and the TTFT change; --json "
+                        "writes one row per measured cell")
+    t.add_argument("--windows", default="4096", type=lambda text: tuple(int(w) for w in text.split(",")),
+                   help="comma-separated windows to calibrate and predict at (the submission's is not stated)")
+    t.add_argument("--fit", choices=seed_t53.FIT_PARAMETERS, default="efficiency",
+                   help="the one fitted parameter: kernel efficiency (overhead kept) or per-step overhead "
+                        "(efficiency 1)")
+    t.add_argument("--scale", type=int, default=1,
+                   help="divide token counts, KV pool and prompt counts by this (a fast, smaller run)")
+    t.add_argument("--decision", action="store_true",
+                   help="also run the calibrated model with our skip kernel vs masked, each admission policy "
+                        "(--admission, default every one this scheduler has), 1/4 vs 4/4 SWA heads")
+    t.add_argument("--decision-json", help="write the decision rows (a JSON list) here")
     g = p.add_argument_group("both modes")
     g.add_argument("--overhead-ms", type=float, default=3.0, help="fixed per-step overhead (default 3 ms)")
     g.add_argument("--admission", default=None, type=_admissions,
@@ -144,10 +163,51 @@ def calibrate(args) -> int:
     return 0
 
 
+def run_seed_t53(args) -> int:
+    t0 = time.perf_counter()
+    base = seed_t53.Setup(scale=args.scale, overhead_ms=args.overhead_ms)
+    print(seed_t53.describe(base) + "\n")
+    rows, fitted_by_window = [], {}
+    for window in args.windows:
+        fitted, pred = seed_t53.calibrate_and_predict(window, args.fit, args.scale, base)
+        fitted_by_window[window] = fitted
+        rows += pred["rows"]
+        ttft = pred["mean_ttft_s"]
+        print(f"W {window}: {seed_t53.fitted_text(fitted, args.fit)}; mean TTFT at 1024 prompts OFF "
+              f"{ttft['off']:.0f} s (measured {seed_t53.MEASURED_TTFT_S['off']:.0f}), ON {ttft['on']:.0f} s "
+              f"(measured {seed_t53.MEASURED_TTFT_S['on']:.0f})")
+        for (arm, n), outcome in pred["arms"].items():
+            r = outcome.result
+            print(f"  {arm.upper():>3} n{outcome.num_prompts}: {outcome.output_throughput:.1f} tok/s, running peak "
+                  f"{r.peak_running} mean {r.mean_running:.1f}, pages in use peak {r.peak_pages_used / r.pages_total:.0%} "
+                  f"mean {r.mean_pages_used / r.pages_total:.0%}, preemptions {r.preemptions}, recomputed tokens "
+                  f"{r.recomputed_tokens:,}")
+    print("\n" + seed_t53.markdown_cells(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    if args.decision:
+        fitted = fitted_by_window.get(4096) or next(iter(fitted_by_window.values()))
+        decision = seed_t53.decision_rows(fitted, args.admission)
+        print(f"\nSame calibrated model (W {fitted.window}), recycle OFF vs ON:\n")
+        print(seed_t53.markdown_decision(decision))
+        if args.decision_json:
+            with open(args.decision_json, "w") as f:
+                json.dump(decision, f, indent=2)
+    print(f"\n[simulate_serving] seed-t53 in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.calibrate_offline:
         return calibrate(args)
+    if args.scenario == "seed-t53":
+        try:
+            return run_seed_t53(args)
+        except ValueError as exc:
+            print(f"simulate_serving: {exc}", file=sys.stderr)
+            return 2
     try:
         scenarios, table = scenarios_from(args)
     except ValueError as exc:

@@ -216,6 +216,7 @@ class ArmResult:
     pages_total: int
     preemptions: int
     recomputed_tokens: int  # tokens computed again after a preemption threw their KV away
+    computed_tokens: int  # every token of every scheduled chunk, recomputation included
     recomputed_tokens_scheduler: Optional[int]
     swa_pages_recycled: int
     steps: int
@@ -245,7 +246,7 @@ def simulate(fd_config, step_model: StepModel, requests: list, memoize: bool = T
     pages_time = running_time = 0.0  # integrals over virtual time
     # Per request, the highest position whose KV was ever computed: a chunk below it is recomputation.
     high_water = [0] * n
-    recomputed = 0
+    recomputed = computed = 0
 
     while finished < n:
         while nxt < n and requests[nxt].arrival <= now:
@@ -281,6 +282,7 @@ def simulate(fd_config, step_model: StepModel, requests: list, memoize: bool = T
         pages_time += n_used * dt
         running_time += n_run * dt
         for s in batch.requests:
+            computed += s.num_tokens
             i, end = index[s.request.request_id], s.start + s.num_tokens
             if s.start < high_water[i]:
                 recomputed += min(end, high_water[i]) - s.start
@@ -320,6 +322,7 @@ def simulate(fd_config, step_model: StepModel, requests: list, memoize: bool = T
         pages_total=total_pages,
         preemptions=rm.num_preemptions_total,
         recomputed_tokens=recomputed,
+        computed_tokens=computed,
         # The scheduler's own count, where it keeps one (the same quantity, counted at preemption).
         recomputed_tokens_scheduler=getattr(rm, "recomputed_tokens_total", None),
         swa_pages_recycled=rm.swa_pages_recycled_total,
