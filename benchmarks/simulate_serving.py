@@ -169,7 +169,7 @@ def run_seed_t53(args) -> int:
     print(seed_t53.describe(base) + "\n")
     rows, fitted_by_window = [], {}
     for window in args.windows:
-        fitted, pred = seed_t53.calibrate_and_predict(window, args.fit, args.scale, base)
+        fitted, pred = seed_t53.calibrate_and_predict(window, args.fit, args.scale, base, args.jobs)
         fitted_by_window[window] = fitted
         rows += pred["rows"]
         ttft = pred["mean_ttft_s"]
@@ -188,7 +188,7 @@ def run_seed_t53(args) -> int:
             json.dump(rows, f, indent=2)
     if args.decision:
         fitted = fitted_by_window.get(4096) or next(iter(fitted_by_window.values()))
-        decision = seed_t53.decision_rows(fitted, args.admission)
+        decision = seed_t53.decision_rows(fitted, args.admission, jobs=args.jobs)
         print(f"\nSame calibrated model (W {fitted.window}), recycle OFF vs ON:\n")
         print(seed_t53.markdown_decision(decision))
         if args.decision_json:

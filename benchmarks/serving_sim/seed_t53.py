@@ -23,7 +23,7 @@ from typing import Optional
 
 from .hardware import get_hardware
 from .report import MODEL_CONFIG
-from .simulator import ADMISSIONS, Scenario, admission_env, kv_pool_blocks, model_dir_for, run_arm
+from .simulator import ADMISSIONS, Scenario, admission_env, kv_pool_blocks, model_dir_for, run_arm, run_scenarios
 from .workload import Workload
 
 # The PR1 table: output tok/s per arm and prompt count, and mean TTFT (s) at 1024 prompts.
@@ -59,12 +59,14 @@ class Setup:
     efficiency: float = 1.0  # fraction of peak HBM bandwidth and FLOP/s the kernels reach
     overhead_ms: float = 3.0
     hardware: str = "A800-80GB"
+    request_rate: float = REQUEST_RATE  # inf: every prompt at t=0
     # Divides every token count (lengths, window, sink, prefill budget, max_model_len) and the KV
     # pool: as many requests, as many at once, each `scale`x shorter (fewer steps to simulate).
     scale: int = 1
-    max_sim_prompts: int = 100  # reservation runs (no preemption) extrapolate their steady state
 
-    def scenario(self, num_prompts: int) -> Scenario:
+    def scenario(self, num_prompts: int, max_sim_prompts: int = 0) -> Scenario:
+        """`max_sim_prompts` > 0 lets runs without preemption extrapolate their steady state (throughput
+        only: latencies are then of the simulated prompts)."""
         s = self.scale
         hw = get_hardware(self.hardware)
         model_dir = model_dir_for(MODEL_CONFIG)
@@ -74,12 +76,12 @@ class Setup:
             name=(f"seed-t53 {self.hardware} swa{self.swa_heads}/4 W{self.window} S{self.sink} n{num_prompts} "
                   f"{self.admission} {self.attention}"),
             model_config=MODEL_CONFIG, hardware=hw.scaled(self.efficiency, self.efficiency),
-            workload=Workload(num_prompts, INPUT_LEN // s, OUTPUT_LEN // s, REQUEST_RATE, seed=SEED),
+            workload=Workload(num_prompts, INPUT_LEN // s, OUTPUT_LEN // s, self.request_rate, seed=SEED),
             swa_heads=self.swa_heads, window=max(1, self.window // s), sink=self.sink // s, block_size=64,
             num_gpu_blocks_override=blocks, max_num_seqs=MAX_NUM_SEQS,
             max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS // s, max_model_len=MAX_MODEL_LEN // s,
             overhead_ms=self.overhead_ms, admission=self.admission, attention=self.attention,
-            max_sim_prompts=self.max_sim_prompts)
+            max_sim_prompts=max_sim_prompts)
 
     def arm(self, num_prompts: int, recycle: bool):
         return run_arm(self.scenario(num_prompts), recycle)
@@ -136,9 +138,13 @@ def _row(name: str, measured: float, predicted: float, window: int, fitted: bool
             "fitted": fitted, "window": window}
 
 
-def predict(setup: Setup) -> dict:
-    """Both arms at 128 and 1024 prompts: the measured-cell rows and the per-arm outcomes."""
-    arms = {(arm, n): setup.arm(n, recycle=arm == "on") for n in PROMPTS for arm in ("off", "on")}
+def predict(setup: Setup, jobs: int = 1) -> dict:
+    """Both arms at 128 and 1024 prompts, every prompt simulated (the TTFT cell needs them all): the
+    measured-cell rows and the per-arm outcomes."""
+    results = run_scenarios([setup.scenario(n) for n in PROMPTS], jobs)
+    arms = {}
+    for n, (_, off, on) in zip(PROMPTS, results):
+        arms[("off", n)], arms[("on", n)] = off, on
     rows = [_row(cell_name("throughput", arm, n), MEASURED_THROUGHPUT[(arm, n)], arms[(arm, n)].output_throughput,
                  setup.window, fitted=cell_name("throughput", arm, n) == FITTED_CELL)
             for n in PROMPTS for arm in ("off", "on")]
@@ -149,11 +155,11 @@ def predict(setup: Setup) -> dict:
 
 
 def calibrate_and_predict(window: int = 4096, parameter: str = "efficiency", scale: int = 1,
-                          base: Optional[Setup] = None) -> tuple:
+                          base: Optional[Setup] = None, jobs: int = 1) -> tuple:
     """(fitted Setup, prediction) for one window: fit on OFF@128, predict the rest."""
     setup = dataclasses.replace(base or Setup(), window=window, scale=scale)
     fitted = fit(setup, parameter)
-    return fitted, predict(fitted)
+    return fitted, predict(fitted, jobs)
 
 
 # -- what our design buys on the same workload (issue 15 item 3) --------------------------------
@@ -169,39 +175,25 @@ def available_admissions() -> tuple:
     return tuple(out)
 
 
-def decision_rows(fitted: Setup, admissions: Optional[tuple] = None, prompts: tuple = PROMPTS) -> list:
-    """A/B (recycle OFF vs ON) rows under the calibrated model: kernel x admission x SWA heads."""
-    rows = []
-    for attention in ("masked", "skip"):
-        for admission in admissions or available_admissions():
-            for swa_heads in (1, 4):
-                setup = dataclasses.replace(fitted, attention=attention, admission=admission, swa_heads=swa_heads)
-                for n in prompts:
-                    off, on = setup.arm(n, recycle=False), setup.arm(n, recycle=True)
-                    rows.append({
-                        "attention": attention, "admission": admission, "swa_heads": swa_heads,
-                        "num_prompts": n, "window": setup.window,
-                        "throughput_off": off.output_throughput, "throughput_on": on.output_throughput,
-                        "gain": on.output_throughput / off.output_throughput,
-                        **{f"{k}_{arm}": v for arm, o in (("off", off), ("on", on)) for k, v in _arm_stats(o).items()},
-                    })
-    return rows
+def decision_rows(fitted: Setup, admissions: Optional[tuple] = None, prompts: tuple = PROMPTS,
+                  jobs: int = 1, max_sim_prompts: int = 100) -> list:
+    """A/B (recycle OFF vs ON) rows under the calibrated model: kernel x admission x SWA heads.
 
-
-def _arm_stats(outcome) -> dict:
-    r = outcome.result
-    return {"peak_running": r.peak_running, "mean_running": r.mean_running,
-            "peak_pages_fraction": r.peak_pages_used / r.pages_total,
-            "mean_pages_fraction": r.mean_pages_used / r.pages_total,
-            "preemptions": r.preemptions, "recomputed_tokens": r.recomputed_tokens,
-            "mean_ttft_s": statistics.fmean(r.ttft)}
+    Runs without preemption simulate at most `max_sim_prompts` (or 2.5 waves) and extrapolate.
+    """
+    scenarios = [dataclasses.replace(fitted, attention=attention, admission=admission, swa_heads=swa_heads)
+                 .scenario(n, max_sim_prompts)
+                 for attention in ("masked", "skip")
+                 for admission in admissions or available_admissions()
+                 for swa_heads in (1, 4) for n in prompts]
+    return [row for row, _, _ in run_scenarios(scenarios, jobs)]
 
 
 # -- text -----------------------------------------------------------------------------------------
 def describe(setup: Setup) -> str:
     sc = setup.scenario(128)
     return (f"seed-t53: {setup.hardware}, ERNIE-4.5-21B-A3B bf16, input {sc.workload.input_len} / output "
-            f"{sc.workload.output_len} tokens, Poisson {REQUEST_RATE:g} req/s, seed {SEED}, "
+            f"{sc.workload.output_len} tokens, Poisson {setup.request_rate:g} req/s, seed {SEED}, "
             f"{setup.swa_heads}/4 SWA heads, W {sc.window}, S {sc.sink}, max_model_len {sc.max_model_len}, "
             f"max_num_seqs {MAX_NUM_SEQS}, max_num_batched_tokens {sc.max_num_batched_tokens}, "
             f"KV pool {sc.num_gpu_blocks_override} blocks, {setup.admission} admission, {setup.attention} attention"
@@ -233,8 +225,9 @@ def markdown_decision(rows: list) -> str:
              "preemptions OFF/ON | recomputed tokens OFF/ON | out tok/s OFF | out tok/s ON | gain |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        sim = f" ({r['simulated_prompts_off']}/{r['simulated_prompts_on']} sim.)" if r["extrapolated"] else ""
         lines.append(
-            f"| {r['attention']} | {r['admission']} | {r['swa_heads']}/4 | {r['num_prompts']} | "
+            f"| {r['attention']} | {r['admission']} | {r['swa_heads']}/4 | {r['num_prompts']}{sim} | "
             f"{r['peak_running_off']}→{r['peak_running_on']} | "
             f"{r['peak_pages_fraction_off']:.0%}, {r['mean_pages_fraction_off']:.0%} / "
             f"{r['peak_pages_fraction_on']:.0%}, {r['mean_pages_fraction_on']:.0%} | "

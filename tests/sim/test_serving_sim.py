@@ -286,3 +286,18 @@ def test_fitted_parameters_stay_physical(parameter):
     # A target no physical value reaches is refused, not met with efficiency > 1 or overhead < 0.
     with pytest.raises(ValueError):
         seed_t53.fit(setup, parameter, target=1e7)
+
+
+def test_decision_rows_skip_kernel_is_never_slower_than_masked_under_the_same_schedule():
+    # Which keys a kernel reads changes step times; with every prompt there at t=0 it changes no
+    # scheduling decision, so every skip row runs the masked row's schedule with shorter steps.
+    rows = seed_t53.decision_rows(seed_t53.Setup(scale=16, efficiency=0.5, request_rate=math.inf),
+                                  admissions=("on-demand",), prompts=(128,))
+    by = {(r["attention"], r["swa_heads"]): r for r in rows}
+    assert set(by) == {(a, h) for a in ("masked", "skip") for h in (1, 4)}
+    for h in (1, 4):
+        masked, skip = by[("masked", h)], by[("skip", h)]
+        for arm in ("off", "on"):
+            assert skip[f"steps_{arm}"] == masked[f"steps_{arm}"]
+            assert skip[f"preemptions_{arm}"] == masked[f"preemptions_{arm}"]
+            assert skip[f"throughput_{arm}"] > masked[f"throughput_{arm}"]
