@@ -72,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(efficiency 1)")
     t.add_argument("--scale", type=int, default=1,
                    help="divide token counts, KV pool and prompt counts by this (a fast, smaller run)")
+    t.add_argument("--pool-blocks", type=int,
+                   help="KV blocks of the seed-t53 server (default: 90%% of HBM minus weights; PR1's real pool, "
+                        "after activations, is not reported)")
     t.add_argument("--decision", action="store_true",
                    help="also run the calibrated model with our skip kernel vs masked, each admission policy "
                         "(--admission, default every one this scheduler has), 1/4 vs 4/4 SWA heads")
@@ -165,7 +168,7 @@ def calibrate(args) -> int:
 
 def run_seed_t53(args) -> int:
     t0 = time.perf_counter()
-    base = seed_t53.Setup(scale=args.scale, overhead_ms=args.overhead_ms)
+    base = seed_t53.Setup(scale=args.scale, overhead_ms=args.overhead_ms, pool_blocks=args.pool_blocks)
     print(seed_t53.describe(base) + "\n")
     rows, fitted_by_window = [], {}
     for window in args.windows:

@@ -60,6 +60,9 @@ class Setup:
     overhead_ms: float = 3.0
     hardware: str = "A800-80GB"
     request_rate: float = REQUEST_RATE  # inf: every prompt at t=0
+    # KV blocks; None: 90% of HBM minus bf16 weights. The real server also holds activations
+    # (profiled at start), so its pool is smaller by an amount PR1 does not report.
+    pool_blocks: Optional[int] = None
     # Divides every token count (lengths, window, sink, prefill budget, max_model_len) and the KV
     # pool: as many requests, as many at once, each `scale`x shorter (fewer steps to simulate).
     scale: int = 1
@@ -70,8 +73,8 @@ class Setup:
         s = self.scale
         hw = get_hardware(self.hardware)
         model_dir = model_dir_for(MODEL_CONFIG)
-        # The pool of the full-size run (90% of HBM minus bf16 weights), shrunk with the tokens.
-        blocks = kv_pool_blocks(model_dir, hw, 0.9, 64, MAX_MODEL_LEN) // s
+        # The pool of the full-size run, shrunk with the tokens.
+        blocks = (self.pool_blocks or kv_pool_blocks(model_dir, hw, 0.9, 64, MAX_MODEL_LEN)) // s
         return Scenario(
             name=(f"seed-t53 {self.hardware} swa{self.swa_heads}/4 W{self.window} S{self.sink} n{num_prompts} "
                   f"{self.admission} {self.attention}"),
