@@ -95,11 +95,12 @@ FIT_PARAMETERS = ("efficiency", "overhead")
 
 
 def fit(setup: Setup, parameter: str = "efficiency", target: Optional[float] = None, rel_tol: float = 1e-3) -> Setup:
-    """`setup` with `parameter` chosen so the OFF arm at 128 prompts makes `target` tok/s.
+    """`setup` with `parameter` chosen so the OFF arm at 128 prompts makes `target` tok/s (within rel_tol).
 
     efficiency: in (0, 1], overhead kept; overhead: >= 0 ms, efficiency kept. Throughput falls as
-    the efficiency falls or the overhead grows, so a bisection finds the one value. ValueError
-    when no physical value reaches the target (the model is too slow even at the bound).
+    the efficiency falls or the overhead grows, so one value fits; it is bracketed and then found
+    by false position (each evaluation is a whole simulated arm). ValueError when no physical value
+    reaches the target (the model is too slow even at the bound).
     """
     if parameter not in FIT_PARAMETERS:
         raise ValueError(f"fit parameter {parameter!r} must be one of {', '.join(FIT_PARAMETERS)}")
@@ -108,31 +109,64 @@ def fit(setup: Setup, parameter: str = "efficiency", target: Optional[float] = N
     def with_value(x: float) -> Setup:
         return dataclasses.replace(setup, **({"efficiency": x} if parameter == "efficiency" else {"overhead_ms": x}))
 
-    def throughput(x: float) -> float:
-        return with_value(x).arm(128, recycle=False).output_throughput
+    def excess(x: float) -> float:
+        """log(simulated / target): > 0 while the model is faster than measured."""
+        return math.log(with_value(x).arm(128, recycle=False).output_throughput / target)
 
     if parameter == "efficiency":
-        lo, hi = 1e-3, 1.0  # throughput grows with x
-        if throughput(hi) < target:
-            raise ValueError(f"even at peak bandwidth and FLOP/s the OFF arm makes {throughput(hi):.1f} < {target:.1f} "
-                             f"tok/s: the step model or the hardware preset is too slow")
-        for _ in range(60):
-            mid = math.sqrt(lo * hi)
-            lo, hi = (lo, mid) if throughput(mid) > target else (mid, hi)
-            if hi / lo - 1 < rel_tol:
-                break
-        return with_value(math.sqrt(lo * hi))
-    lo, hi = 0.0, max(setup.overhead_ms, 1.0)  # throughput falls with x
-    if throughput(lo) < target:
-        raise ValueError(f"with no per-step overhead the OFF arm makes {throughput(lo):.1f} < {target:.1f} tok/s")
-    while throughput(hi) > target:
-        lo, hi = hi, hi * 4
+        # Solve in log(efficiency); throughput grows with it, roughly in proportion.
+        top = excess(1.0)
+        if top < 0:
+            raise ValueError(f"even at peak bandwidth and FLOP/s the OFF arm makes {target * math.exp(top):.1f} < "
+                             f"{target:.1f} tok/s: the step model or the hardware preset is too slow")
+        guess = max(-top, math.log(1e-3))  # proportional scaling: slightly too low (the overhead does not scale)
+        low = excess(math.exp(guess))
+        lo = (guess, low) if low <= 0 else (math.log(1e-3), excess(1e-3))
+        if lo[1] > 0:
+            raise ValueError("even at 0.1% of peak the OFF arm is faster than measured")
+        x = _false_position(lambda u: excess(math.exp(u)), lo, (0.0, top), rel_tol)
+        return with_value(math.exp(x))
+    zero = excess(0.0)
+    if zero < 0:
+        raise ValueError(f"with no per-step overhead the OFF arm makes {target * math.exp(zero):.1f} < {target:.1f} "
+                         f"tok/s")
+    hi = max(setup.overhead_ms, 1.0)
+    lo, high = (0.0, zero), excess(hi)
+    while high > 0:
+        lo, hi = (hi, high), hi * 4
         if hi > 1e5:
             raise ValueError("no per-step overhead slows the OFF arm down to the measured throughput")
-    while hi - lo > rel_tol * hi:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if throughput(mid) > target else (lo, mid)
-    return with_value((lo + hi) / 2)
+        high = excess(hi)
+    # Solved for -excess so the function grows with x, like the efficiency case.
+    x = _false_position(lambda u: -excess(u), (hi, -high), (lo[0], -lo[1]), rel_tol)
+    return with_value(x)
+
+
+def _false_position(f, lo: tuple, hi: tuple, tol: float) -> float:
+    """x with |f(x)| <= tol for an increasing f, given (x, f(x)) with f(lo) <= 0 <= f(hi) (Illinois rule)."""
+    (a, fa), (b, fb) = lo, hi
+    for x, fx in (lo, hi):
+        if abs(fx) <= tol:
+            return x
+    best = min((lo, hi), key=lambda p: abs(p[1]))
+    side = 0
+    for _ in range(60):
+        x = b - fb * (b - a) / (fb - fa) if fb != fa else (a + b) / 2
+        fx = f(x)
+        if abs(fx) <= tol:
+            return x
+        best = min(best, (x, fx), key=lambda p: abs(p[1]))
+        if fx < 0:
+            a, fa = x, fx
+            if side == -1:
+                fb /= 2  # Illinois: the same end kept twice, so halve the other's weight
+            side = -1
+        else:
+            b, fb = x, fx
+            if side == 1:
+                fa /= 2
+            side = 1
+    return best[0]
 
 
 # -- prediction of every measured cell ----------------------------------------------------------
