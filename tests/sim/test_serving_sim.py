@@ -301,3 +301,12 @@ def test_decision_rows_skip_kernel_is_never_slower_than_masked_under_the_same_sc
             assert skip[f"steps_{arm}"] == masked[f"steps_{arm}"]
             assert skip[f"preemptions_{arm}"] == masked[f"preemptions_{arm}"]
             assert skip[f"throughput_{arm}"] > masked[f"throughput_{arm}"]
+
+
+def test_admission_option_takes_a_policy_list():
+    parse = simulate_serving._admissions
+    assert parse("both") == ("reserve", "on-demand")
+    assert parse("all") == ("reserve", "on-demand", "projected")
+    assert parse("on-demand,projected") == ("on-demand", "projected")
+    with pytest.raises(Exception, match="unknown admission"):
+        parse("reserve,fcfs")
