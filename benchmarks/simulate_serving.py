@@ -107,8 +107,8 @@ def _admissions(text: str) -> tuple:
     names = {"both": ("reserve", "on-demand"), "all": ADMISSIONS}.get(text) or tuple(text.split(","))
     unknown = [a for a in names if a not in ADMISSIONS]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown admission {', '.join(unknown)}; choose from {', '.join(ADMISSIONS)}, "
-                                         f"both, all")
+        raise argparse.ArgumentTypeError(f"unknown admission {', '.join(unknown)}; choose from "
+                                         f"{', '.join(ADMISSIONS)}, both, all")
     return names
 
 
@@ -182,7 +182,8 @@ def run_seed_t53(args) -> int:
         for (arm, n), outcome in pred["arms"].items():
             r = outcome.result
             print(f"  {arm.upper():>3} n{outcome.num_prompts}: {outcome.output_throughput:.1f} tok/s, running peak "
-                  f"{r.peak_running} mean {r.mean_running:.1f}, pages in use peak {r.peak_pages_used / r.pages_total:.0%} "
+                  f"{r.peak_running} mean {r.mean_running:.1f}, pages in use peak "
+                  f"{r.peak_pages_used / r.pages_total:.0%} "
                   f"mean {r.mean_pages_used / r.pages_total:.0%}, preemptions {r.preemptions}, recomputed tokens "
                   f"{r.recomputed_tokens:,}")
     print("\n" + seed_t53.markdown_cells(rows))

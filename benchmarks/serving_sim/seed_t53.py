@@ -258,7 +258,8 @@ def markdown_cells(rows: list) -> str:
 
 
 def markdown_decision(rows: list) -> str:
-    lines = ["| kernel | admission | SWA heads | prompts | running OFF→ON (peak) | pages in use OFF/ON (peak, mean) | "
+    lines = ["| kernel | admission | SWA heads | prompts | running OFF→ON (peak) | "
+             "pages in use OFF/ON (peak, mean) | "
              "preemptions OFF/ON | recomputed tokens OFF/ON | out tok/s OFF | out tok/s ON | gain |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -310,3 +310,14 @@ def test_admission_option_takes_a_policy_list():
     assert parse("on-demand,projected") == ("on-demand", "projected")
     with pytest.raises(Exception, match="unknown admission"):
         parse("reserve,fcfs")
+
+
+def test_seed_t53_is_the_submissions_configuration():
+    sc = seed_t53.Setup().scenario(128)
+    w = sc.workload
+    assert (sc.hardware.name, w.num_prompts, w.request_rate, w.seed, w.input_len) == ("A800-80GB", 128, 8.0, 42, 10600)
+    assert w.num_prompts * w.output_len == pytest.approx(518_946, rel=1e-3)  # PR1's total output tokens
+    assert (sc.swa_heads, sc.window, sc.sink, sc.admission, sc.attention) == (4, 4096, 0, "on-demand", "masked")
+    assert (sc.max_model_len, sc.max_num_seqs, sc.max_num_batched_tokens) == (32768, 512, 32768)
+    fd = make_fd_config(sc.settings(), recycle=True)
+    assert fd.reserve_output_pages is False and fd.scheduler_config.max_num_batched_tokens == 32768
