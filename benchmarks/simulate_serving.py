@@ -7,6 +7,8 @@ head-wise cache with identical settings: recycle OFF (FD_HEAD_WISE_SWA_RECYCLE=0
     python benchmarks/simulate_serving.py                      # the README report table
     python benchmarks/simulate_serving.py --hardware H200 --swa-heads 1 --num-prompts 256 \\
         --json out.json --plot out.png                         # one scenario
+    python benchmarks/simulate_serving.py --scenario seed-t53 --windows 1024,4096,8192 --decision \\
+        --json cells.json                    # the Hackathon PR1 table: fit on one cell, predict the rest
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from serving_sim import report  # noqa: E402
+from serving_sim import report, seed_t53  # noqa: E402
 from serving_sim.hardware import PRESETS, get_hardware  # noqa: E402
-from serving_sim.simulator import Scenario, arm_metrics, run_scenarios  # noqa: E402
+from serving_sim.simulator import ADMISSIONS, Scenario, arm_metrics, run_scenarios  # noqa: E402
+from serving_sim.step_model import ATTENTION_READS  # noqa: E402
 from serving_sim.workload import Workload  # noqa: E402
 
 # Options that describe one scenario; giving any of them switches from the table to that scenario.
@@ -56,13 +59,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--max-model-len", type=int)
     s.add_argument("--bw-efficiency", type=float, help="fraction of peak HBM bandwidth kernels reach (1.0)")
     s.add_argument("--flops-efficiency", type=float, help="fraction of peak bf16 FLOP/s kernels reach (1.0)")
+    t = p.add_argument_group("--scenario seed-t53: the Hackathon No.53 PR1 measurement, fitted on one cell")
+    t.add_argument("--scenario", choices=["seed-t53"],
+                   help="seed-t53: A800, ERNIE-4.5-21B-A3B, 10.6k/4k tokens, 8 req/s, seed 42, 4/4 SWA, S 0, "
+                        "max_num_batched_tokens 32768, on-demand admission, masked attention; fit one parameter on "
+                        "recycle OFF at 128 prompts, predict OFF/ON at 128 and 1024 and the TTFT change; --json "
+                        "writes one row per measured cell")
+    t.add_argument("--windows", default="4096", type=lambda text: tuple(int(w) for w in text.split(",")),
+                   help="comma-separated windows to calibrate and predict at (the submission's is not stated)")
+    t.add_argument("--fit", choices=seed_t53.FIT_PARAMETERS, default="efficiency",
+                   help="the one fitted parameter: kernel efficiency (overhead kept) or per-step overhead "
+                        "(efficiency 1)")
+    t.add_argument("--scale", type=int, default=1,
+                   help="divide token counts, KV pool and prompt counts by this (a fast, smaller run)")
+    t.add_argument("--pool-blocks", type=int,
+                   help="KV blocks of the seed-t53 server (default: 90%% of HBM minus weights; PR1's real pool, "
+                        "after activations, is not reported)")
+    t.add_argument("--decision", action="store_true",
+                   help="also run the calibrated model with our skip kernel vs masked, each admission policy "
+                        "(--admission, default every one this scheduler has), 1/4 vs 4/4 SWA heads")
+    t.add_argument("--decision-json", help="write the decision rows (a JSON list) here")
     g = p.add_argument_group("both modes")
     g.add_argument("--overhead-ms", type=float, default=3.0, help="fixed per-step overhead (default 3 ms)")
-    g.add_argument("--admission", choices=["reserve", "on-demand", "both"], default=None,
-                   help="reserve: FD_RESERVE_OUTPUT_PAGES=1 (peak pages at admission, no preemption); "
-                        "on-demand: FD_RESERVE_OUTPUT_PAGES=0 (upstream-like, preempts); both: one row each. "
-                        "Default: reserve for one scenario; both for the table (on-demand rows only for "
-                        "A800 / sink 64 / 128 prompts).")
+    g.add_argument("--admission", default=None, type=_admissions,
+                   help="comma-separated admission policies, one row each: reserve (peak pages at admission, "
+                        "no preemption), on-demand (upstream-like, preempts), projected (needs a scheduler that "
+                        "reads FD_ADMISSION_POLICY); 'both' = reserve,on-demand; 'all' = every policy. "
+                        "Default: reserve for one scenario; reserve,on-demand for the table (on-demand rows only "
+                        "for A800 / sink 64 / 128 prompts).")
+    g.add_argument("--attention", choices=ATTENTION_READS, default="skip",
+                   help="keys a SWA head's kernel reads: skip (ours: sink + window only) or masked (upstream's "
+                        "1-D kernel and the Hackathon PR1: every key up to the query, masked)")
     g.add_argument("--max-sim-prompts", type=int, default=report.DEFAULT_MAX_SIM_PROMPTS,
                    help="simulate at most max(this, 2.5 x predicted concurrency) prompts and extrapolate the "
                         "saturated steady state to the rest; 0 = simulate every prompt")
@@ -76,13 +103,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _admissions(text: str) -> tuple:
+    names = {"both": ("reserve", "on-demand"), "all": ADMISSIONS}.get(text) or tuple(text.split(","))
+    unknown = [a for a in names if a not in ADMISSIONS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown admission {', '.join(unknown)}; choose from "
+                                         f"{', '.join(ADMISSIONS)}, both, all")
+    return names
+
+
 def scenarios_from(args: argparse.Namespace) -> tuple:
     """(scenarios, table_mode)."""
     if all(getattr(args, k) is None for k in SCENARIO_DEFAULTS):
-        table_admissions = ("reserve",) if args.admission == "reserve" else ("reserve", "on-demand")
-        return report.table_scenarios(args.overhead_ms, args.max_sim_prompts, table_admissions), True
-    admission = args.admission or "reserve"
-    admissions = ("reserve", "on-demand") if admission == "both" else (admission,)
+        table_admissions = args.admission or ("reserve", "on-demand")
+        return report.table_scenarios(args.overhead_ms, args.max_sim_prompts, table_admissions,
+                                      attention=args.attention), True
+    admissions = args.admission or ("reserve",)
     v = {k: (d if getattr(args, k) is None else getattr(args, k)) for k, d in SCENARIO_DEFAULTS.items()}
     hw = get_hardware(v["hardware"]).scaled(v["bw_efficiency"], v["flops_efficiency"])
     workload = Workload(v["num_prompts"], v["input_len"], v["output_len"], v["request_rate"], v["range_ratio"],
@@ -90,13 +126,14 @@ def scenarios_from(args: argparse.Namespace) -> tuple:
     out = []
     for admission in admissions:
         out.append(Scenario(
-            name=f"{hw.name} swa{v['swa_heads']} W{v['window']} S{v['sink']} n{v['num_prompts']} {admission}",
+            name=f"{hw.name} swa{v['swa_heads']} W{v['window']} S{v['sink']} n{v['num_prompts']} {admission}"
+                 + ("" if args.attention == "skip" else f" {args.attention}"),
             model_config=v["model_config"], hardware=hw, workload=workload, swa_heads=v["swa_heads"],
             window=v["window"], sink=v["sink"], block_size=v["block_size"],
             num_gpu_blocks_override=v["num_gpu_blocks_override"],
             gpu_memory_utilization=v["gpu_memory_utilization"], max_num_seqs=v["max_num_seqs"],
             max_num_batched_tokens=v["max_num_batched_tokens"], max_model_len=v["max_model_len"],
-            overhead_ms=args.overhead_ms, reserve_output_pages=admission == "reserve",
+            overhead_ms=args.overhead_ms, admission=admission, attention=args.attention,
             max_sim_prompts=args.max_sim_prompts))
     return out, False
 
@@ -129,10 +166,52 @@ def calibrate(args) -> int:
     return 0
 
 
+def run_seed_t53(args) -> int:
+    t0 = time.perf_counter()
+    base = seed_t53.Setup(scale=args.scale, overhead_ms=args.overhead_ms, pool_blocks=args.pool_blocks)
+    print(seed_t53.describe(base) + "\n")
+    rows, fitted_by_window = [], {}
+    for window in args.windows:
+        fitted, pred = seed_t53.calibrate_and_predict(window, args.fit, args.scale, base, args.jobs)
+        fitted_by_window[window] = fitted
+        rows += pred["rows"]
+        ttft = pred["mean_ttft_s"]
+        print(f"W {window}: {seed_t53.fitted_text(fitted, args.fit)}; mean TTFT at 1024 prompts OFF "
+              f"{ttft['off']:.0f} s (measured {seed_t53.MEASURED_TTFT_S['off']:.0f}), ON {ttft['on']:.0f} s "
+              f"(measured {seed_t53.MEASURED_TTFT_S['on']:.0f})")
+        for (arm, n), outcome in pred["arms"].items():
+            r = outcome.result
+            print(f"  {arm.upper():>3} n{outcome.num_prompts}: {outcome.output_throughput:.1f} tok/s, running peak "
+                  f"{r.peak_running} mean {r.mean_running:.1f}, pages in use peak "
+                  f"{r.peak_pages_used / r.pages_total:.0%} "
+                  f"mean {r.mean_pages_used / r.pages_total:.0%}, preemptions {r.preemptions}, recomputed tokens "
+                  f"{r.recomputed_tokens:,}")
+    print("\n" + seed_t53.markdown_cells(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    if args.decision:
+        fitted = fitted_by_window.get(4096) or next(iter(fitted_by_window.values()))
+        decision = seed_t53.decision_rows(fitted, args.admission, jobs=args.jobs)
+        print(f"\nSame calibrated model (W {fitted.window}), recycle OFF vs ON:\n")
+        print(seed_t53.markdown_decision(decision))
+        if args.decision_json:
+            with open(args.decision_json, "w") as f:
+                json.dump(decision, f, indent=2)
+    print(f"\n[simulate_serving] seed-t53 in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.calibrate_offline:
         return calibrate(args)
+    if args.scenario == "seed-t53":
+        try:
+            return run_seed_t53(args)
+        except ValueError as exc:
+            print(f"simulate_serving: {exc}", file=sys.stderr)
+            return 2
     try:
         scenarios, table = scenarios_from(args)
     except ValueError as exc:

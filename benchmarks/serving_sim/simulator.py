@@ -34,6 +34,15 @@ from .hardware import Hardware
 from .step_model import ModelShape, StepModel
 from .workload import Workload
 
+# Admission policies by their CLI name -> the env flags that select them. FD_ADMISSION_POLICY is the
+# scheduler's policy switch; FD_RESERVE_OUTPUT_PAGES is what a scheduler without it still reads.
+ADMISSION_ENV = {
+    "reserve": {"FD_ADMISSION_POLICY": "reserve", "FD_RESERVE_OUTPUT_PAGES": 1},
+    "on-demand": {"FD_ADMISSION_POLICY": "on_demand", "FD_RESERVE_OUTPUT_PAGES": 0},
+    "projected": {"FD_ADMISSION_POLICY": "projected"},
+}
+ADMISSIONS = tuple(ADMISSION_ENV)
+
 SAMPLED_TOKEN = 7  # any id but the model's EOS; ignore_eos makes lengths fixed anyway
 SERIES_POINTS = 2000  # time-series points kept per arm (for the plot)
 
@@ -50,7 +59,7 @@ class EngineSettings:
     swa_heads: int  # the first `swa_heads` KV heads slide
     window: int
     sink: int
-    reserve_output_pages: bool = True
+    admission: str = "reserve"  # a key of ADMISSION_ENV
 
     @property
     def swa_spec(self) -> dict:
@@ -115,10 +124,22 @@ def _env(**flags):
                 os.environ[k] = v
 
 
+def admission_env(admission: str) -> dict:
+    """The env flags selecting an admission policy; ValueError if this tree's scheduler lacks it."""
+    from fastdeploy import envs
+
+    if admission not in ADMISSION_ENV:
+        raise ValueError(f"unknown admission policy {admission!r}; choose one of {', '.join(ADMISSIONS)}")
+    flags = ADMISSION_ENV[admission]
+    if "FD_RESERVE_OUTPUT_PAGES" not in flags and "FD_ADMISSION_POLICY" not in envs.environment_variables:
+        # Without the policy switch the scheduler would silently run `reserve` under this label.
+        raise ValueError(f"admission {admission!r} needs FD_ADMISSION_POLICY, which this scheduler does not read")
+    return flags
+
+
 def make_fd_config(settings: EngineSettings, recycle: bool):
     """The engine config of one arm: head-wise tables in both, recycling on or off."""
-    with _env(FD_HEAD_WISE_KV_CACHE=1, FD_HEAD_WISE_SWA_RECYCLE=int(recycle),
-              FD_RESERVE_OUTPUT_PAGES=int(settings.reserve_output_pages)):
+    with _env(FD_HEAD_WISE_KV_CACHE=1, FD_HEAD_WISE_SWA_RECYCLE=int(recycle), **admission_env(settings.admission)):
         return EngineArgs(
             model=settings.model_dir, max_model_len=settings.max_model_len, block_size=settings.block_size,
             num_gpu_blocks_override=settings.num_gpu_blocks, cache_dtype="bfloat16",
@@ -190,8 +211,13 @@ class ArmResult:
     done_times: list
     peak_running: int
     peak_pages_used: int
+    mean_pages_used: float  # time-averaged over the makespan
+    mean_running: float  # time-averaged over the makespan
     pages_total: int
     preemptions: int
+    recomputed_tokens: int  # tokens computed again after a preemption threw their KV away
+    computed_tokens: int  # every token of every scheduled chunk, recomputation included
+    recomputed_tokens_scheduler: Optional[int]
     swa_pages_recycled: int
     steps: int
     saturated_until: float  # last time a request was waiting or not yet arrived
@@ -217,6 +243,10 @@ def simulate(fd_config, step_model: StepModel, requests: list, memoize: bool = T
     total_pages = cm.num_total_pages
     now, nxt, finished, steps, saturated_until = 0.0, 0, 0, 0, 0.0
     peak_running = peak_used = 0
+    pages_time = running_time = 0.0  # integrals over virtual time
+    # Per request, the highest position whose KV was ever computed: a chunk below it is recomputation.
+    high_water = [0] * n
+    recomputed = computed = 0
 
     while finished < n:
         while nxt < n and requests[nxt].arrival <= now:
@@ -228,12 +258,15 @@ def simulate(fd_config, step_model: StepModel, requests: list, memoize: bool = T
                                    arrival_time=r.arrival, eos_token_id=eos))
             nxt += 1
         if not rm.has_unfinished_requests():
-            now = requests[nxt].arrival  # idle until the next arrival
+            now = requests[nxt].arrival  # idle until the next arrival (nothing held meanwhile)
             continue
         batch = rm.schedule()
         if not batch.requests:
             if nxt < n:
-                now = max(now, requests[nxt].arrival)
+                wait = max(0.0, requests[nxt].arrival - now)
+                pages_time += (total_pages - cm.num_free_pages) * wait
+                running_time += len(rm.running) * wait
+                now += wait
                 continue
             raise RuntimeError(f"scheduler scheduled nothing with {len(rm.running)} running and "
                                f"{len(rm.waiting)} waiting requests: it would never finish")
@@ -243,8 +276,18 @@ def simulate(fd_config, step_model: StepModel, requests: list, memoize: bool = T
         n_run, n_used = len(rm.running), total_pages - cm.num_free_pages
         # A one-token chunk is (almost always) a decode, which samples; only longer chunks need the check.
         chunks = [(s.start, s.num_tokens, s.num_tokens == 1 or s.samples) for s in batch.requests]
-        now += step_model.step_time(chunks)
+        dt = step_model.step_time(chunks)
+        now += dt
         steps += 1
+        pages_time += n_used * dt
+        running_time += n_run * dt
+        for s in batch.requests:
+            computed += s.num_tokens
+            i, end = index[s.request.request_id], s.start + s.num_tokens
+            if s.start < high_water[i]:
+                recomputed += min(end, high_water[i]) - s.start
+            if end > high_water[i]:
+                high_water[i] = end
         # update_from_output reads a token only where the chunk samples, so one constant list serves.
         progressed = rm.update_from_output(batch, [SAMPLED_TOKEN] * len(chunks))
         for req in progressed:
@@ -263,18 +306,25 @@ def simulate(fd_config, step_model: StepModel, requests: list, memoize: bool = T
     if cm.num_free_pages != total_pages:
         raise AssertionError(f"{total_pages - cm.num_free_pages} pages still held after every request finished")
     cm.check_integrity()
+    makespan = max(done)
     return ArmResult(
         num_requests=n,
         output_tokens=sum(r.output_len for r in requests),
-        makespan=max(done),
+        makespan=makespan,
         ttft=[f - r.arrival for f, r in zip(first_token, requests)],
         tpot=[(d - f) / (r.output_len - 1) for d, f, r in zip(done, first_token, requests) if r.output_len > 1],
         e2el=[d - r.arrival for d, r in zip(done, requests)],
         done_times=done,
         peak_running=peak_running,
         peak_pages_used=peak_used,
+        mean_pages_used=pages_time / makespan,
+        mean_running=running_time / makespan,
         pages_total=total_pages,
         preemptions=rm.num_preemptions_total,
+        recomputed_tokens=recomputed,
+        computed_tokens=computed,
+        # The scheduler's own count, where it keeps one (the same quantity, counted at preemption).
+        recomputed_tokens_scheduler=getattr(rm, "recomputed_tokens_total", None),
         swa_pages_recycled=rm.swa_pages_recycled_total,
         steps=steps,
         saturated_until=saturated_until,
@@ -335,7 +385,8 @@ class Scenario:
     max_num_batched_tokens: Optional[int] = None
     max_model_len: Optional[int] = None
     overhead_ms: float = 3.0
-    reserve_output_pages: bool = True
+    admission: str = "reserve"  # a key of ADMISSION_ENV
+    attention: str = "skip"  # step_model.ATTENTION_READS: which keys a SWA head's kernel reads
     max_sim_prompts: int = 0  # 0: simulate every prompt; else simulate fewer and extrapolate
     dtype_bytes: int = 2  # weights and KV cache; 4 for the float32 CPU engine
 
@@ -346,12 +397,12 @@ class Scenario:
             model_dir, self.hardware, self.gpu_memory_utilization, self.block_size, max_len)
         return EngineSettings(model_dir, max_len, self.block_size, blocks, self.max_num_seqs,
                               self.max_num_batched_tokens, self.swa_heads, self.window, self.sink,
-                              self.reserve_output_pages)
+                              self.admission)
 
     def step_model(self, settings: EngineSettings) -> StepModel:
         shape = ModelShape.from_config(read_raw_config(settings.model_dir))
         return StepModel(shape, self.hardware, self.overhead_ms / 1e3, self.swa_heads, self.window, self.sink,
-                         self.dtype_bytes)
+                         self.dtype_bytes, self.attention)
 
 
 @dataclass
@@ -402,8 +453,11 @@ def arm_metrics(arm: ArmOutcome) -> dict:
     r = arm.result
     out = {"output_throughput": arm.output_throughput, "makespan_s": arm.makespan,
            "simulated_prompts": arm.simulated_prompts, "peak_running": r.peak_running,
-           "peak_pages_used": r.peak_pages_used, "pages_total": r.pages_total,
-           "preemptions": r.preemptions, "swa_pages_recycled": r.swa_pages_recycled, "steps": r.steps}
+           "peak_pages_used": r.peak_pages_used, "mean_pages_used": r.mean_pages_used, "pages_total": r.pages_total,
+           "peak_pages_fraction": r.peak_pages_used / r.pages_total,
+           "mean_pages_fraction": r.mean_pages_used / r.pages_total, "mean_running": r.mean_running,
+           "preemptions": r.preemptions, "recomputed_tokens": r.recomputed_tokens,
+           "swa_pages_recycled": r.swa_pages_recycled, "steps": r.steps}
     for name, values, scale in (("ttft", r.ttft, 1e3), ("tpot", r.tpot, 1e3), ("e2el", r.e2el, 1e3)):
         out[f"mean_{name}_ms"] = statistics.fmean(values) * scale
         out[f"median_{name}_ms"] = statistics.median(values) * scale
@@ -427,7 +481,8 @@ def ab_row(scenario: Scenario, off: ArmOutcome, on: ArmOutcome, predicted: dict)
         "output_len": scenario.workload.output_len,
         "range_ratio": scenario.workload.range_ratio,
         "request_rate": scenario.workload.request_rate if math.isfinite(scenario.workload.request_rate) else "inf",
-        "admission": "reserve" if scenario.reserve_output_pages else "on-demand",
+        "admission": scenario.admission,
+        "attention": scenario.attention,
         "num_gpu_blocks": settings.num_gpu_blocks,
         "max_num_seqs": settings.max_num_seqs,
         "max_num_batched_tokens": make_fd_config(settings, True).scheduler_config.max_num_batched_tokens,

@@ -5,9 +5,14 @@
 Bytes are what must cross HBM once per step: the weights the batch touches (every dense weight,
 plus, for MoE layers, the expected number of *distinct* routed experts the batch's tokens select),
 the KV each head actually reads, and the KV the step writes. FLOPs are 2 x active parameters per
-token plus attention (4 x head_dim per query-key pair per query head). Sliding-window heads read
-and attend only to their sink and window keys -- in *both* A/B arms, because which keys a head
-sees is a model property; recycling changes only how long dead pages stay allocated.
+token plus attention (4 x head_dim per query-key pair per query head).
+
+Which keys a SWA head reads is a property of the attention kernel, modelled two ways (in *both*
+A/B arms alike; recycling changes only how long dead pages stay allocated):
+- "skip" (our head-wise kernels): a SWA head loads and attends only its sink and window keys;
+- "masked" (upstream's 1-D kernel, and the Hackathon submission's PR1, which kept the 1-D table):
+  every head loads and computes every key in [0, t] and masks the ones outside the window, so a
+  SWA head costs what a full head costs.
 
 Activations, norms, rotary and sampling are left out: at these shapes they are a few percent of
 the weight and KV traffic, and the overhead term absorbs what a calibration finds.
@@ -21,6 +26,7 @@ from typing import Iterable, Optional
 from .hardware import Hardware
 
 BF16_BYTES = 2
+ATTENTION_READS = ("skip", "masked")
 
 
 @dataclass(frozen=True)
@@ -170,13 +176,18 @@ class StepModel:
     """Per-step time of a batch of (start, num_tokens, samples) chunks on one accelerator."""
 
     def __init__(self, shape: ModelShape, hardware: Hardware, overhead_s: float, num_swa_heads: int,
-                 window: int, sink: int, dtype_bytes: int = BF16_BYTES):
+                 window: int, sink: int, dtype_bytes: int = BF16_BYTES, attention: str = "skip"):
         if not 0 <= num_swa_heads <= shape.num_kv_heads:
             raise ValueError(f"num_swa_heads={num_swa_heads} must be within 0..{shape.num_kv_heads}")
+        if attention not in ATTENTION_READS:
+            raise ValueError(f"attention={attention!r} must be one of {', '.join(ATTENTION_READS)}")
+        if overhead_s < 0:
+            raise ValueError(f"per-step overhead must be >= 0, got {overhead_s}")
         self.shape, self.hardware, self.overhead_s = shape, hardware, overhead_s
-        self.window, self.sink = window, sink
-        self.num_swa = num_swa_heads
-        self.num_full = shape.num_kv_heads - num_swa_heads
+        self.window, self.sink, self.attention = window, sink, attention
+        # Heads by the keys their kernel reads: a masked kernel reads a SWA head like a full one.
+        self.num_swa = num_swa_heads if attention == "skip" else 0
+        self.num_full = shape.num_kv_heads - self.num_swa
         # Per token, per KV head, summed over layers: K and V of head_dim elements.
         self.kv_bytes_per_token_head = shape.num_layers * 2 * shape.head_dim * dtype_bytes
         # Per query-key pair, per KV head, over layers and the query heads that share it:

@@ -1,5 +1,6 @@
 """The serving simulator: step-time arithmetic, and the real scheduler driven on a virtual clock."""
 
+import dataclasses
 import json
 import math
 import os
@@ -11,6 +12,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 
 import simulate_serving  # noqa: E402
+from serving_sim import seed_t53  # noqa: E402
 from serving_sim.hardware import PRESETS, Hardware  # noqa: E402
 from serving_sim.simulator import (Scenario, ceiling, make_fd_config, run_arm, run_scenarios,  # noqa: E402
                                    simulate)
@@ -109,10 +111,10 @@ def tiny_scenario(model, **kw):
     return Scenario(**args)
 
 
-@pytest.mark.parametrize("reserve", [True, False])
+@pytest.mark.parametrize("admission", ["reserve", "on-demand"])
 @pytest.mark.parametrize("recycle", [False, True])
-def test_every_request_finishes_with_its_length_and_all_pages_come_back(tiny_model, recycle, reserve):
-    sc = tiny_scenario(tiny_model, reserve_output_pages=reserve, workload=Workload(
+def test_every_request_finishes_with_its_length_and_all_pages_come_back(tiny_model, recycle, admission):
+    sc = tiny_scenario(tiny_model, admission=admission, workload=Workload(
         30, 300, 200, request_rate=math.inf, range_ratio=0.5, seed=1))
     settings = sc.settings()
     requests = sc.workload.requests()
@@ -123,8 +125,8 @@ def test_every_request_finishes_with_its_length_and_all_pages_come_back(tiny_mod
     assert all(0 < ttft <= e2el for ttft, e2el in zip(result.ttft, result.e2el))
     assert result.peak_pages_used <= result.pages_total
     assert (result.swa_pages_recycled > 0) == recycle
-    if reserve:
-        assert result.preemptions == 0
+    if admission == "reserve":
+        assert result.preemptions == 0 and result.recomputed_tokens == 0
 
 
 def test_memoized_peak_pages_change_no_scheduling_decision(tiny_model):
@@ -190,3 +192,132 @@ def test_identical_simulated_prompts_cannot_hit_a_prefix_cache(tiny_model):
     # their KV and fake a memory saving no random benchmark prompt gets.
     settings = tiny_scenario(tiny_model).settings()
     assert make_fd_config(settings, True).cache_config.enable_prefix_caching is False
+
+
+# -- admission policies and what each arm reports (issue 17) --------------------------------------
+def test_on_demand_preemption_recompute_is_counted_token_for_token(tiny_model):
+    # A burst of long requests into a small pool: on-demand admission lets in more than fit and
+    # preempts. Each request computes every position but its last sampled token once, so whatever
+    # was computed beyond that was recomputed after a preemption.
+    sc = tiny_scenario(tiny_model, admission="on-demand", num_gpu_blocks_override=90,
+                       workload=Workload(16, 300, 200, request_rate=math.inf, seed=2))
+    settings = sc.settings()
+    requests = sc.workload.requests()
+    result = simulate(make_fd_config(settings, False), sc.step_model(settings), requests)
+    assert result.preemptions > 0
+    once = sum(r.input_len + r.output_len - 1 for r in requests)
+    assert result.recomputed_tokens == result.computed_tokens - once > 0
+    if result.recomputed_tokens_scheduler is not None:  # the scheduler's own counter, where it has one
+        assert result.recomputed_tokens_scheduler == result.recomputed_tokens
+
+
+def test_time_averaged_occupancy_is_weighted_by_step_time(tiny_model):
+    # One request arriving at t=0 runs from the first step to the last: exactly one on average.
+    sc = tiny_scenario(tiny_model, workload=Workload(1, 300, 200, seed=0))
+    settings = sc.settings()
+    result = simulate(make_fd_config(settings, True), sc.step_model(settings), sc.workload.requests())
+    assert result.mean_running == pytest.approx(1.0)
+    assert 0 < result.mean_pages_used < result.peak_pages_used
+
+
+def test_admission_policies_set_the_schedulers_flags(tiny_model):
+    settings = tiny_scenario(tiny_model).settings()
+    for admission, reserve in (("reserve", True), ("on-demand", False)):
+        fd = make_fd_config(dataclasses.replace(settings, admission=admission), True)
+        assert fd.reserve_output_pages is reserve
+
+
+def test_projected_admission_runs_only_where_the_scheduler_has_it(tiny_model):
+    from fastdeploy import envs
+
+    sc = tiny_scenario(tiny_model, admission="projected")
+    if "FD_ADMISSION_POLICY" not in envs.environment_variables:
+        with pytest.raises(ValueError, match="FD_ADMISSION_POLICY"):
+            run_scenarios([sc])
+        return
+    (row, off, on), = run_scenarios([sc])
+    assert row["admission"] == "projected" and row["preemptions_on"] == 0
+
+
+def test_rows_report_pages_preemptions_and_recompute_per_arm(tiny_model):
+    (row, _, _), = run_scenarios([tiny_scenario(tiny_model, admission="on-demand")])
+    for arm in ("off", "on"):
+        assert 0 < row[f"mean_pages_fraction_{arm}"] <= row[f"peak_pages_fraction_{arm}"] <= 1
+        assert row[f"preemptions_{arm}"] >= 0 and row[f"recomputed_tokens_{arm}"] >= 0
+
+
+# -- the attention-read model: our skip kernel vs the 1-D masked kernel (issue 15) ----------------
+def test_masked_kernel_reads_more_kv_than_skip_and_the_same_without_swa_heads():
+    shape = ModelShape.from_config(json.load(open(ERNIE_JSON)))
+    batch = [(12000, 1, True)] * 8 + [(0, 2048, False)]
+    hw = PRESETS["A800-80GB"]
+    skip = StepModel(shape, hw, 0.0, num_swa_heads=4, window=4096, sink=0, attention="skip")
+    masked = StepModel(shape, hw, 0.0, num_swa_heads=4, window=4096, sink=0, attention="masked")
+    assert masked.cost(batch).bytes > skip.cost(batch).bytes
+    assert masked.cost(batch).flops > skip.cost(batch).flops
+    # Masked reads a SWA head like a full head: exactly what an all-full model reads.
+    full = StepModel(shape, hw, 0.0, num_swa_heads=0, window=4096, sink=0)
+    assert masked.cost(batch) == full.cost(batch)
+    no_swa = [StepModel(shape, hw, 0.0, num_swa_heads=0, window=4096, sink=0, attention=a) for a in ("skip", "masked")]
+    assert no_swa[0].cost(batch) == no_swa[1].cost(batch)
+
+
+# -- seed-t53: the submission's own configuration, fitted on one cell (issue 15) ------------------
+def test_seed_t53_reduced_run_writes_one_row_per_measured_cell(tmp_path):
+    out = tmp_path / "cells.json"
+    assert simulate_serving.main(["--scenario", "seed-t53", "--scale", "16", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["name"] for r in rows] == ["throughput_off_128", "throughput_on_128", "throughput_off_1024",
+                                         "throughput_on_1024", "ttft_change_1024"]
+    assert [r["name"] for r in rows if r["fitted"]] == ["throughput_off_128"]
+    fitted = rows[0]
+    assert fitted["measured"] == seed_t53.MEASURED_THROUGHPUT[("off", 128)]
+    assert abs(fitted["error"]) < 0.01  # the fit hits its cell
+    for r in rows:
+        assert r["error"] == pytest.approx(r["predicted"] / r["measured"] - 1)
+    assert rows[-1]["measured"] == pytest.approx(1407 / 2708 - 1)
+
+
+@pytest.mark.parametrize("parameter", seed_t53.FIT_PARAMETERS)
+def test_fitted_parameters_stay_physical(parameter):
+    setup = seed_t53.Setup(scale=16)
+    fitted = seed_t53.fit(setup, parameter, rel_tol=0.02)
+    assert 0 < fitted.efficiency <= 1 and fitted.overhead_ms >= 0
+    # A target no physical value reaches is refused, not met with efficiency > 1 or overhead < 0.
+    with pytest.raises(ValueError):
+        seed_t53.fit(setup, parameter, target=1e7)
+
+
+def test_decision_rows_skip_kernel_is_never_slower_than_masked_under_the_same_schedule():
+    # Which keys a kernel reads changes step times; with every prompt there at t=0 it changes no
+    # scheduling decision, so every skip row runs the masked row's schedule with shorter steps.
+    rows = seed_t53.decision_rows(seed_t53.Setup(scale=16, efficiency=0.5, request_rate=math.inf),
+                                  admissions=("on-demand",), prompts=(128,))
+    by = {(r["attention"], r["swa_heads"]): r for r in rows}
+    assert set(by) == {(a, h) for a in ("masked", "skip") for h in (1, 4)}
+    for h in (1, 4):
+        masked, skip = by[("masked", h)], by[("skip", h)]
+        for arm in ("off", "on"):
+            assert skip[f"steps_{arm}"] == masked[f"steps_{arm}"]
+            assert skip[f"preemptions_{arm}"] == masked[f"preemptions_{arm}"]
+            assert skip[f"throughput_{arm}"] > masked[f"throughput_{arm}"]
+
+
+def test_admission_option_takes_a_policy_list():
+    parse = simulate_serving._admissions
+    assert parse("both") == ("reserve", "on-demand")
+    assert parse("all") == ("reserve", "on-demand", "projected")
+    assert parse("on-demand,projected") == ("on-demand", "projected")
+    with pytest.raises(Exception, match="unknown admission"):
+        parse("reserve,fcfs")
+
+
+def test_seed_t53_is_the_submissions_configuration():
+    sc = seed_t53.Setup().scenario(128)
+    w = sc.workload
+    assert (sc.hardware.name, w.num_prompts, w.request_rate, w.seed, w.input_len) == ("A800-80GB", 128, 8.0, 42, 10600)
+    assert w.num_prompts * w.output_len == pytest.approx(518_946, rel=1e-3)  # PR1's total output tokens
+    assert (sc.swa_heads, sc.window, sc.sink, sc.admission, sc.attention) == (4, 4096, 0, "on-demand", "masked")
+    assert (sc.max_model_len, sc.max_num_seqs, sc.max_num_batched_tokens) == (32768, 512, 32768)
+    fd = make_fd_config(sc.settings(), recycle=True)
+    assert fd.reserve_output_pages is False and fd.scheduler_config.max_num_batched_tokens == 32768
