@@ -77,8 +77,17 @@ class ResourceManagerV1:
         self.max_num_seqs = fd_config.scheduler_config.max_num_seqs
         self.max_num_batched_tokens = fd_config.scheduler_config.max_num_batched_tokens
         self.max_model_len = fd_config.model_config.max_model_len
-        self.reserve_output_pages = fd_config.reserve_output_pages
+        self.admission_policy = fd_config.admission_policy
+        self.reserve_output_pages = self.admission_policy == "reserve"
+        self.projected = self.admission_policy == "projected"
         self.pages_per_rank = fd_config.cache_config.num_gpu_blocks * self.layout.heads_per_rank
+        self._capacity = [self.pages_per_rank] * self.layout.tensor_parallel_size
+        self._head_counts = self.layout.rank_head_counts()
+        # Projected admission keeps pages free for one full prefill chunk's transient on the recycling
+        # heads, so the request being prefilled is not squeezed into tiny chunks.
+        chunk_blocks = table_length(self.max_num_batched_tokens, self.block_size) + 1
+        self._headroom = [n_rec * chunk_blocks for _, n_rec in self._head_counts]
+        self._slack: Optional[list] = None  # projected: unreserved pages left this step (x block_size)
         self.waiting: collections.deque = collections.deque()
         self.running: list = []
         self.requests: dict = {}
@@ -89,6 +98,7 @@ class ResourceManagerV1:
         self._recycle_due: list = []
         self._sink_blocks = sink_blocks(self.layout.sink, self.block_size)
         self.num_preemptions_total = 0
+        self.recomputed_tokens_total = 0  # tokens computed again after a preemption dropped them
         self.swa_pages_recycled_total = 0
         self.prefix_caching = self.cache_manager.prefix_cache is not None
         self.prefix_cache_hit_tokens_total = 0
@@ -147,11 +157,14 @@ class ResourceManagerV1:
         self.recycle_out_of_window_pages()  # processed-token basis, before any allocation
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        self._slack = None
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new > 1:  # a prefill or recompute chunk; one token always fits (add_request checked it)
+                num_new = self._fit_chunk(request, num_new, len(self.running) - i - 1)
             while not self._grow_tables(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -166,6 +179,8 @@ class ResourceManagerV1:
             break  # the request preempted itself: nothing behind it is left running
 
         while self.waiting and not batch.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            if self.projected and len(self.running) >= self.max_num_batched_tokens:
+                break  # every running request must get a token each step (the projection counts on it)
             request = self.waiting[0]
             num_new = self._admit(request, budget)
             if num_new is None:
@@ -177,6 +192,29 @@ class ResourceManagerV1:
             budget -= num_new
         return batch
 
+    def _fit_chunk(self, request: Request, num_new: int, num_behind: int) -> int:
+        """Shrink a running request's chunk so its pages fit: the whole cache (every policy, so a
+        recompute chunk can always run on an idle cache), and for projected admission the pages no
+        running request has reserved, keeping one token of budget for each request behind it."""
+        n = request.num_computed_tokens
+        if not self.projected:
+            return max(1, self.layout.largest_chunk_within(n, num_new, self._capacity))
+        num_new = max(1, num_new - num_behind)
+        if num_new == 1:
+            return 1
+        own = self._projection(request, n)[0]
+        return self._take_transient(request, n, num_new, own)
+
+    def _take_transient(self, request: Request, n: int, num_new: int, own: list) -> int:
+        """Largest chunk <= num_new whose pages beyond the request's own reservation `own` (x bs, per
+        rank) fit the unreserved slack; at least one token, which never exceeds `own`."""
+        slack = self._unreserved_slack()
+        bs = self.block_size
+        limit = [(o + s) // bs for o, s in zip(own, slack)]
+        num_new = max(1, self.layout.largest_chunk_within(n, num_new, limit))
+        need = self.layout.pages_per_rank(n, num_new)
+        self._slack = [s - max(0, p * bs - o) for s, p, o in zip(slack, need, own)]
+        return num_new
     def update_from_output(self, batch: ScheduledBatch, sampled_token_ids: list,
                            sampled_logprobs: Optional[list] = None) -> list:
         """Advance every scheduled request; append sampled tokens; finish stopped requests.
@@ -190,6 +228,9 @@ class ResourceManagerV1:
             if request.is_finished:  # aborted between schedule and update
                 continue
             request.num_computed_tokens = scheduled.start + scheduled.num_tokens
+            if scheduled.start < request.computed_high_water:  # recomputing what a preemption dropped
+                self.recomputed_tokens_total += min(request.num_computed_tokens,
+                                                    request.computed_high_water) - scheduled.start
             if request.num_computed_tokens >= request.next_recycle_at and self._recycling_heads:
                 self._recycle_due.append(request)
             if self.prefix_caching and request.num_computed_tokens >= (request.num_registered_blocks + 1) * bs:
@@ -259,11 +300,19 @@ class ResourceManagerV1:
             if any(r + p > self.pages_per_rank for r, p in zip(self._reserved_per_rank, peak)):
                 return None
         hit = self._match_prefix(request) if self.prefix_caching else ()
-        num_new = min(request.num_tokens - len(hit) * self.block_size, budget)
+        start = len(hit) * self.block_size
+        own = None
+        if self.projected:
+            own = self._projected_admission(request, start)
+            if own is None:
+                return None
+        num_new = min(request.num_tokens - start, budget)
+        if num_new > 1:  # a chunk needs no more than the whole cache, whatever it recomputes
+            num_new = max(1, self.layout.largest_chunk_within(start, num_new, self._capacity))
         self._reset_tables(request)
         if hit:
             self._take_prefix(request, hit)
-        if not self.reserve_output_pages and self.running:
+        if self.admission_policy == "on_demand" and self.running:
             # Upstream admission: the first chunk plus FD_ENC_DEC_BLOCK_NUM blocks of decode headroom.
             headroom = self.fd_config.enc_dec_block_num * self.block_size
             need = self.layout.pages_per_rank(request.num_computed_tokens, num_new + headroom)
@@ -271,6 +320,8 @@ class ResourceManagerV1:
             if any(n - h > free for n, h, free in zip(need, held, self.cache_manager.free_pages_per_rank())):
                 self._release(request)  # drops the references the hit took
                 return None
+        if own is not None and num_new > 1:
+            num_new = self._take_transient(request, start, num_new, own)
         if not self._grow_tables(request, num_new):
             self._release(request)
             return None
@@ -282,6 +333,78 @@ class ResourceManagerV1:
             request.reserved_pages_per_rank = peak
             self._reserved_per_rank = [r + p for r, p in zip(self._reserved_per_rank, peak)]
         return num_new
+
+    # -- projected admission -------------------------------------------------------------------
+    # Every running request is guaranteed one token per step, so it finishes within L steps, where
+    # L = (tokens to compute at one per step). Its pages over those steps are bounded by a curve U(t):
+    # in decode (one token per step, exactly) the linear bound of pages_per_rank(n + t, 1); while it
+    # still prefills (it may run ahead of one token per step) the bound at its last position, flat.
+    # The invariant kept is sum over running requests of U(t) <= cache pages for every future step t:
+    # a step moves every curve at least one step left and never up, so it still holds after the step
+    # and no running request ever has to be preempted. Admission adds the newcomer's curve (plus one
+    # prefill chunk of headroom) only if the sum still fits at every step; since the curves grow at
+    # one slope and drop to 0 when a request ends, the sum peaks just before a request ends, so the
+    # check visits those L - 1 only. A prefill chunk beyond its curve takes the difference from the
+    # pages no curve claims this step (the slack), or shrinks.
+    def _projection(self, request: Request, n: int) -> tuple:
+        """(U(0) per rank x bs, L, x, y, decoding) for a request with `n` tokens computed: U(t) on a
+        rank with f keeping and r recycling heads is f * (x + t) + r * y (decoding) or f * x + r * y."""
+        total = request.num_tokens + request.max_new_tokens
+        last = total - 2  # position of the last one-token step (the last sampled token is never cached)
+        memo = request.projection_memo
+        if memo is None or memo[0] != last:
+            memo = request.projection_memo = (last, self.layout.recycling_head_bound(last))
+        y = memo[1]
+        decoding = n == request.num_tokens - 1
+        x = (n if decoding else last) + self.block_size
+        own = [f * x + r * y for f, r in self._head_counts]
+        return own, total - 1 - n, x, y, decoding
+
+    def _unreserved_slack(self) -> list:
+        """Pages (x bs, per rank) that no running request's curve claims now, less transients granted."""
+        if self._slack is None:
+            bs = self.block_size
+            slack = [c * bs for c in self._capacity]
+            for request in self.running:
+                own = self._projection(request, request.num_computed_tokens)[0]
+                slack = [s - o for s, o in zip(slack, own)]
+            self._slack = slack
+        return self._slack
+
+    def _projected_admission(self, request: Request, start: int) -> Optional[list]:
+        """The newcomer's U(0) if its curve fits beside the running ones now and at every future step;
+        None if it must wait. On an idle cache it is always admitted (add_request checked its peak)."""
+        own, *curve = self._projection(request, start)
+        slack = self._unreserved_slack()
+        if self.running:
+            if any(o > s for o, s in zip(own, slack)):
+                return None
+            if not self._curves_fit(curve, self._headroom):
+                return None
+        self._slack = [s - o for s, o in zip(slack, own)]
+        return own
+
+    def _curves_fit(self, extra: Optional[list], headroom: list) -> bool:
+        """Whether sum of U(t) over running requests (and `extra` = [L, x, y, decoding]) plus headroom
+        fits every rank at every future step."""
+        curves = [self._projection(r, r.num_computed_tokens)[1:] for r in self.running]
+        if extra is not None:
+            curves.append(tuple(extra))
+        curves.sort(key=lambda c: c[0], reverse=True)
+        bs = self.block_size
+        limits = [(c - h) * bs for c, h in zip(self._capacity, headroom)]
+        sum_x = sum_y = decoding = 0
+        for i, (steps, x, y, dec) in enumerate(curves):
+            sum_x += x
+            sum_y += y
+            decoding += dec
+            if i + 1 < len(curves) and curves[i + 1][0] == steps:
+                continue  # evaluate once per group of curves ending together
+            t = steps - 1
+            for (f, r), limit in zip(self._head_counts, limits):
+                if f * (sum_x + decoding * t) + r * sum_y > limit:
+                    return False
+        return True
 
     def _peak_pages(self, request: Request) -> list:
         # Memoised: a blocked queue head is re-checked every step and only changes when preempted.
@@ -373,6 +496,7 @@ class ResourceManagerV1:
 
     def _preempt(self, request: Request) -> None:
         """Free everything and queue the request first in line; it recomputes prompt + outputs."""
+        request.computed_high_water = max(request.computed_high_water, request.num_computed_tokens)
         self._release(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -390,6 +514,7 @@ class ResourceManagerV1:
             "num_requests_waiting": len(self.waiting),
             "swa_pages_recycled_total": self.swa_pages_recycled_total,
             "num_preemptions_total": self.num_preemptions_total,
+            "recomputed_tokens_total": self.recomputed_tokens_total,
             "prefix_cache_hit_tokens_total": self.prefix_cache_hit_tokens_total,
             "prefix_cache_query_tokens_total": self.prefix_cache_query_tokens_total,
             **cm.prefix_cache_stats(),
@@ -434,6 +559,9 @@ class ResourceManagerV1:
                 if cm.references(rank, page) != want:
                     raise AssertionError(f"rank {rank} page {page}: the cache manager records references "
                                          f"{set(cm.references(rank, page))}, block tables hold it for {set(want)}")
+        if self.projected and len(self.running) > 1 and not self._curves_fit(None, [0] * len(self._capacity)):
+            raise AssertionError("projected admission: the running requests' page curves overflow the cache "
+                                 "at some future step")
         if self.reserve_output_pages:
             sums = [0] * len(self._reserved_per_rank)
             for request in self.running:
