@@ -167,8 +167,8 @@ engine_shape = st.fixed_dictionaries({
     "block_size": st.sampled_from([3, 4, 8]),
     "window": st.integers(1, 30),
     "sink": st.integers(0, 9),
-    "chunk": st.sampled_from([1, 2, 5, 16, 64]),
-    "blocks": st.integers(10, 40),
+    "chunk": st.sampled_from([1, 2, 5, 16, 64, 256]),
+    "blocks": st.integers(6, 40),
     "prefix_caching": st.booleans(),
     "swa_heads": st.sampled_from([[0], [0, 3], [0, 1, 2, 3]]),
     "max_num_seqs": st.integers(1, 6),
@@ -178,7 +178,7 @@ engine_shape = st.fixed_dictionaries({
 def run_workload(cfg, jobs, seed):
     rng = random.Random(seed)
     rm = ResourceManagerV1(cfg)
-    families = [[rng.randrange(3, 250) for _ in range(80)] for _ in range(4)]
+    families = [[rng.randrange(3, 250) for _ in range(300)] for _ in range(4)]
     eos_after = {}
     pending = list(enumerate(jobs))
     total_tokens = sum(p + m for p, m, *_ in jobs)
@@ -218,7 +218,7 @@ def run_workload(cfg, jobs, seed):
 @pytest.mark.parametrize("mode,tp", [("head_wise_recycle_on", 1), ("head_wise_recycle_on", 2),
                                      ("head_wise_recycle_off", 1), ("1d", 1)])
 def test_random_workloads_always_progress(policy, mode, tp):
-    @settings(max_examples=20 if mode == "head_wise_recycle_on" else 8, deadline=None, derandomize=True,
+    @settings(max_examples=60 if mode == "head_wise_recycle_on" else 8, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow])
     @given(engine_shape, st.lists(job, min_size=1, max_size=10), st.integers(0, 2 ** 16))
     def run(shape, jobs, seed):
@@ -230,5 +230,25 @@ def test_random_workloads_always_progress(policy, mode, tp):
         rm = run_workload(cfg, jobs, seed)
         if policy != "on_demand":  # neither reservation policy ever preempts a request it admitted
             assert rm.num_preemptions_total == 0 and rm.recomputed_tokens_total == 0
+
+    run()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_tight_caches_with_a_late_preemption_always_progress(policy):
+    """The reproduction's family: a short prompt that decodes long beside a long prompt, in a cache
+    barely larger than their peaks, with whole-prompt chunks (so a recompute chunk can exceed it)."""
+    @settings(max_examples=40, deadline=None, derandomize=True)
+    @given(st.sampled_from([4, 8, 16]), st.integers(1, 40), st.integers(0, 9), st.integers(1, 20),
+           st.integers(50, 300), st.integers(50, 300), st.integers(20, 200), st.integers(0, 3), st.booleans())
+    def run(bs, window, sink, px, mx, pa, ma, extra, prefix_caching):
+        swa = {"sliding_window": window, "sink_size": sink, "swa_kv_heads": [0]}
+        layout = PageLayout(bs, 4, 1, (0,), window, sink, True)
+        peak = max(max(layout.peak_pages_per_rank(p, m, 2048)) for p, m in ((px, mx), (pa, ma)))
+        cfg = config(policy, block_size=bs, num_gpu_blocks_override=-(-peak // 4) + extra, max_model_len=640,
+                     max_num_batched_tokens=2048, enable_prefix_caching=prefix_caching, head_wise_swa_config=swa)
+        rm = run_workload(cfg, [(px, mx, 0, 0, None, None), (pa, ma, 1, 1, None, None)], 0)
+        if policy != "on_demand":
+            assert rm.num_preemptions_total == 0
 
     run()
