@@ -18,10 +18,10 @@ DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024
 CACHE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # reserve: a request is admitted only when its lifetime peak fits beside the others' (never preempted);
 # on_demand: upstream's first chunk + FD_ENC_DEC_BLOCK_NUM blocks, LIFO preemption and recompute;
-# projected: reserves each request's one-token-step page curve, projected over the steps it has left,
-# and lets prefill chunks borrow the unreserved rest (never preempted). See ResourceManagerV1.
+# projected (default): reserves each request's one-token-step page curve, projected over the steps it
+# has left, and lets prefill chunks borrow the unreserved rest (never preempted). See ResourceManagerV1.
 ADMISSION_POLICIES = ("reserve", "on_demand", "projected")
-DEFAULT_ADMISSION_POLICY = "reserve"
+DEFAULT_ADMISSION_POLICY = "projected"
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ def test_bench_offline_runs_both_arms_with_identical_tokens(tmp_path):
     for arm in ("off", "on"):  # per-arm memory use and recompute cost, for the admission policy in use
         assert 0 < result[f"avg_pages_{arm}"] <= result[f"peak_pages_{arm}"] <= result["pages_total"]
         assert result[f"preemptions_{arm}"] == 0 and result[f"recomputed_tokens_{arm}"] == 0
-    assert result["admission_policy"] == "reserve"
+    assert result["admission_policy"] == "projected"  # the default
 
 
 def test_bench_scheduler_prints_both_arms(tmp_path):

@@ -5,13 +5,22 @@ One `schedule()` call:
    processed) go back to the free lists and their table entries become -1;
 2. running requests (FCFS) get their next chunk or decode token under the token budget, growing
    their tables; if pages run out, the most recently admitted request is preempted (LIFO) and
-   recomputed later;
+   recomputed later (only on-demand admission ever gets there);
 3. waiting requests are admitted while slots, budget and pages allow.
 
-Admission reserves, by default, the most pages a request can ever hold (FD_RESERVE_OUTPUT_PAGES=1),
-computed by the same `PageLayout` arithmetic that drives recycling; a running request then never
-has to be preempted. With FD_RESERVE_OUTPUT_PAGES=0 admission follows upstream: the first chunk plus
-FD_ENC_DEC_BLOCK_NUM blocks of headroom, and preemption when decodes outgrow the cache.
+Every chunk, a recompute chunk of prompt + outputs included, is capped so `PageLayout.pages_needed`
+fits the whole cache: a one-token step of an accepted request always does (add_request checks its
+peak), so the cache is never idle while a request waits.
+
+Admission policies (FD_ADMISSION_POLICY / --admission-policy), all computed with the same
+`PageLayout` arithmetic that drives recycling:
+- projected (default): each running request holds a claim on the pages of its one-token steps over
+  the steps it has left; a newcomer is admitted while the claims' sum fits every future step, and
+  prefill chunks borrow the unclaimed rest (see "projected admission" below). Never preempts.
+- reserve (FD_RESERVE_OUTPUT_PAGES=1): the most pages a request can ever hold, prefill chunk
+  included, reserved for its whole life. Never preempts.
+- on_demand (FD_RESERVE_OUTPUT_PAGES=0): upstream's rule, the first chunk plus FD_ENC_DEC_BLOCK_NUM
+  blocks of headroom, and preemption when decodes outgrow the cache.
 
 Prefix caching (on by default): a waiting request first looks up its longest valid cached prefix
 (whole blocks, at most (num_tokens - 1) // block_size so at least one token is computed and no
@@ -19,9 +28,9 @@ shared block is ever written), references those pages, and starts its first chun
 rows get -1 for the blocks already dead at that point. Every block a request finishes computing is
 registered in the cache right after the step (update_from_output); releasing a request (finish,
 abort, preemption) only drops its references, so a preempted request finds its own blocks again.
-Reservation admission still reserves each request's whole peak, counting shared pages once per
-request: sharing only lowers what is really held, so the rule stays sound, and evictable cached
-pages count as free because allocation evicts them on demand.
+Reserve and projected admission count shared pages once per request that holds them: sharing only
+lowers what is really held, so the rules stay sound, and evictable cached pages count as free
+because allocation evicts them on demand.
 """
 
 from __future__ import annotations
@@ -83,10 +92,6 @@ class ResourceManagerV1:
         self.pages_per_rank = fd_config.cache_config.num_gpu_blocks * self.layout.heads_per_rank
         self._capacity = [self.pages_per_rank] * self.layout.tensor_parallel_size
         self._head_counts = self.layout.rank_head_counts()
-        # Projected admission keeps pages free for one full prefill chunk's transient on the recycling
-        # heads, so the request being prefilled is not squeezed into tiny chunks.
-        chunk_blocks = table_length(self.max_num_batched_tokens, self.block_size) + 1
-        self._headroom = [n_rec * chunk_blocks for _, n_rec in self._head_counts]
         self._slack: Optional[list] = None  # projected: unreserved pages left this step (x block_size)
         self.waiting: collections.deque = collections.deque()
         self.running: list = []
@@ -341,11 +346,12 @@ class ResourceManagerV1:
     # still prefills (it may run ahead of one token per step) the bound at its last position, flat.
     # The invariant kept is sum over running requests of U(t) <= cache pages for every future step t:
     # a step moves every curve at least one step left and never up, so it still holds after the step
-    # and no running request ever has to be preempted. Admission adds the newcomer's curve (plus one
-    # prefill chunk of headroom) only if the sum still fits at every step; since the curves grow at
+    # and no running request ever has to be preempted. Admission adds the newcomer's curve only if
+    # the sum still fits at every step; since the curves grow at
     # one slope and drop to 0 when a request ends, the sum peaks just before a request ends, so the
     # check visits those L - 1 only. A prefill chunk beyond its curve takes the difference from the
-    # pages no curve claims this step (the slack), or shrinks.
+    # pages no curve claims this step (the slack), or shrinks; a newcomer also needs the slack for
+    # its whole first chunk.
     def _projection(self, request: Request, n: int) -> tuple:
         """(U(0) per rank x bs, L, x, y, decoding) for a request with `n` tokens computed: U(t) on a
         rank with f keeping and r recycling heads is f * (x + t) + r * y (decoding) or f * x + r * y."""
@@ -377,22 +383,27 @@ class ResourceManagerV1:
         own, *curve = self._projection(request, start)
         slack = self._unreserved_slack()
         if self.running:
-            if any(o > s for o, s in zip(own, slack)):
+            # Its first chunk must run whole now (so admitting more never squeezes prefill into tiny
+            # chunks; later chunks find the same pages again once the SWA ones are recycled)...
+            first = min(request.num_tokens - start, self.max_num_batched_tokens)
+            need = self.layout.pages_per_rank(start, first)
+            bs = self.block_size
+            if any(max(o, p * bs) > s for o, p, s in zip(own, need, slack)):
                 return None
-            if not self._curves_fit(curve, self._headroom):
+            if not self._curves_fit(curve):  # ...and its curve must fit beside the others' for good
                 return None
         self._slack = [s - o for s, o in zip(slack, own)]
         return own
 
-    def _curves_fit(self, extra: Optional[list], headroom: list) -> bool:
-        """Whether sum of U(t) over running requests (and `extra` = [L, x, y, decoding]) plus headroom
-        fits every rank at every future step."""
+    def _curves_fit(self, extra: Optional[list] = None) -> bool:
+        """Whether sum of U(t) over running requests (and `extra` = [L, x, y, decoding]) fits every
+        rank at every future step."""
         curves = [self._projection(r, r.num_computed_tokens)[1:] for r in self.running]
         if extra is not None:
             curves.append(tuple(extra))
         curves.sort(key=lambda c: c[0], reverse=True)
         bs = self.block_size
-        limits = [(c - h) * bs for c, h in zip(self._capacity, headroom)]
+        limits = [c * bs for c in self._capacity]
         sum_x = sum_y = decoding = 0
         for i, (steps, x, y, dec) in enumerate(curves):
             sum_x += x
@@ -559,7 +570,7 @@ class ResourceManagerV1:
                 if cm.references(rank, page) != want:
                     raise AssertionError(f"rank {rank} page {page}: the cache manager records references "
                                          f"{set(cm.references(rank, page))}, block tables hold it for {set(want)}")
-        if self.projected and len(self.running) > 1 and not self._curves_fit(None, [0] * len(self._capacity)):
+        if self.projected and len(self.running) > 1 and not self._curves_fit():
             raise AssertionError("projected admission: the running requests' page curves overflow the cache "
                                  "at some future step")
         if self.reserve_output_pages:
