@@ -93,6 +93,7 @@ class ResourceManagerV1:
         self._capacity = [self.pages_per_rank] * self.layout.tensor_parallel_size
         self._head_counts = self.layout.rank_head_counts()
         self._slack: Optional[list] = None  # projected: unreserved pages left this step (x block_size)
+        self._curves: Optional[list] = None  # projected: the running requests' curves at this step's start
         self.waiting: collections.deque = collections.deque()
         self.running: list = []
         self.requests: dict = {}
@@ -162,7 +163,7 @@ class ResourceManagerV1:
         self.recycle_out_of_window_pages()  # processed-token basis, before any allocation
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        self._slack = None
+        self._slack = self._curves = None
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -207,7 +208,7 @@ class ResourceManagerV1:
         num_new = max(1, num_new - num_behind)
         if num_new == 1:
             return 1
-        own = self._projection(request, n)[0]
+        own = self._claim(self._curve(request, n))
         return self._take_transient(request, n, num_new, own)
 
     def _take_transient(self, request: Request, n: int, num_new: int, own: list) -> int:
@@ -352,35 +353,40 @@ class ResourceManagerV1:
     # check visits those L - 1 only. A prefill chunk beyond its curve takes the difference from the
     # pages no curve claims this step (the slack), or shrinks; a newcomer also needs the slack for
     # its whole first chunk.
-    def _projection(self, request: Request, n: int) -> tuple:
-        """(U(0) per rank x bs, L, x, y, decoding) for a request with `n` tokens computed: U(t) on a
-        rank with f keeping and r recycling heads is f * (x + t) + r * y (decoding) or f * x + r * y."""
+    def _curve(self, request: Request, n: int) -> tuple:
+        """(L, x, y, decoding) of a request with `n` tokens computed: its U(t) for t < L on a rank with
+        f keeping and r recycling heads is f * (x + t) + r * y when decoding, else f * x + r * y."""
         total = request.num_tokens + request.max_new_tokens
         last = total - 2  # position of the last one-token step (the last sampled token is never cached)
         memo = request.projection_memo
         if memo is None or memo[0] != last:
             memo = request.projection_memo = (last, self.layout.recycling_head_bound(last))
-        y = memo[1]
         decoding = n == request.num_tokens - 1
-        x = (n if decoding else last) + self.block_size
-        own = [f * x + r * y for f, r in self._head_counts]
-        return own, total - 1 - n, x, y, decoding
+        return total - 1 - n, (n if decoding else last) + self.block_size, memo[1], decoding
+
+    def _claim(self, curve: tuple) -> list:
+        """U(0) per rank (x block_size): the pages the curve claims now."""
+        _, x, y, _ = curve
+        return [f * x + r * y for f, r in self._head_counts]
 
     def _unreserved_slack(self) -> list:
         """Pages (x bs, per rank) that no running request's curve claims now, less transients granted."""
         if self._slack is None:
+            self._curves = self._running_curves()
+            sum_x = sum(c[1] for c in self._curves)
+            sum_y = sum(c[2] for c in self._curves)
             bs = self.block_size
-            slack = [c * bs for c in self._capacity]
-            for request in self.running:
-                own = self._projection(request, request.num_computed_tokens)[0]
-                slack = [s - o for s, o in zip(slack, own)]
-            self._slack = slack
+            self._slack = [c * bs - f * sum_x - r * sum_y for c, (f, r) in zip(self._capacity, self._head_counts)]
         return self._slack
+
+    def _running_curves(self) -> list:
+        return [self._curve(r, r.num_computed_tokens) for r in self.running]
 
     def _projected_admission(self, request: Request, start: int) -> Optional[list]:
         """The newcomer's U(0) if its curve fits beside the running ones now and at every future step;
         None if it must wait. On an idle cache it is always admitted (add_request checked its peak)."""
-        own, *curve = self._projection(request, start)
+        curve = self._curve(request, start)
+        own = self._claim(curve)
         slack = self._unreserved_slack()
         if self.running:
             # Its first chunk must run whole now (so admitting more never squeezes prefill into tiny
@@ -390,18 +396,15 @@ class ResourceManagerV1:
             bs = self.block_size
             if any(max(o, p * bs) > s for o, p, s in zip(own, need, slack)):
                 return None
-            if not self._curves_fit(curve):  # ...and its curve must fit beside the others' for good
+            if not self._curves_fit(self._curves + [curve]):  # ...and its curve must fit beside the others'
                 return None
         self._slack = [s - o for s, o in zip(slack, own)]
+        self._curves.append(curve)
         return own
 
-    def _curves_fit(self, extra: Optional[list] = None) -> bool:
-        """Whether sum of U(t) over running requests (and `extra` = [L, x, y, decoding]) fits every
-        rank at every future step."""
-        curves = [self._projection(r, r.num_computed_tokens)[1:] for r in self.running]
-        if extra is not None:
-            curves.append(tuple(extra))
-        curves.sort(key=lambda c: c[0], reverse=True)
+    def _curves_fit(self, curves: list) -> bool:
+        """Whether the sum of the curves U(t) (each [L, x, y, decoding]) fits every rank at every future step."""
+        curves = sorted(curves, key=lambda c: c[0], reverse=True)
         bs = self.block_size
         limits = [c * bs for c in self._capacity]
         sum_x = sum_y = decoding = 0
@@ -570,7 +573,7 @@ class ResourceManagerV1:
                 if cm.references(rank, page) != want:
                     raise AssertionError(f"rank {rank} page {page}: the cache manager records references "
                                          f"{set(cm.references(rank, page))}, block tables hold it for {set(want)}")
-        if self.projected and len(self.running) > 1 and not self._curves_fit():
+        if self.projected and len(self.running) > 1 and not self._curves_fit(self._running_curves()):
             raise AssertionError("projected admission: the running requests' page curves overflow the cache "
                                  "at some future step")
         if self.reserve_output_pages:
