@@ -101,3 +101,38 @@ def test_projected_fills_the_cache_when_every_head_slides(monkeypatch):
         seen[policy] = (peak_running, peak_used / rm.cache_manager.num_total_pages)
     assert seen["projected"][0] > seen["reserve"][0]
     assert seen["projected"][1] >= 0.9 > seen["reserve"][1], seen
+
+
+def brute_force_fits(rm, curves):
+    """Sum of every curve's U(t) at every step t, against the cache (what _curves_fit computes in closed form)."""
+    horizon = max(c[0] for c in curves)
+    for t in range(horizon):
+        total = [0] * len(rm._capacity)
+        for steps, x, y, decoding, rounding in curves:
+            if t >= steps:
+                continue
+            xt = min(x + t, x + steps - 1 - rounding) if decoding else x
+            total = [a + f * xt + r * y for a, (f, r) in zip(total, rm._head_counts)]
+        if any(a > c * rm.block_size for a, c in zip(total, rm._capacity)):
+            return False
+    return True
+
+
+def test_the_closed_form_curve_check_equals_summing_every_step(monkeypatch):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")
+    swa = {"sliding_window": 20, "sink_size": 3, "swa_kv_heads": [0, 3]}
+    managers = [ResourceManagerV1(build(monkeypatch, policy_env="projected", block_size=bs, num_gpu_blocks_override=blocks,
+                                        tensor_parallel_size=tp, head_wise_swa_config=swa))
+                for bs, blocks, tp in ((4, 30, 1), (8, 12, 2), (1, 200, 1))]
+    curve = st.tuples(st.integers(1, 60), st.integers(0, 200), st.integers(0, 40), st.booleans(), st.integers(0, 7))
+
+    @settings(max_examples=300, deadline=None, derandomize=True)
+    @given(st.sampled_from(managers), st.lists(curve, min_size=1, max_size=10))
+    def run(rm, curves):
+        curves = [(s, x, y, d, min(e, rm.block_size - 1) if d else 0) for s, x, y, d, e in curves]
+        assert rm._curves_fit(curves) == brute_force_fits(rm, curves)
+
+    run()

@@ -36,6 +36,7 @@ because allocation evicts them on demand.
 from __future__ import annotations
 
 import collections
+import heapq
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -354,29 +355,37 @@ class ResourceManagerV1:
     # pages no curve claims this step (the slack), or shrinks; a newcomer also needs the slack for
     # its whole first chunk.
     def _curve(self, request: Request, n: int) -> tuple:
-        """(L, x, y, decoding) of a request with `n` tokens computed: its U(t) for t < L on a rank with
-        f keeping and r recycling heads is f * (x + t) + r * y when decoding, else f * x + r * y."""
+        """(L, x, y, decoding, rounding) of a request with `n` tokens computed. On a rank with f keeping
+        and r recycling heads its U(t), t < L, is f * min(x + t, x + L - 1 - rounding) + r * y when
+        decoding (the linear bound, capped at the exact table length of its last step), else
+        f * x + r * y with x that exact last-step value."""
         total = request.num_tokens + request.max_new_tokens
         last = total - 2  # position of the last one-token step (the last sampled token is never cached)
         memo = request.projection_memo
         if memo is None or memo[0] != last:
-            memo = request.projection_memo = (last, self.layout.recycling_head_bound(last))
-        decoding = n == request.num_tokens - 1
-        return total - 1 - n, (n if decoding else last) + self.block_size, memo[1], decoding
+            bs = self.block_size
+            peak = bs * table_length(last + 1, bs)
+            memo = request.projection_memo = (last, self.layout.recycling_head_bound(last), peak, last + bs - peak)
+        _, y, peak, rounding = memo
+        if n == request.num_tokens - 1:  # decoding: exactly one position per step from here
+            return total - 1 - n, n + self.block_size, y, True, rounding
+        return total - 1 - n, peak, y, False, 0
 
     def _claim(self, curve: tuple) -> list:
         """U(0) per rank (x block_size): the pages the curve claims now."""
-        _, x, y, _ = curve
+        steps, x, y, _, rounding = curve
+        x = min(x, x + steps - 1 - rounding)
         return [f * x + r * y for f, r in self._head_counts]
 
     def _unreserved_slack(self) -> list:
         """Pages (x bs, per rank) that no running request's curve claims now, less transients granted."""
         if self._slack is None:
             self._curves = self._running_curves()
-            sum_x = sum(c[1] for c in self._curves)
-            sum_y = sum(c[2] for c in self._curves)
             bs = self.block_size
-            self._slack = [c * bs - f * sum_x - r * sum_y for c, (f, r) in zip(self._capacity, self._head_counts)]
+            slack = [c * bs for c in self._capacity]
+            for curve in self._curves:
+                slack = [s - o for s, o in zip(slack, self._claim(curve))]
+            self._slack = slack
         return self._slack
 
     def _running_curves(self) -> list:
@@ -403,20 +412,35 @@ class ResourceManagerV1:
         return own
 
     def _curves_fit(self, curves: list) -> bool:
-        """Whether the sum of the curves U(t) (each [L, x, y, decoding]) fits every rank at every future step."""
+        """Whether the sum of the curves U(t) (see _curve) fits every rank at every future step.
+
+        Between two request ends the sum only grows, so it is checked just before each end (t = L - 1),
+        in closed form: the linear parts sum up, less what the decoding curves already capped at t have
+        above their cap. A decoding curve is capped from t = D - 1 on, D = L - rounding; at t = L' - 1
+        it lies L' - D above its cap when D < L'. Scanning the ends latest first, L' only falls, so a
+        heap of the capped curves' D keeps that sum (count * L' - sum of D) in O(n log n)."""
         curves = sorted(curves, key=lambda c: c[0], reverse=True)
         bs = self.block_size
         limits = [c * bs for c in self._capacity]
         sum_x = sum_y = decoding = 0
-        for i, (steps, x, y, dec) in enumerate(curves):
+        capped, capped_count, capped_sum = [], 0, 0  # max-heap (negated) of D of the capped curves
+        for i, (steps, x, y, dec, rounding) in enumerate(curves):
             sum_x += x
             sum_y += y
-            decoding += dec
+            if dec:
+                decoding += 1
+                if rounding:
+                    heapq.heappush(capped, rounding - steps)
+                    capped_count, capped_sum = capped_count + 1, capped_sum + steps - rounding
             if i + 1 < len(curves) and curves[i + 1][0] == steps:
                 continue  # evaluate once per group of curves ending together
+            while capped and -capped[0] >= steps:  # D >= L': no longer above its cap at t = L' - 1
+                d = -heapq.heappop(capped)
+                capped_count, capped_sum = capped_count - 1, capped_sum - d
             t = steps - 1
+            above = capped_count * steps - capped_sum
             for (f, r), limit in zip(self._head_counts, limits):
-                if f * (sum_x + decoding * t) + r * sum_y > limit:
+                if f * (sum_x + decoding * t - above) + r * sum_y > limit:
                     return False
         return True
 
