@@ -411,7 +411,7 @@ class ResourceManagerV1:
         self._curves.append(curve)
         return own
 
-    def _curves_fit(self, curves: list) -> bool:
+    def _curves_fit(self, curves: list, limits: Optional[list] = None) -> bool:
         """Whether the sum of the curves U(t) (see _curve) fits every rank at every future step.
 
         Between two request ends the sum only grows, so it is checked just before each end (t = L - 1),
@@ -420,8 +420,8 @@ class ResourceManagerV1:
         it lies L' - D above its cap when D < L'. Scanning the ends latest first, L' only falls, so a
         heap of the capped curves' D keeps that sum (count * L' - sum of D) in O(n log n)."""
         curves = sorted(curves, key=lambda c: c[0], reverse=True)
-        bs = self.block_size
-        limits = [c * bs for c in self._capacity]
+        if limits is None:
+            limits = [c * self.block_size for c in self._capacity]
         sum_x = sum_y = decoding = 0
         capped, capped_count, capped_sum = [], 0, 0  # max-heap (negated) of D of the capped curves
         for i, (steps, x, y, dec, rounding) in enumerate(curves):
