@@ -85,6 +85,10 @@ def test_issue_13_reproduction_finishes_both_requests_in_the_scheduler(policy, p
     if policy == "on_demand":
         assert rm.num_preemptions_total >= 1  # the scenario does preempt A late in its decode
         assert rm.recomputed_tokens_total > 400  # ...which recomputes its prompt and outputs
+        from fastdeploy.entrypoints.openai.metrics import ServerMetrics, parse_prometheus_text
+
+        scraped = parse_prometheus_text(ServerMetrics().render(rm.stats(), 0))
+        assert scraped["fastdeploy:recomputed_tokens_total"] == rm.recomputed_tokens_total
     else:
         assert rm.num_preemptions_total == 0 and rm.recomputed_tokens_total == 0
 
