@@ -94,7 +94,8 @@ def run_arm(name: str, recycle: bool, args, prompts) -> dict:
     # Time-averaged pages in use: each step's pages weighted by how long that step took.
     avg_pages = sum(used * (t - prev) for (t, _, used), prev in zip(timeline, [0.0] + [p[0] for p in timeline]))
     avg_pages /= elapsed
-    return {"avg_pages": avg_pages, "recomputed_tokens": stats["recomputed_tokens_total"], "throughput": out_tokens / elapsed, "elapsed_s": elapsed, "output_tokens": out_tokens,
+    return {"avg_pages": avg_pages, "recomputed_tokens": stats["recomputed_tokens_total"],
+            "throughput": out_tokens / elapsed, "elapsed_s": elapsed, "output_tokens": out_tokens,
             "peak_running": peak_running, "peak_pages": peak_pages, "pages_total": total, "steps": steps,
             "swa_pages_recycled": stats["swa_pages_recycled_total"], "preemptions": stats["num_preemptions_total"],
             "tokens": [tokens[f"{name}-{i}"] for i in range(len(prompts))], "timeline": timeline}
@@ -123,7 +124,8 @@ def main(argv=None) -> int:
     target = 1 + 0.9 * (ceiling - 1)
     identical = off["tokens"] == on["tokens"]
 
-    print(f"\nadmission policy: {cfg.admission_policy}; pages in use: peak and time-averaged, % of {off['pages_total']}")
+    print(f"\nadmission policy: {cfg.admission_policy}; pages in use: peak and time-averaged, "
+          f"% of {off['pages_total']}")
     print(f"{'arm':<14}{'out tok/s':>11}{'elapsed s':>11}{'peak running':>14}{'peak pages':>12}{'avg pages':>11}"
           f"{'steps':>8}{'preemptions':>13}{'recomputed':>12}")
     for name, r in (("recycle OFF", off), ("recycle ON", on)):

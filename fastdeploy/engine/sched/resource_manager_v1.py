@@ -222,6 +222,7 @@ class ResourceManagerV1:
         need = self.layout.pages_per_rank(n, num_new)
         self._slack = [s - max(0, p * bs - o) for s, p, o in zip(slack, need, own)]
         return num_new
+
     def update_from_output(self, batch: ScheduledBatch, sampled_token_ids: list,
                            sampled_logprobs: Optional[list] = None) -> list:
         """Advance every scheduled request; append sampled tokens; finish stopped requests.
@@ -344,16 +345,14 @@ class ResourceManagerV1:
     # -- projected admission -------------------------------------------------------------------
     # Every running request is guaranteed one token per step, so it finishes within L steps, where
     # L = (tokens to compute at one per step). Its pages over those steps are bounded by a curve U(t):
-    # in decode (one token per step, exactly) the linear bound of pages_per_rank(n + t, 1); while it
-    # still prefills (it may run ahead of one token per step) the bound at its last position, flat.
-    # The invariant kept is sum over running requests of U(t) <= cache pages for every future step t:
-    # a step moves every curve at least one step left and never up, so it still holds after the step
-    # and no running request ever has to be preempted. Admission adds the newcomer's curve only if
-    # the sum still fits at every step; since the curves grow at
-    # one slope and drop to 0 when a request ends, the sum peaks just before a request ends, so the
-    # check visits those L - 1 only. A prefill chunk beyond its curve takes the difference from the
-    # pages no curve claims this step (the slack), or shrinks; a newcomer also needs the slack for
-    # its whole first chunk.
+    # in decode (one position per step, exactly) a linear bound of pages_per_rank(n + t, 1), capped
+    # at its last step's need; while it still prefills (it may run ahead of one token per step) that
+    # last step's need, flat. The invariant kept: the running requests' U(t) sum to at most the cache
+    # at every future step t. A step moves every curve at least one step left and never up, so the
+    # invariant survives it and no running request ever has to be preempted. Admission adds the
+    # newcomer's curve only if the sum still fits at every step. A prefill chunk beyond its curve
+    # takes the difference from the pages no curve claims this step (the slack), or shrinks; a
+    # newcomer also needs the slack for its whole first chunk.
     def _curve(self, request: Request, n: int) -> tuple:
         """(L, x, y, decoding, rounding) of a request with `n` tokens computed. On a rank with f keeping
         and r recycling heads its U(t), t < L, is f * min(x + t, x + L - 1 - rounding) + r * y when
