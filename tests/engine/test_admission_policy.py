@@ -90,7 +90,7 @@ def test_projected_fills_the_cache_when_every_head_slides(monkeypatch):
         rm = ResourceManagerV1(build(monkeypatch, policy_env=policy, block_size=8, num_gpu_blocks_override=300,
                                      max_num_batched_tokens=64, max_num_seqs=64, max_model_len=512,
                                      head_wise_swa_config=swa))
-        for i in range(60):
+        for i in range(24):
             rm.add_request(request(f"r{i}", 250, 200, token=3 + i))  # distinct prompts: no prefix hits
         peak_running = peak_used = 0
         while rm.has_unfinished_requests():
