@@ -40,7 +40,10 @@ def env(**flags):
 
 def config(policy, mode="head_wise_recycle_on", **kwargs):
     head_wise, recycle = MODES[mode]
-    with env(FD_HEAD_WISE_KV_CACHE=head_wise, FD_HEAD_WISE_SWA_RECYCLE=recycle, FD_ADMISSION_POLICY=policy):
+    # The legacy flag too, so the same test runs on an engine that predates FD_ADMISSION_POLICY.
+    legacy = "0" if policy == "on_demand" else "1"
+    with env(FD_HEAD_WISE_KV_CACHE=head_wise, FD_HEAD_WISE_SWA_RECYCLE=recycle, FD_ADMISSION_POLICY=policy,
+             FD_RESERVE_OUTPUT_PAGES=legacy):
         return EngineArgs(**kwargs).create_engine_config()
 
 
