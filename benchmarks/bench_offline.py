@@ -42,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--cache-dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--admission-policy", choices=["reserve", "on_demand", "projected"], default=None,
+                   help="admission policy of both arms (default: FD_ADMISSION_POLICY, else the engine's default)")
     p.add_argument("--json", type=str, default=None, help="write the results (docs/benchmarks.md keys) here")
     return p.parse_args(argv)
 
@@ -51,7 +53,7 @@ def engine_args(args) -> dict:
     blocks = args.num_gpu_blocks_override or args.concurrency_off * math.ceil(cached / args.block_size)
     return dict(model=args.model, block_size=args.block_size, num_gpu_blocks_override=blocks,
                 max_num_seqs=args.max_num_seqs,
-                cache_dtype=args.cache_dtype,
+                cache_dtype=args.cache_dtype, admission_policy=args.admission_policy,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.input_len + args.output_len + args.block_size,
                 head_wise_swa_config={"sliding_window": args.window, "sink_size": args.sink,
@@ -94,7 +96,11 @@ def run_arm(name: str, recycle: bool, args, prompts) -> dict:
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(t) for t in tokens.values())
     stats = engine.get_stats()
-    return {"throughput": out_tokens / elapsed, "elapsed_s": elapsed, "output_tokens": out_tokens,
+    # Time-averaged pages in use: each step's pages weighted by how long that step took.
+    avg_pages = sum(used * (t - prev) for (t, _, used), prev in zip(timeline, [0.0] + [p[0] for p in timeline]))
+    avg_pages /= elapsed
+    return {"avg_pages": avg_pages, "recomputed_tokens": stats["recomputed_tokens_total"],
+            "throughput": out_tokens / elapsed, "elapsed_s": elapsed, "output_tokens": out_tokens,
             "peak_running": peak_running, "peak_pages": peak_pages, "pages_total": total, "steps": steps,
             "swa_pages_recycled": stats["swa_pages_recycled_total"], "preemptions": stats["num_preemptions_total"],
             "tokens": [tokens[f"{name}-{i}"] for i in range(len(prompts))], "timeline": timeline}
@@ -123,10 +129,15 @@ def main(argv=None) -> int:
     target = 1 + 0.9 * (ceiling - 1)
     identical = off["tokens"] == on["tokens"]
 
-    print(f"\n{'arm':<14}{'out tok/s':>11}{'elapsed s':>11}{'peak running':>14}{'peak pages':>12}{'steps':>8}")
+    print(f"\nadmission policy: {cfg.admission_policy}; pages in use: peak and time-averaged, "
+          f"% of {off['pages_total']}")
+    print(f"{'arm':<14}{'out tok/s':>11}{'elapsed s':>11}{'peak running':>14}{'peak pages':>12}{'avg pages':>11}"
+          f"{'steps':>8}{'preemptions':>13}{'recomputed':>12}")
     for name, r in (("recycle OFF", off), ("recycle ON", on)):
+        total = r["pages_total"]
         print(f"{name:<14}{r['throughput']:>11.1f}{r['elapsed_s']:>11.2f}{r['peak_running']:>14}"
-              f"{r['peak_pages']:>12}{r['steps']:>8}")
+              f"{r['peak_pages'] / total:>12.1%}{r['avg_pages'] / total:>11.1%}{r['steps']:>8}"
+              f"{r['preemptions']:>13}{r['recomputed_tokens']:>12}")
     print(f"\ngain ON/OFF = {gain:.3f}   ceiling = {ceiling:.3f}   target (1 + 0.9 x (ceiling - 1)) = {target:.3f}"
           f"   -> {'met' if gain >= target else 'NOT met'}")
     print(f"peak running ratio = {on['peak_running'] / off['peak_running']:.3f} (predicted "
@@ -144,6 +155,10 @@ def main(argv=None) -> int:
                   "ceiling": ceiling, "target": target, "peak_running_off": off["peak_running"],
                   "peak_running_on": on["peak_running"], "peak_pages_off": off["peak_pages"],
                   "peak_pages_on": on["peak_pages"], "steps_off": off["steps"], "steps_on": on["steps"],
+                  "admission_policy": cfg.admission_policy, "pages_total": off["pages_total"],
+                  "avg_pages_off": off["avg_pages"], "avg_pages_on": on["avg_pages"],
+                  "preemptions_off": off["preemptions"], "preemptions_on": on["preemptions"],
+                  "recomputed_tokens_off": off["recomputed_tokens"], "recomputed_tokens_on": on["recomputed_tokens"],
                   "steps_ratio": steps_ratio, "step_time_ratio": step_time_ratio,
                   "identical_tokens": identical, "args": vars(args)}
         with open(args.json, "w") as f:

@@ -43,6 +43,12 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024
 CACHE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# reserve: a request is admitted only when its lifetime peak fits beside the others' (never preempted);
+# on_demand: upstream's first chunk + FD_ENC_DEC_BLOCK_NUM blocks, LIFO preemption and recompute;
+# projected (default): reserves each request's one-token-step page curve, projected over the steps it
+# has left, and lets prefill chunks borrow the unreserved rest (never preempted). See ResourceManagerV1.
+ADMISSION_POLICIES = ("reserve", "on_demand", "projected")
+DEFAULT_ADMISSION_POLICY = "projected"
 
 
 @dataclass(frozen=True)
@@ -347,7 +353,7 @@ class FDConfig:
     parallel_config: ParallelConfig
     head_wise_kv_cache: bool = False
     swa_recycle: bool = True
-    reserve_output_pages: bool = True
+    admission_policy: str = DEFAULT_ADMISSION_POLICY
     enc_dec_block_num: int = 2
     attention_backend: str = "APPEND_ATTN"
 
@@ -356,8 +362,12 @@ class FDConfig:
         self._resolve_num_blocks()
         self._fit_max_model_len()
 
+    @property
+    def reserve_output_pages(self) -> bool:
+        return self.admission_policy == "reserve"
+
     @classmethod
-    def from_env(cls, **parts: Any) -> "FDConfig":
+    def from_env(cls, admission_policy: Optional[str] = None, **parts: Any) -> "FDConfig":
         """Snapshot the env flags now; later changes to the environment do not affect this config."""
         if envs.ENABLE_V1_KVCACHE_SCHEDULER != 1:
             raise ValueError("ENABLE_V1_KVCACHE_SCHEDULER=0: this engine only has the V1 KV-cache scheduler; "
@@ -366,7 +376,7 @@ class FDConfig:
         return cls(
             head_wise_kv_cache=head_wise,
             swa_recycle=_bool_flag("FD_HEAD_WISE_SWA_RECYCLE", envs.FD_HEAD_WISE_SWA_RECYCLE),
-            reserve_output_pages=_bool_flag("FD_RESERVE_OUTPUT_PAGES", envs.FD_RESERVE_OUTPUT_PAGES),
+            admission_policy=_admission_policy(admission_policy),
             enc_dec_block_num=envs.FD_ENC_DEC_BLOCK_NUM,
             attention_backend=envs.FD_ATTENTION_BACKEND,
             **parts,
@@ -394,6 +404,9 @@ class FDConfig:
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < model.max_model_len:
             raise ValueError(f"max_num_batched_tokens={sched.max_num_batched_tokens} is smaller than max_model_len="
                              f"{model.max_model_len}; enable chunked prefill or raise it")
+        if self.admission_policy not in ADMISSION_POLICIES:
+            raise ValueError(f"admission_policy (FD_ADMISSION_POLICY / --admission-policy) must be one of "
+                             f"{', '.join(ADMISSION_POLICIES)}, got {self.admission_policy!r}")
         if self.enc_dec_block_num < 0:
             raise ValueError(f"FD_ENC_DEC_BLOCK_NUM must be >= 0, got {self.enc_dec_block_num}")
         if self.head_wise_kv_cache:
@@ -482,3 +495,14 @@ def _bool_flag(name: str, value: int) -> bool:
     if value not in (0, 1):
         raise ValueError(f"environment variable {name}={value} must be 0 or 1")
     return bool(value)
+
+
+def _admission_policy(cli_value: Optional[str]) -> str:
+    """The engine arg, else FD_ADMISSION_POLICY, else the legacy FD_RESERVE_OUTPUT_PAGES if set, else the default."""
+    if cli_value is not None:
+        return str(cli_value).strip().lower().replace("-", "_")
+    if envs.FD_ADMISSION_POLICY is not None:
+        return envs.FD_ADMISSION_POLICY
+    if os.getenv("FD_RESERVE_OUTPUT_PAGES", "").strip():
+        return "reserve" if _bool_flag("FD_RESERVE_OUTPUT_PAGES", envs.FD_RESERVE_OUTPUT_PAGES) else "on_demand"
+    return DEFAULT_ADMISSION_POLICY

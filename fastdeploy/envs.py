@@ -57,7 +57,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Blocks of decode headroom a request must find free to be admitted (on-demand admission only).
     "FD_ENC_DEC_BLOCK_NUM": _int_flag("FD_ENC_DEC_BLOCK_NUM", "2"),
     # 1: admit a request only if the pages of its whole life fit (no preemption); 0: upstream on-demand admission.
+    # Legacy alias, read only when FD_ADMISSION_POLICY is unset (1 = reserve, 0 = on_demand).
     "FD_RESERVE_OUTPUT_PAGES": _int_flag("FD_RESERVE_OUTPUT_PAGES", "1"),
+    # Admission policy: reserve, on_demand or projected (see fastdeploy/config.py); unset = the default.
+    "FD_ADMISSION_POLICY": lambda: os.getenv("FD_ADMISSION_POLICY", "").strip().lower().replace("-", "_") or None,
     # Attention backend: APPEND_ATTN (paged custom op) or NATIVE_ATTN (dense reference, the oracle).
     "FD_ATTENTION_BACKEND": _choice_flag("FD_ATTENTION_BACKEND", "APPEND_ATTN", ("APPEND_ATTN", "NATIVE_ATTN")),
     # Seconds between the engine's periodic status log lines (0 disables them).

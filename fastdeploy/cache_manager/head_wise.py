@@ -13,6 +13,7 @@ recycling all go through `PageLayout`, so they cannot disagree about how many pa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 
 def cdiv(a: int, b: int) -> int:
@@ -128,6 +129,44 @@ class PageLayout:
         """Live pages a request needs on each rank for that step."""
         full, recycling = self.pages_needed(num_processed, num_new)
         return [n_full * full + n_rec * recycling for n_full, n_rec in self.rank_head_counts()]
+
+    def largest_chunk_within(self, num_processed: int, num_new: int, limit_per_rank: list) -> int:
+        """Most tokens (at most `num_new`) a step starting at `n` may compute while
+        `pages_per_rank(n, c)` stays within `limit_per_rank` on every rank; 0 if not even one fits.
+
+        The need grows with c only through the table length F = ceil((n + c) / bs); the dead blocks
+        are fixed by n. So on a rank with f keeping and r recycling heads the bound is
+        (f + r) * F - r * dead(n) <= limit, i.e. F <= (limit + r * dead(n)) // (f + r).
+        """
+        if num_new <= 0:
+            return 0
+        dead = self.dead_blocks(num_processed)
+        best = num_new
+        for (n_full, n_rec), limit in zip(self.rank_head_counts(), limit_per_rank):
+            max_len = (limit + n_rec * dead) // (n_full + n_rec)
+            best = min(best, max_len * self.block_size - num_processed)
+        return max(0, best)
+
+    @cached_property
+    def recycling_live_max(self) -> int:
+        """Most pages a recycling head holds in any one-token step: sink blocks plus the window's span.
+
+        Past the window the count repeats with period block_size, so one period beyond it suffices.
+        """
+        if not self.recycle:
+            return 0
+        horizon = self.window + sink_blocks(self.sink, self.block_size) * self.block_size + 2 * self.block_size
+        return max(table_length(m + 1, self.block_size) - self.dead_blocks(m) for m in range(horizon))
+
+    def recycling_head_bound(self, last_position: int) -> int:
+        """`y` of the linear bound on one-token steps of a request whose last step is at `last_position`.
+
+        For every position m <= last_position, on a rank with f keeping and r recycling heads:
+        block_size * sum(pages_per_rank(m, 1)) <= f * (m + block_size) + r * y. The bound is
+        non-decreasing in m and exact up to rounding (ceil((m+1)/bs) <= (m+bs)/bs); the admission
+        projection sums it over requests in closed form.
+        """
+        return self.block_size * min(table_length(last_position + 1, self.block_size), self.recycling_live_max)
 
     def step_shapes(self, prompt_len: int, max_new_tokens: int, max_chunk: int):
         """(n, num_new) of the steps at which a request's page need can peak.

@@ -6,7 +6,8 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
-from fastdeploy.config import COMPUTE_DTYPES, CacheConfig, FDConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from fastdeploy.config import (ADMISSION_POLICIES, COMPUTE_DTYPES, DEFAULT_ADMISSION_POLICY, CacheConfig, FDConfig,
+                               ModelConfig, ParallelConfig, SchedulerConfig)
 
 
 @dataclass
@@ -25,6 +26,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     head_wise_swa_config: Union[None, str, dict] = None
     dtype: str = "auto"
+    admission_policy: Optional[str] = None  # None: FD_ADMISSION_POLICY, else FD_RESERVE_OUTPUT_PAGES, else default
 
     def create_engine_config(self) -> FDConfig:
         """Validate every flag (env flags included) and build the config; raises ValueError naming the field."""
@@ -45,6 +47,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            admission_policy=self.admission_policy,
         )
 
     @staticmethod
@@ -82,6 +85,10 @@ class EngineArgs:
         g.add_argument("--head-wise-swa-config", type=str, default=None,
                        help='JSON {"sliding_window": W, "sink_size": S, "swa_kv_heads": [..]}; '
                             "overrides the model's head_wise_swa section")
+        g.add_argument("--admission-policy", choices=list(ADMISSION_POLICIES), default=d.admission_policy,
+                       help="when a waiting request may start: reserve (its lifetime peak pages), on_demand "
+                            "(upstream: first chunk, preempt when short) or projected (page curves of the "
+                            f"running requests); default: FD_ADMISSION_POLICY, else {DEFAULT_ADMISSION_POLICY}")
         return parser
 
     @classmethod

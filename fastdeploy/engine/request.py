@@ -154,6 +154,8 @@ class Request:
         self.prefix_match: Optional[tuple] = None
         self.num_cached_tokens = 0
         self.peak_memo: Optional[tuple] = None  # ((num_tokens, max_new), peak pages per rank)
+        self.projection_memo: Optional[tuple] = None  # (last position, recycling-head page bound x bs)
+        self.computed_high_water = 0  # most tokens ever computed; a preemption makes it recompute them
         self.generator = None  # numpy Generator for sampling, set by the engine (seeded or not)
         self.detokenize_state = [0, ""]  # incremental detokenization: [tokens decoded, their text]
         self.stop_checked = 0  # characters of the output text searched for stop strings so far

@@ -27,6 +27,10 @@ def test_bench_offline_runs_both_arms_with_identical_tokens(tmp_path):
         assert key in result
     assert result["identical_tokens"] is True
     assert result["peak_running_on"] / result["peak_running_off"] == pytest.approx(result["ceiling"])
+    for arm in ("off", "on"):  # per-arm memory use and recompute cost, for the admission policy in use
+        assert 0 < result[f"avg_pages_{arm}"] <= result[f"peak_pages_{arm}"] <= result["pages_total"]
+        assert result[f"preemptions_{arm}"] == 0 and result[f"recomputed_tokens_{arm}"] == 0
+    assert result["admission_policy"] == "projected"  # the default
 
 
 def test_bench_offline_runs_the_moe_miniature(tmp_path):

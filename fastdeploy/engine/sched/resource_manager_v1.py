@@ -5,13 +5,22 @@ One `schedule()` call:
    processed) go back to the free lists and their table entries become -1;
 2. running requests (FCFS) get their next chunk or decode token under the token budget, growing
    their tables; if pages run out, the most recently admitted request is preempted (LIFO) and
-   recomputed later;
+   recomputed later (only on-demand admission ever gets there);
 3. waiting requests are admitted while slots, budget and pages allow.
 
-Admission reserves, by default, the most pages a request can ever hold (FD_RESERVE_OUTPUT_PAGES=1),
-computed by the same `PageLayout` arithmetic that drives recycling; a running request then never
-has to be preempted. With FD_RESERVE_OUTPUT_PAGES=0 admission follows upstream: the first chunk plus
-FD_ENC_DEC_BLOCK_NUM blocks of headroom, and preemption when decodes outgrow the cache.
+Every chunk, a recompute chunk of prompt + outputs included, is capped so `PageLayout.pages_needed`
+fits the whole cache: a one-token step of an accepted request always does (add_request checks its
+peak), so the cache is never idle while a request waits.
+
+Admission policies (FD_ADMISSION_POLICY / --admission-policy), all computed with the same
+`PageLayout` arithmetic that drives recycling:
+- projected (default): each running request holds a claim on the pages of its one-token steps over
+  the steps it has left; a newcomer is admitted while the claims' sum fits every future step, and
+  prefill chunks borrow the unclaimed rest (see "projected admission" below). Never preempts.
+- reserve (FD_RESERVE_OUTPUT_PAGES=1): the most pages a request can ever hold, prefill chunk
+  included, reserved for its whole life. Never preempts.
+- on_demand (FD_RESERVE_OUTPUT_PAGES=0): upstream's rule, the first chunk plus FD_ENC_DEC_BLOCK_NUM
+  blocks of headroom, and preemption when decodes outgrow the cache.
 
 Prefix caching (on by default): a waiting request first looks up its longest valid cached prefix
 (whole blocks, at most (num_tokens - 1) // block_size so at least one token is computed and no
@@ -19,14 +28,15 @@ shared block is ever written), references those pages, and starts its first chun
 rows get -1 for the blocks already dead at that point. Every block a request finishes computing is
 registered in the cache right after the step (update_from_output); releasing a request (finish,
 abort, preemption) only drops its references, so a preempted request finds its own blocks again.
-Reservation admission still reserves each request's whole peak, counting shared pages once per
-request: sharing only lowers what is really held, so the rule stays sound, and evictable cached
-pages count as free because allocation evicts them on demand.
+Reserve and projected admission count shared pages once per request that holds them: sharing only
+lowers what is really held, so the rules stay sound, and evictable cached pages count as free
+because allocation evicts them on demand.
 """
 
 from __future__ import annotations
 
 import collections
+import heapq
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -77,8 +87,14 @@ class ResourceManagerV1:
         self.max_num_seqs = fd_config.scheduler_config.max_num_seqs
         self.max_num_batched_tokens = fd_config.scheduler_config.max_num_batched_tokens
         self.max_model_len = fd_config.model_config.max_model_len
-        self.reserve_output_pages = fd_config.reserve_output_pages
+        self.admission_policy = fd_config.admission_policy
+        self.reserve_output_pages = self.admission_policy == "reserve"
+        self.projected = self.admission_policy == "projected"
         self.pages_per_rank = fd_config.cache_config.num_gpu_blocks * self.layout.heads_per_rank
+        self._capacity = [self.pages_per_rank] * self.layout.tensor_parallel_size
+        self._head_counts = self.layout.rank_head_counts()
+        self._slack: Optional[list] = None  # projected: unreserved pages left this step (x block_size)
+        self._curves: Optional[list] = None  # projected: the running requests' curves at this step's start
         self.waiting: collections.deque = collections.deque()
         self.running: list = []
         self.requests: dict = {}
@@ -89,6 +105,7 @@ class ResourceManagerV1:
         self._recycle_due: list = []
         self._sink_blocks = sink_blocks(self.layout.sink, self.block_size)
         self.num_preemptions_total = 0
+        self.recomputed_tokens_total = 0  # tokens computed again after a preemption dropped them
         self.swa_pages_recycled_total = 0
         self.prefix_caching = self.cache_manager.prefix_cache is not None
         self.prefix_cache_hit_tokens_total = 0
@@ -149,11 +166,14 @@ class ResourceManagerV1:
         self.recycle_out_of_window_pages()  # processed-token basis, before any allocation
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        self._slack = self._curves = None
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new > 1:  # a prefill or recompute chunk; one token always fits (add_request checked it)
+                num_new = self._fit_chunk(request, num_new, len(self.running) - i - 1)
             while not self._grow_tables(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -168,6 +188,8 @@ class ResourceManagerV1:
             break  # the request preempted itself: nothing behind it is left running
 
         while self.waiting and not batch.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            if self.projected and len(self.running) >= self.max_num_batched_tokens:
+                break  # every running request must get a token each step (the projection counts on it)
             request = self.waiting[0]
             num_new = self._admit(request, budget)
             if num_new is None:
@@ -178,6 +200,30 @@ class ResourceManagerV1:
             batch.requests.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
         return batch
+
+    def _fit_chunk(self, request: Request, num_new: int, num_behind: int) -> int:
+        """Shrink a running request's chunk so its pages fit: the whole cache (every policy, so a
+        recompute chunk can always run on an idle cache), and for projected admission the pages no
+        running request has reserved, keeping one token of budget for each request behind it."""
+        n = request.num_computed_tokens
+        if not self.projected:
+            return max(1, self.layout.largest_chunk_within(n, num_new, self._capacity))
+        num_new = max(1, num_new - num_behind)
+        if num_new == 1:
+            return 1
+        own = self._claim(self._curve(request, n))
+        return self._take_transient(request, n, num_new, own)
+
+    def _take_transient(self, request: Request, n: int, num_new: int, own: list) -> int:
+        """Largest chunk <= num_new whose pages beyond the request's own reservation `own` (x bs, per
+        rank) fit the unreserved slack; at least one token, which never exceeds `own`."""
+        slack = self._unreserved_slack()
+        bs = self.block_size
+        limit = [(o + s) // bs for o, s in zip(own, slack)]
+        num_new = max(1, self.layout.largest_chunk_within(n, num_new, limit))
+        need = self.layout.pages_per_rank(n, num_new)
+        self._slack = [s - max(0, p * bs - o) for s, p, o in zip(slack, need, own)]
+        return num_new
 
     def update_from_output(self, batch: ScheduledBatch, sampled_token_ids: list,
                            sampled_logprobs: Optional[list] = None) -> list:
@@ -192,6 +238,9 @@ class ResourceManagerV1:
             if request.is_finished:  # aborted between schedule and update
                 continue
             request.num_computed_tokens = scheduled.start + scheduled.num_tokens
+            if scheduled.start < request.computed_high_water:  # recomputing what a preemption dropped
+                self.recomputed_tokens_total += min(request.num_computed_tokens,
+                                                    request.computed_high_water) - scheduled.start
             if request.num_computed_tokens >= request.next_recycle_at and self._recycling_heads:
                 self._recycle_due.append(request)
             if self.prefix_caching and request.num_computed_tokens >= (request.num_registered_blocks + 1) * bs:
@@ -261,11 +310,19 @@ class ResourceManagerV1:
             if any(r + p > self.pages_per_rank for r, p in zip(self._reserved_per_rank, peak)):
                 return None
         hit = self._match_prefix(request) if self.prefix_caching else ()
-        num_new = min(request.num_tokens - len(hit) * self.block_size, budget)
+        start = len(hit) * self.block_size
+        own = None
+        if self.projected:
+            own = self._projected_admission(request, start)
+            if own is None:
+                return None
+        num_new = min(request.num_tokens - start, budget)
+        if num_new > 1:  # a chunk needs no more than the whole cache, whatever it recomputes
+            num_new = max(1, self.layout.largest_chunk_within(start, num_new, self._capacity))
         self._reset_tables(request)
         if hit:
             self._take_prefix(request, hit)
-        if not self.reserve_output_pages and self.running:
+        if self.admission_policy == "on_demand" and self.running:
             # Upstream admission: the first chunk plus FD_ENC_DEC_BLOCK_NUM blocks of decode headroom.
             headroom = self.fd_config.enc_dec_block_num * self.block_size
             need = self.layout.pages_per_rank(request.num_computed_tokens, num_new + headroom)
@@ -273,6 +330,8 @@ class ResourceManagerV1:
             if any(n - h > free for n, h, free in zip(need, held, self.cache_manager.free_pages_per_rank())):
                 self._release(request)  # drops the references the hit took
                 return None
+        if own is not None and num_new > 1:
+            num_new = self._take_transient(request, start, num_new, own)
         if not self._grow_tables(request, num_new):
             self._release(request)
             return None
@@ -286,6 +345,107 @@ class ResourceManagerV1:
             request.reserved_pages_per_rank = peak
             self._reserved_per_rank = [r + p for r, p in zip(self._reserved_per_rank, peak)]
         return num_new
+
+    # -- projected admission -------------------------------------------------------------------
+    # Every running request is guaranteed one token per step, so it finishes within L steps, where
+    # L = (tokens to compute at one per step). Its pages over those steps are bounded by a curve U(t):
+    # in decode (one position per step, exactly) a linear bound of pages_per_rank(n + t, 1), capped
+    # at its last step's need; while it still prefills (it may run ahead of one token per step) that
+    # last step's need, flat. The invariant kept: the running requests' U(t) sum to at most the cache
+    # at every future step t. A step moves every curve at least one step left and never up, so the
+    # invariant survives it and no running request ever has to be preempted. Admission adds the
+    # newcomer's curve only if the sum still fits at every step. A prefill chunk beyond its curve
+    # takes the difference from the pages no curve claims this step (the slack), or shrinks; a
+    # newcomer also needs the slack for its whole first chunk.
+    def _curve(self, request: Request, n: int) -> tuple:
+        """(L, x, y, decoding, rounding) of a request with `n` tokens computed. On a rank with f keeping
+        and r recycling heads its U(t), t < L, is f * min(x + t, x + L - 1 - rounding) + r * y when
+        decoding (the linear bound, capped at the exact table length of its last step), else
+        f * x + r * y with x that exact last-step value."""
+        total = request.num_tokens + request.max_new_tokens
+        last = total - 2  # position of the last one-token step (the last sampled token is never cached)
+        memo = request.projection_memo
+        if memo is None or memo[0] != last:
+            bs = self.block_size
+            peak = bs * table_length(last + 1, bs)
+            memo = request.projection_memo = (last, self.layout.recycling_head_bound(last), peak, last + bs - peak)
+        _, y, peak, rounding = memo
+        if n == request.num_tokens - 1:  # decoding: exactly one position per step from here
+            return total - 1 - n, n + self.block_size, y, True, rounding
+        return total - 1 - n, peak, y, False, 0
+
+    def _claim(self, curve: tuple) -> list:
+        """U(0) per rank (x block_size): the pages the curve claims now."""
+        steps, x, y, _, rounding = curve
+        x = min(x, x + steps - 1 - rounding)
+        return [f * x + r * y for f, r in self._head_counts]
+
+    def _unreserved_slack(self) -> list:
+        """Pages (x bs, per rank) that no running request's curve claims now, less transients granted."""
+        if self._slack is None:
+            self._curves = self._running_curves()
+            bs = self.block_size
+            slack = [c * bs for c in self._capacity]
+            for curve in self._curves:
+                slack = [s - o for s, o in zip(slack, self._claim(curve))]
+            self._slack = slack
+        return self._slack
+
+    def _running_curves(self) -> list:
+        return [self._curve(r, r.num_computed_tokens) for r in self.running]
+
+    def _projected_admission(self, request: Request, start: int) -> Optional[list]:
+        """The newcomer's U(0) if its curve fits beside the running ones now and at every future step;
+        None if it must wait. On an idle cache it is always admitted (add_request checked its peak)."""
+        curve = self._curve(request, start)
+        own = self._claim(curve)
+        slack = self._unreserved_slack()
+        if self.running:
+            # Its first chunk must run whole now (so admitting more never squeezes prefill into tiny
+            # chunks; later chunks find the same pages again once the SWA ones are recycled)...
+            first = min(request.num_tokens - start, self.max_num_batched_tokens)
+            need = self.layout.pages_per_rank(start, first)
+            bs = self.block_size
+            if any(max(o, p * bs) > s for o, p, s in zip(own, need, slack)):
+                return None
+            if not self._curves_fit(self._curves + [curve]):  # ...and its curve must fit beside the others'
+                return None
+        self._slack = [s - o for s, o in zip(slack, own)]
+        self._curves.append(curve)
+        return own
+
+    def _curves_fit(self, curves: list, limits: Optional[list] = None) -> bool:
+        """Whether the sum of the curves U(t) (see _curve) fits every rank at every future step.
+
+        Between two request ends the sum only grows, so it is checked just before each end (t = L - 1),
+        in closed form: the linear parts sum up, less what the decoding curves already capped at t have
+        above their cap. A decoding curve is capped from t = D - 1 on, D = L - rounding; at t = L' - 1
+        it lies L' - D above its cap when D < L'. Scanning the ends latest first, L' only falls, so a
+        heap of the capped curves' D keeps that sum (count * L' - sum of D) in O(n log n)."""
+        curves = sorted(curves, key=lambda c: c[0], reverse=True)
+        if limits is None:
+            limits = [c * self.block_size for c in self._capacity]
+        sum_x = sum_y = decoding = 0
+        capped, capped_count, capped_sum = [], 0, 0  # max-heap (negated) of D of the capped curves
+        for i, (steps, x, y, dec, rounding) in enumerate(curves):
+            sum_x += x
+            sum_y += y
+            if dec:
+                decoding += 1
+                if rounding:
+                    heapq.heappush(capped, rounding - steps)
+                    capped_count, capped_sum = capped_count + 1, capped_sum + steps - rounding
+            if i + 1 < len(curves) and curves[i + 1][0] == steps:
+                continue  # evaluate once per group of curves ending together
+            while capped and -capped[0] >= steps:  # D >= L': no longer above its cap at t = L' - 1
+                d = -heapq.heappop(capped)
+                capped_count, capped_sum = capped_count - 1, capped_sum - d
+            t = steps - 1
+            above = capped_count * steps - capped_sum
+            for (f, r), limit in zip(self._head_counts, limits):
+                if f * (sum_x + decoding * t - above) + r * sum_y > limit:
+                    return False
+        return True
 
     def _peak_pages(self, request: Request) -> list:
         # Memoised: a blocked queue head is re-checked every step and only changes when preempted.
@@ -377,6 +537,7 @@ class ResourceManagerV1:
 
     def _preempt(self, request: Request) -> None:
         """Free everything and queue the request first in line; it recomputes prompt + outputs."""
+        request.computed_high_water = max(request.computed_high_water, request.num_computed_tokens)
         self._release(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -394,6 +555,7 @@ class ResourceManagerV1:
             "num_requests_waiting": len(self.waiting),
             "swa_pages_recycled_total": self.swa_pages_recycled_total,
             "num_preemptions_total": self.num_preemptions_total,
+            "recomputed_tokens_total": self.recomputed_tokens_total,
             "prefix_cache_hit_tokens_total": self.prefix_cache_hit_tokens_total,
             "prefix_cache_query_tokens_total": self.prefix_cache_query_tokens_total,
             "prefix_cache_hit_requests_total": self.prefix_cache_hit_requests_total,
@@ -440,6 +602,9 @@ class ResourceManagerV1:
                 if cm.references(rank, page) != want:
                     raise AssertionError(f"rank {rank} page {page}: the cache manager records references "
                                          f"{set(cm.references(rank, page))}, block tables hold it for {set(want)}")
+        if self.projected and len(self.running) > 1 and not self._curves_fit(self._running_curves()):
+            raise AssertionError("projected admission: the running requests' page curves overflow the cache "
+                                 "at some future step")
         if self.reserve_output_pages:
             sums = [0] * len(self._reserved_per_rank)
             for request in self.running:

@@ -57,6 +57,8 @@ ENGINE_METRICS = (
     ("swa_pages_recycled_total", "swa_pages_recycled_total", "counter",
      "Sliding-window pages returned to the free lists after leaving the window.", None),
     ("num_preemptions_total", "num_preemptions_total", "counter", "Requests preempted to free KV pages.", None),
+    ("recomputed_tokens_total", "recomputed_tokens_total", "counter",
+     "Tokens computed again because a preemption dropped their KV.", None),
     ("prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens processed (prefilled).", None),
     ("generation_tokens_total", "generation_tokens_total", "counter", "Tokens generated.", None),
     ("engine_steps_total", "engine_steps_total", "counter", "Engine steps that ran the model.", None),
