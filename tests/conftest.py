@@ -1,5 +1,7 @@
 """Shared fixtures: configs in each memory mode, built through the real EngineArgs path."""
 
+import os
+
 import pytest
 
 from fastdeploy.engine.args_utils import EngineArgs
@@ -17,6 +19,17 @@ def pytest_configure(config):
     # pytest restores the warning filters around collection and every test, dropping the one
     # `import fastdeploy` installs (fastdeploy/paddle_env.py); re-state it as a pytest filter.
     config.addinivalue_line("filterwarnings", f"ignore:{CCACHE_WARNING}:UserWarning")
+
+
+@pytest.fixture(autouse=True)
+def restore_fd_env_flags():
+    """Some tests and in-process benchmark helpers set FD_* flags directly; none may leak into the
+    next test (a leaked FD_HEAD_WISE_KV_CACHE=1 fails any later subprocess on a model without SWA heads)."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith(("FD_", "ENABLE_V1_"))}
+    yield
+    for k in [k for k in os.environ if k.startswith(("FD_", "ENABLE_V1_")) and k not in saved]:
+        del os.environ[k]
+    os.environ.update(saved)
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run(script, *args, timeout=240):
-    env = dict(os.environ, FD_LOG_INTERVAL="0")
+def run(script, *args, timeout=240, **env_flags):
+    env = dict(os.environ, FD_LOG_INTERVAL="0", **env_flags)
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", script), *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -69,12 +69,14 @@ def test_bench_prefix_caching_hits_and_keeps_tokens(tmp_path):
 
 def test_bench_head_wise_swa_runs_both_servers_and_splits_the_gain(tmp_path):
     out, plot = tmp_path / "ab.json", tmp_path / "ab.png"
-    # 12 requests: three waves of 4 with recycling OFF, two of 6 with it ON.
+    # 12 requests: three waves of 4 with recycling OFF, two of 6 with it ON. Reserve admission keeps
+    # the waves exact whatever the arrival timing (projected admission may let a staggered one in).
     stdout = run("bench_head_wise_swa.py", "--num-prompts", "12", "--input-len", "32", "--output-len", "48",
                  "--max-model-len", "96", "--num-gpu-blocks-override", "24", "--max-num-seqs", "8",
                  "--max-num-batched-tokens", "128",
                  "--head-wise-swa-config", '{"sliding_window": 16, "sink_size": 0, "swa_kv_heads": [0, 1]}',
-                 "--json", str(out), "--plot", str(plot), "--log-dir", str(tmp_path))
+                 "--json", str(out), "--plot", str(plot), "--log-dir", str(tmp_path),
+                 FD_ADMISSION_POLICY="reserve")
     result = json.loads(out.read_text())
     assert result["failed_off"] == result["failed_on"] == 0
     assert result["peak_running_on"] > result["peak_running_off"]

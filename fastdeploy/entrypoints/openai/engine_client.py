@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
+from fastdeploy.log_format import configure_logging
 
 logger = logging.getLogger("fastdeploy.entrypoints.engine_client")
 
@@ -106,6 +107,8 @@ def run_engine_process(engine_args, requests_q, outputs_q) -> None:
     """Entry point of the engine process: build the engine, then serve the request queue."""
     # Ctrl+C reaches the whole process group; the server decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Before Paddle's import: with no root handler it installs one of its own format.
+    configure_logging()
     try:
         from fastdeploy.engine.engine import LLMEngine
 
