@@ -13,6 +13,7 @@ import fastdeploy.worker.model_runner as model_runner
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.engine.request import SamplingParams
+from fastdeploy.engine.stop_strings import find_stop
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +138,18 @@ def test_multi_byte_output_without_stop_strings_decodes_like_bytes(engine, scrip
 def test_a_multi_byte_character_cut_by_max_tokens_ends_as_a_replacement_character(engine, script):
     out, _ = assert_run(engine, script, "cut", "ab日", ["zz"], max_tokens=4)
     assert out.outputs.text == "ab\ufffd"
+
+
+def test_the_earliest_occurrence_wins_when_one_step_brings_a_stop_string_twice():
+    # A subword token can carry several characters: "abab" arriving at once holds "ab" twice.
+    assert find_stop("xabab", ["ab"], checked=1) == 1
+    assert find_stop("xabab", ["ab", "b"], checked=1) == 1
+
+
+def test_a_stop_string_completed_before_min_tokens_is_shown_at_once(engine, script):
+    # "ab" ends at the 3rd token, before min_tokens = 6: it does not stop the request and, as it can
+    # never stop it later, nothing is held back for it.
+    script("early", "xab" + "y" * 10)
+    out, shown = generate(engine, "early", max_tokens=8, stop=["ab"], min_tokens=6)
+    assert (out.outputs.text, out.outputs.finish_reason) == ("xab" + "y" * 5, "length")
+    assert shown == ["x", "x", "xab", "xaby", "xabyy", "xabyyy", "xabyyyy"]
