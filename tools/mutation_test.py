@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 # module -> (source file, the tests that guard it: fast, no servers, no subprocesses)
 MODULES = {
     "sampler": ("fastdeploy/model_executor/layers/sampler.py",
-                ["tests/layers/test_sampler.py", "tests/layers/test_sampler_distribution.py"]),
+                ["tests/layers/test_sampler.py", "tests/layers/test_sampler_distribution.py",
+                 "tests/layers/test_sampler_adjustments.py"]),
     "stop_strings": ("fastdeploy/engine/stop_strings.py",
                      ["tests/engine/test_stop_strings.py", "tests/engine/test_stop_strings_exact.py"]),
     "head_wise": ("fastdeploy/cache_manager/head_wise.py",
