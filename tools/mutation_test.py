@@ -6,7 +6,7 @@
 
 Each module runs in its own scratch copy under .mutmut/MODULE (git-ignored): mutmut mutates only
 that file and runs only the listed tests, so one module takes minutes, not the whole suite's time.
-Not part of CI. See docs/mutation-testing.md for the last results and the equivalent mutants.
+Not part of CI. See docs/mutation_testing.md for the last results and the equivalent mutants.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A finished 300-token request leaves 18 full blocks cached; a repeat may hit all 18 (a query at 288
 tokens). One SWA page is then evicted and the hit length checked against values worked out by hand
-from DESIGN §4 (block i of a SWA head is dead for n processed tokens iff i >= ceil(S / bs) and
+from docs/retention_rule.md (block i of a SWA head is dead for n processed tokens iff i >= ceil(S / bs) and
 (i + 1) * bs <= n - W + 1), independent of head_wise.py. Block 16, SWA head 0.
 """
 

@@ -1,6 +1,6 @@
 """Scheduler rules at a capacity with no slack: one page more or less changes the outcome.
 
-Page needs here are worked out by hand from DESIGN §4, not with head_wise.py. Block 16; window
+Page needs here are worked out by hand from docs/retention_rule.md, not with head_wise.py. Block 16; window
 W = 17 (= 1 mod bs), no sink: computing position n >= 16 sees keys n-16..n, i.e. blocks
 (n - 16) // 16 and n // 16, so a SWA head never holds more than 2 live blocks once decoding, and
 block b is dead once b + 2 blocks are processed. The KV of the last sampled token is never written:

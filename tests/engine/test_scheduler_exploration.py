@@ -9,7 +9,7 @@ SWA recycling actually happened over its examples.
 
 The check does not use the cache manager's own bookkeeping: every step, each scheduled token's KV
 is "written" into a shadow memory at the page its table names (the content is the token prefix it
-depends on), and then every key the step's queries may see (DESIGN §4) is "read" through the
+depends on), and then every key the step's queries may see (docs/retention_rule.md) is "read" through the
 tables: it must sit in a page and hold exactly this request's prefix. A page reused while still
 referenced, a wrong prefix hit, a -1 where a key is visible, or a missing block all fail here.
 """
@@ -55,7 +55,7 @@ def workloads(draw):
 
 
 def visible_keys(start, end, window, sink, swa):
-    """Keys some query of positions [start, end) may see (DESIGN §4): j < end and, for a SWA head,
+    """Keys some query of positions [start, end) may see (docs/retention_rule.md): j < end and, for a SWA head,
     j < S or j > start - W (a key in (start - W, end) is seen by the query at its own position)."""
     if not swa:
         return range(end)
