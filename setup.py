@@ -38,5 +38,6 @@ setup(
     extras_require={
         "test": ["pytest", "hypothesis", "openai", "aiohttp", "requests", "matplotlib", "pyyaml", "tokenizers"],
         "bench": ["aiohttp", "matplotlib", "pyyaml"],
+        "mutation": ["mutmut>=3.8"],  # tools/mutation_test.py (docs/mutation_testing.md), not CI
     },
 )

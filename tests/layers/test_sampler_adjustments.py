@@ -53,7 +53,8 @@ def test_logprobs_of_huge_logits_do_not_overflow():
 
 
 def test_log_softmax_normalises_each_row_of_a_batch():
-    batch = np.array([[0.0, 1.0, 2.0], [5.0, 5.0, -5.0]])
+    # Rows far apart: each must be shifted by its own maximum, or exp() of the low row underflows.
+    batch = np.array([[0.0, 1.0, 2.0], [5.0, 5.0, -5.0], [1000.0, 999.0, 990.0]])
     out = log_softmax(batch)
     assert out.shape == batch.shape
     for row, ref in zip(out, map(reference_log_softmax, batch.tolist())):
