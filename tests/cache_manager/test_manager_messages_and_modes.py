@@ -26,7 +26,7 @@ def message(call):
 def test_1d_misuse_messages(make_config, prefix_caching):
     cm = manager(make_config, "1d", prefix_caching=prefix_caching)
     cm.allocate_gpu_blocks(2, "a")
-    assert message(lambda: cm.recycle_gpu_blocks([0, 1, 0], "a")) == \
+    assert message(lambda: cm.recycle_gpu_blocks([1, 0, 0], "a")) == \
         "block 0 appears twice in one free call of request 'a'"
     assert message(lambda: cm.recycle_gpu_blocks([10], "a")) == \
         "block 10 freed by request 'a' is not a valid id (0..9)"
@@ -70,6 +70,8 @@ def test_head_wise_misuse_messages_name_the_rank_and_the_request(make_config):
         "request 'a': expected pages for 4 KV heads, got 1"
     assert message(lambda: cm.allocate_gpu_blocks_head_wise([1, 1], "b")) == \
         "request 'b': expected a page count for each of 4 KV heads, got 2"
+    assert message(lambda: cm.can_allocate_gpu_blocks_head_wise([1, 1])) == \
+        "request '<no request>': expected a page count for each of 4 KV heads, got 2"
     assert message(lambda: cm.allocate_gpu_blocks_head_wise([1, 1, 1, -1], "b")) == \
         "request 'b': block count must be a non-negative integer, got -1"
     # Rank 0 has exactly the 18 it is asked for; rank 1 is one short: the message names rank 1.
