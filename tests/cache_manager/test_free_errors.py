@@ -59,7 +59,7 @@ def test_freeing_a_cached_page_the_request_does_not_reference_changes_nothing(ma
     before = snapshot(cm)
     # Valid pages first (b's references to blocks 0 and 1, its private page), then a's block 2.
     bad = [[p for p in row if p >= 0] + mine + [a_row[2]] for row, mine, a_row in zip(b_rows, own, a_rows)]
-    what = "page (rank 0)" if cm.head_wise else "block"
+    what = r"page \(rank 0\)" if cm.head_wise else "block"
     with pytest.raises(ValueError, match=rf"^{what} {a_rows[0][2]} freed by request 'b' is cached and not referenced "
                                          rf"by that request$"):
         free(cm, bad, "b")
