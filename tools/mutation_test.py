@@ -66,6 +66,8 @@ def prepare(name: str) -> Path:
         "[mutmut]\n"
         "source_paths = fastdeploy\n"
         "also_copy = custom_ops\n"
+        # A mutant that loops (eviction, borrowing) is stopped after 4x the clean run, not mutmut's 15x.
+        "timeout_multiplier = 4.0\n"
         f"only_mutate = {source}\n"
         "pytest_add_cli_args_test_selection =\n" + "".join(f"    {t}\n" for t in tests) +
         "pytest_add_cli_args =\n    -p\n    no:cacheprovider\n    -q\n")
