@@ -90,3 +90,27 @@ def test_clearing_the_cache_counts_the_pages_of_every_rank(make_config):
     assert cm.clear_prefix_cache() == 8  # 2 blocks x 2 heads on each of 2 ranks
     assert cm.num_free_pages == cm.num_total_pages
     cm.check_integrity()
+
+
+def test_heap_compaction_keeps_the_entries_of_pages_nobody_touches(make_config):
+    # Chain X is cached and never used again: its heap entries are pushed once. Hit cycles on chain A
+    # bloat the heap with stale entries until it is compacted: X's entries must survive that.
+    cm = manager(make_config, blocks=32)
+    x = cm.allocate_gpu_blocks_head_wise([2] * 4, "x")
+    parent = cm.prefix_root
+    for i in range(2):
+        parent = cm.register_block(parent, tuple([900 + i] * BS), [row[i] for row in x], "x")
+    cm.recycle_gpu_blocks_head_wise(x, "x")
+    cm.recycle_gpu_blocks_head_wise(cache_chain(cm, "a", 4), "a")
+    cache = cm.prefix_cache
+    keys = [key(i) for i in range(4)] + [tuple([7] * BS)]
+    longest = 0
+    for i in range(200):
+        rows = cm.acquire_prefix(cm.match_prefix(keys), f"r{i}")
+        cm.recycle_gpu_blocks_head_wise([[p for p in row if p >= 0] for row in rows], f"r{i}")
+        longest = max(longest, len(cache.heaps[0]))
+    bound = 4 * cache.num_evictable[0] + 256
+    assert 200 * 16 > bound >= longest  # pushes outnumber the bound: compaction did run
+    cm.check_integrity()  # every evictable page, X's included, still has its current heap entry
+    cached = [p for row in x for p in row] + [p for node in cm.match_prefix(keys) for p in node.pages]
+    assert {entry[3] for entry in cache.heaps[0]} == set(cached)
