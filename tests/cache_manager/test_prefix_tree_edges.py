@@ -114,3 +114,70 @@ def test_heap_compaction_keeps_the_entries_of_pages_nobody_touches(make_config):
     cm.check_integrity()  # every evictable page, X's included, still has its current heap entry
     cached = [p for row in x for p in row] + [p for node in cm.match_prefix(keys) for p in node.pages]
     assert {entry[3] for entry in cache.heaps[0]} == set(cached)
+
+
+@pytest.fixture
+def branched(make_config):
+    """Chains a (blocks 0, 1, 2) and b (block 0, then its own block), both released: node 0 is a
+    branch point under two leaves, so with the long window three anchors protect it."""
+    cm = manager(make_config)
+    a = cache_chain(cm, "a", 3)
+    b = cm.allocate_gpu_blocks_head_wise([1] * 4, "b")
+    first = cm.match_prefix([key(0)])[0]
+    cm.register_block(first, tuple([800] * BS), [row[0] for row in b], "b")
+    cm.recycle_gpu_blocks_head_wise(a, "a")
+    cm.recycle_gpu_blocks_head_wise(b, "b")
+    cm.check_integrity()
+    assert first.protect == 3 and len(first.children) == 2
+    return cm, first
+
+
+def broken(cm):
+    with pytest.raises(AssertionError) as info:
+        cm.check_integrity()
+    return str(info.value)
+
+
+def test_integrity_check_names_each_broken_trie_invariant(branched):
+    cm, first = branched
+    cache = cm.prefix_cache
+    child = first.children[key(1)]
+    child.key = tuple([801] * BS)  # only the key disagrees with the parent's index
+    assert broken(cm) == f"{child!r} is linked wrongly under {first!r}"
+    child.key = key(1)
+    cache.num_nodes += 1
+    assert broken(cm) == "trie has 4 nodes, counter says 5"
+    cache.num_nodes -= 1
+    leaf = child.children[key(2)]
+    saved = list(leaf.pages)
+    leaf.pages[:] = [-1] * len(saved)
+    assert broken(cm) == f"{leaf!r}: an all-tombstone leaf was not removed"
+    leaf.pages[:] = saved
+    cm.check_integrity()
+
+
+def test_integrity_check_names_each_broken_page_record(branched):
+    cm, first = branched
+    cache, pool = cm.prefix_cache, cm._pools[0]
+    page = first.pages[1]
+    cache.where[0][page] = (first.children[key(1)], 1)  # still owned by the cache, recorded elsewhere
+    assert broken(cm) == f"page {page} (rank 0) of {first!r} is not recorded as cached there"
+    cache.where[0][page] = (first, 1)
+    saved = list(cache.heaps[0])
+    cache.heaps[0] = [e for e in saved if e[3] != page]
+    assert broken(cm) == f"evictable page {page} (rank 0) has no valid heap entry"
+    cache.heaps[0] = saved
+    first.anchor = False
+    assert broken(cm) == f"{first!r}: anchor flag False, expected True"
+    first.anchor = True
+    free = pool.free_lists[3][0]
+    cache.where[0][free] = (first, 3)  # recorded, but the trie does not reach it there
+    assert broken(cm) == "rank 0: 17 cached pages recorded, 16 reachable in the trie"
+    del cache.where[0][free]
+    cache.evictable_per_home[0][0] += 1  # the per-home split only
+    assert broken(cm) == "rank 0: 16 evictable pages, counters say 16 / [5, 4, 4, 4]"
+    cache.evictable_per_home[0][0] -= 1
+    pool.holders[free] = set()  # a reference set for a page the cache does not own
+    assert broken(cm) == "rank 0: 16 pages owned by the cache, 17 reference sets, 16 in the trie"
+    del pool.holders[free]
+    cm.check_integrity()
