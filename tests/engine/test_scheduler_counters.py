@@ -79,3 +79,20 @@ def test_on_demand_admission_counts_the_pages_a_hit_already_holds(make_config, m
     # Admitted, b holds its 40-token table (3 blocks, 2 of them the hit); waiting, it let the hit go
     # (cached pages count as free again).
     assert rm.cache_manager.free_pages_per_rank() == [(blocks - 2 - (3 if admitted else 0)) * 4]
+
+
+def test_a_waiting_request_hits_only_what_is_still_cached_when_admitted(make_config):
+    # 1-D, on-demand admission, 7 blocks. a caches blocks 0..2 of PROMPT_A[:48]. r runs alone; x
+    # (those 48 tokens + 16 more) hits 3 blocks but lacks 3 blocks of headroom while r runs, so it
+    # waits. r grows to 6 blocks and evicts a's blocks 2 and 1 (leaf first). When r ends, x must
+    # start after the one block still cached, not after the three it saw before.
+    rm = ResourceManagerV1(make_config("1d", reserve=False, num_gpu_blocks_override=7, head_wise_swa_config=ONE_SWA))
+    run(rm, request("a", PROMPT_A[:48], 1))
+    rm.add_request(request("r", [250] * 16, 81))
+    step(rm)
+    rm.add_request(request("x", PROMPT_A[:48] + [9] * 16, 1))
+    starts = {}
+    while rm.has_unfinished_requests():
+        for s in step(rm).requests:
+            starts.setdefault(s.request.request_id, s.start)
+    assert starts["x"] == 16
