@@ -46,7 +46,8 @@ MODULES = {
                              "tests/engine/test_scheduler_capacity_edges.py",
                              "tests/engine/test_scheduler_exploration.py",
                              "tests/engine/test_prefix_caching_scheduler.py",
-                             "tests/engine/test_scheduler_counters.py"]),
+                             "tests/engine/test_scheduler_counters.py",
+                             "tests/engine/test_scheduler_integrity_messages.py"]),
 }
 
 # Copied into the scratch tree as they are (the engine tests build the CPU op from custom_ops).
