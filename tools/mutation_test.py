@@ -47,7 +47,8 @@ MODULES = {
                              "tests/engine/test_scheduler_exploration.py",
                              "tests/engine/test_prefix_caching_scheduler.py",
                              "tests/engine/test_scheduler_counters.py",
-                             "tests/engine/test_scheduler_integrity_messages.py"]),
+                             "tests/engine/test_scheduler_integrity_messages.py",
+                             "tests/cache_manager/test_prefix_caching_policy.py"]),
 }
 
 # Copied into the scratch tree as they are (the engine tests build the CPU op from custom_ops).
