@@ -83,8 +83,9 @@ def main() -> int:
     parser.add_argument("module", nargs="?", choices=sorted(MODULES))
     parser.add_argument("--show", action="store_true", help="print the surviving mutants' diffs")
     parser.add_argument("--jobs", type=int, default=1, help="mutmut workers (default 1: a shared machine)")
+    parser.add_argument("--list", action="store_true", help="list the modules and their tests")
     args = parser.parse_args()
-    if args.module is None:
+    if args.list or args.module is None:
         for name, (source, tests) in MODULES.items():
             print(f"{name:22s} {source}\n{'':22s} tests: {' '.join(tests)}")
         return 0
