@@ -48,6 +48,7 @@ MODULES = {
                              "tests/engine/test_prefix_caching_scheduler.py",
                              "tests/engine/test_scheduler_counters.py",
                              "tests/engine/test_scheduler_integrity_messages.py",
+                             "tests/engine/test_scheduler_step_edges.py",
                              "tests/cache_manager/test_prefix_caching_policy.py"]),
 }
 
