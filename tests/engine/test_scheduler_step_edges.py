@@ -77,3 +77,26 @@ def test_a_block_is_cached_the_step_its_last_token_is_computed(make_config):
     rm.add_request(request("d", [50 + i for i in range(32)] + [1], 1))
     batch = rm.schedule()
     assert [s.start for s in batch.requests] == [32]
+
+
+def test_sampled_logprobs_are_kept_with_their_tokens(make_config):
+    rm = manager(make_config)
+    r = request("r", [5, 6], 2)
+    rm.add_request(r)
+    for lp in ({9: -0.5}, {9: -0.25}):
+        batch = rm.schedule()
+        rm.update_from_output(batch, [9], [lp])
+    assert r.output_token_ids == [9, 9] and r.output_logprobs == [{9: -0.5}, {9: -0.25}]
+
+
+def test_pages_recycled_in_one_step_by_several_requests_are_all_counted(make_config):
+    # All four heads slide with W = 17, no sink: prompt 16 + 33 outputs recycles block 0 of each head
+    # (4 pages) at 32 processed tokens. Two requests in lockstep recycle in the same step.
+    rm = ResourceManagerV1(make_config("head_wise_recycle_on", num_gpu_blocks_override=8, enable_prefix_caching=False,
+                                       head_wise_swa_config={"sliding_window": 17, "sink_size": 0,
+                                                             "swa_kv_heads": [0, 1, 2, 3]}))
+    for rid in "ab":
+        rm.add_request(request(rid, [5 + len(rid)] * 16, 33))
+    while rm.has_unfinished_requests():
+        step(rm)
+    assert rm.swa_pages_recycled_total == 2 * 4
