@@ -64,13 +64,14 @@ def test_a_block_is_cached_the_step_its_last_token_is_computed(make_config):
     prompt = [3 + i for i in range(16)]
     rm.add_request(request("a", prompt, 1))  # computes exactly one block, then finishes
     step(rm)
-    rm.add_request(request("b", prompt + [40] * 16, 1))
+    b = request("b", prompt + [40] * 16, 1)
+    rm.add_request(b)
     starts = {}
     while rm.has_unfinished_requests():
         batch = rm.schedule()
         starts.update({s.request.request_id: s.start for s in batch.requests})
         rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
-    assert starts["b"] == 16
+    assert starts["b"] == 16 and b.num_cached_tokens == 16
     # Two blocks computed in one chunk: both are cached at once.
     rm.add_request(request("c", [50 + i for i in range(32)], 1))
     step(rm)
@@ -100,3 +101,15 @@ def test_pages_recycled_in_one_step_by_several_requests_are_all_counted(make_con
     while rm.has_unfinished_requests():
         step(rm)
     assert rm.swa_pages_recycled_total == 2 * 4
+
+
+def test_a_request_filling_max_model_len_exactly_is_accepted_and_waits(make_config):
+    rm = manager(make_config, max_model_len=64)
+    r = request("r", [5] * 40, 24)  # 40 + 24 = 64
+    rm.add_request(r)
+    assert r.status is RequestStatus.WAITING
+    one_token = request("one", [5], 1)
+    rm.add_request(one_token)
+    while rm.has_unfinished_requests():
+        step(rm)
+    assert len(r.output_token_ids) == 24 and len(one_token.output_token_ids) == 1
