@@ -96,3 +96,47 @@ def test_a_waiting_request_hits_only_what_is_still_cached_when_admitted(make_con
         for s in step(rm).requests:
             starts.setdefault(s.request.request_id, s.start)
     assert starts["x"] == 16
+
+
+def schedule_with_ghost(rm, ghost_pages):
+    """One schedule while `ghost_pages` pages of head 0 are held outside any request (so the free
+    count is not a multiple of the heads); returns the ids scheduled, then gives the pages back."""
+    cm = rm.cache_manager
+    ghost = cm.allocate_gpu_blocks_head_wise([ghost_pages, 0, 0, 0], "ghost")
+    batch = rm.schedule()
+    cm.recycle_gpu_blocks_head_wise(ghost, "ghost")
+    rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
+    rm.check_integrity()
+    return [s.request.request_id for s in batch.requests]
+
+
+W17 = {"sliding_window": 17, "sink_size": 0, "swa_kv_heads": [0]}
+PROMPT_64 = [3 + (i * 11) % 200 for i in range(64)]
+
+
+@pytest.mark.parametrize("ghost,admitted", [(2, True), (3, False)])
+def test_on_demand_admission_counts_only_the_live_pages_of_a_head_wise_hit(make_config, ghost, admitted):
+    # Recycling on, head 0 slides with W = 17: a caches blocks 0..3 of 64 tokens. b (48 of them + 8)
+    # hits 3 blocks; at 48 tokens the SWA head's blocks 0 and 1 are dead, so the hit holds
+    # 3 x 3 + 1 = 10 pages. b needs 32 + 8 tokens + 2 blocks of headroom = 6 blocks: 3 x 6 for the
+    # full heads + (6 - 2) for the SWA head = 22 pages, 12 more. 8 blocks = 32 pages; r holds 8,
+    # the hit 10, the ghost 2 or 3: 12 or 11 pages are left (a's unreferenced pages count as free).
+    rm = ResourceManagerV1(make_config("head_wise_recycle_on", reserve=False, num_gpu_blocks_override=8,
+                                       head_wise_swa_config=W17))
+    run(rm, request("a", PROMPT_64, 1))
+    rm.add_request(request("r", [5] * 16, 40))
+    step(rm)
+    rm.add_request(request("b", PROMPT_64[:48] + [6] * 8, 4))
+    assert ("b" in schedule_with_ghost(rm, ghost)) is admitted
+
+
+@pytest.mark.parametrize("ghost,admitted", [(0, True), (1, False)])
+def test_on_demand_admission_without_a_hit_needs_every_page(make_config, ghost, admitted):
+    # b (40 new tokens, no hit) needs 40 + 32 tokens = 5 blocks = 20 pages with recycling off.
+    # 7 blocks = 28 pages; r holds 8 (2 blocks), the ghost 0 or 1: 20 or 19 pages are left.
+    rm = ResourceManagerV1(make_config("head_wise_recycle_off", reserve=False, num_gpu_blocks_override=7,
+                                       head_wise_swa_config=W17, enable_prefix_caching=False))
+    rm.add_request(request("r", [5] * 16, 40))
+    step(rm)
+    rm.add_request(request("b", [6] * 40, 4))
+    assert ("b" in schedule_with_ghost(rm, ghost)) is admitted
