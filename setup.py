@@ -47,5 +47,6 @@ setup(
                  # upper pins (0.4.x pins numpy<=1.26.4, tokenizers<0.22) and runs on paddlepaddle 3.3.
                  "paddleformers==1.2.0"],
         "bench": ["aiohttp", "matplotlib", "pyyaml"],
+        "mutation": ["mutmut>=3.8"],  # tools/mutation_test.py (docs/mutation_testing.md), not CI
     },
 )

@@ -150,8 +150,11 @@ class LLMEngine:
                 else:
                     self.scheduler.finish_request(request, "stop")
                 return text[:cut]
-        request.stop_checked = len(text.rstrip("\ufffd"))  # a half character is checked again
-        return text if request.is_finished else releasable(text, params.stop)
+        # A half decoded character (U+FFFD at the end) is checked again once whole, and held back with
+        # the tail that may grow into a stop string: it may complete one ("caf" + half of "é", stop "fé").
+        complete = text.rstrip("\ufffd")
+        request.stop_checked = len(complete)
+        return text if request.is_finished else releasable(complete, params.stop)
 
     def _output(self, request: Request, text: str) -> RequestOutput:
         return RequestOutput(

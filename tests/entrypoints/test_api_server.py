@@ -9,6 +9,8 @@ import json
 
 import pytest
 
+from fastdeploy.model_executor.models.tiny_preset import TINY_PRESET_NAME
+
 MAX_MODEL_LEN = 256
 REQUIRED_METRICS = (
     "fastdeploy:kv_pages_total", "fastdeploy:kv_pages_free", "fastdeploy:num_requests_running",
@@ -49,9 +51,9 @@ def test_models_lists_the_served_model_with_its_limits(server):
     data = server.http.get("/v1/models").json()["data"]
     assert len(data) == 1
     card = data[0]
-    assert card["object"] == "model" and card["id"]
+    assert card["object"] == "model" and card["id"] == TINY_PRESET_NAME
     assert card["max_model_len"] == MAX_MODEL_LEN
-    assert card["vocab_size"] > 0
+    assert card["vocab_size"] == 259  # the byte-level tokenizer: 256 bytes + 3 specials
 
 
 def test_completion_reports_usage_and_length_finish(client, model):
@@ -61,7 +63,8 @@ def test_completion_reports_usage_and_length_finish(client, model):
     assert isinstance(choice.text, str) and choice.text
     assert choice.finish_reason == "length"
     assert resp.usage.completion_tokens == 8
-    assert resp.usage.prompt_tokens > 0
+    assert resp.usage.prompt_tokens == len("Hello, world".encode())  # one token per byte
+    assert resp.model == TINY_PRESET_NAME
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + 8
 
 
@@ -76,8 +79,9 @@ def test_completion_accepts_token_id_prompts(client, model):
 
 
 def test_default_alias_names_the_served_model(client):
-    resp = client.completions.create(model="default", prompt="hi", max_tokens=2)
-    assert resp.usage.completion_tokens >= 1
+    resp = client.completions.create(model="default", prompt="hi", max_tokens=2, extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 2
+    assert resp.model == TINY_PRESET_NAME
 
 
 def test_streamed_completion_matches_non_streamed_and_ends_with_usage(client, model):
@@ -272,7 +276,7 @@ def test_chat_logprobs_give_top_logprobs_per_token(client, model):
     assert len(content) == 3
     for entry in content:
         assert entry.logprob <= 0
-        assert 1 <= len(entry.top_logprobs) <= 2
+        assert len(entry.top_logprobs) == 2
 
 
 def test_seeded_sampling_is_reproducible(client, model):
@@ -300,7 +304,7 @@ def test_metrics_expose_design_names_histograms_and_per_head_pages(server, clien
         if name.endswith("_total") and name != "fastdeploy:kv_pages_total":
             assert f"# TYPE {name} counter" in text
     per_head = [v for k, v in snapshot.items() if k.startswith('fastdeploy:kv_pages_free_per_head{head="')]
-    assert len(per_head) >= 1 and '{head="0"}' in text
+    assert len(per_head) == 4 and '{head="0"}' in text  # the tiny preset's 4 KV heads
     assert sum(per_head) == snapshot["fastdeploy:kv_pages_free"]
     assert snapshot["fastdeploy:generation_tokens_total"] >= 4
     for hist in ("fastdeploy:time_to_first_token_seconds", "fastdeploy:time_per_output_token_seconds"):

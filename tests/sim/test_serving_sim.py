@@ -150,9 +150,13 @@ def test_recycling_gain_is_real_and_bounded_by_the_concurrency_ceiling(tiny_mode
 def test_fixed_lengths_ceiling_is_the_page_need_prediction(tiny_model):
     sc = tiny_scenario(tiny_model)
     pred = ceiling(sc.settings(), sc.workload)
-    # Fixed lengths: exactly the engine's own prediction, and a real gain.
+    # By hand: 160 blocks x 4 KV heads = 640 pages; 300 + 200 tokens compute positions 0..498 = 32
+    # blocks. OFF: 4 x 32 = 128 pages -> 5 requests. ON (head 0: W 64, S 16): the peak is the last
+    # decode, where the SWA head holds block 0 (sink) and blocks [(498 - 63) // 16, 32) = 27..31,
+    # 6 pages, next to 3 x 32 for the full heads -> 102 pages -> 6 requests.
+    assert pred == {"running_off": 5, "running_on": 6, "ceiling": 1.2, "peak_pages_off": 128,
+                    "peak_pages_on": 102, "pages_per_rank": 640}
     assert pred == predicted_concurrency(make_fd_config(sc.settings(), recycle=True), 300, 200)
-    assert pred["ceiling"] > 1
 
 
 def test_same_seed_same_result_other_seed_other_arrivals(tiny_model):

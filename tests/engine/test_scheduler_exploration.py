@@ -1,0 +1,187 @@
+"""Random workloads through the real scheduler, checked against a shadow KV memory kept here.
+
+Hypothesis draws the geometry (block size 1..16, window incl. W = 1 and W = 1 mod bs, sink incl.
+S > bs, which KV heads slide, TP 1 or 2), prompts built from a few shared prefixes over a 3-token
+alphabet (so the prefix tree branches and prefix hits happen), EOS at a random output position
+before max_tokens, and aborts. It runs derandomized (the same examples on every run; a failure
+prints its example), and each test asserts at the end that preemption, eviction, prefix hits and
+SWA recycling actually happened over its examples.
+
+The check does not use the cache manager's own bookkeeping: every step, each scheduled token's KV
+is "written" into a shadow memory at the page its table names (the content is the token prefix it
+depends on), and then every key the step's queries may see (docs/retention_rule.md) is "read" through the
+tables: it must sit in a page and hold exactly this request's prefix. A page reused while still
+referenced, a wrong prefix hit, a -1 where a key is visible, or a missing block all fail here.
+"""
+
+import collections
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from fastdeploy.engine.request import Request, SamplingParams
+from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
+
+EOS, FILLER = 2, 9
+HEADS = 4
+ALPHABET = (3, 4, 5)
+
+
+@st.composite
+def geometries(draw):
+    bs = draw(st.sampled_from([1, 2, 4, 16]))
+    window = draw(st.one_of(st.just(1), st.just(bs + 1), st.integers(1, 3 * bs + 2)))
+    sink = draw(st.one_of(st.just(0), st.integers(0, 2 * bs + 1)))
+    swa = draw(st.lists(st.integers(0, HEADS - 1), min_size=1, max_size=HEADS, unique=True))
+    tp = draw(st.sampled_from([1, 2]))
+    return bs, window, sink, sorted(swa), tp
+
+
+@st.composite
+def workloads(draw):
+    prefixes = draw(st.lists(st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=24), min_size=1, max_size=3))
+    jobs = []
+    for _ in range(draw(st.integers(1, 10))):
+        prefix = draw(st.sampled_from(prefixes))
+        suffix = draw(st.lists(st.sampled_from(ALPHABET), max_size=12))
+        max_tokens = draw(st.integers(1, 32))
+        eos_at = draw(st.one_of(st.none(), st.integers(0, max_tokens - 1)))  # output index sampling EOS
+        arrive = draw(st.integers(0, 8))
+        abort_after = draw(st.one_of(st.none(), st.integers(0, 6)))
+        jobs.append((prefix + suffix, max_tokens, eos_at, arrive, abort_after))
+    return jobs
+
+
+def visible_keys(start, end, window, sink, swa):
+    """Keys some query of positions [start, end) may see (docs/retention_rule.md): j < end and, for a SWA head,
+    j < S or j > start - W (a key in (start - W, end) is seen by the query at its own position)."""
+    if not swa:
+        return range(end)
+    return itertools.chain(range(min(sink, end)), range(max(sink, start - window + 1, 0), end))
+
+
+class ShadowMemory:
+    """What each page holds, written and read through the request tables only."""
+
+    def __init__(self, rm, bs, window, sink, swa_heads, head_wise):
+        self.rm, self.bs, self.window, self.sink = rm, bs, window, sink
+        self.swa = set(swa_heads)
+        self.head_wise = head_wise
+        self.heads_per_rank = rm.layout.heads_per_rank
+        self.cells: dict = {}
+
+    def page(self, request, head, block):
+        """Address of a head's page for a block: (rank, page id), or None where the table has none."""
+        if self.head_wise:
+            row = request.block_tables_head_wise[head]
+            p = row[block] if block < len(row) else -1
+            return None if p < 0 else (head // self.heads_per_rank, p)
+        table = request.block_tables
+        return None if block >= len(table) or table[block] < 0 else ("1d", table[block], head)
+
+    def step(self, scheduled):
+        tokens_of = {}
+        for s in scheduled:
+            r = s.request
+            tokens = tokens_of[r.request_id] = r.token_ids(0, s.start + s.num_tokens)
+            for h in range(HEADS):
+                for pos in range(s.start, s.start + s.num_tokens):
+                    addr = self.page(r, h, pos // self.bs)
+                    assert addr is not None, f"{r.request_id} head {h}: no page for position {pos}"
+                    self.cells[addr, pos % self.bs] = hash(tuple(tokens[:pos + 1]))
+        for s in scheduled:  # reads after every write of the step, as attention runs after append
+            r, end = s.request, s.start + s.num_tokens
+            tokens = tokens_of[r.request_id]
+            for h in range(HEADS):
+                for j in visible_keys(s.start, end, self.window, self.sink, h in self.swa):
+                    addr = self.page(r, h, j // self.bs)
+                    assert addr is not None, f"{r.request_id} head {h}: key {j} is visible but its entry is -1"
+                    held = self.cells.get((addr, j % self.bs))
+                    assert held == hash(tuple(tokens[:j + 1])), \
+                        f"{r.request_id} head {h}: key {j} at {addr} holds another request's KV"
+
+
+def run_workload(make_config, mode, reserve, geometry, jobs, blocks, seen):
+    bs, window, sink, swa, tp = geometry
+    if mode == "1d":
+        tp = 1
+    cfg = make_config(mode, reserve=reserve, block_size=bs, num_gpu_blocks_override=blocks, tensor_parallel_size=tp,
+                      max_num_batched_tokens=max(8, 2 * bs), max_num_seqs=4, max_model_len=64,
+                      enable_prefix_caching=True,
+                      head_wise_swa_config={"sliding_window": window, "sink_size": sink, "swa_kv_heads": swa})
+    rm = ResourceManagerV1(cfg)
+    shadow = ShadowMemory(rm, bs, window, sink, swa if rm.layout.recycling_heads else (), rm.head_wise)
+    pending = list(enumerate(jobs))
+    eos_at = {}
+    for t in itertools.count():
+        for i, (prompt, max_tokens, eos, arrive, _) in list(pending):
+            if arrive <= t:
+                pending.remove((i, jobs[i]))
+                try:
+                    rm.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), eos_token_id=EOS))
+                    eos_at[f"r{i}"] = eos
+                    seen["requests"] += 1
+                except ValueError:
+                    seen["rejected"] += 1
+                    continue  # too big for this cache: rejected up front
+        for i, (_, _, _, arrive, abort_after) in enumerate(jobs):
+            if abort_after is not None and t == arrive + abort_after:
+                rm.abort_request(f"r{i}")
+        batch = rm.schedule()
+        seen["steps"] += 1
+        shadow.step(batch.requests)
+        sampled = [(EOS if len(s.request.output_token_ids) == eos_at[s.request.request_id] else FILLER)
+                   if s.samples else None for s in batch.requests]
+        for s, token in zip(batch.requests, sampled):
+            seen["eos_finishes"] += token == EOS
+        rm.update_from_output(batch, sampled)
+        rm.check_integrity()
+        if not pending and not rm.has_unfinished_requests():
+            break
+        assert t < 3000, "no progress"
+    cm = rm.cache_manager
+    assert cm.num_free_pages == cm.num_total_pages
+    if reserve:
+        assert rm.num_preemptions_total == 0  # reservation admission never preempts
+    seen["examples"] += 1
+    seen["preemptions"] += rm.num_preemptions_total
+    seen["prefix_hit_tokens"] += rm.prefix_cache_hit_tokens_total
+    seen["evictions"] += cm.prefix_cache_stats()["prefix_cache_evictions_total"]
+    seen["swa_recycled"] += rm.swa_pages_recycled_total
+
+
+# Every geometry edge at least once, whatever the draws: bs 1, W = 1 mod bs, W = 1, S > bs.
+EDGES = [((1, 2, 0, [0], 1),), ((16, 17, 0, [0, 1, 2, 3], 1),), ((4, 1, 0, [1, 3], 2),), ((4, 6, 9, [0, 2], 2),)]
+EDGE_JOBS = [([3, 4, 5] * 6, 12, None, 0, None), ([3, 4, 5] * 6 + [4], 12, 5, 0, None),
+             ([3, 4, 5] * 4, 8, None, 1, None), ([5] * 20, 10, 0, 2, 3)]
+
+
+@pytest.mark.parametrize("mode,reserve,expected", [
+    ("1d", False, {"preemptions", "prefix_hit_tokens", "evictions", "eos_finishes"}),
+    ("1d", True, {"prefix_hit_tokens", "evictions", "eos_finishes"}),
+    ("head_wise_recycle_off", False, {"preemptions", "prefix_hit_tokens", "evictions", "eos_finishes"}),
+    ("head_wise_recycle_on", False, {"preemptions", "prefix_hit_tokens", "evictions", "swa_recycled",
+                                     "eos_finishes"}),
+    ("head_wise_recycle_on", True, {"prefix_hit_tokens", "evictions", "swa_recycled", "eos_finishes"}),
+])
+def test_random_workloads_read_back_exactly_what_they_wrote(make_config, mode, reserve, expected):
+    seen = collections.Counter()
+
+    @settings(max_examples=40, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(geometry=geometries(), jobs=workloads(), capacity=st.integers(32, 96))
+    @example(geometry=EDGES[0][0], jobs=EDGE_JOBS, capacity=40)
+    @example(geometry=EDGES[1][0], jobs=EDGE_JOBS, capacity=64)
+    @example(geometry=EDGES[2][0], jobs=EDGE_JOBS, capacity=32)
+    @example(geometry=EDGES[3][0], jobs=EDGE_JOBS, capacity=48)
+    def run(geometry, jobs, capacity):
+        # A cache of `capacity` tokens per head, whatever the block size: tight for several requests.
+        bs = geometry[0]
+        run_workload(make_config, mode, reserve, geometry, jobs, -(-capacity // bs), seen)
+
+    run()
+    print(f"\n{mode} reserve={reserve}: {dict(seen)}")
+    missing = {k for k in expected if seen[k] == 0}
+    assert not missing, f"never exercised: {missing} ({dict(seen)})"

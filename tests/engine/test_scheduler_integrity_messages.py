@@ -1,0 +1,99 @@
+"""ResourceManagerV1.check_integrity names each broken invariant: one corruption at a time."""
+
+import pytest
+
+from fastdeploy.engine.request import Request, SamplingParams
+from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
+
+# Head 0 slides with W = 17 and no sink: with 40 tokens processed its block 0 is dead.
+SWA = {"sliding_window": 17, "sink_size": 0, "swa_kv_heads": [0]}
+
+
+def request(rid, prompt_len, max_tokens):
+    return Request(rid, [3 + (i * 7 + len(rid)) % 200 for i in range(prompt_len)],
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), eos_token_id=2)
+
+
+def step(rm):
+    batch = rm.schedule()
+    rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
+    rm.check_integrity()
+
+
+def broken(rm):
+    with pytest.raises(AssertionError) as info:
+        rm.check_integrity()
+    return str(info.value)
+
+
+@pytest.fixture
+def running(make_config):
+    """Request r (prompt 40) after two steps: 41 tokens processed, SWA block 0 recycled."""
+    rm = ResourceManagerV1(make_config("head_wise_recycle_on", num_gpu_blocks_override=32, head_wise_swa_config=SWA,
+                                       enable_prefix_caching=False))
+    rm.add_request(request("r", 40, 20))
+    step(rm)
+    step(rm)
+    r = rm.requests["r"]
+    assert r.num_computed_tokens == 41 and r.recycled_upto == 1
+    assert [row[0] == -1 for row in r.block_tables_head_wise] == [True, False, False, False]
+    return rm, r
+
+
+def test_table_corruptions_are_named(running):
+    rm, r = running
+    r.recycled_upto = 2
+    assert broken(rm) == "r: recycled up to block 2, but only blocks below 1 are dead"
+    r.recycled_upto = 1
+    page = r.block_tables_head_wise[1][0]
+    r.block_tables_head_wise[1][0] = -1
+    assert broken(rm) == "r: head 1 entry 0 is -1, dead=False"
+    r.block_tables_head_wise[1][0] = page
+    r.num_computed_tokens = 64  # 4 blocks' worth, the table has 3 entries
+    assert broken(rm) == "r: 64 tokens cached but only 3 entries"
+    r.num_computed_tokens = 41
+    rm.check_integrity()
+
+
+def test_page_reference_corruptions_are_named(running):
+    rm, r = running
+    row = r.block_tables_head_wise[2]
+    row.append(row[0])  # one page twice in r's own table
+    assert broken(rm) == f"page {row[0]} appears twice in the tables of 'r'"
+    row.pop()
+    taken = rm.cache_manager.allocate_gpu_blocks_head_wise([0, 0, 1, 0], "ghost")[2][0]
+    row.append(taken)  # a page the cache manager records for another request
+    assert broken(rm) == (f"rank 0 page {taken}: the cache manager records references {{'ghost'}}, "
+                          f"block tables hold it for {{'r'}}")
+    row.pop()
+    rm.cache_manager.recycle_gpu_blocks_head_wise([[], [], [taken], []], "ghost")
+    rm.check_integrity()
+
+
+def test_a_page_shared_by_two_tables_and_repeated_in_one_is_named(make_config):
+    rm = ResourceManagerV1(make_config("1d", num_gpu_blocks_override=16, head_wise_swa_config=SWA,
+                                       enable_prefix_caching=False))
+    rm.add_request(request("a", 8, 5))
+    rm.add_request(request("b", 8, 5))
+    step(rm)
+    a, b = rm.requests["a"], rm.requests["b"]
+    b.block_tables = [a.block_tables[0], a.block_tables[0]]
+    assert broken(rm) == f"page {a.block_tables[0]} appears twice in the tables of 'b'"
+
+
+def test_a_waiting_request_holding_head_wise_pages_is_named(running):
+    rm, _ = running
+    rm.add_request(request("w", 8, 1))
+    rm.requests["w"].block_tables_head_wise = [[5], [], [], []]
+    assert broken(rm) == "w: waiting but holds pages"
+
+
+def test_reservation_corruptions_are_named(running):
+    rm, r = running
+    held = list(rm._reserved_per_rank)
+    rm._reserved_per_rank = [held[0] + 1]
+    assert broken(rm) == f"reservations [{held[0] + 1}] != sum {held} or over capacity"
+    # Consistent sums, but more than the cache holds.
+    over = rm.pages_per_rank + 1
+    rm._reserved_per_rank, r.reserved_pages_per_rank = [over], [over]
+    assert broken(rm) == f"reservations [{over}] != sum [{over}] or over capacity"
