@@ -211,6 +211,7 @@ async def drive(base_url: str, workload: dict, label: str) -> tuple[dict, Timeli
     argv = ["--base-url", base_url, "--backend", "openai", "--dataset-name", "random-ids",
             "--random-input-len", str(workload["input_len"]),
             "--random-output-len", str(workload["output_len"]),
+            "--random-range-ratio", "0",  # exact lengths: the page arithmetic predicts these peaks
             "--num-prompts", str(workload["num_prompts"]),
             "--request-rate", str(workload["request_rate"]),
             "--seed", str(workload["seed"]), "--ignore-eos",

@@ -79,7 +79,6 @@ def test_bench_head_wise_swa_runs_both_servers_and_splits_the_gain(tmp_path):
                  FD_ADMISSION_POLICY="reserve")
     result = json.loads(out.read_text())
     assert result["failed_off"] == result["failed_on"] == 0
-    assert result["peak_running_on"] > result["peak_running_off"]
     assert result["engine_steps_off"] > result["engine_steps_on"] > 0
     # By hand: 32 + 48 tokens compute positions 0..78, 5 blocks per head at the peak. 24 blocks x 4
     # heads = 96 pages. OFF: 4 x 5 = 20 pages -> 4 running. ON: the SWA heads (W 16) hold 2 blocks
@@ -87,6 +86,8 @@ def test_bench_head_wise_swa_runs_both_servers_and_splits_the_gain(tmp_path):
     assert (result["predicted_running_off"], result["predicted_running_on"], result["ceiling"]) == (4, 6, 1.5)
     assert result["peak_running_off"] <= 4 and result["peak_running_on"] <= 6
     assert result["total_output_tokens_off"] == result["total_output_tokens_on"] == 12 * 48
-    # One token per running request per step: at least 12 x 48 / 4 steps OFF and / 6 ON.
-    assert result["engine_steps_off"] >= 144 and result["engine_steps_on"] >= 96
+    # One token per running request per step: at least 12 x 48 / 4 steps OFF and / 6 ON. Fewer than
+    # 144 steps ON proves ON ran more than 4 at once (the sampled peak_running can miss a short peak
+    # on a loaded machine, so the exact step counters carry this assertion).
+    assert result["engine_steps_off"] >= 144 and 96 <= result["engine_steps_on"] < 144
     assert "Engine steps" in stdout and plot.stat().st_size > 0
