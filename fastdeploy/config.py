@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from fastdeploy import envs
+from fastdeploy.model_executor.tensor_parallel import balanced_kv_head_order, check_shardable
 from fastdeploy.model_executor.models.tiny_preset import TINY_PRESET_CONFIG, TINY_PRESET_NAME
 
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024
@@ -90,6 +91,9 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str = TINY_PRESET_NAME
     raw: dict = field(default_factory=dict, repr=False)
+    # Load-time KV-head order: slot i holds the checkpoint's KV head kv_head_order[i] (None: identity).
+    # head_wise_swa.swa_kv_heads is in this order. Set by --balance-swa-heads.
+    kv_head_order: Optional[tuple] = None
 
     @classmethod
     def create(cls, model: Optional[str], max_model_len: Optional[int], head_wise_swa_override: Any,
@@ -189,6 +193,8 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # Permute whole KV-head groups at load time so every rank gets its share of the SWA heads.
+    balance_swa_heads: bool = False
 
 
 @dataclass
@@ -231,6 +237,9 @@ class FDConfig:
         if model.num_key_value_heads % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide num_key_value_heads="
                              f"{model.num_key_value_heads}")
+        check_shardable(model, tp)
+        if par.balance_swa_heads:
+            self.model_config = model = _balance_swa_heads(model, tp)
         if not _is_int(cache.block_size) or cache.block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {cache.block_size!r}")
         if cache.cache_dtype not in CACHE_DTYPE_BYTES:
@@ -289,6 +298,19 @@ class FDConfig:
     def swa_recycle_active(self) -> bool:
         """True when SWA pages really are returned early: head-wise tables, SWA heads, recycle on."""
         return self.head_wise_kv_cache and self.swa_recycle and self.model_config.head_wise_swa is not None
+
+
+def _balance_swa_heads(model: ModelConfig, tp: int) -> ModelConfig:
+    """The same model with its KV-head groups reordered so the SWA heads spread over the ranks."""
+    from dataclasses import replace
+
+    if model.head_wise_swa is None:
+        raise ValueError("balance_swa_heads: the model declares no SWA KV heads to balance")
+    if model.kv_head_order is not None:
+        return model  # already balanced (a config built twice from the same ModelConfig)
+    order = balanced_kv_head_order(model.num_key_value_heads, model.head_wise_swa.swa_kv_heads, tp)
+    swa = tuple(i for i, h in enumerate(order) if h in model.head_wise_swa.swa_kv_heads)
+    return replace(model, kv_head_order=tuple(order), head_wise_swa=replace(model.head_wise_swa, swa_kv_heads=swa))
 
 
 def _bool_flag(name: str, value: int) -> bool:

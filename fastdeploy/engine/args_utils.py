@@ -23,6 +23,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: Optional[bool] = None  # None: on, unless FD_ATTENTION_BACKEND=NATIVE_ATTN
     tensor_parallel_size: int = 1
+    balance_swa_heads: bool = False
     head_wise_swa_config: Union[None, str, dict] = None
 
     def create_engine_config(self) -> FDConfig:
@@ -43,7 +44,8 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 enable_chunked_prefill=self.enable_chunked_prefill,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                           balance_swa_heads=self.balance_swa_heads),
         )
 
     @staticmethod
@@ -73,7 +75,11 @@ class EngineArgs:
                        help="reuse KV blocks of shared prompt prefixes (default: on, except with the dense "
                             "NATIVE_ATTN oracle backend)")
         g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
-                       help="ranks the KV heads are split over")
+                       help="ranks the model is split over: one worker process per rank (paddle.distributed), "
+                            "each holding 1/N of the KV heads and their page pool")
+        g.add_argument("--balance-swa-heads", action=argparse.BooleanOptionalAction, default=d.balance_swa_heads,
+                       help="permute whole KV-head groups at load time so every rank gets its share of the SWA "
+                            "heads (admission is limited by the fullest rank); outputs are unchanged")
         g.add_argument("--head-wise-swa-config", type=str, default=None,
                        help='JSON {"sliding_window": W, "sink_size": S, "swa_kv_heads": [..]}; '
                             "overrides the model's head_wise_swa section")

@@ -24,13 +24,13 @@ class LLMEngine:
     """Single-threaded engine: one caller drives add_request / abort_request / step."""
 
     def __init__(self, fd_config):
-        from fastdeploy.worker.model_runner import ModelRunner  # imports Paddle
+        from fastdeploy.engine.step_runner import StepRunner  # imports Paddle (TP=1) or starts the workers
 
         self.fd_config = fd_config
         self.model_config = fd_config.model_config
         self.tokenizer = load_tokenizer(self.model_config)
-        self.runner = ModelRunner(fd_config)
         self.scheduler = ResourceManagerV1(fd_config)
+        self.runner = StepRunner(fd_config)
         self._seeds = np.random.default_rng()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -42,6 +42,10 @@ class LLMEngine:
                     self.model_config.served_model_name, fd_config.cache_config.num_gpu_blocks,
                     self.scheduler.cache_manager.num_total_pages, fd_config.head_wise_kv_cache,
                     fd_config.swa_recycle_active, fd_config.attention_backend)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (a no-op with one rank); idempotent."""
+        self.runner.close()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":

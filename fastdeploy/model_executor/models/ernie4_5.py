@@ -14,6 +14,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from fastdeploy.model_executor import tensor_parallel as tp_
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 
 WEIGHTS_FILE = "model.safetensors"
@@ -88,8 +89,12 @@ def random_checkpoint(cfg) -> dict:
 
 
 class Ernie4_5ForCausalLM:
-    def __init__(self, model_config, checkpoint: dict):
+    """Under tensor parallelism (`tp_size` > 1) this object is rank `tp_rank`'s shard: the
+    checkpoint is permuted to the load-time KV-head order, then sliced (tensor_parallel.py)."""
+
+    def __init__(self, model_config, checkpoint: dict, tp_rank: int = 0, tp_size: int = 1):
         self.config = cfg = model_config
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         expected = checkpoint_shapes(cfg)
         missing = sorted(set(expected) - set(checkpoint))
         if missing:
@@ -98,12 +103,15 @@ class Ernie4_5ForCausalLM:
             if tuple(checkpoint[name].shape) != shape:
                 raise ValueError(f"checkpoint parameter {name} has shape {tuple(checkpoint[name].shape)}, "
                                  f"expected {shape}")
-        self.checkpoint = {k: np.asarray(checkpoint[k], np.float32) for k in expected}
+        full = {k: np.asarray(checkpoint[k], np.float32) for k in expected}
+        # A shard does not keep the whole checkpoint: that would undo what sharding saves.
+        self.checkpoint = full if tp_size == 1 else None
+        ck = tp_.shard_weights(tp_.permute_kv_heads(full, cfg, cfg.kv_head_order), cfg, tp_rank, tp_size)
+        self.vocab_start = tp_.vocab_slice(cfg.vocab_size, tp_rank, tp_size)[0] if tp_size > 1 else 0
 
         def t(a: np.ndarray) -> paddle.Tensor:
             return paddle.to_tensor(np.ascontiguousarray(a, dtype=np.float32))
 
-        ck = self.checkpoint
         self.embed = t(ck["model.embed_tokens.weight"])
         self.final_norm = t(ck["model.norm.weight"])
         self.lm_head = t((ck["model.embed_tokens.weight"] if cfg.tie_word_embeddings else ck["lm_head.weight"]).T)
@@ -121,21 +129,23 @@ class Ernie4_5ForCausalLM:
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
-    def load(cls, model_config) -> "Ernie4_5ForCausalLM":
+    def load(cls, model_config, tp_rank: int = 0, tp_size: int = 1) -> "Ernie4_5ForCausalLM":
         """The tiny preset when `model_config.model` is None, else `model.safetensors` of the directory."""
         if model_config.model is None:
-            return cls(model_config, random_checkpoint(model_config))
+            return cls(model_config, random_checkpoint(model_config), tp_rank, tp_size)
         path = os.path.join(model_config.model, WEIGHTS_FILE)
         if not os.path.isfile(path):
             raise ValueError(f"model: {model_config.model!r} has no {WEIGHTS_FILE}")
         from safetensors.numpy import load_file
 
-        return cls(model_config, load_file(path))
+        return cls(model_config, load_file(path), tp_rank, tp_size)
 
     def save_pretrained(self, path: str) -> None:
         """Write config.json (with the head_wise_swa section) and model.safetensors."""
         from safetensors.numpy import save_file
 
+        if self.checkpoint is None:
+            raise ValueError("save_pretrained: this is one tensor-parallel rank's shard, not the whole model")
         os.makedirs(path, exist_ok=True)
         cfg = self.config
         raw = {k: v for k, v in cfg.raw.items() if k != "head_wise_swa"}
@@ -159,18 +169,29 @@ class Ernie4_5ForCausalLM:
         """Logits [num_sampled, vocab] for the last token of every request that samples this step."""
         num_tokens = meta.input_ids.shape[0]
         rows = _aligned(num_tokens)
-        hidden = F.embedding(_pad_rows(meta.input_ids, rows), self.embed)
+        hidden = self._embed(_pad_rows(meta.input_ids, rows))
         for layer_id, w in enumerate(self.layers):
             x = self._rms_norm(hidden, w["input_norm"])
             qkv = paddle.matmul(x, w["qkv"])
             attn = meta.attn_backend.forward(layer_id, qkv[:num_tokens] if rows != num_tokens else qkv, meta)
-            hidden = hidden + paddle.matmul(_pad_rows(attn, rows), w["o"])
+            hidden = hidden + tp_.all_reduce(paddle.matmul(_pad_rows(attn, rows), w["o"]), self.tp_size)
             x = self._rms_norm(hidden, w["post_norm"])
             gate, up = paddle.chunk(paddle.matmul(x, w["gate_up"]), 2, axis=-1)
-            hidden = hidden + paddle.matmul(F.silu(gate) * up, w["down"])
+            hidden = hidden + tp_.all_reduce(paddle.matmul(F.silu(gate) * up, w["down"]), self.tp_size)
         num_sampled = meta.sample_rows.shape[0]
         if num_sampled == 0:
             return paddle.zeros([0, self.config.vocab_size], dtype="float32")
         last = paddle.gather(hidden, _pad_rows(meta.sample_rows, _aligned(num_sampled)))
         logits = paddle.matmul(self._rms_norm(last, self.final_norm), self.lm_head)
-        return logits[:num_sampled]
+        logits = tp_.all_gather_last_axis(logits, self.tp_size)
+        return logits[:num_sampled, :self.config.vocab_size]
+
+    def _embed(self, ids: paddle.Tensor) -> paddle.Tensor:
+        """Vocab-parallel lookup: each rank embeds the ids of its slice (zeros elsewhere), summed."""
+        if self.tp_size == 1:
+            return F.embedding(ids, self.embed)
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed.shape[0])
+        out = F.embedding(paddle.where(mine, local, paddle.zeros_like(local)), self.embed)
+        out = out * mine.astype(out.dtype).unsqueeze(-1)
+        return tp_.all_reduce(out, self.tp_size)
