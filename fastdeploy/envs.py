@@ -44,6 +44,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FD_ATTENTION_BACKEND": _choice_flag("FD_ATTENTION_BACKEND", "APPEND_ATTN", ("APPEND_ATTN", "NATIVE_ATTN")),
     # Seconds between the engine's periodic status log lines (0 disables them).
     "FD_LOG_INTERVAL": _int_flag("FD_LOG_INTERVAL", "10"),
+    # Seconds the engine waits for tensor-parallel workers to load / to finish one step before it
+    # declares a rank hung, stops every worker and fails the in-flight requests.
+    "FD_TP_START_TIMEOUT": _int_flag("FD_TP_START_TIMEOUT", "600"),
+    "FD_TP_STEP_TIMEOUT": _int_flag("FD_TP_STEP_TIMEOUT", "300"),
 }
 
 
