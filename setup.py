@@ -34,6 +34,7 @@ setup(
         "uvicorn",
         "pydantic>=2",
         "tqdm",
+        "pyzmq",  # engine <-> tensor-parallel worker messages
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "openai", "aiohttp", "requests", "matplotlib", "pyyaml", "tokenizers"],

@@ -10,6 +10,7 @@ from typing import Union
 import numpy as np
 
 from fastdeploy import envs
+from fastdeploy.cache_manager.head_wise import rank_ceilings
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
@@ -42,6 +43,24 @@ class LLMEngine:
                     self.model_config.served_model_name, fd_config.cache_config.num_gpu_blocks,
                     self.scheduler.cache_manager.num_total_pages, fd_config.head_wise_kv_cache,
                     fd_config.swa_recycle_active, fd_config.attention_backend)
+        self._log_rank_ceilings()
+
+    def _log_rank_ceilings(self) -> None:
+        """Start-up: how much recycling can buy on each rank (admission waits for the fullest one)."""
+        fd, model = self.fd_config, self.model_config
+        tp = fd.parallel_config.tensor_parallel_size
+        if tp == 1 or model.head_wise_swa is None:
+            return
+        half = model.max_model_len // 2
+        c = rank_ceilings(fd, half, model.max_model_len - half)
+        order = model.kv_head_order or tuple(range(model.num_key_value_heads))
+        logger.info("tensor parallel %d: SWA KV heads per rank %s (KV head order %s); recycling ceiling per rank "
+                    "%s for a %d-token request, engine ceiling %.2f (the fullest rank)", tp, c["swa_heads_per_rank"],
+                    list(order), "[" + ", ".join(f"{x:.2f}" for x in c["per_rank"]) + "]", model.max_model_len,
+                    c["ceiling"])
+        counts = c["swa_heads_per_rank"]
+        if max(counts) - min(counts) > 1:
+            logger.warning("the SWA heads sit unevenly on the ranks: pass --balance-swa-heads to spread them")
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (a no-op with one rank); idempotent."""
@@ -174,6 +193,11 @@ class LLMEngine:
         stats.update(prompt_tokens_total=self.prompt_tokens_total,
                      generation_tokens_total=self.generation_tokens_total,
                      engine_steps_total=self.engine_steps_total)
+        # Per tensor-parallel rank: each rank's page pool is that worker's own memory.
+        tp = self.fd_config.parallel_config.tensor_parallel_size
+        stats.update(kv_pages_total_per_rank=[self.scheduler.pages_per_rank] * tp,
+                     kv_pages_free_per_rank=self.scheduler.cache_manager.free_pages_per_rank(),
+                     tp_worker_pids=self.runner.worker_pids)
         return stats
 
     def _maybe_log(self) -> None:

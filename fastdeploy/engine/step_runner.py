@@ -41,6 +41,11 @@ class StepRunner:
     def attn_backend(self):
         return self.ranks.attn_backend
 
+    @property
+    def worker_pids(self) -> list:
+        """Process id of each rank's worker (empty when the single rank runs in-process)."""
+        return list(getattr(self.ranks, "pids", []))
+
     def close(self) -> None:
         """Stop the worker processes, if any (idempotent)."""
         close = getattr(self.ranks, "close", None)

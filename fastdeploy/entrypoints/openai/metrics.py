@@ -114,6 +114,17 @@ class ServerMetrics:
                 lines += [f"# HELP {name} Free KV pages in each KV head's home free list.",
                           f"# TYPE {name} gauge"]
                 lines += [f'{name}{{head="{h}"}} {_fmt(v)}' for h, v in enumerate(per_head)]
+            for key, help_text in (("kv_pages_total_per_rank", "KV pages of each tensor-parallel rank's pool."),
+                                   ("kv_pages_free_per_rank", "Free KV pages of each tensor-parallel rank's pool.")):
+                if stats.get(key) is not None:
+                    name = PREFIX + key
+                    lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+                    lines += [f'{name}{{rank="{r}"}} {_fmt(v)}' for r, v in enumerate(stats[key])]
+            if stats.get("tp_worker_pids"):
+                name = PREFIX + "tp_worker_info"
+                lines += [f"# HELP {name} One series per tensor-parallel worker process: its rank and pid.",
+                          f"# TYPE {name} gauge"]
+                lines += [f'{name}{{rank="{r}",pid="{p}"}} 1' for r, p in enumerate(stats["tp_worker_pids"])]
         name = PREFIX + "num_requests_in_flight"
         lines += [f"# HELP {name} HTTP requests admitted and not yet finished.", f"# TYPE {name} gauge",
                   f"{name} {num_in_flight}"]
