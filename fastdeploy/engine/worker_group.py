@@ -44,17 +44,22 @@ def _free_ports(n: int, host: str) -> list:
             s.close()
 
 
-def _stop(procs: list, step_socks: list, result_sock, ctx) -> None:
-    """Ask every rank to stop, then SIGTERM, then SIGKILL; close the sockets. Idempotent."""
+def _stop(procs: list, step_socks: list, result_sock, ctx, graceful: list) -> None:
+    """Ask every rank to stop, then SIGTERM, then SIGKILL (at once after a failure: the surviving
+    ranks may sit in a collective that never completes); close the sockets. Idempotent."""
     import zmq
 
-    for sock, proc in zip(step_socks, procs):
-        if proc.poll() is None:
-            try:
-                sock.send_pyobj(None, flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-    for sig, wait_s in ((None, 5.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+    if step_socks[0].closed:
+        return
+    if graceful[0]:
+        for sock, proc in zip(step_socks, procs):
+            if proc.poll() is None:
+                try:
+                    sock.send_pyobj(None, flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+    steps = ((None, 5.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)) if graceful[0] else ((signal.SIGKILL, 5.0),)
+    for sig, wait_s in steps:
         alive = [p for p in procs if p.poll() is None]
         if not alive:
             break
@@ -95,7 +100,9 @@ class WorkerGroup:
                    "--result-address", f"tcp://{host}:{result_port}"]
             rank_env = dict(env, PADDLE_TRAINER_ID=str(rank), PADDLE_CURRENT_ENDPOINT=endpoints[rank])
             self.procs.append(subprocess.Popen(cmd, env=rank_env, cwd=PACKAGE_ROOT))
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self._steps, self._results, self._ctx)
+        self._graceful = [True]  # a list: the finalizer must see a failure recorded after it was made
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self._steps, self._results, self._ctx,
+                                           self._graceful)
         self.rank_info: list = [None] * tp
         try:
             for sock in self._steps:
@@ -140,7 +147,12 @@ class WorkerGroup:
             if self._results.poll(POLL_MS):
                 msg = self._results.recv_pyobj()
                 if msg[0] == "failed":
-                    self._fail(f"tensor-parallel worker rank {msg[1]} failed: {msg[2]}")
+                    # A rank's collective fails when its peer died: name the dead peer as the cause.
+                    deadline_peer = time.monotonic() + 1.0
+                    while (cause := self._exit_message(exclude=msg[1])) is None and time.monotonic() < deadline_peer:
+                        time.sleep(0.05)
+                    error = f"tensor-parallel worker rank {msg[1]} failed: {msg[2]}"
+                    self._fail(f"{cause} (then {error})" if cause else error)
                 if msg[0] == kind:
                     return msg
                 continue
@@ -150,13 +162,20 @@ class WorkerGroup:
                            f"(FD_TP_{what.upper()}_TIMEOUT); a rank is hung")
 
     def _check_alive(self) -> None:
+        message = self._exit_message()
+        if message is not None:
+            self._fail(message)
+
+    def _exit_message(self, exclude=None):
         for rank, proc in enumerate(self.procs):
             code = proc.poll()
-            if code is not None:
+            if code is not None and rank != exclude:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                self._fail(f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}")
+                return f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}"
+        return None
 
     def _fail(self, message: str) -> None:
         logger.error("%s; stopping all %d workers", message, self.tp)
+        self._graceful[0] = False
         self.close()
         raise WorkerFailure(message)
