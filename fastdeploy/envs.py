@@ -48,6 +48,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # declares a rank hung, stops every worker and fails the in-flight requests.
     "FD_TP_START_TIMEOUT": _int_flag("FD_TP_START_TIMEOUT", "600"),
     "FD_TP_STEP_TIMEOUT": _int_flag("FD_TP_STEP_TIMEOUT", "300"),
+    # 0: the engine does not start its tensor-parallel workers but waits for ranks started by
+    # `paddle.distributed.launch ... fastdeploy/worker/worker_process.py --engine-address HOST:PORT`
+    # (several machines); they connect to FD_TP_ENGINE_HOST:FD_TP_ENGINE_PORT (results) and PORT+1+rank (steps).
+    "FD_TP_LAUNCH_WORKERS": _int_flag("FD_TP_LAUNCH_WORKERS", "1"),
+    "FD_TP_ENGINE_HOST": lambda: os.getenv("FD_TP_ENGINE_HOST", "127.0.0.1"),
+    "FD_TP_ENGINE_PORT": _int_flag("FD_TP_ENGINE_PORT", "0"),
 }
 
 

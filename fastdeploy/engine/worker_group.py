@@ -52,8 +52,8 @@ def _stop(procs: list, step_socks: list, result_sock, ctx, graceful: list) -> No
     if step_socks[0].closed:
         return
     if graceful[0]:
-        for sock, proc in zip(step_socks, procs):
-            if proc.poll() is None:
+        for rank, sock in enumerate(step_socks):
+            if not procs or procs[rank].poll() is None:  # no procs: ranks launched elsewhere
                 try:
                     sock.send_pyobj(None, flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
@@ -73,33 +73,34 @@ def _stop(procs: list, step_socks: list, result_sock, ctx, graceful: list) -> No
             except subprocess.TimeoutExpired:
                 pass
     for sock in [*step_socks, result_sock]:
-        sock.close(linger=0)
+        sock.close(linger=1000 if graceful[0] else 0)  # let the stop message reach launched ranks
     ctx.term()
 
 
 class WorkerGroup:
-    def __init__(self, fd_config, host: str = "127.0.0.1"):
+    def __init__(self, fd_config):
         import zmq
 
         self.tp = tp = fd_config.parallel_config.tensor_parallel_size
         self.step_timeout_s = envs.FD_TP_STEP_TIMEOUT
+        host, base_port = envs.FD_TP_ENGINE_HOST, envs.FD_TP_ENGINE_PORT
         self._ctx = zmq.Context()
         self._results = self._ctx.socket(zmq.PULL)
-        result_port = self._results.bind_to_random_port(f"tcp://{host}")
         self._steps = [self._ctx.socket(zmq.PUSH) for _ in range(tp)]
-        step_ports = [s.bind_to_random_port(f"tcp://{host}") for s in self._steps]
-        endpoints = [f"{host}:{p}" for p in _free_ports(tp, host)]
-        env = dict(os.environ, PADDLE_TRAINERS_NUM=str(tp), PADDLE_TRAINER_ENDPOINTS=",".join(endpoints),
-                   PADDLE_MASTER=endpoints[0])
-        env.setdefault("PADDLE_DISTRI_BACKEND", "gloo")  # CPU collectives; NCCL is issue 16's choice
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p)
+        if base_port:  # fixed ports, so workers on other machines can find them
+            self._results.bind(f"tcp://{host}:{base_port}")
+            for rank, sock in enumerate(self._steps):
+                sock.bind(f"tcp://{host}:{base_port + 1 + rank}")
+            result_port, step_ports = base_port, [base_port + 1 + r for r in range(tp)]
+        else:
+            result_port = self._results.bind_to_random_port(f"tcp://{host}")
+            step_ports = [s.bind_to_random_port(f"tcp://{host}") for s in self._steps]
         self.procs = []
-        for rank in range(tp):
-            cmd = [sys.executable, "-m", WORKER_MODULE, "--rank", str(rank),
-                   "--step-address", f"tcp://{host}:{step_ports[rank]}",
-                   "--result-address", f"tcp://{host}:{result_port}"]
-            rank_env = dict(env, PADDLE_TRAINER_ID=str(rank), PADDLE_CURRENT_ENDPOINT=endpoints[rank])
-            self.procs.append(subprocess.Popen(cmd, env=rank_env, cwd=PACKAGE_ROOT))
+        if envs.FD_TP_LAUNCH_WORKERS:
+            self._launch(tp, host, result_port, step_ports)
+        else:
+            logger.info("waiting for %d tensor-parallel workers launched with --engine-address %s:%d", tp, host,
+                        result_port)
         self._graceful = [True]  # a list: the finalizer must see a failure recorded after it was made
         self._finalizer = weakref.finalize(self, _stop, self.procs, self._steps, self._results, self._ctx,
                                            self._graceful)
@@ -117,9 +118,25 @@ class WorkerGroup:
                     "; ".join(f"rank {r} pid {i['pid']} KV heads {i['kv_heads']} cache {i['cache_shape']}"
                               for r, i in enumerate(self.rank_info)))
 
+    def _launch(self, tp: int, host: str, result_port: int, step_ports: list) -> None:
+        """One worker process per rank on this machine, with paddle.distributed's environment."""
+        endpoints = [f"{host}:{p}" for p in _free_ports(tp, host)]
+        env = dict(os.environ, PADDLE_TRAINERS_NUM=str(tp), PADDLE_TRAINER_ENDPOINTS=",".join(endpoints),
+                   PADDLE_MASTER=endpoints[0])
+        env.setdefault("PADDLE_DISTRI_BACKEND", "gloo")  # CPU collectives; NCCL is issue 16's choice
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p)
+        self.procs = []
+        for rank in range(tp):
+            cmd = [sys.executable, "-m", WORKER_MODULE, "--rank", str(rank),
+                   "--step-address", f"tcp://{host}:{step_ports[rank]}",
+                   "--result-address", f"tcp://{host}:{result_port}"]
+            rank_env = dict(env, PADDLE_TRAINER_ID=str(rank), PADDLE_CURRENT_ENDPOINT=endpoints[rank])
+            self.procs.append(subprocess.Popen(cmd, env=rank_env, cwd=PACKAGE_ROOT))
+
     @property
     def pids(self) -> list:
-        return [p.pid for p in self.procs]
+        """Worker pids (of this machine's ranks, or as the launched ranks reported them)."""
+        return [p.pid for p in self.procs] or [i["pid"] for i in self.rank_info if i]
 
     def close(self) -> None:
         self._finalizer()

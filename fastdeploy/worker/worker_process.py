@@ -1,5 +1,7 @@
 """One tensor-parallel rank: `python -m fastdeploy.worker.worker_process --rank R ...`, started by the
-engine (engine/worker_group.py), one process per rank.
+engine (engine/worker_group.py), one process per rank; or, across machines, by
+`python -m paddle.distributed.launch --ips ... fastdeploy/worker/worker_process.py --engine-address H:P`
+against an engine started with FD_TP_LAUNCH_WORKERS=0 (README: tensor parallelism).
 
 The rank's place in the group comes from paddle.distributed's own environment variables
 (PADDLE_TRAINER_ID, PADDLE_TRAINERS_NUM, PADDLE_TRAINER_ENDPOINTS, PADDLE_CURRENT_ENDPOINT), which
@@ -97,9 +99,17 @@ def serve(rank: int, step_address: str, result_address: str) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="one tensor-parallel worker rank (started by the engine)")
     parser.add_argument("--rank", type=int, default=int(os.environ.get("PADDLE_TRAINER_ID", 0)))
-    parser.add_argument("--step-address", required=True, help="ZeroMQ address this rank pulls steps from")
-    parser.add_argument("--result-address", required=True, help="ZeroMQ address this rank pushes results to")
+    parser.add_argument("--step-address", help="ZeroMQ address this rank pulls steps from")
+    parser.add_argument("--result-address", help="ZeroMQ address this rank pushes results to")
+    parser.add_argument("--engine-address", help="HOST:PORT of an engine started with FD_TP_LAUNCH_WORKERS=0: "
+                        "results go to PORT, steps come from PORT+1+rank (instead of the two addresses)")
     args = parser.parse_args(argv)
+    if args.engine_address:
+        host, port = args.engine_address.rsplit(":", 1)
+        args.result_address = f"tcp://{host}:{port}"
+        args.step_address = f"tcp://{host}:{int(port) + 1 + args.rank}"
+    if not (args.step_address and args.result_address):
+        parser.error("give --engine-address, or both --step-address and --result-address")
     _tie_to_parent(f"fd-tp-rank{args.rank}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the process group; the engine decides
     signal.signal(signal.SIGTERM, _exit_quietly)

@@ -205,3 +205,54 @@ def test_a_hung_worker_fails_the_step_after_the_timeout_and_every_rank_is_stoppe
         assert all(worker_gone(p) for p in pids) and our_workers() == []
     finally:
         engine.close()
+
+
+def _three_free_ports() -> int:
+    import socket
+
+    for base in range(29500, 31500, 7):
+        socks = []
+        try:
+            for port in range(base, base + 3):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no three consecutive free ports")
+
+
+def test_ranks_started_by_paddle_distributed_launch_serve_an_engine_that_waits_for_them(monkeypatch, tmp_path,
+                                                                                        reference):
+    """The multi-machine recipe of the README on one machine: the engine binds fixed ports and waits
+    (FD_TP_LAUNCH_WORKERS=0); paddle.distributed.launch starts the ranks; closing the engine ends them."""
+    import subprocess
+    import sys
+
+    port = _three_free_ports()
+    monkeypatch.setenv("FD_TP_LAUNCH_WORKERS", "0")
+    monkeypatch.setenv("FD_TP_ENGINE_PORT", str(port))
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PADDLE_DISTRI_BACKEND="gloo",
+               PYTHONPATH=os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p))
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
+         str(tmp_path / "log"), "fastdeploy/worker/worker_process.py", "--engine-address", f"127.0.0.1:{port}"],
+        cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        engine = make_engine(tensor_parallel_size=2)
+        try:
+            assert our_workers() == []  # the ranks are the launcher's children, not ours
+            assert len(engine.runner.worker_pids) == 2
+            assert_same_within_tolerance(reference, run(engine, prompts()[:3]))
+        finally:
+            engine.close()
+        assert launcher.wait(60) == 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
