@@ -35,9 +35,13 @@ setup(
         "pydantic>=2",
         "tqdm",
         "pyzmq",  # engine <-> tensor-parallel worker messages
+        "jinja2",  # the checkpoint's chat template (tokenizer_config.json / chat_template.jinja)
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "openai", "aiohttp", "requests", "matplotlib", "pyyaml", "tokenizers"],
+        "test": ["pytest", "hypothesis", "openai", "aiohttp", "requests", "matplotlib", "pyyaml", "tokenizers",
+                 # The oracle for checkpoints, MoE routing and chat templates. 1.2.0: no numpy/tokenizers
+                 # upper pins (0.4.x pins numpy<=1.26.4, tokenizers<0.22) and runs on paddlepaddle 3.3.
+                 "paddleformers==1.2.0"],
         "bench": ["aiohttp", "matplotlib", "pyyaml"],
     },
 )

@@ -1,11 +1,13 @@
 """Offline A/B: head-wise SWA recycling OFF vs ON at the same KV memory, through the real engine.
 
-Both arms use the tiny preset with identical settings and the same fixed-length prompts; the page
+Both arms use the same model (the dense tiny preset, `--model tiny-moe`, or a checkpoint
+directory) with identical settings and the same fixed-length prompts; the page
 budget is sized so memory, not max_num_seqs, limits concurrency. Prints output tokens/s, peak
 running requests, peak pages in use, the gain next to the ceiling predicted by the page-need
 function, and checks that both arms produced identical tokens.
 
     python benchmarks/bench_offline.py
+    python benchmarks/bench_offline.py --model tiny-moe --num-prompts 32 --output-len 128
     python benchmarks/bench_offline.py --num-prompts 64 --input-len 2048 --output-len 256 --window 256
 """
 
@@ -23,13 +25,15 @@ import numpy as np
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=str, default=None,
+                   help="preset name (tiny-moe) or model directory; default: the dense tiny preset")
     p.add_argument("--num-prompts", type=int, default=160,
                    help="several waves of both arms, so the steady state dominates")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--sink", type=int, default=16)
-    p.add_argument("--swa-heads", type=int, nargs="+", default=[0], help="SWA KV heads of the 4 in the preset")
+    p.add_argument("--swa-heads", type=int, nargs="+", default=[0], help="SWA KV heads (the presets have 4)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--concurrency-off", type=int, default=32,
                    help="size the KV cache so the recycle-OFF arm fits this many requests")
@@ -45,7 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def engine_args(args) -> dict:
     cached = args.input_len + args.output_len - 1
     blocks = args.num_gpu_blocks_override or args.concurrency_off * math.ceil(cached / args.block_size)
-    return dict(block_size=args.block_size, num_gpu_blocks_override=blocks, max_num_seqs=args.max_num_seqs,
+    return dict(model=args.model, block_size=args.block_size, num_gpu_blocks_override=blocks,
+                max_num_seqs=args.max_num_seqs,
                 cache_dtype=args.cache_dtype,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.input_len + args.output_len + args.block_size,

@@ -7,13 +7,40 @@ stops the server before it loads anything instead of crashing a step later.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from fastdeploy import envs
 from fastdeploy.model_executor.tensor_parallel import balanced_kv_head_order, check_shardable
-from fastdeploy.model_executor.models.tiny_preset import TINY_PRESET_CONFIG, TINY_PRESET_NAME
+from fastdeploy.model_executor.models.tiny_preset import PRESETS, TINY_PRESET_NAME
+
+logger = logging.getLogger("fastdeploy.config")
+
+# architectures -> model_type, both spellings upstream uses for the dense model.
+SUPPORTED_ARCHITECTURES = {
+    "Ernie4_5ForCausalLM": "ernie4_5",
+    "Ernie4_5_ForCausalLM": "ernie4_5",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
+}
+
+# PaddleFormers' defaults for fields a config.json may omit (its save_pretrained writes only the
+# fields that differ from them): Ernie4_5Config and Ernie4_5_MoeConfig of paddleformers 1.2.
+PADDLEFORMERS_DEFAULTS = {
+    "ernie4_5": dict(vocab_size=32000, hidden_size=768, intermediate_size=11008, max_position_embeddings=32768,
+                     num_hidden_layers=2, num_attention_heads=2, head_dim=128, rms_norm_eps=1e-6,
+                     tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2, rope_theta=10000.0,
+                     use_bias=False, hidden_act="silu"),
+    "ernie4_5_moe": dict(vocab_size=103424, hidden_size=2560, intermediate_size=12288, max_position_embeddings=32768,
+                         num_hidden_layers=3, num_attention_heads=2, head_dim=None, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2, rope_theta=10000.0,
+                         use_bias=False, hidden_act="silu", moe_num_experts=16, moe_intermediate_size=0,
+                         moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_end_index=-1,
+                         moe_layer_interval=1, moe_k=2, moe_norm_min=1e-12, moe_use_aux_free=True,
+                         scoring_func="softmax", moe_group_experts=False),
+}
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024
 CACHE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -68,6 +95,46 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """The routed-expert part of an ERNIE-4.5 MoE model (`Ernie4_5_MoeForCausalLM`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    num_shared_experts: int
+    layer_start_index: int
+    layer_end_index: int
+    layer_interval: int
+    norm_min: float
+    use_correction_bias: bool
+
+    @classmethod
+    def from_raw(cls, raw: dict) -> "MoEConfig":
+        def first(value):  # multimodal checkpoints give [text, vision]; the text part serves
+            return value[0] if isinstance(value, (list, tuple)) else value
+
+        experts, width = first(raw["moe_num_experts"]), first(raw["moe_intermediate_size"])
+        layers = raw["num_hidden_layers"]
+        end = raw["moe_layer_end_index"]
+        end = layers - 1 if end == -1 else first(end)
+        moe = cls(num_experts=int(experts), top_k=int(raw["moe_k"]), intermediate_size=int(width),
+                  num_shared_experts=int(raw["moe_num_shared_experts"]),
+                  layer_start_index=int(first(raw["moe_layer_start_index"])), layer_end_index=int(end),
+                  layer_interval=int(raw["moe_layer_interval"]), norm_min=float(raw["moe_norm_min"]),
+                  use_correction_bias=bool(raw["moe_use_aux_free"]))
+        for name, value in (("moe_num_experts", moe.num_experts), ("moe_intermediate_size", moe.intermediate_size),
+                            ("moe_layer_interval", moe.layer_interval)):
+            if value < 1:
+                raise ValueError(f"model config: {name} must be >= 1, got {value}")
+        if not 1 <= moe.top_k <= moe.num_experts:
+            raise ValueError(f"model config: moe_k={moe.top_k} must be in [1, moe_num_experts={moe.num_experts}]")
+        if raw["scoring_func"] != "softmax" or raw["moe_group_experts"]:
+            raise ValueError("model config: only softmax routing without expert groups is supported "
+                             f"(scoring_func={raw['scoring_func']!r}, moe_group_experts={raw['moe_group_experts']})")
+        return moe
+
+
 @dataclass
 class ModelConfig:
     model: Optional[str]
@@ -91,17 +158,33 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str = TINY_PRESET_NAME
     raw: dict = field(default_factory=dict, repr=False)
+    model_type: str = "ernie4_5"
+    moe: Optional[MoEConfig] = None
+    dtype: str = "float32"  # compute dtype of the weights and activations
+    eos_token_ids: tuple = (2,)  # every id that ends generation (config.json + generation_config.json)
+    preset: Optional[str] = None  # the built-in preset's name when its random weights serve
+    max_model_len_given: bool = True  # False: the default, capped later to what the KV cache holds
     # Load-time KV-head order: slot i holds the checkpoint's KV head kv_head_order[i] (None: identity).
     # head_wise_swa.swa_kv_heads is in this order. Set by --balance-swa-heads.
     kv_head_order: Optional[tuple] = None
 
     @classmethod
     def create(cls, model: Optional[str], max_model_len: Optional[int], head_wise_swa_override: Any,
-               served_model_name: Optional[str] = None) -> "ModelConfig":
-        raw = dict(TINY_PRESET_CONFIG) if model is None else _read_model_config(model)
+               served_model_name: Optional[str] = None, dtype: str = "auto") -> "ModelConfig":
+        preset = TINY_PRESET_NAME if model is None else (model if model in PRESETS else None)
+        if preset is not None:
+            raw, model = dict(PRESETS[preset]), None
+        else:
+            raw = _read_model_config(model)
+        model_type = _check_architecture(raw, model or preset)
+        raw = {**PADDLEFORMERS_DEFAULTS[model_type], **raw}
         for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
             if not _is_int(raw.get(key)) or raw[key] < 1:
                 raise ValueError(f"model config: {key} must be a positive integer, got {raw.get(key)!r}")
+        if raw.get("use_bias"):
+            raise ValueError("model config: use_bias=true (linear biases) is not supported")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"model config: hidden_act={raw['hidden_act']!r} is not supported (only silu)")
         heads = raw["num_attention_heads"]
         kv_heads = raw.get("num_key_value_heads") or heads
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
@@ -110,9 +193,11 @@ class ModelConfig:
                              f"num_key_value_heads={kv_heads}")
         if head_dim % 2:
             raise ValueError(f"model config: head_dim={head_dim} must be even for rotary embeddings")
-        max_pos = int(raw.get("max_position_embeddings", 4096))
-        if max_model_len is None:
-            max_model_len = min(max_pos, 4096) if model is None else max_pos
+        max_pos = int(raw["max_position_embeddings"])
+        given = max_model_len is not None
+        if not given:
+            # Capped again by FDConfig to what the KV cache holds (real models say 131072).
+            max_model_len = min(max_pos, 4096) if preset is not None else max_pos
         if not _is_int(max_model_len) or max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
         if max_model_len > max_pos:
@@ -120,34 +205,97 @@ class ModelConfig:
                              f"max_position_embeddings={max_pos}")
         swa_spec = head_wise_swa_override if head_wise_swa_override is not None else raw.get("head_wise_swa")
         swa = None if swa_spec is None else HeadWiseSWAConfig.from_dict(swa_spec, kv_heads)
-        name = served_model_name or (TINY_PRESET_NAME if model is None else os.path.basename(os.path.normpath(model)))
+        name = served_model_name or (preset if preset is not None else os.path.basename(os.path.normpath(model)))
+        eos_ids = _eos_token_ids(raw, model)
         return cls(
             model=model,
             architectures=list(raw.get("architectures", ["Ernie4_5_ForCausalLM"])),
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw.get("intermediate_size", 4 * raw["hidden_size"])),
+            intermediate_size=int(raw["intermediate_size"]),
             num_hidden_layers=int(raw["num_hidden_layers"]),
             num_attention_heads=int(heads),
             num_key_value_heads=int(kv_heads),
             head_dim=int(head_dim),
             max_position_embeddings=max_pos,
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            pad_token_id=int(raw.get("pad_token_id", 0)),
-            bos_token_id=int(raw.get("bos_token_id", 1)),
-            eos_token_id=int(raw.get("eos_token_id", 2)),
+            rope_theta=float(raw["rope_theta"]),
+            rms_norm_eps=float(raw["rms_norm_eps"]),
+            tie_word_embeddings=bool(raw["tie_word_embeddings"]),
+            pad_token_id=int(raw["pad_token_id"]),
+            bos_token_id=int(raw["bos_token_id"]),
+            eos_token_id=eos_ids[0],
             max_model_len=int(max_model_len),
             head_wise_swa=swa,
             seed=int(raw.get("seed", 0)),
             served_model_name=name,
             raw=raw,
+            model_type=model_type,
+            moe=MoEConfig.from_raw(raw) if model_type == "ernie4_5_moe" else None,
+            dtype=_resolve_dtype(dtype, model, raw.get("torch_dtype")),
+            eos_token_ids=eos_ids,
+            preset=preset,
+            max_model_len_given=given,
         )
 
     @property
     def swa_kv_heads(self) -> tuple:
         return self.head_wise_swa.swa_kv_heads if self.head_wise_swa else ()
+
+
+def _check_architecture(raw: dict, where: str) -> str:
+    """The model_type the config declares; an architecture or model_type we do not serve is an error."""
+    archs = raw.get("architectures") or []
+    supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"model {where!r}: architectures={archs!r} is not supported; supported: {supported}")
+    model_type = SUPPORTED_ARCHITECTURES[archs[0]]
+    declared = raw.get("model_type", model_type)
+    if declared != model_type:
+        raise ValueError(f"model {where!r}: model_type={declared!r} does not match architecture {archs[0]} "
+                         f"(expected {model_type!r})")
+    return model_type
+
+
+def _eos_token_ids(raw: dict, model: Optional[str]) -> tuple:
+    """config.json's eos_token_id (int or list) plus generation_config.json's, first one first."""
+    ids: list = []
+    sources = [raw.get("eos_token_id")]
+    gen_path = os.path.join(model, "generation_config.json") if model else None
+    if gen_path and os.path.isfile(gen_path):
+        try:
+            with open(gen_path, encoding="utf-8") as f:
+                sources.append(json.load(f).get("eos_token_id"))
+        except (OSError, json.JSONDecodeError, AttributeError) as exc:
+            raise ValueError(f"model: cannot read {gen_path}: {exc}") from None
+    for value in sources:
+        for token in (value if isinstance(value, list) else [value]):
+            if token is None:
+                continue
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"model config: eos_token_id must be an integer or a list of them, got {value!r}")
+            if token not in ids:
+                ids.append(token)
+    return tuple(ids) or (2,)
+
+
+def _resolve_dtype(requested: str, model: Optional[str], declared: Optional[str] = None) -> str:
+    """`--dtype`: auto = the checkpoint's dtype where this device has a matmul kernel for it, else float32."""
+    from fastdeploy.model_executor.model_loader import checkpoint_dtype, device_supports
+
+    if requested not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {requested!r}")
+    if requested != "auto":
+        if not device_supports(requested):
+            raise ValueError(f"dtype={requested}: this device has no matmul kernel for {requested}; "
+                             f"use --dtype float32")
+        return requested
+    stored = declared if declared in COMPUTE_DTYPES else "float32"
+    if model is not None:
+        try:
+            stored = checkpoint_dtype(model)
+        except ValueError:  # no weights yet: the loader reports that; config checks still run
+            pass
+    return stored if device_supports(stored) else "float32"
 
 
 def _read_model_config(model: str) -> dict:
@@ -212,6 +360,7 @@ class FDConfig:
     def __post_init__(self) -> None:
         self._validate()
         self._resolve_num_blocks()
+        self._fit_max_model_len()
 
     @classmethod
     def from_env(cls, **parts: Any) -> "FDConfig":
@@ -293,6 +442,44 @@ class FDConfig:
                 raise ValueError(f"kv_cache_memory={budget} bytes holds no block of "
                                  f"{cache.block_bytes(self.model_config, self.parallel_config.tensor_parallel_size)} bytes")
         cache.num_gpu_blocks = int(n)
+
+    def _fit_max_model_len(self) -> None:
+        """max_model_len must fit the sized KV cache: one request that long must find its peak pages.
+
+        A default (max_position_embeddings, 131072 on real models) is capped to what fits, and
+        the log says so; a value the user gave that does not fit is logged, and each request
+        that cannot fit is refused with a clear error when it arrives.
+        """
+        from fastdeploy.cache_manager.head_wise import PageLayout
+
+        model = self.model_config
+        layout = PageLayout.from_config(self)
+        pages = self.cache_config.num_gpu_blocks * layout.heads_per_rank
+        chunk = self.scheduler_config.max_num_batched_tokens
+
+        def fits(length: int) -> bool:  # all prompt, or a one-token prompt and all output
+            return all(max(layout.peak_pages_per_rank(p, length - p, chunk)) <= pages for p in (length - 1, 1))
+
+        if fits(model.max_model_len):
+            return
+        if model.max_model_len_given:
+            # Kept as given (tests squeeze the cache on purpose): a request that cannot fit is
+            # refused when it arrives, with the scheduler's error naming the page shortfall.
+            logger.warning("max_model_len=%d does not fit the KV cache (%d blocks of %d tokens): requests "
+                           "longer than the cache holds will be refused", model.max_model_len,
+                           self.cache_config.num_gpu_blocks, self.cache_config.block_size)
+            return
+        low, high = 1, model.max_model_len  # fits(low) or low == 1; not fits(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        if low < 2:
+            raise ValueError(f"the KV cache ({self.cache_config.num_gpu_blocks} blocks) holds no request; "
+                             "give more --kv-cache-memory / --num-gpu-blocks-override")
+        logger.warning("max_model_len defaults to %d (capped from %d: the most one request can hold in the "
+                       "KV cache of %d blocks x %d tokens); pass --max-model-len / --kv-cache-memory to change it",
+                       low, model.max_model_len, self.cache_config.num_gpu_blocks, self.cache_config.block_size)
+        model.max_model_len = low
 
     @property
     def swa_recycle_active(self) -> bool:

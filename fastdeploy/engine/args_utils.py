@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
-from fastdeploy.config import CacheConfig, FDConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from fastdeploy.config import COMPUTE_DTYPES, CacheConfig, FDConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
 
 @dataclass
@@ -25,11 +25,12 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     balance_swa_heads: bool = False
     head_wise_swa_config: Union[None, str, dict] = None
+    dtype: str = "auto"
 
     def create_engine_config(self) -> FDConfig:
         """Validate every flag (env flags included) and build the config; raises ValueError naming the field."""
         model_config = ModelConfig.create(self.model, self.max_model_len, self.head_wise_swa_config,
-                                          self.served_model_name)
+                                          self.served_model_name, self.dtype)
         return FDConfig.from_env(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -53,7 +54,11 @@ class EngineArgs:
         d = EngineArgs
         g = parser.add_argument_group("engine")
         g.add_argument("--model", type=str, default=d.model,
-                       help="model directory (config.json + model.safetensors); omit for the built-in tiny preset")
+                       help="model directory as PaddleFormers' save_pretrained writes it, or a preset name "
+                            "(tiny-moe); omit for the built-in dense tiny preset")
+        g.add_argument("--dtype", choices=list(COMPUTE_DTYPES), default=d.dtype,
+                       help="compute dtype of weights and activations (auto: the checkpoint's where this device "
+                            "has kernels for it, else float32)")
         g.add_argument("--served-model-name", type=str, default=d.served_model_name,
                        help="model name reported by the API (default: the model directory's name)")
         g.add_argument("--max-model-len", type=int, default=d.max_model_len,

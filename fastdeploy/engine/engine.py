@@ -43,6 +43,9 @@ class LLMEngine:
                     self.model_config.served_model_name, fd_config.cache_config.num_gpu_blocks,
                     self.scheduler.cache_manager.num_total_pages, fd_config.head_wise_kv_cache,
                     fd_config.swa_recycle_active, fd_config.attention_backend)
+        if self.model_config.preset is not None:
+            logger.warning("model %s is a built-in preset with random weights: its generated text is meaningless",
+                           self.model_config.preset)
         self._log_rank_ceilings()
 
     def _log_rank_ceilings(self) -> None:
@@ -79,7 +82,7 @@ class LLMEngine:
         token_ids = self._tokenize(prompt)
         self._check_token_ids("logit_bias", sampling_params.logit_bias or ())
         self._check_token_ids("stop_token_ids", sampling_params.stop_token_ids or ())
-        if sampling_params.min_tokens and len(min_tokens_bans(sampling_params, self.model_config.eos_token_id)) \
+        if sampling_params.min_tokens and len(min_tokens_bans(sampling_params, self.model_config.eos_token_ids)) \
                 >= self.model_config.vocab_size:
             raise ValueError("min_tokens leaves nothing to sample: EOS and stop_token_ids cover the whole "
                              "vocabulary")
@@ -94,7 +97,7 @@ class LLMEngine:
                              f"{n + sampling_params.max_tokens} tokens ({n} in the prompt, "
                              f"{sampling_params.max_tokens} for the completion): the total exceeds "
                              f"max_model_len={max_len}. Reduce the prompt or max_tokens.")
-        request = Request(request_id, token_ids, sampling_params, eos_token_id=self.model_config.eos_token_id)
+        request = Request(request_id, token_ids, sampling_params, eos_token_id=self.model_config.eos_token_ids)
         seed = sampling_params.seed
         request.generator = np.random.default_rng(seed if seed is not None else self._seeds.integers(2 ** 63))
         self.scheduler.add_request(request)

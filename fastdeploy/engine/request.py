@@ -127,12 +127,14 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list, sampling_params: SamplingParams,
-                 arrival_time: Optional[float] = None, eos_token_id: Optional[int] = None):
+                 arrival_time: Optional[float] = None, eos_token_id=None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = time.time() if arrival_time is None else arrival_time
-        self.eos_token_id = eos_token_id
+        # One id or several (config.json / generation_config.json may list more than one end token).
+        self.eos_token_ids = frozenset(() if eos_token_id is None else
+                                       (eos_token_id,) if isinstance(eos_token_id, int) else eos_token_id)
         self.output_token_ids: list = []
         self.output_logprobs: list = []
         self.status = RequestStatus.WAITING
@@ -196,7 +198,7 @@ class Request:
         if n < params.min_tokens or not self.output_token_ids:
             return None
         last = self.output_token_ids[-1]
-        if not params.ignore_eos and last == self.eos_token_id:
+        if not params.ignore_eos and last in self.eos_token_ids:
             return "stop"
         if params.stop_token_ids and last in params.stop_token_ids:
             return "stop"

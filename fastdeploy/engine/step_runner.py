@@ -20,7 +20,7 @@ class StepRunner:
         self.fd_config = fd_config
         self.head_wise = fd_config.head_wise_kv_cache
         self.num_kv_heads = fd_config.model_config.num_key_value_heads
-        self.eos_token_id = fd_config.model_config.eos_token_id
+        self.eos_token_id = fd_config.model_config.eos_token_ids  # one id or several
         if fd_config.parallel_config.tensor_parallel_size == 1:
             from fastdeploy.worker.model_runner import ModelRunner  # imports Paddle
 

@@ -1,4 +1,4 @@
-"""Offline API: `LLM(model=None, **engine_args).generate(prompts, sampling_params)`."""
+"""Offline API: `LLM(model=None, **engine_args).generate(prompts, sampling_params)` and `.chat(messages, ...)`."""
 
 from __future__ import annotations
 
@@ -52,6 +52,19 @@ class LLM:
         if bar is not None:
             bar.close()
         return [final[rid] for rid in ids]
+
+
+    def chat(self, messages: Union[list, Sequence[list]],
+             sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"}) or a list of them,
+        rendered with the checkpoint's chat template; one RequestOutput per conversation."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of messages, or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts = [tokenizer.encode_chat(list(c), add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
 def _as_prompt_list(prompts) -> list:

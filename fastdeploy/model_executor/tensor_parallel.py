@@ -40,15 +40,16 @@ def check_shardable(cfg, tp: int) -> None:
         raise ValueError(f"tensor_parallel_size={tp} does not divide num_key_value_heads={cfg.num_key_value_heads}")
     if cfg.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide intermediate_size={cfg.intermediate_size}")
-    moe_inter = cfg.raw.get("moe_intermediate_size")
-    if isinstance(moe_inter, int) and moe_inter % tp:
-        raise ValueError(f"tensor_parallel_size={tp} does not divide moe_intermediate_size={moe_inter}")
+    moe = getattr(cfg, "moe", None)
+    if moe is not None:
+        if moe.intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide moe_intermediate_size={moe.intermediate_size}")
 
 
 def permute_kv_heads(weights: dict, cfg, order) -> dict:
     """Reorder whole KV-head groups: K/V rows of head order[i] move to slot i, with the query heads
     of that group and the matching o_proj input columns. Attention is per head and o_proj sums over
-    heads, so outputs are unchanged (up to float summation order)."""
+    heads, so outputs are unchanged (up to float summation order). numpy arrays or Paddle tensors."""
     if order is None or list(order) == list(range(cfg.num_key_value_heads)):
         return weights
     kv, d, h = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
@@ -57,16 +58,17 @@ def permute_kv_heads(weights: dict, cfg, order) -> dict:
     out = dict(weights)
     for name, w in weights.items():
         if name.endswith(COLUMN_HEADS_Q):
-            out[name] = w.reshape(kv, group, -1)[order].reshape(w.shape)
+            out[name] = _reshape(_take(_reshape(w, (kv, group, -1)), order, 0), tuple(w.shape))
         elif name.endswith(COLUMN_HEADS_KV):
-            out[name] = w.reshape(kv, d, -1)[order].reshape(w.shape)
+            out[name] = _reshape(_take(_reshape(w, (kv, d, -1)), order, 0), tuple(w.shape))
         elif name.endswith(ROW_HEADS):
-            out[name] = w.reshape(h, kv, group)[:, order].reshape(w.shape)
+            out[name] = _reshape(_take(_reshape(w, (h, kv, group)), order, 1), tuple(w.shape))
     return out
 
 
 def shard_weights(weights: dict, cfg, rank: int, tp: int) -> dict:
-    """The slice of every parameter rank `rank` of `tp` holds (a new dict; numpy views where possible)."""
+    """The slice of every parameter rank `rank` of `tp` holds (a new dict of copies, so the full
+    tensors can be freed). numpy arrays or Paddle tensors, `[out, in]` as in the checkpoint."""
     if tp == 1:
         return dict(weights)
     kv_per_rank = cfg.num_key_value_heads // tp
@@ -76,24 +78,56 @@ def shard_weights(weights: dict, cfg, rank: int, tp: int) -> dict:
     out = {}
     for name, w in weights.items():
         if name.endswith(COLUMN_HEADS_Q):
-            out[name] = w[rank * q_rows:(rank + 1) * q_rows]
+            part = w[rank * q_rows:(rank + 1) * q_rows]
         elif name.endswith(COLUMN_HEADS_KV):
-            out[name] = w[rank * kv_rows:(rank + 1) * kv_rows]
+            part = w[rank * kv_rows:(rank + 1) * kv_rows]
         elif name.endswith(ROW_HEADS):
-            out[name] = w[:, rank * q_rows:(rank + 1) * q_rows]
-        elif name.endswith(COLUMN_FFN):
+            part = w[:, rank * q_rows:(rank + 1) * q_rows]
+        elif name.endswith(COLUMN_FFN):  # dense MLP, every routed expert, the shared experts
             n = w.shape[0] // tp
-            out[name] = w[rank * n:(rank + 1) * n]
+            part = w[rank * n:(rank + 1) * n]
         elif name.endswith(ROW_FFN):
             n = w.shape[1] // tp
-            out[name] = w[:, rank * n:(rank + 1) * n]
+            part = w[:, rank * n:(rank + 1) * n]
         elif name.endswith(VOCAB):
-            part = np.zeros((per, w.shape[1]), w.dtype)  # the last shard is padded with zero rows
-            part[:hi - lo] = w[lo:hi]
-            out[name] = part
+            part = _pad_rows(w[lo:hi], per)  # the last shard is padded with zero rows
         else:
-            out[name] = w
+            out[name] = w  # replicated: norms, the MoE router and its correction bias
+            continue
+        out[name] = _copy(part)
     return out
+
+
+# numpy and Paddle tensors alike (the loader yields Paddle tensors, bfloat16 included).
+def _is_numpy(w) -> bool:
+    return isinstance(w, np.ndarray)
+
+
+def _reshape(w, shape: tuple):
+    return w.reshape(shape) if _is_numpy(w) else w.reshape(list(shape))
+
+
+def _take(w, index: list, axis: int):
+    if _is_numpy(w):
+        return np.take(w, index, axis=axis)
+    import paddle
+
+    return paddle.index_select(w, paddle.to_tensor(index, dtype="int64"), axis=axis)
+
+
+def _pad_rows(w, rows: int):
+    extra = rows - w.shape[0]
+    if extra == 0:
+        return w
+    if _is_numpy(w):
+        return np.concatenate([w, np.zeros((extra,) + tuple(w.shape[1:]), w.dtype)])
+    import paddle
+
+    return paddle.concat([w, paddle.zeros([extra] + list(w.shape[1:]), dtype=w.dtype)], axis=0)
+
+
+def _copy(w):
+    return np.ascontiguousarray(w) if _is_numpy(w) else w.clone()
 
 
 def balanced_kv_head_order(num_kv_heads: int, swa_kv_heads, tp: int) -> list:

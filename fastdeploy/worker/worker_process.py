@@ -70,7 +70,7 @@ def serve(rank: int, step_address: str, result_address: str) -> int:
         caches = getattr(backend, "key_caches", None)
         results.send_pyobj(("ready", rank, {
             "pid": os.getpid(), "kv_heads": list(runner.kv_heads),
-            "cache_shape": list(caches[0].shape) if caches else None}))
+            "cache_shape": list(caches[0].shape) if caches else None, "weight_bytes": runner.model.weight_bytes()}))
         while True:
             if not steps.poll(POLL_MS):
                 if os.getppid() != parent:

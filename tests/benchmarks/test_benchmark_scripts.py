@@ -29,6 +29,22 @@ def test_bench_offline_runs_both_arms_with_identical_tokens(tmp_path):
     assert result["peak_running_on"] / result["peak_running_off"] == pytest.approx(result["ceiling"])
 
 
+def test_bench_offline_runs_the_moe_miniature(tmp_path):
+    out = tmp_path / "moe.json"
+    run("bench_offline.py", "--model", "tiny-moe", "--num-prompts", "4", "--input-len", "40", "--output-len", "16",
+        "--window", "16", "--sink", "0", "--concurrency-off", "2", "--json", str(out))
+    result = json.loads(out.read_text())
+    assert result["args"]["model"] == "tiny-moe" and result["identical_tokens"] is True
+
+
+def test_bench_weight_rss_holds_each_weight_once(tmp_path):
+    out = tmp_path / "rss.json"
+    run("bench_weight_rss.py", "--json", str(out))
+    result = json.loads(out.read_text())
+    assert result["weight_bytes"] > 300 * 2 ** 20  # large enough that allocator noise is small next to it
+    assert result["ratio"] <= 1.3
+
+
 def test_bench_scheduler_prints_both_arms(tmp_path):
     out = tmp_path / "sched.json"
     run("bench_scheduler.py", "--running", "8", "--context", "512", "--decode-steps", "5", "--kv-heads", "4",

@@ -145,6 +145,7 @@ def test_two_ranks_match_one_on_a_saved_checkpoint_with_tied_embeddings(tmp_path
     from fastdeploy.model_executor.models.tiny_preset import TINY_PRESET_CONFIG
 
     raw = dict(TINY_PRESET_CONFIG, vocab_size=301, num_key_value_heads=2, tie_word_embeddings=True, seed=7,
+               fastdeploy_byte_tokenizer=True,
                head_wise_swa={"sliding_window": 48, "sink_size": 4, "swa_kv_heads": [1]})
     (tmp_path / "config.json").write_text(json.dumps(raw))
     save_file(random_checkpoint(ModelConfig.create(str(tmp_path), 1024, None)), str(tmp_path / "model.safetensors"))
@@ -256,3 +257,24 @@ def test_ranks_started_by_paddle_distributed_launch_serve_an_engine_that_waits_f
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+def test_moe_experts_are_sharded_and_two_ranks_match_one():
+    """tiny-moe (ERNIE-4.5-21B-A3B's shape): every expert's gate/up/down split like the dense MLP,
+    the router replicated; with --balance-swa-heads on top, tokens and logprobs equal TP=1."""
+    swa = {"sliding_window": 32, "sink_size": 4, "swa_kv_heads": [0, 1]}
+    args = dict(model="tiny-moe", max_model_len=512, num_gpu_blocks_override=128, head_wise_swa_config=swa)
+    one = make_engine(**args)
+    try:
+        expected = run(one, prompts()[:4])
+        full_bytes = one.runner.model.weight_bytes()
+    finally:
+        one.close()
+    engine = make_engine(tensor_parallel_size=2, balance_swa_heads=True, **args)
+    try:
+        for info in engine.runner.ranks.rank_info:
+            # Only norms and the router are replicated: each rank holds a bit over half the weights.
+            assert 0.5 * full_bytes < info["weight_bytes"] < 0.55 * full_bytes
+        assert_same_within_tolerance(expected, run(engine, prompts()[:4]))
+    finally:
+        engine.close()

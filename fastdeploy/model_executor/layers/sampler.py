@@ -14,7 +14,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-def sample_one(logits: np.ndarray, request, eos_token_id: int) -> tuple:
+def sample_one(logits: np.ndarray, request, eos_token_id) -> tuple:
     """(token, logprobs dict or None) for one request's logits [vocab] (float32, not modified)."""
     params = request.sampling_params
     scores = logits.astype(np.float64)
@@ -42,9 +42,10 @@ def sample_one(logits: np.ndarray, request, eos_token_id: int) -> tuple:
     return token, logprobs
 
 
-def min_tokens_bans(params, eos_token_id: int) -> set:
-    """Tokens that cannot be drawn before min_tokens: they would stop the request."""
-    return {eos_token_id, *(params.stop_token_ids or ())}
+def min_tokens_bans(params, eos_token_id) -> set:
+    """Tokens that cannot be drawn before min_tokens: they would stop the request (eos: one id or several)."""
+    eos = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    return {*eos, *(params.stop_token_ids or ())}
 
 
 def is_greedy(params) -> bool:

@@ -1,8 +1,9 @@
 """ERNIE-4.5 dense decoder in Paddle: embeddings, RMSNorm, GQA attention (through the attention
 backend, RoPE inside it), SwiGLU MLP, tied or untied LM head.
 
-Checkpoints use the Hugging Face parameter names of ERNIE-4.5 (`model.layers.N.self_attn.q_proj.weight`,
-stored `[out, in]`); in memory q/k/v and gate/up are fused and transposed to Paddle's `[in, out]`.
+Weights are held once, under the checkpoint's own names and in its `[out, in]` layout
+(`model.layers.N.self_attn.q_proj.weight`); the projections multiply with `transpose_y`, so a
+loaded tensor is used as it is and can be sliced by name (tensor parallelism).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import paddle.nn.functional as F
 
 from fastdeploy.model_executor import tensor_parallel as tp_
 from fastdeploy.model_executor.forward_meta import ForwardMeta
+
+from fastdeploy.model_executor import model_loader
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -54,6 +57,8 @@ def _layer_names(i: int) -> dict:
 
 def checkpoint_shapes(cfg) -> dict:
     """Every parameter the checkpoint must hold, with its on-disk `[out, in]` shape."""
+    from fastdeploy.model_executor.models.ernie4_5_moe import is_moe_layer, moe_shapes
+
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     for i in range(cfg.num_hidden_layers):
@@ -62,8 +67,11 @@ def checkpoint_shapes(cfg) -> dict:
             n["input_norm"]: (h,), n["post_norm"]: (h,),
             n["q"]: (cfg.num_attention_heads * d, h), n["k"]: (cfg.num_key_value_heads * d, h),
             n["v"]: (cfg.num_key_value_heads * d, h), n["o"]: (h, cfg.num_attention_heads * d),
-            n["gate"]: (inter, h), n["up"]: (inter, h), n["down"]: (h, inter),
         })
+        if is_moe_layer(cfg, i):
+            shapes.update(moe_shapes(cfg, i))
+        else:
+            shapes.update({n["gate"]: (inter, h), n["up"]: (inter, h), n["down"]: (h, inter)})
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     return shapes
@@ -78,7 +86,9 @@ def random_checkpoint(cfg) -> dict:
     rng = np.random.default_rng(cfg.seed)
     weights = {}
     for name, shape in checkpoint_shapes(cfg).items():
-        if len(shape) == 1:
+        if name.endswith("e_score_correction_bias"):
+            weights[name] = rng.normal(0, 0.1, shape).astype(np.float32)
+        elif len(shape) == 1:
             weights[name] = np.ones(shape, np.float32) + rng.normal(0, 0.05, shape).astype(np.float32)
         elif name == "model.embed_tokens.weight":
             weights[name] = rng.normal(0, 1.0, shape).astype(np.float32)
@@ -89,109 +99,108 @@ def random_checkpoint(cfg) -> dict:
 
 
 class Ernie4_5ForCausalLM:
-    """Under tensor parallelism (`tp_size` > 1) this object is rank `tp_rank`'s shard: the
-    checkpoint is permuted to the load-time KV-head order, then sliced (tensor_parallel.py)."""
+    # Kept float32 whatever the compute dtype (PaddleFormers' `_keep_in_fp32_modules`): the router.
+    KEEP_FLOAT32 = ("mlp.gate.weight", "e_score_correction_bias")
 
-    def __init__(self, model_config, checkpoint: dict, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, model_config, weights: dict, tp_rank: int = 0, tp_size: int = 1):
+        """`weights`: checkpoint name -> Paddle tensor, already checked against `checkpoint_shapes`.
+
+        Under tensor parallelism (`tp_size` > 1) this object is rank `tp_rank`'s shard: the weights
+        are permuted to the load-time KV-head order, then sliced by name (tensor_parallel.py); the
+        row-parallel outputs (o_proj, the MLP or MoE block) are all-reduced in forward."""
+        from fastdeploy.model_executor.models.ernie4_5_moe import MoEBlock, is_moe_layer
+
         self.config = cfg = model_config
+        self.dtype = cfg.dtype
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        expected = checkpoint_shapes(cfg)
-        missing = sorted(set(expected) - set(checkpoint))
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} parameter(s), e.g. {missing[:3]}")
-        for name, shape in expected.items():
-            if tuple(checkpoint[name].shape) != shape:
-                raise ValueError(f"checkpoint parameter {name} has shape {tuple(checkpoint[name].shape)}, "
-                                 f"expected {shape}")
-        full = {k: np.asarray(checkpoint[k], np.float32) for k in expected}
-        # A shard does not keep the whole checkpoint: that would undo what sharding saves.
-        self.checkpoint = full if tp_size == 1 else None
-        ck = tp_.shard_weights(tp_.permute_kv_heads(full, cfg, cfg.kv_head_order), cfg, tp_rank, tp_size)
+        weights = tp_.shard_weights(tp_.permute_kv_heads(weights, cfg, cfg.kv_head_order), cfg, tp_rank, tp_size)
+        self.weights = weights
         self.vocab_start = tp_.vocab_slice(cfg.vocab_size, tp_rank, tp_size)[0] if tp_size > 1 else 0
-
-        def t(a: np.ndarray) -> paddle.Tensor:
-            return paddle.to_tensor(np.ascontiguousarray(a, dtype=np.float32))
-
-        self.embed = t(ck["model.embed_tokens.weight"])
-        self.final_norm = t(ck["model.norm.weight"])
-        self.lm_head = t((ck["model.embed_tokens.weight"] if cfg.tie_word_embeddings else ck["lm_head.weight"]).T)
-        self.layers = []
-        for i in range(cfg.num_hidden_layers):
-            n = _layer_names(i)
-            self.layers.append({
-                "input_norm": t(ck[n["input_norm"]]),
-                "qkv": t(np.concatenate([ck[n["q"]], ck[n["k"]], ck[n["v"]]], axis=0).T),
-                "o": t(ck[n["o"]].T),
-                "post_norm": t(ck[n["post_norm"]]),
-                "gate_up": t(np.concatenate([ck[n["gate"]], ck[n["up"]]], axis=0).T),
-                "down": t(ck[n["down"]].T),
-            })
+        self.lm_head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        self.moe = {i: MoEBlock(cfg, i, weights) for i in range(cfg.num_hidden_layers) if is_moe_layer(cfg, i)}
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
     def load(cls, model_config, tp_rank: int = 0, tp_size: int = 1) -> "Ernie4_5ForCausalLM":
-        """The tiny preset when `model_config.model` is None, else `model.safetensors` of the directory."""
+        """A preset's seeded random weights when `model_config.model` is None, else the directory's checkpoint."""
         if model_config.model is None:
-            return cls(model_config, random_checkpoint(model_config), tp_rank, tp_size)
-        path = os.path.join(model_config.model, WEIGHTS_FILE)
-        if not os.path.isfile(path):
-            raise ValueError(f"model: {model_config.model!r} has no {WEIGHTS_FILE}")
-        from safetensors.numpy import load_file
+            weights = {name: paddle.to_tensor(a).astype(
+                "float32" if any(k in name for k in cls.KEEP_FLOAT32) else model_config.dtype)
+                for name, a in random_checkpoint(model_config).items()}
+            return cls(model_config, weights, tp_rank, tp_size)
+        return cls(model_config, model_loader.load_checkpoint(model_config.model, checkpoint_shapes(model_config),
+                                                              model_config.dtype, cls.KEEP_FLOAT32), tp_rank, tp_size)
 
-        return cls(model_config, load_file(path), tp_rank, tp_size)
+    def weight_bytes(self) -> int:
+        return sum(int(np.prod(t.shape)) * t.element_size() for t in self.weights.values())
 
     def save_pretrained(self, path: str) -> None:
-        """Write config.json (with the head_wise_swa section) and model.safetensors."""
+        """Write config.json (with the head_wise_swa section) and model.safetensors (float32)."""
         from safetensors.numpy import save_file
 
-        if self.checkpoint is None:
+        if self.tp_size > 1:
             raise ValueError("save_pretrained: this is one tensor-parallel rank's shard, not the whole model")
         os.makedirs(path, exist_ok=True)
         cfg = self.config
         raw = {k: v for k, v in cfg.raw.items() if k != "head_wise_swa"}
         raw.update(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
                    num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-                   head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
+                   head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size, rms_norm_eps=cfg.rms_norm_eps,
                    tie_word_embeddings=cfg.tie_word_embeddings, eos_token_id=cfg.eos_token_id)
         if cfg.head_wise_swa is not None:
             raw["head_wise_swa"] = cfg.head_wise_swa.to_dict()
+        if cfg.preset is not None:  # no tokenizer file to save: reload with the preset's byte tokenizer
+            raw["fastdeploy_byte_tokenizer"] = True
         with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
             json.dump(raw, f, indent=2)
-        save_file(self.checkpoint, os.path.join(path, WEIGHTS_FILE))
+        save_file({k: v.astype("float32").numpy() for k, v in self.weights.items()}, os.path.join(path, WEIGHTS_FILE))
 
     # -- compute -------------------------------------------------------------------------------
     def _rms_norm(self, x: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
-        variance = (x * x).mean(axis=-1, keepdim=True)
-        return x * paddle.rsqrt(variance + self.config.rms_norm_eps) * weight
+        # PaddleFormers normalises in float32 and scales in the weight's dtype.
+        x32 = x if x.dtype == paddle.float32 else x.astype("float32")
+        variance = (x32 * x32).mean(axis=-1, keepdim=True)
+        normed = x32 * paddle.rsqrt(variance + self.config.rms_norm_eps)
+        return (normed if normed.dtype == weight.dtype else normed.astype(weight.dtype)) * weight
+
+    def _linear(self, x: paddle.Tensor, name: str) -> paddle.Tensor:
+        return paddle.matmul(x, self.weights[name], transpose_y=True)
+
+    def _dense_mlp(self, x: paddle.Tensor, n: dict) -> paddle.Tensor:
+        return self._linear(F.silu(self._linear(x, n["gate"])) * self._linear(x, n["up"]), n["down"])
 
     @paddle.no_grad()
     def forward(self, meta: ForwardMeta) -> paddle.Tensor:
         """Logits [num_sampled, vocab] for the last token of every request that samples this step."""
+        w = self.weights
         num_tokens = meta.input_ids.shape[0]
         rows = _aligned(num_tokens)
         hidden = self._embed(_pad_rows(meta.input_ids, rows))
-        for layer_id, w in enumerate(self.layers):
-            x = self._rms_norm(hidden, w["input_norm"])
-            qkv = paddle.matmul(x, w["qkv"])
+        for layer_id in range(self.config.num_hidden_layers):
+            n = _layer_names(layer_id)
+            x = self._rms_norm(hidden, w[n["input_norm"]])
+            qkv = paddle.concat([self._linear(x, n["q"]), self._linear(x, n["k"]), self._linear(x, n["v"])], axis=-1)
             attn = meta.attn_backend.forward(layer_id, qkv[:num_tokens] if rows != num_tokens else qkv, meta)
-            hidden = hidden + tp_.all_reduce(paddle.matmul(_pad_rows(attn, rows), w["o"]), self.tp_size)
-            x = self._rms_norm(hidden, w["post_norm"])
-            gate, up = paddle.chunk(paddle.matmul(x, w["gate_up"]), 2, axis=-1)
-            hidden = hidden + tp_.all_reduce(paddle.matmul(F.silu(gate) * up, w["down"]), self.tp_size)
+            hidden = hidden + tp_.all_reduce(self._linear(_pad_rows(attn, rows), n["o"]), self.tp_size)
+            x = self._rms_norm(hidden, w[n["post_norm"]])
+            moe = self.moe.get(layer_id)
+            ffn = moe(x, num_tokens) if moe is not None else self._dense_mlp(x, n)
+            hidden = hidden + tp_.all_reduce(ffn, self.tp_size)
         num_sampled = meta.sample_rows.shape[0]
         if num_sampled == 0:
             return paddle.zeros([0, self.config.vocab_size], dtype="float32")
         last = paddle.gather(hidden, _pad_rows(meta.sample_rows, _aligned(num_sampled)))
-        logits = paddle.matmul(self._rms_norm(last, self.final_norm), self.lm_head)
-        logits = tp_.all_gather_last_axis(logits, self.tp_size)
-        return logits[:num_sampled, :self.config.vocab_size]
+        logits = self._linear(self._rms_norm(last, w["model.norm.weight"]), self.lm_head_name)
+        logits = tp_.all_gather_last_axis(logits, self.tp_size)[:num_sampled, :self.config.vocab_size]
+        return logits if logits.dtype == paddle.float32 else logits.astype("float32")
 
     def _embed(self, ids: paddle.Tensor) -> paddle.Tensor:
         """Vocab-parallel lookup: each rank embeds the ids of its slice (zeros elsewhere), summed."""
+        table = self.weights["model.embed_tokens.weight"]
         if self.tp_size == 1:
-            return F.embedding(ids, self.embed)
+            return F.embedding(ids, table)
         local = ids - self.vocab_start
-        mine = (local >= 0) & (local < self.embed.shape[0])
-        out = F.embedding(paddle.where(mine, local, paddle.zeros_like(local)), self.embed)
+        mine = (local >= 0) & (local < table.shape[0])
+        out = F.embedding(paddle.where(mine, local, paddle.zeros_like(local)), table)
         out = out * mine.astype(out.dtype).unsqueeze(-1)
         return tp_.all_reduce(out, self.tp_size)

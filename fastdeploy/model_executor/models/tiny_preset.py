@@ -1,7 +1,9 @@
-"""Shapes of the built-in tiny ERNIE-style preset: what runs when no --model is given.
+"""Shapes of the built-in tiny presets: the dense one runs when no --model is given; `--model tiny-moe`
+selects a miniature of ERNIE-4.5-21B-A3B's MoE architecture.
 
 Four KV heads, the first of them sliding-window, so head-wise recycling has something to do on
-any machine. The weights are generated from a fixed seed by the model code.
+any machine. The weights are generated from a fixed seed by the model code: random, so the text
+these presets produce means nothing.
 """
 
 TINY_PRESET_NAME = "ernie-4.5-tiny-swa"
@@ -27,3 +29,38 @@ TINY_PRESET_CONFIG = {
     "head_wise_swa": {"sliding_window": 128, "sink_size": 16, "swa_kv_heads": [0]},
     "seed": 2024,
 }
+
+TINY_MOE_PRESET_NAME = "tiny-moe"
+
+# ERNIE-4.5-21B-A3B in miniature: 5 query heads per KV head (20/4), shared experts, MoE from
+# layer 1 on (layer 0 dense), top-6 of 64 routed experts scaled down to top-4 of 16.
+TINY_MOE_PRESET_CONFIG = {
+    "architectures": ["Ernie4_5_MoeForCausalLM"],
+    "model_type": "ernie4_5_moe",
+    "vocab_size": 259,  # byte-level tokenizer, like the dense preset
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 20,
+    "num_key_value_heads": 4,
+    "head_dim": 16,
+    "max_position_embeddings": 32768,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+    "moe_num_experts": 16,
+    "moe_k": 4,
+    "moe_intermediate_size": 128,
+    "moe_num_shared_experts": 2,
+    "moe_layer_start_index": 1,
+    "moe_layer_end_index": 3,
+    "moe_layer_interval": 1,
+    "head_wise_swa": {"sliding_window": 128, "sink_size": 16, "swa_kv_heads": [0]},
+    "seed": 2025,
+}
+
+PRESETS = {TINY_PRESET_NAME: TINY_PRESET_CONFIG, TINY_MOE_PRESET_NAME: TINY_MOE_PRESET_CONFIG}

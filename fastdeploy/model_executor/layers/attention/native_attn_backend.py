@@ -49,6 +49,8 @@ class NativeAttentionBackend:
         nh, kvh, d = self.num_heads, self.kv_num_heads, self.head_dim
         group = nh // kvh
         outs, row = [], 0
+        compute_dtype = qkv.dtype
+        qkv = qkv if compute_dtype == paddle.float32 else qkv.astype("float32")  # the oracle works in float32
         for start, n, slot in zip(meta.starts, meta.lengths, meta.slot_ids):
             x = qkv[row:row + n]
             row += n
@@ -67,4 +69,5 @@ class NativeAttentionBackend:
             probs = F.softmax(scores, axis=-1)                                              # [nh, n, L]
             out = paddle.matmul(probs, values.transpose([1, 0, 2]))                         # [nh, n, d]
             outs.append(out.transpose([1, 0, 2]).reshape([n, nh * d]))
-        return paddle.concat(outs, axis=0)
+        out = paddle.concat(outs, axis=0)
+        return out if compute_dtype == paddle.float32 else out.astype(compute_dtype)

@@ -1,0 +1,121 @@
+"""ERNIE-4.5 MoE feed-forward block (`Ernie4_5_MoeForCausalLM`, the ERNIE-4.5-21B-A3B architecture).
+
+Routing as PaddleFormers defines it for inference:
+- layer `i` is MoE iff `(i + 1) % moe_layer_interval == 0` and
+  `moe_layer_start_index <= i <= moe_layer_end_index`; the others keep the dense MLP;
+- router logits in float32 (`mlp.gate.weight`, `[num_experts, hidden]`), softmax probabilities;
+- experts are picked by top-k of `probs + moe_statics.e_score_correction_bias`, but weighted by the
+  unbiased probabilities of the picked experts, renormalised to sum to one (floor `moe_norm_min`);
+- shared experts (`moe_num_shared_experts` of them, stored as one MLP of that many times the
+  expert width) see every token and are added unweighted; no token is ever dropped.
+
+Every expert's weights stay separate, named as in the checkpoint
+(`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`), so they can be sliced by name.
+On CPU the tokens are grouped by expert: one GEMM per projection per active expert.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+# Same alignment as the dense path: an expert's GEMM gives a token the same bits whichever other
+# tokens share that expert this step (batch composition differs between memory modes).
+from fastdeploy.model_executor.host_tensor import host_tensor
+from fastdeploy.model_executor.models.ernie4_5 import _aligned, _pad_rows
+
+
+def is_moe_layer(cfg, layer_id: int) -> bool:
+    moe = getattr(cfg, "moe", None)
+    if moe is None:
+        return False
+    return ((layer_id + 1) % moe.layer_interval == 0
+            and moe.layer_start_index <= layer_id <= moe.layer_end_index)
+
+
+def _prefix(layer_id: int) -> str:
+    return f"model.layers.{layer_id}.mlp."
+
+
+def expert_names(layer_id: int, expert: int) -> dict:
+    p = f"{_prefix(layer_id)}experts.{expert}."
+    return {k: f"{p}{k}_proj.weight" for k in ("gate", "up", "down")}
+
+
+def shared_expert_names(layer_id: int) -> dict:
+    p = f"{_prefix(layer_id)}shared_experts."
+    return {k: f"{p}{k}_proj.weight" for k in ("gate", "up", "down")}
+
+
+def moe_shapes(cfg, layer_id: int) -> dict:
+    """On-disk shapes of one MoE layer's feed-forward parameters."""
+    moe, h = cfg.moe, cfg.hidden_size
+    p = _prefix(layer_id)
+    shapes = {p + "gate.weight": (moe.num_experts, h)}
+    if moe.use_correction_bias:
+        shapes[p + "moe_statics.e_score_correction_bias"] = (1, moe.num_experts)
+    for e in range(moe.num_experts):
+        n = expert_names(layer_id, e)
+        shapes.update({n["gate"]: (moe.intermediate_size, h), n["up"]: (moe.intermediate_size, h),
+                       n["down"]: (h, moe.intermediate_size)})
+    if moe.num_shared_experts:
+        width = moe.intermediate_size * moe.num_shared_experts
+        n = shared_expert_names(layer_id)
+        shapes.update({n["gate"]: (width, h), n["up"]: (width, h), n["down"]: (h, width)})
+    return shapes
+
+
+class MoEBlock:
+    """One layer's routed experts + shared experts, reading the model's named weights."""
+
+    def __init__(self, cfg, layer_id: int, weights: dict):
+        moe = cfg.moe
+        self.top_k, self.norm_min = moe.top_k, moe.norm_min
+        p = _prefix(layer_id)
+        self.router = weights[p + "gate.weight"]                                          # [E, h] float32
+        bias = weights.get(p + "moe_statics.e_score_correction_bias")
+        self.correction_bias = None if bias is None else bias.astype("float32").reshape([-1])
+        self.experts = [{k: weights[n] for k, n in expert_names(layer_id, e).items()}
+                        for e in range(moe.num_experts)]
+        self.shared = ({k: weights[n] for k, n in shared_expert_names(layer_id).items()}
+                       if moe.num_shared_experts else None)
+
+    @staticmethod
+    def _mlp(x: paddle.Tensor, w: dict) -> paddle.Tensor:
+        gate = paddle.matmul(x, w["gate"], transpose_y=True)
+        up = paddle.matmul(x, w["up"], transpose_y=True)
+        return paddle.matmul(F.silu(gate) * up, w["down"], transpose_y=True)
+
+    def route(self, x: paddle.Tensor) -> tuple:
+        """(expert ids [T, k] int64, combine weights [T, k] float32) for the tokens `x` [T, h]."""
+        x32 = x if x.dtype == paddle.float32 else x.astype("float32")
+        probs = F.softmax(paddle.matmul(x32, self.router, transpose_y=True), axis=-1)       # [T, E]
+        scores = probs if self.correction_bias is None else probs + self.correction_bias
+        _, ids = paddle.topk(scores, k=self.top_k, axis=-1)
+        weights = paddle.take_along_axis(probs, ids, axis=-1)
+        weights = weights / paddle.clip(weights.sum(axis=-1, keepdim=True), min=self.norm_min)
+        return ids, weights
+
+    def __call__(self, x: paddle.Tensor, num_tokens: int) -> paddle.Tensor:
+        """Feed-forward output for `x` [rows, h]; only the first `num_tokens` rows are real tokens."""
+        rows, hidden = x.shape
+        real = x[:num_tokens]
+        ids, weights = self.route(real)
+        ids_np = ids.numpy()
+        # Each (token, slot) pair's expert output lands in its own row, then the k slots are summed
+        # in slot order: the result does not depend on the order experts are visited.
+        picked = paddle.zeros([num_tokens * self.top_k, hidden], dtype=x.dtype)
+        flat = ids_np.reshape(-1)
+        for expert in np.unique(flat):
+            slots = np.nonzero(flat == expert)[0]
+            tokens = slots // self.top_k
+            xe = paddle.gather(real, host_tensor(tokens))
+            ye = self._mlp(_pad_rows(xe, _aligned(len(tokens))), self.experts[int(expert)])[:len(tokens)]
+            picked = paddle.scatter(picked, host_tensor(slots), ye, overwrite=True)
+        combine = weights if weights.dtype == x.dtype else weights.astype(x.dtype)
+        out = (picked.reshape([num_tokens, self.top_k, hidden]) * combine.unsqueeze(-1)).sum(axis=1)
+        out = _pad_rows(out, rows)
+        if self.shared is not None:
+            out = out + self._mlp(x, self.shared)
+        return out
