@@ -42,6 +42,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FD_RESERVE_OUTPUT_PAGES": _int_flag("FD_RESERVE_OUTPUT_PAGES", "1"),
     # Attention backend: APPEND_ATTN (paged custom op) or NATIVE_ATTN (dense reference, the oracle).
     "FD_ATTENTION_BACKEND": _choice_flag("FD_ATTENTION_BACKEND", "APPEND_ATTN", ("APPEND_ATTN", "NATIVE_ATTN")),
+    # Head-wise SWA on the GPU: SINGLE_PASS (one kernel pass, each head its own window) or DUAL_PASS
+    # (upstream's baseline: an all-SWA and an all-full pass over the 1-D table, stitched per head).
+    "FD_HEAD_WISE_ATTN": _choice_flag("FD_HEAD_WISE_ATTN", "SINGLE_PASS", ("SINGLE_PASS", "DUAL_PASS")),
     # Seconds between the engine's periodic status log lines (0 disables them).
     "FD_LOG_INTERVAL": _int_flag("FD_LOG_INTERVAL", "10"),
     # Seconds the engine waits for tensor-parallel workers to load / to finish one step before it

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
+from fastdeploy.worker.device import DEVICE_CHOICES, default_cache_dtype, resolve_device
 from fastdeploy.config import COMPUTE_DTYPES, CacheConfig, FDConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
 
@@ -18,7 +19,7 @@ class EngineArgs:
     block_size: int = 64
     num_gpu_blocks_override: Optional[int] = None
     kv_cache_memory: Optional[int] = None
-    cache_dtype: str = "float32"
+    cache_dtype: Optional[str] = None  # None: float32 on the CPU, the compute dtype on the GPU
     max_num_batched_tokens: Optional[int] = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: Optional[bool] = None  # None: on, unless FD_ATTENTION_BACKEND=NATIVE_ATTN
@@ -26,18 +27,20 @@ class EngineArgs:
     balance_swa_heads: bool = False
     head_wise_swa_config: Union[None, str, dict] = None
     dtype: str = "auto"
+    device: str = "auto"
 
     def create_engine_config(self) -> FDConfig:
         """Validate every flag (env flags included) and build the config; raises ValueError naming the field."""
+        device = resolve_device(self.device)
         model_config = ModelConfig.create(self.model, self.max_model_len, self.head_wise_swa_config,
-                                          self.served_model_name, self.dtype)
+                                          self.served_model_name, self.dtype, device)
         return FDConfig.from_env(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 kv_cache_memory=self.kv_cache_memory,
-                cache_dtype=self.cache_dtype,
+                cache_dtype=self.cache_dtype or default_cache_dtype(device, model_config.dtype),
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler_config=SchedulerConfig(
@@ -47,6 +50,7 @@ class EngineArgs:
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                            balance_swa_heads=self.balance_swa_heads),
+            device=device,
         )
 
     @staticmethod
@@ -69,8 +73,11 @@ class EngineArgs:
                        help="number of KV blocks (each holds every KV head); overrides --kv-cache-memory")
         g.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory,
                        help="bytes of KV cache per rank (default 256 MiB)")
-        g.add_argument("--cache-dtype", choices=["float32", "bfloat16"], default=d.cache_dtype,
-                       help="storage type of the KV cache")
+        g.add_argument("--cache-dtype", choices=["float32", "bfloat16", "float16"], default=d.cache_dtype,
+                       help="storage type of the KV cache (default: float32 on the CPU, the compute dtype on the GPU)")
+        g.add_argument("--device", choices=list(DEVICE_CHOICES), default=d.device,
+                       help="where the model, KV cache and attention run (auto: the GPU when Paddle has CUDA and "
+                            "sees one, else the CPU)")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help="token budget of one step (prefill chunks + decodes)")
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,

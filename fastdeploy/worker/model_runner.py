@@ -11,17 +11,19 @@ import numpy as np
 import paddle
 
 from fastdeploy.model_executor.forward_meta import ForwardMeta
-from fastdeploy.model_executor.host_tensor import host_tensor
 from fastdeploy.model_executor.layers.attention import get_attention_backend
 from fastdeploy.model_executor.layers.rotary_embedding import rope_tables
 from fastdeploy.model_executor.models.ernie4_5 import Ernie4_5ForCausalLM
 from fastdeploy.model_executor.tensor_parallel import local_kv_heads
+from fastdeploy.worker.device import paddle_device_name
+from fastdeploy.worker.step_buffers import StepBufferLayout, StepBuffers
 from fastdeploy.worker.step_input import StepInput, StepOutput
 
 
 class ModelRunner:
     def __init__(self, fd_config, tp_rank: int = 0):
-        paddle.set_device("cpu")
+        # Weights, caches, rotary tables and step buffers are all made on this device (worker/device.py).
+        paddle.set_device(paddle_device_name(getattr(fd_config, "device", "cpu"), tp_rank))
         self.fd_config = fd_config
         model = fd_config.model_config
         self.tp_rank = tp_rank
@@ -30,28 +32,35 @@ class ModelRunner:
         self.model = Ernie4_5ForCausalLM.load(model, tp_rank, self.tp_size)
         cos, sin = rope_tables(model.head_dim, model.max_model_len, model.rope_theta)
         self.attn_backend = get_attention_backend(fd_config, cos, sin, tp_rank)
+        self.buffers = StepBuffers(StepBufferLayout.from_config(fd_config, len(self.kv_heads)))
 
     def build_forward_meta(self, step: StepInput) -> ForwardMeta:
-        tables_1d = tables_hw = None
-        if step.block_tables_head_wise is not None:
-            rows = step.block_tables_head_wise
-            if self.tp_size > 1:  # this rank's heads only; their page ids are already rank-local
-                rows = rows[:, self.kv_heads.start:self.kv_heads.stop]
-            tables_hw = host_tensor(rows)
-        else:
-            tables_1d = host_tensor(step.block_tables)
+        """One host-to-device copy into the fixed buffers; tables keep this rank's heads only (their
+        page ids are already rank-local)."""
+        heads = slice(self.kv_heads.start, self.kv_heads.stop) if self.tp_size > 1 else slice(None)
+        t = self.buffers.fill(step, heads)
+        head_wise = self.buffers.host.layout.head_wise
         return ForwardMeta(
-            input_ids=host_tensor(step.input_ids), seq_lens_encoder=host_tensor(step.seq_lens_encoder),
-            seq_lens_decoder=host_tensor(step.seq_lens_decoder), seq_lens_this_time=host_tensor(step.seq_lens_this_time),
-            cu_seqlens_q=host_tensor(step.cu_seqlens_q), block_tables=tables_1d, block_tables_head_wise=tables_hw,
-            sample_rows=host_tensor(step.sample_rows), starts=step.starts, lengths=step.lengths,
+            input_ids=t["input_ids"], seq_lens_encoder=t["seq_lens_encoder"], seq_lens_decoder=t["seq_lens_decoder"],
+            seq_lens_this_time=t["seq_lens_this_time"], cu_seqlens_q=t["cu_seqlens_q"],
+            block_tables=None if head_wise else t["block_tables"],
+            block_tables_head_wise=t["block_tables"] if head_wise else None,
+            sample_rows=t["sample_rows"], starts=step.starts, lengths=step.lengths,
             slot_ids=step.slot_ids, attn_backend=self.attn_backend)
 
     def execute_model(self, step: StepInput) -> StepOutput:
         """Run one step on this rank. Every rank returns the same answer (the logits are gathered);
         only rank 0's is sent back."""
-        logits = self.model.forward(self.build_forward_meta(step)).numpy()
+        logits = self.model.forward(self.build_forward_meta(step))
+        end_step = getattr(self.attn_backend, "end_step", None)
+        if end_step is not None:
+            end_step()
         greedy = np.full(len(step.greedy), -1, np.int64)
+        if len(step.greedy) and step.greedy.all():
+            # argmax where the logits are (the GPU): only the tokens cross over.
+            greedy[:] = paddle.argmax(logits, axis=-1).numpy()
+            return StepOutput(greedy_tokens=greedy, logits=np.zeros((0, logits.shape[-1]), np.float32))
+        host = logits.numpy()
         if step.greedy.any():
-            greedy[step.greedy] = np.argmax(logits[step.greedy], axis=-1)
-        return StepOutput(greedy_tokens=greedy, logits=np.ascontiguousarray(logits[~step.greedy]))
+            greedy[step.greedy] = np.argmax(host[step.greedy], axis=-1)
+        return StepOutput(greedy_tokens=greedy, logits=np.ascontiguousarray(host[~step.greedy]))

@@ -11,6 +11,7 @@ import paddle
 
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.ops import append_attention
+from fastdeploy.model_executor.layers.attention.ops.append_attention import check_device_errors, new_error_info
 from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import load_cpu_ops
 from fastdeploy.model_executor.layers.attention.swa_spec import swa_attention_args
 from fastdeploy.model_executor.tensor_parallel import local_kv_heads
@@ -31,7 +32,18 @@ class AppendAttentionBackend:
         mask, self.window, self.sink = swa_attention_args(model)
         heads = local_kv_heads(model.num_key_value_heads, tp_rank, tp)
         self.swa_head_mask = paddle.to_tensor([mask[h] for h in heads], dtype="int32")
-        load_cpu_ops()  # build (first use only) before the engine reports ready, not inside the first step
+        self.on_gpu = getattr(fd_config, "device", "cpu") == "gpu"
+        # FD_HEAD_WISE_ATTN=dual_pass: upstream's two passes over the 1-D table (config checks it is
+        # the GPU, 1-D mode); the masked passes read every page, as upstream's do.
+        self.dual_pass = getattr(fd_config, "head_wise_attn", "SINGLE_PASS") == "DUAL_PASS"
+        self.error_info = None
+        if self.on_gpu:
+            from fastdeploy.model_executor.layers.attention.ops.gpu_op_loader import load_gpu_ops
+
+            load_gpu_ops()  # build (first use only) before the engine reports ready
+            self.error_info = new_error_info(self.key_caches[0].place)  # one per engine; read once per step
+        else:
+            load_cpu_ops()  # build (first use only) before the engine reports ready, not inside the first step
 
     def forward(self, layer_id: int, qkv: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         table = meta.block_tables_head_wise if meta.block_tables_head_wise is not None else meta.block_tables
@@ -39,4 +51,11 @@ class AppendAttentionBackend:
             qkv, self.key_caches[layer_id], self.value_caches[layer_id], meta.seq_lens_encoder,
             meta.seq_lens_decoder, meta.seq_lens_this_time, meta.cu_seqlens_q, table, self.rotary_cos,
             self.rotary_sin, self.swa_head_mask, num_heads=self.num_heads, kv_num_heads=self.kv_num_heads,
-            head_dim=self.head_dim, sliding_window=self.window, sink_size=self.sink)
+            head_dim=self.head_dim, sliding_window=self.window, sink_size=self.sink,
+            visit_all_pages=self.dual_pass, dual_pass=self.dual_pass, error_info=self.error_info)
+
+    def end_step(self) -> None:
+        """After the step's last layer: surface a device-side error the CUDA kernels recorded (the
+        logits copy syncs here anyway). The CPU op raises inside the call instead."""
+        if self.error_info is not None:
+            check_device_errors(self.error_info)
