@@ -116,13 +116,24 @@ class StepBuffers:
                       ("seq_lens_encoder", "seq_lens_decoder", "seq_lens_this_time", "cu_seqlens_q")}
         a, b = offsets["block_tables"]
         self.fixed["block_tables"] = self.device._slice(a, b).reshape(list(layout.table_shape))
+        # Token- and sample-sized views, made once per length: Paddle 3.3.1 leaves 56 bytes behind on
+        # every `_slice` call, so a view per step would grow forever; this cache is bounded by
+        # max_num_batched_tokens + max_num_seqs small tensor objects (no device memory).
+        self._sized_views: dict = {}
 
     def fill(self, step: StepInput, kv_heads: slice = slice(None)) -> dict:
         self.host.pack(step, kv_heads)
         self.device.copy_(self._staging, False)  # the step's one host-to-device copy
-        ids, rows = self._offset["input_ids"], self._offset["sample_rows"]
-        return {**self.fixed, "input_ids": self.device._slice(ids, ids + self.host.num_tokens),
-                "sample_rows": self.device._slice(rows, rows + self.host.num_sampled)}
+        return {**self.fixed, "input_ids": self._sized("input_ids", self.host.num_tokens),
+                "sample_rows": self._sized("sample_rows", self.host.num_sampled)}
+
+    def _sized(self, name: str, n: int):
+        key = (name, n)
+        view = self._sized_views.get(key)
+        if view is None:
+            start = self._offset[name]
+            view = self._sized_views[key] = self.device._slice(start, start + n)
+        return view
 
     def data_ptrs(self) -> dict:
         """Device addresses of the buffers (constant for the engine's life)."""
