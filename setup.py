@@ -7,6 +7,7 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 CPU_OP_SOURCES = os.path.join("custom_ops", "cpu_ops")
+GPU_OP_SOURCES = os.path.join("custom_ops", "gpu_ops")  # JIT-built on first use where Paddle has CUDA
 
 
 class BuildPyWithOpSources(build_py):
@@ -17,6 +18,9 @@ class BuildPyWithOpSources(build_py):
         target = os.path.join(self.build_lib, "fastdeploy", "_custom_ops", "cpu_ops")
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(CPU_OP_SOURCES, target)
+        gpu_target = os.path.join(self.build_lib, "fastdeploy", "_custom_ops", "gpu_ops")
+        shutil.rmtree(gpu_target, ignore_errors=True)
+        shutil.copytree(GPU_OP_SOURCES, gpu_target)
 
 
 setup(
