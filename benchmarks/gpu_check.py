@@ -79,7 +79,7 @@ class ABConfig:
     block_size: int = 64
     num_gpu_blocks: int = 320  # recycle OFF fits 16 requests: (1024 + 128) / 64 = 18 blocks each
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 256  # prefill chunks of 256: a SWA head peaks at its window, not the prompt
     overhead_ms: float = 3.0   # the simulator's fixed per-step term (its default)
 
 
