@@ -57,8 +57,13 @@ def serve(rank: int, step_address: str, result_address: str) -> int:
     try:
         fd_config = steps.recv_pyobj()
         tp = fd_config.parallel_config.tensor_parallel_size
+        import paddle
         import paddle.distributed as dist
 
+        from fastdeploy.worker.device import paddle_device_name
+
+        # Before the collective group: it takes its backend (NCCL / gloo) from the current device.
+        paddle.set_device(paddle_device_name(getattr(fd_config, "device", "cpu"), rank))
         if tp > 1:
             dist.init_parallel_env()
         from fastdeploy.worker.model_runner import ModelRunner
