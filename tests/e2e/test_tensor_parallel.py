@@ -278,3 +278,12 @@ def test_moe_experts_are_sharded_and_two_ranks_match_one():
         assert_same_within_tolerance(expected, run(engine, prompts()[:4]))
     finally:
         engine.close()
+
+
+def test_a_rank_that_cannot_load_fails_start_up_with_its_error_and_no_worker_is_left(tmp_path):
+    from fastdeploy.model_executor.models.tiny_preset import TINY_PRESET_CONFIG
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(TINY_PRESET_CONFIG, fastdeploy_byte_tokenizer=True)))
+    with pytest.raises(WorkerFailure, match=r"rank \d failed: ValueError: .*safetensors"):
+        make_engine(model=str(tmp_path), tensor_parallel_size=2)
+    assert our_workers() == []

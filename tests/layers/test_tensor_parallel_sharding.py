@@ -98,3 +98,14 @@ def test_balancing_a_model_without_swa_heads_is_a_start_up_error(make_config):
         FDConfig(model_config=replace(cfg.model_config, head_wise_swa=None), cache_config=cfg.cache_config,
                  scheduler_config=cfg.scheduler_config,
                  parallel_config=ParallelConfig(tensor_parallel_size=2, balance_swa_heads=True))
+
+
+def test_the_worker_side_never_imports_the_scheduler():
+    """worker/ reads plain step messages; the import graph runs one way (engine -> worker)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fastdeploy.worker.worker_process, fastdeploy.worker.model_runner, fastdeploy.worker.step_input;"
+            "print(sorted(m for m in sys.modules if m.startswith('fastdeploy.engine')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
