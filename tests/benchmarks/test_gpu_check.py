@@ -87,3 +87,14 @@ def test_without_a_gpu_the_script_writes_its_json_with_every_part_skipped(tmp_pa
     for part in ("kernel_tests", "kernel_bench", "ab"):
         assert "no GPU" in report[part]["skipped"]
     assert report["environment"]["gpus_visible"] == 0
+
+
+def test_engine_comparison_counts_equal_prompts_and_bounds_first_token_logprobs():
+    cpu = {"tokens": [[1, 2], [3, 4]], "first_logprobs": [{1: -0.5, 7: -2.0}, {3: -1.0}]}
+    gpu = {"tokens": [[1, 2], [3, 5]], "first_logprobs": [{1: -0.52, 7: -2.05}, {3: -1.3}]}
+    result = gpu_check.compare_engine_runs(gpu, cpu)
+    assert result["greedy_prompts_equal"] == "1/2"
+    assert result["first_token_logprob_max_abs_diff"] == pytest.approx(0.3)
+    assert result["within_bf16_tolerance"] is False
+    gpu["first_logprobs"][1] = {3: -1.05}
+    assert gpu_check.compare_engine_runs(gpu, cpu)["within_bf16_tolerance"] is True

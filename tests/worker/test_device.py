@@ -165,3 +165,20 @@ def test_gpu_tensors_go_to_the_cuda_op_and_match_the_cpu_op():
     out = op_module.append_attention(*[moved[n] for n in op_module.TENSOR_ARGS], **attrs_gpu)
     assert out.place.is_gpu_place()
     np.testing.assert_allclose(out.astype("float32").numpy(), cpu, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs Paddle with CUDA and a GPU")
+def test_engine_on_the_gpu_runs_attention_on_the_cuda_op_and_follows_the_cpu_path(monkeypatch):
+    from fastdeploy import LLM, SamplingParams
+
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")
+    prompts = [[3 + (i * 37 + n * 11) % 250 for i in range(n)] for n in (5, 130, 300)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = {}
+    for device in ("gpu", "cpu"):
+        llm = LLM(device=device, block_size=16, max_model_len=1024, cache_dtype="bfloat16",
+                  dtype="bfloat16" if device == "gpu" else "float32")
+        runner = llm.engine.runner.ranks
+        assert runner.attn_backend.key_caches[0].place.is_gpu_place() == (device == "gpu")
+        outs[device] = [o.outputs.token_ids[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs["gpu"] == outs["cpu"]  # the first token: same prefix, bf16 vs float32 compute
