@@ -182,3 +182,28 @@ def test_engine_on_the_gpu_runs_attention_on_the_cuda_op_and_follows_the_cpu_pat
         assert runner.attn_backend.key_caches[0].place.is_gpu_place() == (device == "gpu")
         outs[device] = [o.outputs.token_ids[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["gpu"] == outs["cpu"]  # the first token: same prefix, bf16 vs float32 compute
+
+
+def test_jit_build_and_setup_ops_compile_the_same_cuda_sources_and_targets():
+    import sys as _sys
+
+    from fastdeploy.model_executor.layers.attention.ops import gpu_op_loader
+
+    _sys.path.insert(0, str(gpu_op_loader._REPO_ROOT / "custom_ops"))
+    try:
+        import setup_ops
+    finally:
+        _sys.path.pop(0)
+    jit = [p.name for p in gpu_op_loader.gpu_sources()]
+    assert jit[0] == "append_attention.cu" and "harness.cu" not in jit
+    assert sorted(jit[1:]) == sorted(p.name for p in setup_ops.KERNEL_SOURCES)
+    assert gpu_op_loader.NVCC_FLAGS == setup_ops.NVCC_FLAGS
+    assert all(p.is_file() for p in gpu_op_loader.gpu_sources())
+
+
+@pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="this Paddle has CUDA")
+def test_loading_the_cuda_op_on_the_cpu_wheel_names_both_wheels():
+    from fastdeploy.model_executor.layers.attention.ops.gpu_op_loader import GpuOpUnavailable, load_gpu_ops
+
+    with pytest.raises(GpuOpUnavailable, match="paddlepaddle-gpu.*`paddlepaddle`"):
+        load_gpu_ops()
