@@ -47,5 +47,8 @@ setup(
                  # upper pins (0.4.x pins numpy<=1.26.4, tokenizers<0.22) and runs on paddlepaddle 3.3.
                  "paddleformers==1.2.0"],
         "bench": ["aiohttp", "matplotlib", "pyyaml"],
+        # benchmarks/gpu_check.py's Paddle-free A/B (device buffers); pick the wheel of your CUDA major
+        # (cupy-cuda13x for CUDA 13). PyTorch, where installed, runs its GEMMs in bf16.
+        "gpu-check": ["pytest", "cupy-cuda12x"],
     },
 )

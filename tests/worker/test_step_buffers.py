@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from fastdeploy import LLM, SamplingParams
+from fastdeploy.worker.device import cuda_device_count
 from fastdeploy.worker.step_buffers import HostStepBuffer, StepBufferLayout, StepBuffers
 from fastdeploy.worker.step_input import StepInput
 
@@ -95,9 +96,19 @@ def test_a_step_larger_than_the_buffers_is_refused_with_the_limits():
         HostStepBuffer(lay).pack(step)
 
 
-def test_thousand_steps_reuse_the_same_memory_without_growth():
-    lay = layout(True)
-    bufs = StepBuffers(lay)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.skipif(
+    cuda_device_count() == 0, reason="needs Paddle with CUDA and a GPU"))])
+def test_thousand_steps_reuse_the_same_memory_without_growth(device):
+    import paddle
+
+    previous = paddle.get_device()
+    paddle.set_device(device)
+    try:
+        bufs = StepBuffers(layout(True))
+    finally:
+        paddle.set_device(previous)
+    assert bufs.device.place.is_gpu_place() == (device == "gpu")
+    lay = bufs.host.layout
     rng = np.random.default_rng(4)
     steps = [random_step(rng, lay) for _ in range(50)]
     for s in steps:  # warm up Paddle's own caches
