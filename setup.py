@@ -40,6 +40,8 @@ setup(
         "tqdm",
         "pyzmq",  # engine <-> tensor-parallel worker messages
         "jinja2",  # the checkpoint's chat template (tokenizer_config.json / chat_template.jinja)
+        "tokenizers",  # the checkpoint's tokenizer.json, and tokenizer.model converted to the same pipeline
+        "sentencepiece",  # reads tokenizer.model (its protobuf comes with paddlepaddle)
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "openai", "aiohttp", "requests", "matplotlib", "pyyaml", "tokenizers",

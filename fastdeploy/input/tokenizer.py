@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Optional
 
 from fastdeploy.input.chat_template import (  # noqa: F401  (CHAT_ROLES is re-exported)
@@ -86,7 +85,8 @@ def _content(token) -> Optional[str]:
 
 
 class HFTokenizer(_Chat):
-    """A `tokenizer.json` (Hugging Face tokenizers) or a sentencepiece `tokenizer.model`."""
+    """A `tokenizer.json` (Hugging Face tokenizers) or a sentencepiece `tokenizer.model` (converted to the
+    same `tokenizers` pipeline transformers builds from it)."""
 
     def __init__(self, model_dir: str, eos_token_id, vocab_size: int):
         self.eos_token_id = eos_token_id
@@ -105,67 +105,29 @@ class HFTokenizer(_Chat):
                     special.append(_content(spec))
 
         json_path = os.path.join(model_dir, "tokenizer.json")
-        if os.path.isfile(json_path):
-            self._init_tokenizers(json_path, special, added)
-        else:
-            self._init_sentencepiece(os.path.join(model_dir, "tokenizer.model"), special, added)
-        source = find_chat_template(model_dir, config)
-        if source is not None:
-            self.chat_template = JinjaChatTemplate(source, self.special_tokens)
-
-    def _init_tokenizers(self, path: str, special: list, added: dict) -> None:
         try:
             from tokenizers import AddedToken, Tokenizer
         except ImportError:
-            raise RuntimeError("the model ships tokenizer.json: pip install tokenizers") from None
-        tok = Tokenizer.from_file(path)
-        # Tokens the config names as special/added become whole tokens in text, as in transformers.
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-        tok.add_tokens([AddedToken(t, normalized=False) for t in sorted(added, key=added.get) if t not in special])
+            raise RuntimeError("the model's tokenizer needs the tokenizers package: pip install tokenizers") from None
+        if os.path.isfile(json_path):
+            tok = Tokenizer.from_file(json_path)
+        else:
+            tok = sentencepiece_as_tokenizer(os.path.join(model_dir, "tokenizer.model"))
+        # Tokens the config names as special/added become whole tokens in text, as in transformers:
+        # those with declared ids first, in id order (a new token takes the next free id), then the rest.
+        for token in sorted(added, key=added.get):
+            if token in special:
+                tok.add_special_tokens([AddedToken(token, special=True, normalized=False)])
+            else:
+                tok.add_tokens([AddedToken(token, normalized=False)])
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special if t not in added])
         self.special_ids = {tok.token_to_id(t) for t in special} - {None}
         self._known = tok.get_vocab_size(with_added_tokens=True)
         self._encode = lambda text: tok.encode(text, add_special_tokens=False).ids
         self._decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
-
-    def _init_sentencepiece(self, path: str, special: list, added: dict) -> None:
-        try:
-            import sentencepiece
-        except ImportError:
-            raise RuntimeError("the model ships tokenizer.model: pip install sentencepiece") from None
-        sp = sentencepiece.SentencePieceProcessor(model_file=path)
-        ids = dict(added)
-        for token in special:
-            if token not in ids and sp.piece_to_id(token) != sp.unk_id():
-                ids[token] = sp.piece_to_id(token)
-        self.special_ids = {ids[t] for t in special if t in ids}
-        self._known = max([sp.get_piece_size(), *(i + 1 for i in ids.values())])
-        text_of = {i: t for t, i in ids.items()}
-        # Added/special tokens split the text first (longest first); the pieces between go to sentencepiece.
-        pattern = re.compile("(" + "|".join(re.escape(t) for t in sorted(ids, key=len, reverse=True)) + ")") \
-            if ids else None
-
-        def encode(text: str) -> list:
-            out: list = []
-            for part in (pattern.split(text) if pattern else [text]):
-                if part in ids:
-                    out.append(ids[part])
-                elif part:
-                    out.extend(sp.encode(part))
-            return out
-
-        def decode(token_ids: list) -> str:
-            text, run = [], []
-            for i in token_ids:
-                if i in text_of:
-                    text.append(sp.decode(run))
-                    run = []
-                    text.append(text_of[i])
-                elif i < sp.get_piece_size():
-                    run.append(i)
-            text.append(sp.decode(run))
-            return "".join(text)
-
-        self._encode, self._decode = encode, decode
+        source = find_chat_template(model_dir, config)
+        if source is not None:
+            self.chat_template = JinjaChatTemplate(source, self.special_tokens)
 
     def encode(self, text: str) -> list:
         return list(self._encode(text))
@@ -181,6 +143,52 @@ class HFTokenizer(_Chat):
     def decode_incremental(self, ids: list, state: list) -> str:
         # Subword decoders are not concatenative (leading spaces, merges): decode everything.
         return self.decode(ids)
+
+
+def _bpe_merges(vocab: dict) -> list:
+    """BPE merges of a sentencepiece vocab, as transformers derives them: every split of a piece into
+    two pieces of the vocab, ranked by the merged piece's id, then the left and right lengths."""
+    merges = []
+    for piece, piece_id in vocab.items():
+        local = [(piece[:i], piece[i:], piece_id) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])))
+    return [(left, right) for left, right, _ in merges]
+
+
+def sentencepiece_as_tokenizer(path: str):
+    """A sentencepiece `tokenizer.model` as the `tokenizers` pipeline PaddleFormers' Ernie4_5Tokenizer
+    (transformers' LlamaTokenizer) builds from it: BPE (or Unigram) with byte fallback over the
+    sentencepiece vocab, the model's precompiled normaliser then spaces -> "▁" (no dummy prefix, no
+    pre-tokenizer), control pieces special. Checked against PaddleFormers in the tests."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError:
+        raise RuntimeError("the model ships tokenizer.model: pip install sentencepiece protobuf") from None
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers
+    from tokenizers.models import BPE, Unigram
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    with open(path, "rb") as f:
+        proto.ParseFromString(f.read())
+    pieces = [(p.piece, p.score) for p in proto.pieces]
+    unk = pieces[proto.trainer_spec.unk_id][0]
+    if proto.trainer_spec.model_type == 1:  # unigram
+        spec = proto.trainer_spec
+        tok = Tokenizer(Unigram(pieces, unk_id=spec.unk_id, byte_fallback=spec.byte_fallback))
+    else:
+        vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
+        tok = Tokenizer(BPE(vocab=vocab, merges=_bpe_merges(vocab), unk_token=unk, fuse_unk=True, byte_fallback=True))
+    charsmap = proto.normalizer_spec.precompiled_charsmap
+    tok.normalizer = normalizers.Sequence(([normalizers.Precompiled(charsmap)] if charsmap else [])
+                                          + [normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    control, user = 3, 4  # SentencePiece.Type
+    tok.add_special_tokens([AddedToken(p.piece, special=True, normalized=False)
+                            for p in proto.pieces if p.type == control])
+    tok.add_tokens([AddedToken(p.piece, normalized=False) for p in proto.pieces if p.type == user])
+    return tok
 
 
 def load_tokenizer(model_config) -> "ByteTokenizer | HFTokenizer":

@@ -118,8 +118,9 @@ def iter_checkpoint(model_dir: str, dtype: str, keep_float32: tuple = ()) -> Ite
                     raw = np.frombuffer(mm, dtype=np_dtype, count=(end - begin) // np.dtype(np_dtype).itemsize,
                                         offset=offset + begin).reshape(meta["shape"])
                     target = "float32" if any(k in name for k in keep_float32) else dtype
-                    yield name, _to_paddle(raw, stored, target)
-                    del raw  # the mmap cannot close while a view on it is alive
+                    tensor = _to_paddle(raw, stored, target)
+                    del raw  # no view on the mmap may outlive this step: it must close even if the caller stops
+                    yield name, tensor
 
 
 def load_checkpoint(model_dir: str, expected_shapes: dict, dtype: str, keep_float32: tuple = ()) -> dict:

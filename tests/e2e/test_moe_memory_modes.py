@@ -42,6 +42,8 @@ def test_moe_tokens_equal_the_oracle(monkeypatch, oracle, head_wise, recycle, ex
 
 def test_moe_prefix_cache_hit_gives_the_same_tokens(monkeypatch, oracle):
     monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")
+    monkeypatch.setenv("FD_HEAD_WISE_SWA_RECYCLE", "1")
+    monkeypatch.setenv("FD_ATTENTION_BACKEND", "APPEND_ATTN")
     llm = LLM(model="tiny-moe", block_size=16, max_model_len=512, head_wise_swa_config=SWA,
               num_gpu_blocks_override=128, enable_prefix_caching=True)
     first = llm.generate([PROMPTS[1]], PARAMS, use_tqdm=False)[0].outputs.token_ids

@@ -208,3 +208,47 @@ def test_chat_prompt_ids_equal_paddleformers_apply_chat_template(checkpoints):
     assert expected.count(tokenizer.encode("<|end_of_sentence|>")[0]) == 2 and len(tokenizer.encode("</s>")) == 1
     assert outs[1].prompt_token_ids == AutoTokenizer.from_pretrained(path).apply_chat_template(
         CHAT[:2], tokenize=True, add_generation_prompt=True)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_dir(tmp_path_factory):
+    """A sentencepiece BPE tokenizer.model (trained here, byte fallback) with ERNIE's special-token files."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece")
+    path = tmp_path_factory.mktemp("sp")
+    corpus = ("The quick brown fox jumps over the lazy dog. Hello world, a tiny sentencepiece model for tests. "
+              "User Assistant system message content role chat template begin end sentence. ") * 50
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus.split(". ")), model_writer=model, vocab_size=400,
+                                   model_type="bpe", bos_id=1, eos_id=2, unk_id=0, pad_id=-1, byte_fallback=True,
+                                   character_coverage=1.0, minloglevel=2)
+    (path / "tokenizer.model").write_bytes(model.getvalue())
+    (path / "added_tokens.json").write_text(json.dumps({"<|begin_of_sentence|>": 400, "<|end_of_sentence|>": 401}))
+    special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "cls_token": "<|begin_of_sentence|>",
+               "sep_token": "<|end_of_sentence|>"}
+    (path / "special_tokens_map.json").write_text(json.dumps(special))
+    (path / "tokenizer_config.json").write_text(json.dumps({**special, "tokenizer_class": "Ernie4_5Tokenizer",
+                                                            "chat_template": CHAT_TEMPLATE}))
+    return str(path)
+
+
+SP_TEXTS = ["Hello world", " leading space", "two  spaces\nand a newline", "a<|end_of_sentence|>b", "x </s> y",
+            "unicode é 漢字 🙂", "The quick brown fox"]
+
+
+def test_sentencepiece_tokenizer_equals_paddleformers(sentencepiece_dir):
+    from paddleformers.transformers import AutoTokenizer
+
+    from fastdeploy.input.tokenizer import HFTokenizer
+
+    ref = AutoTokenizer.from_pretrained(sentencepiece_dir)
+    ours = HFTokenizer(sentencepiece_dir, (2,), 410)
+    for text in SP_TEXTS:
+        ids = ref.encode(text, add_special_tokens=False)
+        ids = ids["input_ids"] if isinstance(ids, dict) else ids
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+    chat = [dict(m) for m in CHAT] + [{"role": "user", "content": "unicode é\n 漢字  end"}]
+    assert ours.encode_chat(chat) == ref.apply_chat_template(chat, tokenize=True,
+                                                             add_generation_prompt=True)["input_ids"]

@@ -1,5 +1,5 @@
-"""ERNIE-4.5 dense decoder in Paddle: embeddings, RMSNorm, GQA attention (through the attention
-backend, RoPE inside it), SwiGLU MLP, tied or untied LM head.
+"""ERNIE-4.5 decoder in Paddle: embeddings, RMSNorm, GQA attention (through the attention
+backend, RoPE inside it), SwiGLU MLP or the MoE block (ernie4_5_moe.py), tied or untied LM head.
 
 Weights are held once, under the checkpoint's own names and in its `[out, in]` layout
 (`model.layers.N.self_attn.q_proj.weight`); the projections multiply with `transpose_y`, so a
@@ -15,10 +15,9 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from fastdeploy.model_executor import model_loader
 from fastdeploy.model_executor import tensor_parallel as tp_
 from fastdeploy.model_executor.forward_meta import ForwardMeta
-
-from fastdeploy.model_executor import model_loader
 
 WEIGHTS_FILE = "model.safetensors"
 

@@ -67,31 +67,32 @@ def moe_shapes(cfg, layer_id: int) -> dict:
 
 
 class MoEBlock:
-    """One layer's routed experts + shared experts, reading the model's named weights."""
+    """One layer's routed experts + shared experts. Weights are looked up by checkpoint name at each
+    call, so a tensor replaced in the model's dict after loading (e.g. sliced for tensor
+    parallelism) is the one used."""
 
     def __init__(self, cfg, layer_id: int, weights: dict):
         moe = cfg.moe
         self.top_k, self.norm_min = moe.top_k, moe.norm_min
+        self.weights = weights
         p = _prefix(layer_id)
-        self.router = weights[p + "gate.weight"]                                          # [E, h] float32
-        bias = weights.get(p + "moe_statics.e_score_correction_bias")
-        self.correction_bias = None if bias is None else bias.astype("float32").reshape([-1])
-        self.experts = [{k: weights[n] for k, n in expert_names(layer_id, e).items()}
-                        for e in range(moe.num_experts)]
-        self.shared = ({k: weights[n] for k, n in shared_expert_names(layer_id).items()}
-                       if moe.num_shared_experts else None)
+        self.router_name = p + "gate.weight"                                               # [E, h] float32
+        self.bias_name = p + "moe_statics.e_score_correction_bias" if moe.use_correction_bias else None
+        self.expert_names = [expert_names(layer_id, e) for e in range(moe.num_experts)]
+        self.shared_names = shared_expert_names(layer_id) if moe.num_shared_experts else None
 
-    @staticmethod
-    def _mlp(x: paddle.Tensor, w: dict) -> paddle.Tensor:
-        gate = paddle.matmul(x, w["gate"], transpose_y=True)
-        up = paddle.matmul(x, w["up"], transpose_y=True)
-        return paddle.matmul(F.silu(gate) * up, w["down"], transpose_y=True)
+    def _mlp(self, x: paddle.Tensor, names: dict) -> paddle.Tensor:
+        w = self.weights
+        gate = paddle.matmul(x, w[names["gate"]], transpose_y=True)
+        up = paddle.matmul(x, w[names["up"]], transpose_y=True)
+        return paddle.matmul(F.silu(gate) * up, w[names["down"]], transpose_y=True)
 
     def route(self, x: paddle.Tensor) -> tuple:
         """(expert ids [T, k] int64, combine weights [T, k] float32) for the tokens `x` [T, h]."""
         x32 = x if x.dtype == paddle.float32 else x.astype("float32")
-        probs = F.softmax(paddle.matmul(x32, self.router, transpose_y=True), axis=-1)       # [T, E]
-        scores = probs if self.correction_bias is None else probs + self.correction_bias
+        probs = F.softmax(paddle.matmul(x32, self.weights[self.router_name], transpose_y=True), axis=-1)  # [T, E]
+        bias = None if self.bias_name is None else self.weights[self.bias_name].reshape([-1])
+        scores = probs if bias is None else probs + bias
         _, ids = paddle.topk(scores, k=self.top_k, axis=-1)
         weights = paddle.take_along_axis(probs, ids, axis=-1)
         weights = weights / paddle.clip(weights.sum(axis=-1, keepdim=True), min=self.norm_min)
@@ -111,11 +112,11 @@ class MoEBlock:
             slots = np.nonzero(flat == expert)[0]
             tokens = slots // self.top_k
             xe = paddle.gather(real, host_tensor(tokens))
-            ye = self._mlp(_pad_rows(xe, _aligned(len(tokens))), self.experts[int(expert)])[:len(tokens)]
+            ye = self._mlp(_pad_rows(xe, _aligned(len(tokens))), self.expert_names[int(expert)])[:len(tokens)]
             picked = paddle.scatter(picked, host_tensor(slots), ye, overwrite=True)
         combine = weights if weights.dtype == x.dtype else weights.astype(x.dtype)
         out = (picked.reshape([num_tokens, self.top_k, hidden]) * combine.unsqueeze(-1)).sum(axis=1)
         out = _pad_rows(out, rows)
-        if self.shared is not None:
-            out = out + self._mlp(x, self.shared)
+        if self.shared_names is not None:
+            out = out + self._mlp(x, self.shared_names)
         return out
