@@ -97,7 +97,7 @@ class WorkerGroup:
             step_ports = [s.bind_to_random_port(f"tcp://{host}") for s in self._steps]
         self.procs = []
         if envs.FD_TP_LAUNCH_WORKERS:
-            self._launch(tp, host, result_port, step_ports)
+            self._launch(tp, host, result_port, step_ports, getattr(fd_config, "device", "cpu") == "gpu")
         else:
             logger.info("waiting for %d tensor-parallel workers launched with --engine-address %s:%d", tp, host,
                         result_port)
@@ -118,12 +118,13 @@ class WorkerGroup:
                     "; ".join(f"rank {r} pid {i['pid']} KV heads {i['kv_heads']} cache {i['cache_shape']}"
                               for r, i in enumerate(self.rank_info)))
 
-    def _launch(self, tp: int, host: str, result_port: int, step_ports: list) -> None:
-        """One worker process per rank on this machine, with paddle.distributed's environment."""
+    def _launch(self, tp: int, host: str, result_port: int, step_ports: list, gpu: bool = False) -> None:
+        """One worker process per rank on this machine, with paddle.distributed's environment; on the
+        GPU rank r uses GPU r (FLAGS_selected_gpus) and the collectives are NCCL's."""
         endpoints = [f"{host}:{p}" for p in _free_ports(tp, host)]
         env = dict(os.environ, PADDLE_TRAINERS_NUM=str(tp), PADDLE_TRAINER_ENDPOINTS=",".join(endpoints),
                    PADDLE_MASTER=endpoints[0])
-        env.setdefault("PADDLE_DISTRI_BACKEND", "gloo")  # CPU collectives; NCCL is issue 16's choice
+        env.setdefault("PADDLE_DISTRI_BACKEND", "nccl" if gpu else "gloo")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p)
         self.procs = []
         for rank in range(tp):
@@ -131,6 +132,8 @@ class WorkerGroup:
                    "--step-address", f"tcp://{host}:{step_ports[rank]}",
                    "--result-address", f"tcp://{host}:{result_port}"]
             rank_env = dict(env, PADDLE_TRAINER_ID=str(rank), PADDLE_CURRENT_ENDPOINT=endpoints[rank])
+            if gpu:
+                rank_env["FLAGS_selected_gpus"] = str(rank)
             self.procs.append(subprocess.Popen(cmd, env=rank_env, cwd=PACKAGE_ROOT))
 
     @property
