@@ -39,7 +39,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -306,8 +305,9 @@ class CudaExecutor:
                     w["router"] = self._randn(hid, shape.num_experts)
                     w["shared_up"] = self._randn(hid, 2 * shape.shared_intermediate)
                     w["shared_down"] = self._randn(shape.shared_intermediate, hid)
-                    w["experts_up"] = [self._randn(hid, 2 * shape.expert_intermediate) for _ in range(shape.num_experts)]
-                    w["experts_down"] = [self._randn(shape.expert_intermediate, hid) for _ in range(shape.num_experts)]
+                    experts = range(shape.num_experts)
+                    w["experts_up"] = [self._randn(hid, 2 * shape.expert_intermediate) for _ in experts]
+                    w["experts_down"] = [self._randn(shape.expert_intermediate, hid) for _ in experts]
                 self.weights.append(w)
             self.lm_head = self._randn(hid, shape.vocab)
             cache_shape = (cache.num_gpu_blocks, kvh, cache.block_size, d)

@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from benchmarks import gpu_check  # puts tests/custom_ops on sys.path

@@ -61,7 +61,8 @@ def test_views_hold_the_step_and_idle_rows_are_inert(head_wise):
     while len(step.seq_lens_this_time) >= len(big.seq_lens_this_time):  # a smaller batch after a bigger one
         step = random_step(rng, lay)
     t = bufs.fill(step)
-    bsz, width = len(step.seq_lens_this_time), (step.block_tables_head_wise if head_wise else step.block_tables).shape[-1]
+    expected = step.block_tables_head_wise if head_wise else step.block_tables
+    bsz, width = len(step.seq_lens_this_time), expected.shape[-1]
     np.testing.assert_array_equal(t["input_ids"].numpy(), step.input_ids)
     np.testing.assert_array_equal(t["sample_rows"].numpy(), step.sample_rows)
     lens = t["seq_lens_this_time"].numpy()
@@ -72,7 +73,6 @@ def test_views_hold_the_step_and_idle_rows_are_inert(head_wise):
     assert (cu[bsz:] == len(step.input_ids)).all()  # idle rows: empty ranges
     table = t["block_tables"].numpy()
     assert table.shape == lay.table_shape
-    expected = step.block_tables_head_wise if head_wise else step.block_tables
     np.testing.assert_array_equal(table[:bsz, ..., :width], expected)
     assert (table[bsz:] == -1).all() and (table[:bsz, ..., width:] == -1).all()  # the bigger step's rows are gone
 
