@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO / "tests" / "custom_ops"))
 
 from benchmarks.serving_sim.hardware import get_hardware  # noqa: E402
 from benchmarks.serving_sim.simulator import (  # noqa: E402
-    SAMPLED_TOKEN, EngineSettings, _materialize, make_fd_config, memoize_peaks, simulate)
+    SAMPLED_TOKEN, EngineSettings, _materialize, ceiling, make_fd_config, memoize_peaks, simulate)
 from benchmarks.serving_sim.step_model import ModelShape, StepModel  # noqa: E402
 from benchmarks.serving_sim.workload import Workload  # noqa: E402
 from fastdeploy.engine.request import Request, SamplingParams  # noqa: E402
@@ -237,6 +237,8 @@ def ab_config_report(cfg: ABConfig, executor, time_limit_s: float, hardware: str
     gain = on["output_throughput"] / off["output_throughput"] if not (off["timed_out"] or on["timed_out"]) else None
     return {"config": asdict(cfg), "off": arms["off"], "on": arms["on"], "gain": gain,
             "predicted_gain": p_on["output_throughput"] / p_off["output_throughput"],
+            # running ON / OFF from the page-need function alone (DESIGN §6's ceiling)
+            "ceiling": ceiling(engine_settings(cfg), Workload(cfg.num_prompts, cfg.input_len, cfg.output_len))["ceiling"],
             "throughput_off": off["output_throughput"], "throughput_on": on["output_throughput"],
             "peak_running_off": off["peak_running"], "peak_running_on": on["peak_running"]}
 

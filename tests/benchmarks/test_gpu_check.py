@@ -102,12 +102,13 @@ def test_engine_comparison_counts_equal_prompts_and_bounds_first_token_logprobs(
 def test_one_config_report_carries_both_arms_measured_and_predicted_with_the_design_keys():
     cfg = gpu_check.ABConfig(**{**SMALL.__dict__, "swa_heads": 4})
     report = gpu_check.ab_config_report(cfg, gpu_check.DryExecutor(), float("inf"), "H200")
-    for key in ("throughput_off", "throughput_on", "gain", "predicted_gain", "peak_running_off", "peak_running_on"):
+    for key in ("throughput_off", "throughput_on", "gain", "ceiling", "predicted_gain", "peak_running_off",
+                "peak_running_on"):
         assert report[key] is not None, key
     for arm in ("off", "on"):
         assert set(report[arm]) == {"measured", "predicted"}
         # the simulator drives the same scheduler: same steps and concurrency as the measured loop
         assert report[arm]["predicted"]["steps"] == report[arm]["measured"]["steps"]
         assert report[arm]["predicted"]["peak_running"] == report[arm]["measured"]["peak_running"]
-    assert report["predicted_gain"] > 1
+    assert report["predicted_gain"] > 1 and report["ceiling"] > 1
     json.dumps(report)  # serialisable as is
