@@ -283,10 +283,12 @@ def _resolve_dtype(requested: str, model: Optional[str], declared: Optional[str]
     (on the GPU: the checkpoint's 16-bit dtype, else bfloat16, which the CUDA attention op needs)."""
     if requested not in COMPUTE_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {requested!r}")
-    try:
-        from fastdeploy.model_executor.model_loader import checkpoint_dtype, device_supports
-    except ImportError:  # no Paddle: a config-only process (scheduler tools), nothing runs the model here
+    import importlib.util
+
+    if importlib.util.find_spec("paddle") is None:  # a config-only process (scheduler tools): no model runs here
         return requested if requested != "auto" else (declared if declared in COMPUTE_DTYPES else "float32")
+    from fastdeploy.model_executor.model_loader import checkpoint_dtype, device_supports
+
     if requested != "auto":
         if device != "gpu" and not device_supports(requested):
             raise ValueError(f"dtype={requested}: this device has no matmul kernel for {requested}; "
