@@ -207,3 +207,19 @@ def test_loading_the_cuda_op_on_the_cpu_wheel_names_both_wheels():
 
     with pytest.raises(GpuOpUnavailable, match="paddlepaddle-gpu.*`paddlepaddle`"):
         load_gpu_ops()
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs Paddle with CUDA and a GPU")
+def test_dual_pass_on_the_1d_table_gives_the_single_pass_tokens(monkeypatch):
+    from fastdeploy import LLM, SamplingParams
+
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "0")
+    prompts = [[3 + (i * 37 + n * 11) % 250 for i in range(n)] for n in (5, 300)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = {}
+    for mode in ("single_pass", "dual_pass"):
+        monkeypatch.setenv("FD_HEAD_WISE_ATTN", mode)
+        llm = LLM(device="gpu", block_size=16, max_model_len=1024)
+        assert llm.engine.runner.ranks.attn_backend.dual_pass == (mode == "dual_pass")
+        tokens[mode] = [o.outputs.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens["dual_pass"] == tokens["single_pass"]  # same math, two kernel passes
