@@ -10,7 +10,6 @@ import signal
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from fastdeploy.engine.args_utils import EngineArgs
