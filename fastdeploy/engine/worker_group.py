@@ -141,8 +141,8 @@ class WorkerGroup:
         self._finalizer()
 
     def execute_model(self, step):
-        for sock in self._steps:
-            self._send(sock, step, self.step_timeout_s, "step")
+        for rank, sock in enumerate(self._steps):
+            self._send(sock, step.for_rank(rank, self.tp), self.step_timeout_s, "step")
         return self._receive("step", self.step_timeout_s, "step")[1]
 
     # -- transport with liveness ----------------------------------------------------------------

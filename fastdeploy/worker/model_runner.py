@@ -33,11 +33,11 @@ class ModelRunner:
 
     def build_forward_meta(self, step: StepInput) -> ForwardMeta:
         tables_1d = tables_hw = None
-        if step.block_tables_head_wise is not None:
-            rows = step.block_tables_head_wise
-            if self.tp_size > 1:  # this rank's heads only; their page ids are already rank-local
-                rows = rows[:, self.kv_heads.start:self.kv_heads.stop]
-            tables_hw = host_tensor(rows)
+        if step.block_tables_head_wise is not None:  # this rank's heads (StepInput.for_rank), rank-local ids
+            if step.block_tables_head_wise.shape[1] != len(self.kv_heads):
+                raise ValueError(f"rank {self.tp_rank}: step table has {step.block_tables_head_wise.shape[1]} KV "
+                                 f"heads, this rank holds {len(self.kv_heads)}")
+            tables_hw = host_tensor(step.block_tables_head_wise)
         else:
             tables_1d = host_tensor(step.block_tables)
         return ForwardMeta(
