@@ -100,6 +100,7 @@ class WorkerGroup:
         self._finalizer = weakref.finalize(self, _stop, self.procs, self._steps, self._results, self._ctx,
                                            self._graceful)
         self.rank_info: list = [None] * tp
+        self._failure = None
         try:
             if envs.FD_TP_LAUNCH_WORKERS:
                 self._launch(tp, host, result_port, step_ports)
@@ -141,6 +142,8 @@ class WorkerGroup:
         self._finalizer()
 
     def execute_model(self, step):
+        if not self._finalizer.alive:  # stopped: by close(), or by an earlier failure
+            raise WorkerFailure(self._failure or "the tensor-parallel workers were stopped")
         for rank, sock in enumerate(self._steps):
             self._send(sock, step.for_rank(rank, self.tp), self.step_timeout_s, "step")
         return self._receive("step", self.step_timeout_s, "step")[1]
@@ -196,6 +199,7 @@ class WorkerGroup:
 
     def _fail(self, message: str) -> None:
         logger.error("%s; stopping all %d workers", message, self.tp)
+        self._failure = message
         self._graceful[0] = False
         self.close()
         raise WorkerFailure(message)

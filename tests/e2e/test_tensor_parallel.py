@@ -187,6 +187,8 @@ def test_a_killed_worker_fails_the_step_with_a_clear_error_and_stops_the_other_r
             for _ in range(100):
                 engine.step()
         assert all(worker_gone(p) for p in pids) and our_workers() == []
+        with pytest.raises(WorkerFailure, match="rank 1"):  # later steps keep failing the same way
+            engine.step()
     finally:
         engine.close()
 
