@@ -353,7 +353,8 @@ class Scenario:
             self.tensor_parallel_size)
         return EngineSettings(model_dir, max_len, self.block_size, blocks, self.max_num_seqs,
                               self.max_num_batched_tokens, self.swa_heads, self.window, self.sink,
-                              self.reserve_output_pages, self.tensor_parallel_size, self.balance_swa_heads)
+                              self.reserve_output_pages,
+                              tensor_parallel_size=self.tensor_parallel_size, balance_swa_heads=self.balance_swa_heads)
 
     def step_model(self, settings: EngineSettings) -> StepModel:
         shape = ModelShape.from_config(read_raw_config(settings.model_dir))

@@ -95,19 +95,20 @@ class WorkerGroup:
         else:
             result_port = self._results.bind_to_random_port(f"tcp://{host}")
             step_ports = [s.bind_to_random_port(f"tcp://{host}") for s in self._steps]
-        self.procs = []
-        if envs.FD_TP_LAUNCH_WORKERS:
-            self._launch(tp, host, result_port, step_ports, getattr(fd_config, "device", "cpu") == "gpu")
-        else:
-            logger.info("waiting for %d tensor-parallel workers launched with --engine-address %s:%d", tp, host,
-                        result_port)
+        self.procs: list = []  # filled by _launch; the finalizer holds this same list
         self._graceful = [True]  # a list: the finalizer must see a failure recorded after it was made
         self._finalizer = weakref.finalize(self, _stop, self.procs, self._steps, self._results, self._ctx,
                                            self._graceful)
         self.rank_info: list = [None] * tp
+        self._failure = None
         try:
+            if envs.FD_TP_LAUNCH_WORKERS:
+                self._launch(tp, host, result_port, step_ports, getattr(fd_config, "device", "cpu") == "gpu")
+            else:
+                logger.info("waiting for %d tensor-parallel workers launched with --engine-address %s:%d", tp, host,
+                            result_port)
             for sock in self._steps:
-                self._send(sock, fd_config)
+                self._send(sock, fd_config, envs.FD_TP_START_TIMEOUT, "start")
             while None in self.rank_info:
                 _, rank, info = self._receive("ready", envs.FD_TP_START_TIMEOUT, "start")
                 self.rank_info[rank] = info
@@ -126,7 +127,6 @@ class WorkerGroup:
                    PADDLE_MASTER=endpoints[0])
         env.setdefault("PADDLE_DISTRI_BACKEND", "nccl" if gpu else "gloo")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p)
-        self.procs = []
         for rank in range(tp):
             cmd = [sys.executable, "-m", WORKER_MODULE, "--rank", str(rank),
                    "--step-address", f"tcp://{host}:{step_ports[rank]}",
@@ -145,20 +145,26 @@ class WorkerGroup:
         self._finalizer()
 
     def execute_model(self, step):
-        for sock in self._steps:
-            self._send(sock, step)
+        if not self._finalizer.alive:  # stopped: by close(), or by an earlier failure
+            raise WorkerFailure(self._failure or "the tensor-parallel workers were stopped")
+        for rank, sock in enumerate(self._steps):
+            self._send(sock, step.for_rank(rank, self.tp), self.step_timeout_s, "step")
         return self._receive("step", self.step_timeout_s, "step")[1]
 
     # -- transport with liveness ----------------------------------------------------------------
-    def _send(self, sock, obj) -> None:
+    def _send(self, sock, obj, timeout_s: float, what: str) -> None:
         import zmq
 
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
                 sock.send_pyobj(obj, flags=zmq.NOBLOCK)
                 return
             except zmq.Again:  # the rank is not connected (yet, or any more)
                 self._check_alive()
+                if time.monotonic() > deadline:
+                    self._fail(f"a tensor-parallel worker did not connect within {timeout_s:g} s "
+                               f"(FD_TP_{what.upper()}_TIMEOUT)")
                 time.sleep(POLL_MS / 1000)
 
     def _receive(self, kind: str, timeout_s: float, what: str):
@@ -196,6 +202,7 @@ class WorkerGroup:
 
     def _fail(self, message: str) -> None:
         logger.error("%s; stopping all %d workers", message, self.tp)
+        self._failure = message
         self._graceful[0] = False
         self.close()
         raise WorkerFailure(message)

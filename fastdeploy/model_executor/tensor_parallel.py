@@ -50,52 +50,59 @@ def permute_kv_heads(weights: dict, cfg, order) -> dict:
     """Reorder whole KV-head groups: K/V rows of head order[i] move to slot i, with the query heads
     of that group and the matching o_proj input columns. Attention is per head and o_proj sums over
     heads, so outputs are unchanged (up to float summation order). numpy arrays or Paddle tensors."""
+    return {name: _permute_one(name, w, cfg, order) for name, w in weights.items()}
+
+
+def _permute_one(name: str, w, cfg, order):
     if order is None or list(order) == list(range(cfg.num_key_value_heads)):
-        return weights
+        return w
     kv, d, h = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
     group = cfg.num_attention_heads // kv * d  # query rows per KV head
     order = list(order)
-    out = dict(weights)
-    for name, w in weights.items():
-        if name.endswith(COLUMN_HEADS_Q):
-            out[name] = _reshape(_take(_reshape(w, (kv, group, -1)), order, 0), tuple(w.shape))
-        elif name.endswith(COLUMN_HEADS_KV):
-            out[name] = _reshape(_take(_reshape(w, (kv, d, -1)), order, 0), tuple(w.shape))
-        elif name.endswith(ROW_HEADS):
-            out[name] = _reshape(_take(_reshape(w, (h, kv, group)), order, 1), tuple(w.shape))
-    return out
+    if name.endswith(COLUMN_HEADS_Q):
+        return _reshape(_take(_reshape(w, (kv, group, -1)), order, 0), tuple(w.shape))
+    if name.endswith(COLUMN_HEADS_KV):
+        return _reshape(_take(_reshape(w, (kv, d, -1)), order, 0), tuple(w.shape))
+    if name.endswith(ROW_HEADS):
+        return _reshape(_take(_reshape(w, (h, kv, group)), order, 1), tuple(w.shape))
+    return w
+
+
+def rank_tensor(name: str, w, cfg, rank: int, tp: int):
+    """What rank `rank` keeps of one checkpoint tensor: permuted to the load-time KV-head order,
+    then sliced. Applied to each tensor as it is read, so a rank never holds the whole model."""
+    return _shard_one(name, _permute_one(name, w, cfg, cfg.kv_head_order), cfg, rank, tp)
 
 
 def shard_weights(weights: dict, cfg, rank: int, tp: int) -> dict:
     """The slice of every parameter rank `rank` of `tp` holds (a new dict of copies, so the full
     tensors can be freed). numpy arrays or Paddle tensors, `[out, in]` as in the checkpoint."""
+    return {name: _shard_one(name, w, cfg, rank, tp) for name, w in weights.items()}
+
+
+def _shard_one(name: str, w, cfg, rank: int, tp: int):
     if tp == 1:
-        return dict(weights)
-    kv_per_rank = cfg.num_key_value_heads // tp
+        return w
     q_rows = cfg.num_attention_heads // tp * cfg.head_dim
-    kv_rows = kv_per_rank * cfg.head_dim
-    lo, hi, per = vocab_slice(cfg.vocab_size, rank, tp)
-    out = {}
-    for name, w in weights.items():
-        if name.endswith(COLUMN_HEADS_Q):
-            part = w[rank * q_rows:(rank + 1) * q_rows]
-        elif name.endswith(COLUMN_HEADS_KV):
-            part = w[rank * kv_rows:(rank + 1) * kv_rows]
-        elif name.endswith(ROW_HEADS):
-            part = w[:, rank * q_rows:(rank + 1) * q_rows]
-        elif name.endswith(COLUMN_FFN):  # dense MLP, every routed expert, the shared experts
-            n = w.shape[0] // tp
-            part = w[rank * n:(rank + 1) * n]
-        elif name.endswith(ROW_FFN):
-            n = w.shape[1] // tp
-            part = w[:, rank * n:(rank + 1) * n]
-        elif name.endswith(VOCAB):
-            part = _pad_rows(w[lo:hi], per)  # the last shard is padded with zero rows
-        else:
-            out[name] = w  # replicated: norms, the MoE router and its correction bias
-            continue
-        out[name] = _copy(part)
-    return out
+    kv_rows = cfg.num_key_value_heads // tp * cfg.head_dim
+    if name.endswith(COLUMN_HEADS_Q):
+        part = w[rank * q_rows:(rank + 1) * q_rows]
+    elif name.endswith(COLUMN_HEADS_KV):
+        part = w[rank * kv_rows:(rank + 1) * kv_rows]
+    elif name.endswith(ROW_HEADS):
+        part = w[:, rank * q_rows:(rank + 1) * q_rows]
+    elif name.endswith(COLUMN_FFN):  # dense MLP, every routed expert, the shared experts
+        n = w.shape[0] // tp
+        part = w[rank * n:(rank + 1) * n]
+    elif name.endswith(ROW_FFN):
+        n = w.shape[1] // tp
+        part = w[:, rank * n:(rank + 1) * n]
+    elif name.endswith(VOCAB):
+        lo, hi, per = vocab_slice(cfg.vocab_size, rank, tp)
+        part = _pad_rows(w[lo:hi], per)  # the last shard is padded with zero rows
+    else:
+        return w  # replicated: norms, the MoE router and its correction bias
+    return _copy(part)
 
 
 # numpy and Paddle tensors alike (the loader yields Paddle tensors, bfloat16 included).

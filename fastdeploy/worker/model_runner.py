@@ -35,10 +35,12 @@ class ModelRunner:
         self.buffers = StepBuffers(StepBufferLayout.from_config(fd_config, len(self.kv_heads)))
 
     def build_forward_meta(self, step: StepInput) -> ForwardMeta:
-        """One host-to-device copy into the fixed buffers; tables keep this rank's heads only (their
-        page ids are already rank-local)."""
-        heads = slice(self.kv_heads.start, self.kv_heads.stop) if self.tp_size > 1 else slice(None)
-        t = self.buffers.fill(step, heads)
+        """One host-to-device copy into the fixed buffers. A head-wise table holds this rank's heads
+        only (StepInput.for_rank), with rank-local page ids."""
+        if step.block_tables_head_wise is not None and step.block_tables_head_wise.shape[1] != len(self.kv_heads):
+            raise ValueError(f"rank {self.tp_rank}: step table has {step.block_tables_head_wise.shape[1]} KV "
+                             f"heads, this rank holds {len(self.kv_heads)}")
+        t = self.buffers.fill(step)
         head_wise = self.buffers.host.layout.head_wise
         return ForwardMeta(
             input_ids=t["input_ids"], seq_lens_encoder=t["seq_lens_encoder"], seq_lens_decoder=t["seq_lens_decoder"],

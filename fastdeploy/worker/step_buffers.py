@@ -72,16 +72,17 @@ class HostStepBuffer:
         self.table = self.views["block_tables"].reshape(layout.table_shape)
         self.num_tokens = self.num_sampled = self.bsz = 0
 
-    def pack(self, step: StepInput, kv_heads: slice = slice(None)) -> None:
-        """Write `step` (rows of this rank's `kv_heads` for head-wise tables); idle rows are reset."""
+    def pack(self, step: StepInput) -> None:
+        """Write `step` (a head-wise table holds this rank's heads: StepInput.for_rank); idle rows
+        are reset."""
         lay, v = self.layout, self.views
         bsz, tokens, sampled = len(step.seq_lens_this_time), len(step.input_ids), len(step.sample_rows)
         table = step.block_tables_head_wise if lay.head_wise else step.block_tables
         if table is None:
             raise ValueError(f"step input has no {'head-wise' if lay.head_wise else '1-D'} block table, but the "
                              f"buffers were sized for one")
-        if lay.head_wise:
-            table = table[:, kv_heads]
+        if lay.head_wise and table.shape[1] != lay.num_kv_heads:
+            raise ValueError(f"step table has {table.shape[1]} KV heads, the buffers hold {lay.num_kv_heads}")
         if bsz > lay.max_num_seqs or tokens > lay.max_num_tokens or table.shape[-1] > lay.max_blocks_per_seq:
             raise ValueError(f"step of {bsz} requests, {tokens} tokens and {table.shape[-1]} table columns exceeds "
                              f"the step buffers (max_num_seqs={lay.max_num_seqs}, max_num_batched_tokens="
@@ -121,8 +122,8 @@ class StepBuffers:
         # max_num_batched_tokens + max_num_seqs small tensor objects (no device memory).
         self._sized_views: dict = {}
 
-    def fill(self, step: StepInput, kv_heads: slice = slice(None)) -> dict:
-        self.host.pack(step, kv_heads)
+    def fill(self, step: StepInput) -> dict:
+        self.host.pack(step)
         self.device.copy_(self._staging, False)  # the step's one host-to-device copy
         return {**self.fixed, "input_ids": self._sized("input_ids", self.host.num_tokens),
                 "sample_rows": self._sized("sample_rows", self.host.num_sampled)}

@@ -56,6 +56,8 @@ def serve(rank: int, step_address: str, result_address: str) -> int:
     parent = os.getppid()
     try:
         fd_config = steps.recv_pyobj()
+        if fd_config is None:  # the engine gave up before this rank started
+            return 0
         tp = fd_config.parallel_config.tensor_parallel_size
         import paddle
         import paddle.distributed as dist

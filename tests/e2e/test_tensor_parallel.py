@@ -10,7 +10,6 @@ import signal
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from fastdeploy.engine.args_utils import EngineArgs
@@ -188,6 +187,8 @@ def test_a_killed_worker_fails_the_step_with_a_clear_error_and_stops_the_other_r
             for _ in range(100):
                 engine.step()
         assert all(worker_gone(p) for p in pids) and our_workers() == []
+        with pytest.raises(WorkerFailure, match="rank 1"):  # later steps keep failing the same way
+            engine.step()
     finally:
         engine.close()
 
@@ -287,3 +288,30 @@ def test_a_rank_that_cannot_load_fails_start_up_with_its_error_and_no_worker_is_
     with pytest.raises(WorkerFailure, match=r"rank \d failed: ValueError: .*safetensors"):
         make_engine(model=str(tmp_path), tensor_parallel_size=2)
     assert our_workers() == []
+
+
+def test_workers_die_with_an_engine_process_that_is_killed(tmp_path):
+    """SIGKILL gives the engine no chance to stop its ranks: they go by PR_SET_PDEATHSIG."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    code = ("from fastdeploy import LLM; import sys, time;"
+            "llm = LLM(tensor_parallel_size=2, block_size=16, num_gpu_blocks_override=32);"
+            "print(*llm.engine.runner.worker_pids, flush=True); time.sleep(600)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=repo, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and not any(worker_gone(p) for p in pids)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while not all(worker_gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(worker_gone(p) for p in pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

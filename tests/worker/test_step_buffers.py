@@ -77,11 +77,13 @@ def test_views_hold_the_step_and_idle_rows_are_inert(head_wise):
     assert (table[bsz:] == -1).all() and (table[:bsz, ..., width:] == -1).all()  # the bigger step's rows are gone
 
 
-def test_tensor_parallel_rank_keeps_its_heads_rows():
+def test_tensor_parallel_rank_packs_its_heads_rows():
     lay = StepBufferLayout(max_num_seqs=4, max_num_tokens=32, max_blocks_per_seq=8, num_kv_heads=2, head_wise=True)
     host = HostStepBuffer(lay)
     step = random_step(np.random.default_rng(2), layout(True, seqs=4, tokens=32, blocks=8))
-    host.pack(step, slice(2, 4))
+    with pytest.raises(ValueError, match="4 KV heads, the buffers hold 2"):
+        host.pack(step)  # the whole table: not this rank's
+    host.pack(step.for_rank(1, 2))
     width = step.block_tables_head_wise.shape[-1]
     np.testing.assert_array_equal(host.table[:len(step.seq_lens_this_time), :, :width],
                                   step.block_tables_head_wise[:, 2:4])

@@ -104,15 +104,15 @@ class Ernie4_5ForCausalLM:
     def __init__(self, model_config, weights: dict, tp_rank: int = 0, tp_size: int = 1):
         """`weights`: checkpoint name -> Paddle tensor, already checked against `checkpoint_shapes`.
 
-        Under tensor parallelism (`tp_size` > 1) this object is rank `tp_rank`'s shard: the weights
-        are permuted to the load-time KV-head order, then sliced by name (tensor_parallel.py); the
-        row-parallel outputs (o_proj, the MLP or MoE block) are all-reduced in forward."""
+        Under tensor parallelism (`tp_size` > 1) this object is rank `tp_rank`'s shard: `load`
+        permutes each tensor to the load-time KV-head order and slices it by name as it is read
+        (tensor_parallel.py); the row-parallel outputs (o_proj, the MLP or MoE block) are
+        all-reduced in forward."""
         from fastdeploy.model_executor.models.ernie4_5_moe import MoEBlock, is_moe_layer
 
         self.config = cfg = model_config
         self.dtype = cfg.dtype
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        weights = tp_.shard_weights(tp_.permute_kv_heads(weights, cfg, cfg.kv_head_order), cfg, tp_rank, tp_size)
         self.weights = weights
         self.vocab_start = tp_.vocab_slice(cfg.vocab_size, tp_rank, tp_size)[0] if tp_size > 1 else 0
         self.lm_head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
@@ -122,13 +122,17 @@ class Ernie4_5ForCausalLM:
     @classmethod
     def load(cls, model_config, tp_rank: int = 0, tp_size: int = 1) -> "Ernie4_5ForCausalLM":
         """A preset's seeded random weights when `model_config.model` is None, else the directory's checkpoint."""
+        def mine(name: str, tensor: paddle.Tensor) -> paddle.Tensor:  # this rank's part, as each tensor arrives
+            return tp_.rank_tensor(name, tensor, model_config, tp_rank, tp_size)
+
         if model_config.model is None:
-            weights = {name: paddle.to_tensor(a).astype(
-                "float32" if any(k in name for k in cls.KEEP_FLOAT32) else model_config.dtype)
+            weights = {name: mine(name, paddle.to_tensor(a).astype(
+                "float32" if any(k in name for k in cls.KEEP_FLOAT32) else model_config.dtype))
                 for name, a in random_checkpoint(model_config).items()}
             return cls(model_config, weights, tp_rank, tp_size)
         return cls(model_config, model_loader.load_checkpoint(model_config.model, checkpoint_shapes(model_config),
-                                                              model_config.dtype, cls.KEEP_FLOAT32), tp_rank, tp_size)
+                                                              model_config.dtype, cls.KEEP_FLOAT32, transform=mine),
+                   tp_rank, tp_size)
 
     def weight_bytes(self) -> int:
         return sum(int(np.prod(t.shape)) * t.element_size() for t in self.weights.values())
