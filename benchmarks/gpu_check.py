@@ -262,8 +262,12 @@ class CudaExecutor:
         try:
             import torch
 
-            self.torch, self.dtype, self.dtype_name = torch, gpu_harness.BF16, "bfloat16 (PyTorch cuBLAS)"
+            usable = torch.cuda.is_available()
         except ImportError:
+            usable = False
+        if usable:
+            self.torch, self.dtype, self.dtype_name = torch, gpu_harness.BF16, "bfloat16 (PyTorch cuBLAS)"
+        else:  # no PyTorch, or a CPU build of it
             self.torch, self.dtype, self.dtype_name = None, gpu_harness.FP16, "float16 (CuPy cuBLAS)"
         self.rng = np.random.default_rng(seed)
         self.key = None
