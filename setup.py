@@ -7,6 +7,7 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 CPU_OP_SOURCES = os.path.join("custom_ops", "cpu_ops")
+GPU_OP_SOURCES = os.path.join("custom_ops", "gpu_ops")  # JIT-built on first use where Paddle has CUDA
 
 
 class BuildPyWithOpSources(build_py):
@@ -17,6 +18,9 @@ class BuildPyWithOpSources(build_py):
         target = os.path.join(self.build_lib, "fastdeploy", "_custom_ops", "cpu_ops")
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(CPU_OP_SOURCES, target)
+        gpu_target = os.path.join(self.build_lib, "fastdeploy", "_custom_ops", "gpu_ops")
+        shutil.rmtree(gpu_target, ignore_errors=True)
+        shutil.copytree(GPU_OP_SOURCES, gpu_target)
 
 
 setup(
@@ -36,6 +40,7 @@ setup(
         "pydantic>=2",
         "tqdm",
         "prometheus_client",
+        "pyzmq",  # engine <-> tensor-parallel worker messages
         "jinja2",  # the checkpoint's chat template (tokenizer_config.json / chat_template.jinja)
         "tokenizers",  # the checkpoint's tokenizer.json, and tokenizer.model converted to the same pipeline
         "sentencepiece",  # reads tokenizer.model (its protobuf comes with paddle)
@@ -48,5 +53,8 @@ setup(
                  "paddleformers==1.2.0"],
         "bench": ["aiohttp", "matplotlib", "pyyaml"],
         "mutation": ["mutmut>=3.8"],  # tools/mutation_test.py (docs/mutation_testing.md), not CI
+        # benchmarks/gpu_check.py's Paddle-free A/B (device buffers); pick the wheel of your CUDA major
+        # (cupy-cuda13x for CUDA 13). PyTorch, where installed, runs its GEMMs in bf16.
+        "gpu-check": ["pytest", "cupy-cuda12x"],
     },
 )

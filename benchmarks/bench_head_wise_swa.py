@@ -101,17 +101,23 @@ def predict(server: dict, workload: dict) -> dict:
     """running_off / running_on / ceiling from the engine's own page-need arithmetic."""
     # The prediction is for head-wise mode; the recycle flag itself is not an
     # input (the function predicts both arms), so only the mode is pinned.
-    os.environ["FD_HEAD_WISE_KV_CACHE"] = "1"
     try:
         from fastdeploy.cache_manager.head_wise import predicted_concurrency
         from fastdeploy.engine.args_utils import EngineArgs
     except ImportError as exc:
         raise ABError(f"cannot import the engine's page-need arithmetic ({exc}); run from the repository") from None
     kwargs = {k: v for k, v in server.items() if v is not None}
+    saved = os.environ.get("FD_HEAD_WISE_KV_CACHE")
+    os.environ["FD_HEAD_WISE_KV_CACHE"] = "1"
     try:
         fd_config = EngineArgs(**kwargs).create_engine_config()
     except (ValueError, TypeError) as exc:
         raise ABError(f"invalid server settings: {exc}") from None
+    finally:  # callers importing this function (tests) keep their environment
+        if saved is None:
+            os.environ.pop("FD_HEAD_WISE_KV_CACHE")
+        else:
+            os.environ["FD_HEAD_WISE_KV_CACHE"] = saved
     return dict(predicted_concurrency(fd_config, workload["input_len"], workload["output_len"]))
 
 

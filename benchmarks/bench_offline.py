@@ -40,7 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="explicit KV blocks (overrides the above)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--cache-dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--cache-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="default: float32 on the CPU, the compute dtype on the GPU")
+    p.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--admission-policy", choices=["reserve", "on_demand", "projected"], default=None,
                    help="admission policy of both arms (default: FD_ADMISSION_POLICY, else the engine's default)")
@@ -53,7 +55,7 @@ def engine_args(args) -> dict:
     blocks = args.num_gpu_blocks_override or args.concurrency_off * math.ceil(cached / args.block_size)
     return dict(model=args.model, block_size=args.block_size, num_gpu_blocks_override=blocks,
                 max_num_seqs=args.max_num_seqs,
-                cache_dtype=args.cache_dtype, admission_policy=args.admission_policy,
+                cache_dtype=args.cache_dtype, device=args.device, admission_policy=args.admission_policy,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.input_len + args.output_len + args.block_size,
                 head_wise_swa_config={"sliding_window": args.window, "sink_size": args.sink,

@@ -83,7 +83,7 @@ def child(model: str, empty: bool) -> None:
             def weight_bytes() -> int:
                 return 0
 
-        ernie4_5.Ernie4_5ForCausalLM.load = classmethod(lambda cls, cfg: NoWeights())
+        ernie4_5.Ernie4_5ForCausalLM.load = classmethod(lambda cls, cfg, *tp_rank_size: NoWeights())
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **ENGINE))
     with open("/proc/self/status") as f:
         peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))

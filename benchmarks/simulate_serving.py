@@ -34,6 +34,7 @@ SCENARIO_DEFAULTS = {
     "range_ratio": 0.0, "seed": 0, "swa_heads": 4, "window": 4096, "sink": 64, "block_size": 64,
     "num_gpu_blocks_override": None, "gpu_memory_utilization": 0.9, "max_num_seqs": report.MAX_NUM_SEQS,
     "max_num_batched_tokens": None, "max_model_len": None, "bw_efficiency": 1.0, "flops_efficiency": 1.0,
+    "tensor_parallel_size": 1, "balance_swa_heads": False,
 }
 
 
@@ -79,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also run the calibrated model with our skip kernel vs masked, each admission policy "
                         "(--admission, default every one this scheduler has), 1/4 vs 4/4 SWA heads")
     t.add_argument("--decision-json", help="write the decision rows (a JSON list) here")
+    s.add_argument("--tensor-parallel-size", type=int, help="ranks, one GPU each, each with its own page pool (1)")
+    s.add_argument("--balance-swa-heads", action="store_const", const=True,
+                   help="spread the SWA heads over the ranks (the engine's --balance-swa-heads)")
     g = p.add_argument_group("both modes")
     g.add_argument("--overhead-ms", type=float, default=3.0, help="fixed per-step overhead (default 3 ms)")
     g.add_argument("--admission", default=None, type=_admissions,
@@ -127,14 +131,17 @@ def scenarios_from(args: argparse.Namespace) -> tuple:
     for admission in admissions:
         out.append(Scenario(
             name=f"{hw.name} swa{v['swa_heads']} W{v['window']} S{v['sink']} n{v['num_prompts']} {admission}"
-                 + ("" if args.attention == "skip" else f" {args.attention}"),
+                 + ("" if args.attention == "skip" else f" {args.attention}")
+                 + (f" tp{v['tensor_parallel_size']}{' balanced' if v['balance_swa_heads'] else ''}"
+                    if v["tensor_parallel_size"] > 1 else ""),
             model_config=v["model_config"], hardware=hw, workload=workload, swa_heads=v["swa_heads"],
             window=v["window"], sink=v["sink"], block_size=v["block_size"],
             num_gpu_blocks_override=v["num_gpu_blocks_override"],
             gpu_memory_utilization=v["gpu_memory_utilization"], max_num_seqs=v["max_num_seqs"],
             max_num_batched_tokens=v["max_num_batched_tokens"], max_model_len=v["max_model_len"],
             overhead_ms=args.overhead_ms, admission=admission, attention=args.attention,
-            max_sim_prompts=args.max_sim_prompts))
+            max_sim_prompts=args.max_sim_prompts, tensor_parallel_size=v["tensor_parallel_size"],
+            balance_swa_heads=v["balance_swa_heads"]))
     return out, False
 
 

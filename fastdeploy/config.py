@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from fastdeploy import envs
+from fastdeploy.model_executor.tensor_parallel import balanced_kv_head_order, check_shardable
 from fastdeploy.model_executor.models.tiny_preset import PRESETS, TINY_PRESET_NAME
 
 logger = logging.getLogger("fastdeploy.config")
@@ -42,7 +43,7 @@ PADDLEFORMERS_DEFAULTS = {
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024
-CACHE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+CACHE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # float16: the CUDA op only
 # reserve: a request is admitted only when its lifetime peak fits beside the others' (never preempted);
 # on_demand: upstream's first chunk + FD_ENC_DEC_BLOCK_NUM blocks, LIFO preemption and recompute;
 # projected (default): reserves each request's one-token-step page curve, projected over the steps it
@@ -169,10 +170,13 @@ class ModelConfig:
     eos_token_ids: tuple = (2,)  # every id that ends generation (config.json + generation_config.json)
     preset: Optional[str] = None  # the built-in preset's name when its random weights serve
     max_model_len_given: bool = True  # False: the default, capped later to what the KV cache holds
+    # Load-time KV-head order: slot i holds the checkpoint's KV head kv_head_order[i] (None: identity).
+    # head_wise_swa.swa_kv_heads is in this order. Set by --balance-swa-heads.
+    kv_head_order: Optional[tuple] = None
 
     @classmethod
     def create(cls, model: Optional[str], max_model_len: Optional[int], head_wise_swa_override: Any,
-               served_model_name: Optional[str] = None, dtype: str = "auto") -> "ModelConfig":
+               served_model_name: Optional[str] = None, dtype: str = "auto", device: str = "cpu") -> "ModelConfig":
         preset = TINY_PRESET_NAME if model is None else (model if model in PRESETS else None)
         if preset is not None:
             raw, model = dict(PRESETS[preset]), None
@@ -233,7 +237,7 @@ class ModelConfig:
             raw=raw,
             model_type=model_type,
             moe=MoEConfig.from_raw(raw) if model_type == "ernie4_5_moe" else None,
-            dtype=_resolve_dtype(dtype, model, raw.get("torch_dtype")),
+            dtype=_resolve_dtype(dtype, model, raw.get("torch_dtype"), device),
             eos_token_ids=eos_ids,
             preset=preset,
             max_model_len_given=given,
@@ -280,14 +284,19 @@ def _eos_token_ids(raw: dict, model: Optional[str]) -> tuple:
     return tuple(ids) or (2,)
 
 
-def _resolve_dtype(requested: str, model: Optional[str], declared: Optional[str] = None) -> str:
-    """`--dtype`: auto = the checkpoint's dtype where this device has a matmul kernel for it, else float32."""
-    from fastdeploy.model_executor.model_loader import checkpoint_dtype, device_supports
-
+def _resolve_dtype(requested: str, model: Optional[str], declared: Optional[str] = None, device: str = "cpu") -> str:
+    """`--dtype`: auto = the checkpoint's dtype where this device has a matmul kernel for it, else float32
+    (on the GPU: the checkpoint's 16-bit dtype, else bfloat16, which the CUDA attention op needs)."""
     if requested not in COMPUTE_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {requested!r}")
+    import importlib.util
+
+    if importlib.util.find_spec("paddle") is None:  # a config-only process (scheduler tools): no model runs here
+        return requested if requested != "auto" else (declared if declared in COMPUTE_DTYPES else "float32")
+    from fastdeploy.model_executor.model_loader import checkpoint_dtype, device_supports
+
     if requested != "auto":
-        if not device_supports(requested):
+        if device != "gpu" and not device_supports(requested):
             raise ValueError(f"dtype={requested}: this device has no matmul kernel for {requested}; "
                              f"use --dtype float32")
         return requested
@@ -297,6 +306,8 @@ def _resolve_dtype(requested: str, model: Optional[str], declared: Optional[str]
             stored = checkpoint_dtype(model)
         except ValueError:  # no weights yet: the loader reports that; config checks still run
             pass
+    if device == "gpu":
+        return stored if stored in ("bfloat16", "float16") else "bfloat16"
     return stored if device_supports(stored) else "float32"
 
 
@@ -343,6 +354,8 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # Permute whole KV-head groups at load time so every rank gets its share of the SWA heads.
+    balance_swa_heads: bool = False
 
 
 @dataclass
@@ -356,6 +369,8 @@ class FDConfig:
     admission_policy: str = DEFAULT_ADMISSION_POLICY
     enc_dec_block_num: int = 2
     attention_backend: str = "APPEND_ATTN"
+    device: str = "cpu"  # resolved by --device (worker/device.py): "gpu" or "cpu"
+    head_wise_attn: str = "SINGLE_PASS"  # FD_HEAD_WISE_ATTN: SINGLE_PASS or DUAL_PASS (upstream's baseline)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -379,6 +394,7 @@ class FDConfig:
             admission_policy=_admission_policy(admission_policy),
             enc_dec_block_num=envs.FD_ENC_DEC_BLOCK_NUM,
             attention_backend=envs.FD_ATTENTION_BACKEND,
+            head_wise_attn=envs.FD_HEAD_WISE_ATTN,
             **parts,
         )
 
@@ -390,6 +406,9 @@ class FDConfig:
         if model.num_key_value_heads % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide num_key_value_heads="
                              f"{model.num_key_value_heads}")
+        check_shardable(model, tp)
+        if par.balance_swa_heads:
+            self.model_config = model = _balance_swa_heads(model, tp)
         if not _is_int(cache.block_size) or cache.block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {cache.block_size!r}")
         if cache.cache_dtype not in CACHE_DTYPE_BYTES:
@@ -416,6 +435,31 @@ class FDConfig:
         elif not self.swa_recycle:
             raise ValueError("FD_HEAD_WISE_SWA_RECYCLE=0 has no effect without FD_HEAD_WISE_KV_CACHE=1")
         self._resolve_prefix_caching()
+        self._check_device()
+
+    def _check_device(self) -> None:
+        from fastdeploy.worker.device import check_gpu_attention_dtypes
+
+        if self.device not in ("gpu", "cpu"):
+            raise ValueError(f"device must be resolved to gpu or cpu, got {self.device!r}")
+        if self.device == "gpu" and self.attention_backend == "APPEND_ATTN":
+            check_gpu_attention_dtypes(self.model_config.dtype, self.cache_config.cache_dtype)
+        if self.device == "cpu" and self.cache_config.cache_dtype == "float16":
+            raise ValueError("cache_dtype=float16 needs --device gpu; the CPU op stores float32 or bfloat16")
+        if self.head_wise_attn == "DUAL_PASS":
+            # Upstream's baseline: two kernel passes over one shared 1-D table. Only the CUDA op has
+            # the second pass; on the CPU, or with per-head tables, it would be a silent no-op.
+            if self.device != "gpu":
+                raise ValueError("FD_HEAD_WISE_ATTN=dual_pass runs two passes of the CUDA op; it needs "
+                                 "--device gpu (the CPU op has the single-pass kernel only)")
+            if self.head_wise_kv_cache:
+                raise ValueError("FD_HEAD_WISE_ATTN=dual_pass is the 1-D-table baseline; set "
+                                 "FD_HEAD_WISE_KV_CACHE=0 (the A/B arm against head-wise tables)")
+            if self.model_config.head_wise_swa is None:
+                raise ValueError("FD_HEAD_WISE_ATTN=dual_pass but the model declares no SWA KV heads: add a "
+                                 "head_wise_swa section to config.json or pass --head-wise-swa-config")
+            if self.attention_backend != "APPEND_ATTN":
+                raise ValueError("FD_HEAD_WISE_ATTN=dual_pass needs FD_ATTENTION_BACKEND=APPEND_ATTN")
 
     def _resolve_prefix_caching(self) -> None:
         """On by default (upstream); the dense NATIVE_ATTN oracle keeps K/V per request slot, not in
@@ -489,6 +533,19 @@ class FDConfig:
     def swa_recycle_active(self) -> bool:
         """True when SWA pages really are returned early: head-wise tables, SWA heads, recycle on."""
         return self.head_wise_kv_cache and self.swa_recycle and self.model_config.head_wise_swa is not None
+
+
+def _balance_swa_heads(model: ModelConfig, tp: int) -> ModelConfig:
+    """The same model with its KV-head groups reordered so the SWA heads spread over the ranks."""
+    from dataclasses import replace
+
+    if model.head_wise_swa is None:
+        raise ValueError("balance_swa_heads: the model declares no SWA KV heads to balance")
+    if model.kv_head_order is not None:
+        return model  # already balanced (a config built twice from the same ModelConfig)
+    order = balanced_kv_head_order(model.num_key_value_heads, model.head_wise_swa.swa_kv_heads, tp)
+    swa = tuple(i for i, h in enumerate(order) if h in model.head_wise_swa.swa_kv_heads)
+    return replace(model, kv_head_order=tuple(order), head_wise_swa=replace(model.head_wise_swa, swa_kv_heads=swa))
 
 
 def _bool_flag(name: str, value: int) -> bool:

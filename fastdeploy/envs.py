@@ -63,6 +63,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FD_ADMISSION_POLICY": lambda: os.getenv("FD_ADMISSION_POLICY", "").strip().lower().replace("-", "_") or None,
     # Attention backend: APPEND_ATTN (paged custom op) or NATIVE_ATTN (dense reference, the oracle).
     "FD_ATTENTION_BACKEND": _choice_flag("FD_ATTENTION_BACKEND", "APPEND_ATTN", ("APPEND_ATTN", "NATIVE_ATTN")),
+    # Head-wise SWA on the GPU: SINGLE_PASS (one kernel pass, each head its own window) or DUAL_PASS
+    # (upstream's baseline: an all-SWA and an all-full pass over the 1-D table, stitched per head).
+    "FD_HEAD_WISE_ATTN": _choice_flag("FD_HEAD_WISE_ATTN", "SINGLE_PASS", ("SINGLE_PASS", "DUAL_PASS")),
     # Seconds between the engine's periodic status log lines (0 disables them).
     "FD_LOG_INTERVAL": _int_flag("FD_LOG_INTERVAL", "10"),
     # Threads of the CPU attention op (read by the C++ op; 0 or unset: every usable core, for large steps).
@@ -71,6 +74,16 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FD_CUSTOM_OP_DIR": _str_flag("FD_CUSTOM_OP_DIR", ""),
     # Comma-separated API keys the server requires on /v1/* (upstream's name); --api-key overrides it.
     "FD_API_KEY": _list_flag("FD_API_KEY"),
+    # Seconds the engine waits for tensor-parallel workers to load / to finish one step before it
+    # declares a rank hung, stops every worker and fails the in-flight requests.
+    "FD_TP_START_TIMEOUT": _int_flag("FD_TP_START_TIMEOUT", "600"),
+    "FD_TP_STEP_TIMEOUT": _int_flag("FD_TP_STEP_TIMEOUT", "300"),
+    # 0: the engine does not start its tensor-parallel workers but waits for ranks started by
+    # `paddle.distributed.launch ... fastdeploy/worker/worker_process.py --engine-address HOST:PORT`
+    # (several machines); they connect to FD_TP_ENGINE_HOST:FD_TP_ENGINE_PORT (results) and PORT+1+rank (steps).
+    "FD_TP_LAUNCH_WORKERS": _int_flag("FD_TP_LAUNCH_WORKERS", "1"),
+    "FD_TP_ENGINE_HOST": lambda: os.getenv("FD_TP_ENGINE_HOST", "127.0.0.1"),
+    "FD_TP_ENGINE_PORT": _int_flag("FD_TP_ENGINE_PORT", "0"),
 }
 
 

@@ -60,6 +60,8 @@ class EngineSettings:
     window: int
     sink: int
     admission: str = "reserve"  # a key of ADMISSION_ENV
+    tensor_parallel_size: int = 1
+    balance_swa_heads: bool = False  # --balance-swa-heads: spread the SWA heads over the ranks
 
     @property
     def swa_spec(self) -> dict:
@@ -98,12 +100,13 @@ def read_raw_config(model_dir: str) -> dict:
 
 
 def kv_pool_blocks(model_dir: str, hardware: Hardware, gpu_memory_utilization: float, block_size: int,
-                   max_model_len: int) -> int:
-    """KV blocks that fit (memory * utilization - bf16 weights), with a bf16 cache, on one GPU."""
+                   max_model_len: int, tensor_parallel_size: int = 1) -> int:
+    """KV blocks that fit (memory * utilization - bf16 weights), with a bf16 cache, on one GPU
+    (under tensor parallelism: one rank's GPU, holding 1/N of the weights and of the KV heads)."""
     model = ModelConfig.create(model_dir, max_model_len, None)
-    weights = ModelShape.from_config(model.raw).weight_bytes
+    weights = ModelShape.from_config(model.raw).weight_bytes / tensor_parallel_size
     budget = hardware.memory_bytes * gpu_memory_utilization - weights
-    block = CacheConfig(block_size=block_size, cache_dtype="bfloat16").block_bytes(model, 1)
+    block = CacheConfig(block_size=block_size, cache_dtype="bfloat16").block_bytes(model, tensor_parallel_size)
     if budget < block:
         raise ValueError(f"{hardware.name}: {weights / 1e9:.1f} GB of weights leave no room for a KV block "
                          f"at gpu_memory_utilization={gpu_memory_utilization}")
@@ -145,6 +148,7 @@ def make_fd_config(settings: EngineSettings, recycle: bool):
             num_gpu_blocks_override=settings.num_gpu_blocks, cache_dtype="bfloat16",
             max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
             head_wise_swa_config=settings.swa_spec,
+            tensor_parallel_size=settings.tensor_parallel_size, balance_swa_heads=settings.balance_swa_heads,
             # Benchmark prompts are random and share no prefix; the simulated ones are all the same
             # token, so a prefix cache would turn them into hits that no real workload has.
             enable_prefix_caching=False,
@@ -389,18 +393,30 @@ class Scenario:
     attention: str = "skip"  # step_model.ATTENTION_READS: which keys a SWA head's kernel reads
     max_sim_prompts: int = 0  # 0: simulate every prompt; else simulate fewer and extrapolate
     dtype_bytes: int = 2  # weights and KV cache; 4 for the float32 CPU engine
+    tensor_parallel_size: int = 1  # ranks, one GPU each (serving_sim/tensor_parallel.py)
+    balance_swa_heads: bool = False
 
     def settings(self) -> EngineSettings:
         model_dir = model_dir_for(self.model_config)
         max_len = self.max_model_len or max(r.input_len + r.output_len for r in self.workload.requests())
         blocks = self.num_gpu_blocks_override or kv_pool_blocks(
-            model_dir, self.hardware, self.gpu_memory_utilization, self.block_size, max_len)
+            model_dir, self.hardware, self.gpu_memory_utilization, self.block_size, max_len,
+            self.tensor_parallel_size)
         return EngineSettings(model_dir, max_len, self.block_size, blocks, self.max_num_seqs,
                               self.max_num_batched_tokens, self.swa_heads, self.window, self.sink,
-                              self.admission)
+                              self.admission,
+                              tensor_parallel_size=self.tensor_parallel_size, balance_swa_heads=self.balance_swa_heads)
 
     def step_model(self, settings: EngineSettings) -> StepModel:
         shape = ModelShape.from_config(read_raw_config(settings.model_dir))
+        if settings.tensor_parallel_size > 1:
+            from .tensor_parallel import TensorParallelStepModel
+
+            # The SWA heads each rank holds, after any --balance-swa-heads permutation.
+            layout = PageLayout.from_config(make_fd_config(settings, recycle=True))
+            per_rank = [n_swa for _, n_swa in layout.rank_head_counts()]
+            return TensorParallelStepModel(shape, self.hardware, self.overhead_ms / 1e3, per_rank, self.window,
+                                           self.sink, self.dtype_bytes)
         return StepModel(shape, self.hardware, self.overhead_ms / 1e3, self.swa_heads, self.window, self.sink,
                          self.dtype_bytes, self.attention)
 

@@ -1,8 +1,13 @@
 // Paddle custom op `append_attention_gpu`: a thin wrapper over the C ABI launcher in
 // append_attn/ (same arguments, semantics and input checks as the CPU op; bf16/fp16 tensors on
-// the GPU).
-// key_cache / value_cache are updated in place. Built by custom_ops/setup_ops.py when Paddle has
-// CUDA.
+// the GPU). key_cache / value_cache are updated in place. Built by custom_ops/setup_ops.py, or
+// JIT-built on first use (fastdeploy/.../ops/gpu_op_loader.py), when Paddle has CUDA.
+//
+// Checks: everything that needs no value of the int32 inputs (places, dtypes, shapes, table
+// rank/dims; custom_ops/cpu_ops/append_attention_checks.h, shared with the CPU op) before any
+// launch. No device sync inside a layer: the kernels record a needed -1 table entry (a scheduler
+// bug) in `error_info` (4 device ints, updated in place, first error of the launch wins) and the
+// caller reads it back once per step (ops/append_attention.py: check_device_errors).
 #include <string>
 #include <vector>
 
@@ -23,18 +28,17 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
     const paddle::Tensor& seq_lens_encoder, const paddle::Tensor& seq_lens_decoder,
     const paddle::Tensor& seq_lens_this_time, const paddle::Tensor& cu_seqlens_q,
     const paddle::Tensor& block_tables, const paddle::Tensor& rotary_cos,
-    const paddle::Tensor& rotary_sin, const paddle::Tensor& swa_head_mask, int num_heads,
-    int kv_num_heads, int head_dim, int sliding_window, int sink_size, bool visit_all_pages) {
-  // The CPU op's checks (one header): every input, then every table entry the step touches, on
-  // host copies of the int32 inputs, all before the first kernel writes the cache.
-  const fd_attn::DeviceRules rules = fd_attn::gpu_rules();
-  const fd_attn::Geometry g = fd_attn::check_inputs(
-      rules, qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
-      cu_seqlens_q, block_tables, rotary_cos, rotary_sin, swa_head_mask, num_heads, kv_num_heads,
-      head_dim, sliding_window, sink_size, visit_all_pages);
-  const fd_attn::HostBatch host = fd_attn::host_batch(g, seq_lens_decoder, seq_lens_this_time,
-                                                      cu_seqlens_q, block_tables, swa_head_mask);
-  fd_attn::check_batch(rules, g, host.batch);
+    const paddle::Tensor& rotary_sin, const paddle::Tensor& swa_head_mask, paddle::Tensor& error_info,
+    int num_heads, int kv_num_heads, int head_dim, int sliding_window, int sink_size,
+    bool visit_all_pages, bool dual_pass) {
+  // The CPU op's metadata checks (one header); the value checks run on the device (error_info).
+  fd_attn::check_inputs(fd_attn::gpu_rules(), qkv, key_cache, value_cache, seq_lens_encoder,
+                        seq_lens_decoder, seq_lens_this_time, cu_seqlens_q, block_tables, rotary_cos,
+                        rotary_sin, swa_head_mask, num_heads, kv_num_heads, head_dim, sliding_window,
+                        sink_size, visit_all_pages);
+  PD_CHECK(error_info.is_gpu() && error_info.dtype() == paddle::DataType::INT32 &&
+               error_info.numel() == 4,
+           "append_attention_gpu: error_info must be 4 int32 on the GPU");
   const auto& cache_shape = key_cache.shape();  // [num_blocks, kv_heads, block_size, head_dim]
   const auto& table_shape = block_tables.shape();
 
@@ -53,7 +57,7 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
   p.sliding_window = sliding_window;
   p.sink_size = sink_size;
   p.visit_all_pages = visit_all_pages;
-  p.dual_pass = 0;
+  p.dual_pass = dual_pass ? 1 : 0;
 
   auto out = paddle::empty({p.token_num, num_heads * head_dim}, qkv.dtype(), qkv.place());
   AppendAttnBuffers b;
@@ -74,19 +78,9 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
   PD_CHECK(ws_bytes > 0, "append_attention_gpu: unsupported shapes");
   auto workspace = paddle::empty({static_cast<int64_t>(ws_bytes)}, paddle::DataType::UINT8,
                                  qkv.place());
-  auto error_info = paddle::empty({4}, paddle::DataType::INT32, qkv.place());
   const int status = append_attention_launch(&p, &b, workspace.data(), ws_bytes,
                                              error_info.data<int>(), qkv.stream());
   PD_CHECK(status == APPEND_ATTN_OK, "append_attention_gpu: ", append_attention_last_error());
-
-  // A -1 entry the step needs is a scheduler bug that must surface as an error, not as garbage
-  // attention; reading the 4 error ints back costs one stream sync per call.
-  const paddle::Tensor info = error_info.copy_to(paddle::CPUPlace(), true);
-  if (info.data<int>()[0] != APPEND_ATTN_ERR_NONE) {
-    char text[512];
-    PD_THROW("append_attention_gpu: ", append_attention_describe_error(info.data<int>(), text,
-                                                                       sizeof(text)));
-  }
   return {out};
 }
 
@@ -95,7 +89,8 @@ std::vector<std::vector<int64_t>> AppendAttentionGpuInferShape(
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-    int num_heads, int kv_num_heads, int head_dim, int, int, bool) {
+    const std::vector<int64_t>&, int num_heads, int kv_num_heads, int head_dim, int, int, bool,
+    bool) {
   return {{qkv_shape[0], static_cast<int64_t>(num_heads) * head_dim}};
 }
 
@@ -103,18 +98,20 @@ std::vector<paddle::DataType> AppendAttentionGpuInferDtype(
     const paddle::DataType& qkv_dtype, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
-    const paddle::DataType&, const paddle::DataType&) {
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
   return {qkv_dtype};
 }
 
 PD_BUILD_OP(append_attention_gpu)
     .Inputs({"qkv", "key_cache", "value_cache", "seq_lens_encoder", "seq_lens_decoder",
              "seq_lens_this_time", "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin",
-             "swa_head_mask"})
-    .Outputs({"out", "key_cache_out", "value_cache_out"})
-    .SetInplaceMap({{"key_cache", "key_cache_out"}, {"value_cache", "value_cache_out"}})
+             "swa_head_mask", "error_info"})
+    .Outputs({"out", "key_cache_out", "value_cache_out", "error_info_out"})
+    .SetInplaceMap({{"key_cache", "key_cache_out"},
+                    {"value_cache", "value_cache_out"},
+                    {"error_info", "error_info_out"}})
     .Attrs({"num_heads: int", "kv_num_heads: int", "head_dim: int", "sliding_window: int",
-            "sink_size: int", "visit_all_pages: bool"})
+            "sink_size: int", "visit_all_pages: bool", "dual_pass: bool"})
     .SetKernelFn(PD_KERNEL(AppendAttentionGpu))
     .SetInferShapeFn(PD_INFER_SHAPE(AppendAttentionGpuInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(AppendAttentionGpuInferDtype));

@@ -222,3 +222,25 @@ def predicted_concurrency(fd_config, input_len: int, output_len: int) -> dict:
         "peak_pages_on": max(on.peak_pages_per_rank(input_len, output_len, chunk)),
         "pages_per_rank": pages_per_rank,
     }
+
+
+def rank_ceilings(fd_config, input_len: int, output_len: int) -> dict:
+    """Memory ceiling of recycling per tensor-parallel rank, for one request shape.
+
+    Rank r's ceiling is (peak pages of a request there without recycling) / (with it). Admission
+    must fit on every rank, so the engine's ceiling is set by the fullest rank: a rank holding no
+    SWA head caps it at 1.0 however many SWA heads the other ranks hold.
+    """
+    from dataclasses import replace
+
+    on = PageLayout.from_config(fd_config)
+    on = replace(on, recycle=bool(on.swa_kv_heads))
+    off = replace(on, recycle=False)
+    chunk = fd_config.scheduler_config.max_num_batched_tokens
+    peak_off = off.peak_pages_per_rank(input_len, output_len, chunk)
+    peak_on = on.peak_pages_per_rank(input_len, output_len, chunk)
+    return {
+        "swa_heads_per_rank": [n_rec for _, n_rec in on.rank_head_counts()],
+        "per_rank": [a / b for a, b in zip(peak_off, peak_on)],
+        "ceiling": max(peak_off) / max(peak_on),
+    }

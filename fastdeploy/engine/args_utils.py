@@ -8,6 +8,7 @@ from typing import Any, Optional, Union
 
 from fastdeploy.config import (ADMISSION_POLICIES, COMPUTE_DTYPES, DEFAULT_ADMISSION_POLICY, CacheConfig, FDConfig,
                                ModelConfig, ParallelConfig, SchedulerConfig)
+from fastdeploy.worker.device import DEVICE_CHOICES, default_cache_dtype, resolve_device
 
 
 @dataclass
@@ -19,26 +20,29 @@ class EngineArgs:
     block_size: int = 64
     num_gpu_blocks_override: Optional[int] = None
     kv_cache_memory: Optional[int] = None
-    cache_dtype: str = "float32"
+    cache_dtype: Optional[str] = None  # None: float32 on the CPU, the compute dtype on the GPU
     max_num_batched_tokens: Optional[int] = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: Optional[bool] = None  # None: on, unless FD_ATTENTION_BACKEND=NATIVE_ATTN
     tensor_parallel_size: int = 1
+    balance_swa_heads: bool = False
     head_wise_swa_config: Union[None, str, dict] = None
     dtype: str = "auto"
     admission_policy: Optional[str] = None  # None: FD_ADMISSION_POLICY, else FD_RESERVE_OUTPUT_PAGES, else default
+    device: str = "auto"
 
     def create_engine_config(self) -> FDConfig:
         """Validate every flag (env flags included) and build the config; raises ValueError naming the field."""
+        device = resolve_device(self.device)
         model_config = ModelConfig.create(self.model, self.max_model_len, self.head_wise_swa_config,
-                                          self.served_model_name, self.dtype)
+                                          self.served_model_name, self.dtype, device)
         return FDConfig.from_env(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 kv_cache_memory=self.kv_cache_memory,
-                cache_dtype=self.cache_dtype,
+                cache_dtype=self.cache_dtype or default_cache_dtype(device, model_config.dtype),
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler_config=SchedulerConfig(
@@ -46,8 +50,10 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 enable_chunked_prefill=self.enable_chunked_prefill,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                           balance_swa_heads=self.balance_swa_heads),
             admission_policy=self.admission_policy,
+            device=device,
         )
 
     @staticmethod
@@ -70,8 +76,11 @@ class EngineArgs:
                        help="number of KV blocks (each holds every KV head); overrides --kv-cache-memory")
         g.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory,
                        help="bytes of KV cache per rank (default 256 MiB)")
-        g.add_argument("--cache-dtype", choices=["float32", "bfloat16"], default=d.cache_dtype,
-                       help="storage type of the KV cache")
+        g.add_argument("--cache-dtype", choices=["float32", "bfloat16", "float16"], default=d.cache_dtype,
+                       help="storage type of the KV cache (default: float32 on the CPU, the compute dtype on the GPU)")
+        g.add_argument("--device", choices=list(DEVICE_CHOICES), default=d.device,
+                       help="where the model, KV cache and attention run (auto: the GPU when Paddle has CUDA and "
+                            "sees one, else the CPU)")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help="token budget of one step (prefill chunks + decodes)")
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
@@ -81,7 +90,11 @@ class EngineArgs:
                        help="reuse KV blocks of shared prompt prefixes (default: on, except with the dense "
                             "NATIVE_ATTN oracle backend)")
         g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
-                       help="ranks the KV heads are split over")
+                       help="ranks the model is split over: one worker process per rank (paddle.distributed), "
+                            "each holding 1/N of the KV heads and their page pool")
+        g.add_argument("--balance-swa-heads", action=argparse.BooleanOptionalAction, default=d.balance_swa_heads,
+                       help="permute whole KV-head groups at load time so every rank gets its share of the SWA "
+                            "heads (admission is limited by the fullest rank); outputs are unchanged")
         g.add_argument("--head-wise-swa-config", type=str, default=None,
                        help='JSON {"sliding_window": W, "sink_size": S, "swa_kv_heads": [..]}; '
                             "overrides the model's head_wise_swa section")

@@ -10,6 +10,7 @@ import numpy as np
 
 from fastdeploy import envs
 from fastdeploy.engine.activity_log import ActivityLog
+from fastdeploy.cache_manager.head_wise import rank_ceilings
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
@@ -25,15 +26,15 @@ class LLMEngine:
     """Single-threaded engine: one caller drives add_request / abort_request / step."""
 
     def __init__(self, fd_config):
-        from fastdeploy.worker.model_runner import ModelRunner  # imports Paddle
+        from fastdeploy.engine.step_runner import StepRunner  # imports Paddle (TP=1) or starts the workers
 
         restyle_paddle_handlers()  # Paddle's import may have given the root logger its own format
 
         self.fd_config = fd_config
         self.model_config = fd_config.model_config
         self.tokenizer = load_tokenizer(self.model_config)
-        self.runner = ModelRunner(fd_config)
         self.scheduler = ResourceManagerV1(fd_config)
+        self.runner = StepRunner(fd_config)
         self._seeds = np.random.default_rng()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -46,6 +47,28 @@ class LLMEngine:
         if self.model_config.preset is not None:
             logger.warning("model %s is a built-in preset with random weights: its generated text is meaningless",
                            self.model_config.preset)
+        self._log_rank_ceilings()
+
+    def _log_rank_ceilings(self) -> None:
+        """Start-up: how much recycling can buy on each rank (admission waits for the fullest one)."""
+        fd, model = self.fd_config, self.model_config
+        tp = fd.parallel_config.tensor_parallel_size
+        if tp == 1 or model.head_wise_swa is None:
+            return
+        half = model.max_model_len // 2
+        c = rank_ceilings(fd, half, model.max_model_len - half)
+        order = model.kv_head_order or tuple(range(model.num_key_value_heads))
+        logger.info("tensor parallel %d: SWA KV heads per rank %s (KV head order %s); recycling ceiling per rank "
+                    "%s for a %d-token request, engine ceiling %.2f (the fullest rank)", tp, c["swa_heads_per_rank"],
+                    list(order), "[" + ", ".join(f"{x:.2f}" for x in c["per_rank"]) + "]", model.max_model_len,
+                    c["ceiling"])
+        counts = c["swa_heads_per_rank"]
+        if max(counts) - min(counts) > 1:
+            logger.warning("the SWA heads sit unevenly on the ranks: pass --balance-swa-heads to spread them")
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (a no-op with one rank); idempotent."""
+        self.runner.close()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -181,4 +204,9 @@ class LLMEngine:
                      # upstream's "block" gauges count pages in head-wise mode, whole blocks in 1-D mode
                      kv_pages_per_block=1 if self.fd_config.head_wise_kv_cache
                      else stats["kv_pages_total"] // max(1, self.fd_config.cache_config.num_gpu_blocks))
+        # Per tensor-parallel rank: each rank's page pool is that worker's own memory.
+        tp = self.fd_config.parallel_config.tensor_parallel_size
+        stats.update(kv_pages_total_per_rank=[self.scheduler.pages_per_rank] * tp,
+                     kv_pages_free_per_rank=self.scheduler.cache_manager.free_pages_per_rank(),
+                     tp_worker_pids=self.runner.worker_pids)
         return stats

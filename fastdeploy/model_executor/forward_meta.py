@@ -15,7 +15,9 @@ class ForwardMeta:
     Request i computes tokens [seq_lens_decoder[i], seq_lens_decoder[i] + seq_lens_this_time[i]),
     which are rows [cu_seqlens_q[i], cu_seqlens_q[i+1]) of the step's token tensor. Exactly one
     of `block_tables` ([bsz, max_blocks], 1-D) and `block_tables_head_wise` ([bsz, H, max_blocks],
-    page ids, -1 = recycled) is set.
+    page ids, -1 = recycled) is set. From the model runner, the batch-sized tensors are views of the
+    fixed step buffers (worker/step_buffers.py): `bsz` is max_num_seqs and rows past the step's
+    requests are idle (0 new tokens, -1 entries); `starts`/`lengths`/`slot_ids` list the live ones.
     """
 
     input_ids: paddle.Tensor           # int64 [token_num]

@@ -123,8 +123,11 @@ def iter_checkpoint(model_dir: str, dtype: str, keep_float32: tuple = ()) -> Ite
                     yield name, tensor
 
 
-def load_checkpoint(model_dir: str, expected_shapes: dict, dtype: str, keep_float32: tuple = ()) -> dict:
-    """All tensors named in `expected_shapes`, checked: a missing, misshapen or unknown tensor is an error."""
+def load_checkpoint(model_dir: str, expected_shapes: dict, dtype: str, keep_float32: tuple = (),
+                    transform=None) -> dict:
+    """All tensors named in `expected_shapes`, checked: a missing, misshapen or unknown tensor is an error.
+    `transform(name, tensor)`, when given, replaces each checked tensor as it is read (a tensor-parallel
+    rank keeps only its slice, so the whole model is never held at once)."""
     weights: dict = {}
     for name, tensor in iter_checkpoint(model_dir, dtype, keep_float32):
         if name not in expected_shapes:
@@ -133,7 +136,7 @@ def load_checkpoint(model_dir: str, expected_shapes: dict, dtype: str, keep_floa
         if tuple(tensor.shape) != tuple(expected_shapes[name]):
             raise ValueError(f"model: checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(expected_shapes[name])} from config.json")
-        weights[name] = tensor
+        weights[name] = tensor if transform is None else transform(name, tensor)
     missing = sorted(set(expected_shapes) - set(weights))
     if missing:
         raise ValueError(f"model: checkpoint is missing {len(missing)} parameter(s), e.g. {missing[:3]}")

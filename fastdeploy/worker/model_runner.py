@@ -1,100 +1,68 @@
-"""ModelRunner: a scheduled batch -> tensors -> ForwardMeta -> model -> sampled tokens."""
+"""ModelRunner: one rank's model shard, KV cache and attention backend; StepInput -> StepOutput.
+
+It knows nothing of requests or the scheduler: the engine sends plain step messages
+(step_input.py). With tensor_parallel_size 1 the engine calls it in-process; otherwise each
+worker process (worker_process.py) holds one, and the ranks meet in the model's collectives.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import paddle
 
-from fastdeploy.engine.sched.resource_manager_v1 import ScheduledBatch
 from fastdeploy.model_executor.forward_meta import ForwardMeta
-from fastdeploy.model_executor.host_tensor import host_tensor
 from fastdeploy.model_executor.layers.attention import get_attention_backend
 from fastdeploy.model_executor.layers.rotary_embedding import rope_tables
-from fastdeploy.model_executor.layers.sampler import has_penalties, is_greedy, sample_one
 from fastdeploy.model_executor.models.ernie4_5 import Ernie4_5ForCausalLM
+from fastdeploy.model_executor.tensor_parallel import local_kv_heads
+from fastdeploy.worker.device import paddle_device_name
+from fastdeploy.worker.step_buffers import StepBufferLayout, StepBuffers
+from fastdeploy.worker.step_input import StepInput, StepOutput
 
 
 class ModelRunner:
-    def __init__(self, fd_config):
-        paddle.set_device("cpu")
+    def __init__(self, fd_config, tp_rank: int = 0):
+        # Weights, caches, rotary tables and step buffers are all made on this device (worker/device.py).
+        paddle.set_device(paddle_device_name(getattr(fd_config, "device", "cpu"), tp_rank))
         self.fd_config = fd_config
         model = fd_config.model_config
-        self.head_wise = fd_config.head_wise_kv_cache
-        self.num_kv_heads = model.num_key_value_heads
-        self.eos_token_id = model.eos_token_ids
-        self.model = Ernie4_5ForCausalLM.load(model)
+        self.tp_rank = tp_rank
+        self.tp_size = fd_config.parallel_config.tensor_parallel_size
+        self.kv_heads = local_kv_heads(model.num_key_value_heads, tp_rank, self.tp_size)
+        self.model = Ernie4_5ForCausalLM.load(model, tp_rank, self.tp_size)
         cos, sin = rope_tables(model.head_dim, model.max_model_len, model.rope_theta)
-        self.attn_backend = get_attention_backend(fd_config, cos, sin)
-        self._free_slots = list(range(fd_config.scheduler_config.max_num_seqs - 1, -1, -1))
-        self._slot_of: dict = {}
+        self.attn_backend = get_attention_backend(fd_config, cos, sin, tp_rank)
+        self.buffers = StepBuffers(StepBufferLayout.from_config(fd_config, len(self.kv_heads)))
 
-    def release(self, request_id: str) -> None:
-        """Forget a request that finished, was aborted or preempted (its slot serves the next one)."""
-        slot = self._slot_of.pop(request_id, None)
-        if slot is not None:
-            self._free_slots.append(slot)
-
-    def _slot(self, request_id: str) -> int:
-        if request_id not in self._slot_of:
-            self._slot_of[request_id] = self._free_slots.pop()
-        return self._slot_of[request_id]
-
-    def build_forward_meta(self, batch: ScheduledBatch) -> ForwardMeta:
-        scheduled = batch.requests
-        bsz = len(scheduled)
-        starts = [s.start for s in scheduled]
-        lengths = [s.num_tokens for s in scheduled]
-        cu = np.zeros(bsz + 1, np.int32)
-        np.cumsum(lengths, out=cu[1:])
-        ids = np.empty(int(cu[-1]), np.int64)
-        for i, s in enumerate(scheduled):
-            ids[cu[i]:cu[i + 1]] = s.request.token_ids(s.start, s.start + s.num_tokens)
-        encoder = np.array([n if (n > 1 or st < s.request.num_prompt_tokens) else 0
-                            for s, st, n in zip(scheduled, starts, lengths)], np.int32)
-        sample_rows = np.array([cu[i + 1] - 1 for i, s in enumerate(scheduled) if s.samples], np.int64)
-
-        tables_1d = tables_hw = None
-        if self.head_wise:
-            width = max(len(s.request.block_tables_head_wise[0]) for s in scheduled)
-            table = np.full((bsz, self.num_kv_heads, width), -1, np.int32)
-            for i, s in enumerate(scheduled):
-                for h, row in enumerate(s.request.block_tables_head_wise):
-                    table[i, h, :len(row)] = row
-            tables_hw = host_tensor(table)
-        else:
-            width = max(len(s.request.block_tables) for s in scheduled)
-            table = np.full((bsz, width), -1, np.int32)
-            for i, s in enumerate(scheduled):
-                table[i, :len(s.request.block_tables)] = s.request.block_tables
-            tables_1d = host_tensor(table)
-
+    def build_forward_meta(self, step: StepInput) -> ForwardMeta:
+        """One host-to-device copy into the fixed buffers. A head-wise table holds this rank's heads
+        only (StepInput.for_rank), with rank-local page ids."""
+        if step.block_tables_head_wise is not None and step.block_tables_head_wise.shape[1] != len(self.kv_heads):
+            raise ValueError(f"rank {self.tp_rank}: step table has {step.block_tables_head_wise.shape[1]} KV "
+                             f"heads, this rank holds {len(self.kv_heads)}")
+        t = self.buffers.fill(step)
+        head_wise = self.buffers.host.layout.head_wise
         return ForwardMeta(
-            input_ids=host_tensor(ids),
-            seq_lens_encoder=host_tensor(encoder),
-            seq_lens_decoder=host_tensor(np.array(starts, np.int32)),
-            seq_lens_this_time=host_tensor(np.array(lengths, np.int32)),
-            cu_seqlens_q=host_tensor(cu), block_tables=tables_1d, block_tables_head_wise=tables_hw,
-            sample_rows=host_tensor(sample_rows), starts=starts, lengths=lengths,
-            slot_ids=[self._slot(s.request.request_id) for s in scheduled], attn_backend=self.attn_backend)
+            input_ids=t["input_ids"], seq_lens_encoder=t["seq_lens_encoder"], seq_lens_decoder=t["seq_lens_decoder"],
+            seq_lens_this_time=t["seq_lens_this_time"], cu_seqlens_q=t["cu_seqlens_q"],
+            block_tables=None if head_wise else t["block_tables"],
+            block_tables_head_wise=t["block_tables"] if head_wise else None,
+            sample_rows=t["sample_rows"], starts=step.starts, lengths=step.lengths,
+            slot_ids=step.slot_ids, attn_backend=self.attn_backend)
 
-    def execute(self, batch: ScheduledBatch) -> tuple:
-        """Run one step; returns (token per scheduled request or None, logprobs per request or None,
-        {index: error message} of requests whose sampling failed: they get no token)."""
-        meta = self.build_forward_meta(batch)
-        logits = self.model.forward(meta).numpy()
-        tokens, logprobs = [None] * len(batch.requests), [None] * len(batch.requests)
-        failures: dict = {}
-        sampling = [i for i, s in enumerate(batch.requests) if s.samples]
-        greedy = np.argmax(logits, axis=-1) if len(sampling) else ()
-        for row, i in enumerate(sampling):
-            request = batch.requests[i].request
-            params = request.sampling_params
-            if is_greedy(params) and params.logprobs is None and not params.logit_bias and \
-                    not has_penalties(params) and len(request.output_token_ids) >= params.min_tokens:
-                tokens[i] = int(greedy[row])  # the common case, batched above
-            else:
-                try:
-                    tokens[i], logprobs[i] = sample_one(logits[row], request, self.eos_token_id)
-                except Exception as exc:  # one request's parameters must not stop the batch
-                    failures[i] = f"{type(exc).__name__}: {exc}"
-        return tokens, logprobs, failures
+    def execute_model(self, step: StepInput) -> StepOutput:
+        """Run one step on this rank. Every rank returns the same answer (the logits are gathered);
+        only rank 0's is sent back."""
+        logits = self.model.forward(self.build_forward_meta(step))
+        end_step = getattr(self.attn_backend, "end_step", None)
+        if end_step is not None:
+            end_step()
+        greedy = np.full(len(step.greedy), -1, np.int64)
+        if len(step.greedy) and step.greedy.all():
+            # argmax where the logits are (the GPU): only the tokens cross over.
+            greedy[:] = paddle.argmax(logits, axis=-1).numpy()
+            return StepOutput(greedy_tokens=greedy, logits=np.zeros((0, logits.shape[-1]), np.float32))
+        host = logits.numpy()
+        if step.greedy.any():
+            greedy[step.greedy] = np.argmax(host[step.greedy], axis=-1)
+        return StepOutput(greedy_tokens=greedy, logits=np.ascontiguousarray(host[~step.greedy]))

@@ -95,10 +95,4 @@ def test_a_requests_tokens_do_not_depend_on_its_batch_mates(monkeypatch):
     assert crowded == alone
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_tensor_parallel_ranks_match_the_oracle(monkeypatch, oracle, mode):
-    """Two ranks, each with its own cache and rank-local page ids, run one after another."""
-    tokens, engine = generate(monkeypatch, "APPEND_ATTN", *MODES[mode], num_gpu_blocks_override=512,
-                              tensor_parallel_size=2, max_num_batched_tokens=64)
-    assert tokens == oracle
-    assert len(engine.runner.attn_backend.key_caches[0]) == 2
+# Tensor parallelism (real worker processes) is compared with TP=1 in tests/e2e/test_tensor_parallel.py.

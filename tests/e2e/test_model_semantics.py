@@ -234,17 +234,17 @@ def test_bad_stop_strings_are_rejected(engine):
 
 
 def test_a_request_whose_sampling_fails_is_aborted_and_the_batch_goes_on(engine, monkeypatch):
-    import fastdeploy.worker.model_runner as model_runner
+    import fastdeploy.engine.step_runner as step_runner
 
     # Validation leaves no known input that breaks sampling, so a failure is injected for one request.
-    real_sample_one = model_runner.sample_one
+    real_sample_one = step_runner.sample_one
 
     def failing_for_doomed(logits, request, eos_token_id):
         if request.request_id == "doomed":
             raise FloatingPointError("injected")
         return real_sample_one(logits, request, eos_token_id)
 
-    monkeypatch.setattr(model_runner, "sample_one", failing_for_doomed)
+    monkeypatch.setattr(step_runner, "sample_one", failing_for_doomed)
     engine.add_request("ok", [5, 6], SamplingParams(temperature=0.7, seed=1, max_tokens=4, ignore_eos=True))
     engine.add_request("doomed", [5, 6], SamplingParams(temperature=0.7, max_tokens=4))
     final = {}

@@ -9,6 +9,7 @@ several conftest.py files and no packages, so `import conftest` would be ambiguo
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 import types
@@ -33,6 +34,9 @@ BASE_SERVER_ARGS = ("--block-size", "16", "--num-gpu-blocks-override", "64", "--
                     "--disable-uvicorn-access-log")
 # What users run: head-wise KV cache on (the tiny preset declares SWA heads).
 BASE_SERVER_ENV = {"FD_HEAD_WISE_KV_CACHE": "1"}
+# Extra flags for every server of the suite, e.g. FD_TEST_SERVER_ARGS="--tensor-parallel-size 2"
+# runs the API tests against two worker ranks.
+BASE_SERVER_ARGS += tuple(os.environ.get("FD_TEST_SERVER_ARGS", "").split())
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:

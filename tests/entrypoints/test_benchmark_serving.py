@@ -163,7 +163,8 @@ def test_metrics_of_a_run_where_everything_failed_are_zero_not_nan():
 
 
 @pytest.mark.parametrize("name", ["swa_1of4", "swa_4of4"])
-def test_shipped_ab_configs_are_memory_bound(name):
+def test_shipped_ab_configs_are_memory_bound(name, monkeypatch):
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")  # predict() pins it; restored after the test
     args = bench_head_wise_swa.build_parser().parse_args(
         ["--config", os.path.join(REPO_ROOT, "benchmarks", "yaml", f"{name}.yaml")])
     server, workload = bench_head_wise_swa.load_settings(args)

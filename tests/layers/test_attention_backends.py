@@ -8,7 +8,7 @@ from fastdeploy.engine.request import Request, SamplingParams
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 from fastdeploy.model_executor.layers.attention.append_attn_backend import AppendAttentionBackend
 from fastdeploy.model_executor.layers.attention.native_attn_backend import NativeAttentionBackend
-from fastdeploy.worker.model_runner import ModelRunner
+from fastdeploy.engine.step_runner import StepRunner
 
 SWA = {"sliding_window": 20, "sink_size": 3, "swa_kv_heads": [0, 2]}
 
@@ -17,7 +17,7 @@ SWA = {"sliding_window": 20, "sink_size": 3, "swa_kv_heads": [0, 2]}
 def test_paged_backend_matches_dense_backend_step_by_step(make_config, mode):
     cfg = make_config(mode, num_gpu_blocks_override=40, block_size=8, max_num_batched_tokens=24, max_num_seqs=4,
                       max_model_len=256, head_wise_swa_config=SWA, enable_prefix_caching=False)
-    runner = ModelRunner(cfg)
+    runner = StepRunner(cfg)
     paged = runner.attn_backend
     assert isinstance(paged, AppendAttentionBackend)
     dense = NativeAttentionBackend(cfg, paged.rotary_cos, paged.rotary_sin)
@@ -30,7 +30,7 @@ def test_paged_backend_matches_dense_backend_step_by_step(make_config, mode):
     worst, steps = 0.0, 0
     while rm.has_unfinished_requests():
         batch = rm.schedule()
-        meta = runner.build_forward_meta(batch)
+        meta = runner.ranks.build_forward_meta(runner.build_step_input(batch))
         qkv = paddle.to_tensor(rng.standard_normal((batch.num_tokens, width)).astype(np.float32))
         a = paged.forward(0, qkv, meta).numpy()
         b = dense.forward(0, qkv, meta).numpy()

@@ -131,6 +131,8 @@ def run_engine_process(engine_args, requests_q, outputs_q) -> None:
         traceback.print_exc()
         outputs_q.put(("fatal", f"engine step failed: {type(exc).__name__}: {exc}"))
         _flush_and_exit(outputs_q, 1)
+    finally:
+        engine.close()  # stops the tensor-parallel workers on every exit path (SIGTERM included)
     _flush_and_exit(outputs_q, 0)
 
 

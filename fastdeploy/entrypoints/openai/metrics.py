@@ -52,6 +52,10 @@ ENGINE_METRICS = (
      None),
     ("kv_pages_free_per_head", "kv_pages_free_per_head", "gauge", "Free KV pages in each KV head's home free list.",
      "head"),
+    ("kv_pages_total_per_rank", "kv_pages_total_per_rank", "gauge", "KV pages of each tensor-parallel rank's pool.",
+     "rank"),
+    ("kv_pages_free_per_rank", "kv_pages_free_per_rank", "gauge",
+     "Free KV pages of each tensor-parallel rank's pool.", "rank"),
     ("num_requests_running", "num_requests_running", "gauge", "Requests scheduled in the running batch.", None),
     ("num_requests_waiting", "num_requests_waiting", "gauge", "Requests waiting for admission.", None),
     ("swa_pages_recycled_total", "swa_pages_recycled_total", "counter",
@@ -156,6 +160,12 @@ class EngineStatsCollector:
                     family = _family(PREFIX + suffix, kind, help_text)
                     family.add_metric([], float(values[suffix]))
                     yield family
+            if stats.get("tp_worker_pids"):
+                family = GaugeMetricFamily(PREFIX + "tp_worker_info", "One series per tensor-parallel worker "
+                                           "process: its rank and pid.", labels=["rank", "pid"])
+                for rank, pid in enumerate(stats["tp_worker_pids"]):
+                    family.add_metric([str(rank), str(pid)], 1.0)
+                yield family
         family = GaugeMetricFamily(PREFIX + "num_requests_in_flight", "HTTP requests admitted and not yet finished.")
         family.add_metric([], float(num_in_flight))
         yield family

@@ -16,6 +16,7 @@ import paddle
 import paddle.nn.functional as F
 
 from fastdeploy.model_executor import model_loader
+from fastdeploy.model_executor import tensor_parallel as tp_
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 
 WEIGHTS_FILE = "model.safetensors"
@@ -100,27 +101,38 @@ class Ernie4_5ForCausalLM:
     # Kept float32 whatever the compute dtype (PaddleFormers' `_keep_in_fp32_modules`): the router.
     KEEP_FLOAT32 = ("mlp.gate.weight", "e_score_correction_bias")
 
-    def __init__(self, model_config, weights: dict):
-        """`weights`: checkpoint name -> Paddle tensor, already checked against `checkpoint_shapes`."""
+    def __init__(self, model_config, weights: dict, tp_rank: int = 0, tp_size: int = 1):
+        """`weights`: checkpoint name -> Paddle tensor, already checked against `checkpoint_shapes`.
+
+        Under tensor parallelism (`tp_size` > 1) this object is rank `tp_rank`'s shard: `load`
+        permutes each tensor to the load-time KV-head order and slices it by name as it is read
+        (tensor_parallel.py); the row-parallel outputs (o_proj, the MLP or MoE block) are
+        all-reduced in forward."""
         from fastdeploy.model_executor.models.ernie4_5_moe import MoEBlock, is_moe_layer
 
         self.config = cfg = model_config
         self.dtype = cfg.dtype
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.weights = weights
+        self.vocab_start = tp_.vocab_slice(cfg.vocab_size, tp_rank, tp_size)[0] if tp_size > 1 else 0
         self.lm_head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         self.moe = {i: MoEBlock(cfg, i, weights) for i in range(cfg.num_hidden_layers) if is_moe_layer(cfg, i)}
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
-    def load(cls, model_config) -> "Ernie4_5ForCausalLM":
+    def load(cls, model_config, tp_rank: int = 0, tp_size: int = 1) -> "Ernie4_5ForCausalLM":
         """A preset's seeded random weights when `model_config.model` is None, else the directory's checkpoint."""
+        def mine(name: str, tensor: paddle.Tensor) -> paddle.Tensor:  # this rank's part, as each tensor arrives
+            return tp_.rank_tensor(name, tensor, model_config, tp_rank, tp_size)
+
         if model_config.model is None:
-            weights = {name: paddle.to_tensor(a).astype(
-                "float32" if any(k in name for k in cls.KEEP_FLOAT32) else model_config.dtype)
+            weights = {name: mine(name, paddle.to_tensor(a).astype(
+                "float32" if any(k in name for k in cls.KEEP_FLOAT32) else model_config.dtype))
                 for name, a in random_checkpoint(model_config).items()}
-            return cls(model_config, weights)
+            return cls(model_config, weights, tp_rank, tp_size)
         return cls(model_config, model_loader.load_checkpoint(model_config.model, checkpoint_shapes(model_config),
-                                                              model_config.dtype, cls.KEEP_FLOAT32))
+                                                              model_config.dtype, cls.KEEP_FLOAT32, transform=mine),
+                   tp_rank, tp_size)
 
     def weight_bytes(self) -> int:
         return sum(int(np.prod(t.shape)) * t.element_size() for t in self.weights.values())
@@ -129,6 +141,8 @@ class Ernie4_5ForCausalLM:
         """Write config.json (with the head_wise_swa section) and model.safetensors (float32)."""
         from safetensors.numpy import save_file
 
+        if self.tp_size > 1:
+            raise ValueError("save_pretrained: this is one tensor-parallel rank's shard, not the whole model")
         os.makedirs(path, exist_ok=True)
         cfg = self.config
         raw = {k: v for k, v in cfg.raw.items() if k != "head_wise_swa"}
@@ -164,20 +178,32 @@ class Ernie4_5ForCausalLM:
         w = self.weights
         num_tokens = meta.input_ids.shape[0]
         rows = _aligned(num_tokens)
-        hidden = F.embedding(_pad_rows(meta.input_ids, rows), w["model.embed_tokens.weight"])
+        hidden = self._embed(_pad_rows(meta.input_ids, rows))
         for layer_id in range(self.config.num_hidden_layers):
             n = _layer_names(layer_id)
             x = self._rms_norm(hidden, w[n["input_norm"]])
             qkv = paddle.concat([self._linear(x, n["q"]), self._linear(x, n["k"]), self._linear(x, n["v"])], axis=-1)
             attn = meta.attn_backend.forward(layer_id, qkv[:num_tokens] if rows != num_tokens else qkv, meta)
-            hidden = hidden + self._linear(_pad_rows(attn, rows), n["o"])
+            hidden = hidden + tp_.all_reduce(self._linear(_pad_rows(attn, rows), n["o"]), self.tp_size)
             x = self._rms_norm(hidden, w[n["post_norm"]])
             moe = self.moe.get(layer_id)
-            hidden = hidden + (moe(x, num_tokens) if moe is not None else self._dense_mlp(x, n))
+            ffn = moe(x, num_tokens) if moe is not None else self._dense_mlp(x, n)
+            hidden = hidden + tp_.all_reduce(ffn, self.tp_size)
         num_sampled = meta.sample_rows.shape[0]
         if num_sampled == 0:
             return paddle.zeros([0, self.config.vocab_size], dtype="float32")
         last = paddle.gather(hidden, _pad_rows(meta.sample_rows, _aligned(num_sampled)))
         logits = self._linear(self._rms_norm(last, w["model.norm.weight"]), self.lm_head_name)
-        logits = logits[:num_sampled]
+        logits = tp_.all_gather_last_axis(logits, self.tp_size)[:num_sampled, :self.config.vocab_size]
         return logits if logits.dtype == paddle.float32 else logits.astype("float32")
+
+    def _embed(self, ids: paddle.Tensor) -> paddle.Tensor:
+        """Vocab-parallel lookup: each rank embeds the ids of its slice (zeros elsewhere), summed."""
+        table = self.weights["model.embed_tokens.weight"]
+        if self.tp_size == 1:
+            return F.embedding(ids, table)
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < table.shape[0])
+        out = F.embedding(paddle.where(mine, local, paddle.zeros_like(local)), table)
+        out = out * mine.astype(out.dtype).unsqueeze(-1)
+        return tp_.all_reduce(out, self.tp_size)

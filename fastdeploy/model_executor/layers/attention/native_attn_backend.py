@@ -1,5 +1,6 @@
 """NATIVE_ATTN: dense, unpaged attention in plain Paddle ops — the oracle for every paged path.
 
+Under tensor parallelism it holds one rank's heads, like the paged backend.
 Each running request keeps its rotated K and its V in a dense per-slot buffer
 `[max_num_seqs, max_model_len, H, head_dim]`; every query scores every key of its request and the
 SWA rule of docs/retention_rule.md is applied as a mask. Slow on purpose: nothing here is clever.
@@ -17,19 +18,22 @@ from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.host_tensor import host_tensor
 from fastdeploy.model_executor.layers.attention.swa_spec import swa_attention_args
 from fastdeploy.model_executor.layers.rotary_embedding import apply_rope
+from fastdeploy.model_executor.tensor_parallel import local_kv_heads
 
 
 class NativeAttentionBackend:
-    def __init__(self, fd_config, rotary_cos: paddle.Tensor, rotary_sin: paddle.Tensor):
+    def __init__(self, fd_config, rotary_cos: paddle.Tensor, rotary_sin: paddle.Tensor, tp_rank: int = 0):
         model = fd_config.model_config
-        shape = [fd_config.scheduler_config.max_num_seqs, model.max_model_len, model.num_key_value_heads,
+        tp = fd_config.parallel_config.tensor_parallel_size
+        shape = [fd_config.scheduler_config.max_num_seqs, model.max_model_len, model.num_key_value_heads // tp,
                  model.head_dim]
         self.keys = [paddle.zeros(shape, dtype="float32") for _ in range(model.num_hidden_layers)]
         self.values = [paddle.zeros(shape, dtype="float32") for _ in range(model.num_hidden_layers)]
         self.rotary_cos, self.rotary_sin = rotary_cos, rotary_sin
-        self.num_heads, self.kv_num_heads, self.head_dim = (model.num_attention_heads, model.num_key_value_heads,
-                                                            model.head_dim)
+        self.num_heads, self.kv_num_heads, self.head_dim = (model.num_attention_heads // tp,
+                                                            model.num_key_value_heads // tp, model.head_dim)
         mask, self.window, self.sink = swa_attention_args(model)
+        mask = [mask[h] for h in local_kv_heads(model.num_key_value_heads, tp_rank, tp)]  # this rank's heads
         group = self.num_heads // self.kv_num_heads
         self.q_head_is_swa = np.repeat(np.array(mask, dtype=bool), group)  # [num_heads]
 

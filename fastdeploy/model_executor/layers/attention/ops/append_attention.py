@@ -7,13 +7,82 @@ with the rotated K and the V of those tokens; ``block_tables`` is either the
 1-D table ``[bsz, max_blocks]`` or the head-wise page table
 ``[bsz, kv_num_heads, max_blocks]`` (told apart by rank). Returns
 ``[token_num, num_heads * head_dim]`` in the dtype of ``qkv``.
+
+One entry for both devices (docs/architecture.md): the place of ``qkv`` picks the CPU op
+(custom_ops/cpu_ops) or the CUDA op (custom_ops/gpu_ops); both receive the tensors
+and attributes that `op_arguments` builds, so everything but the kernel is shared.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
+import numpy as np
 import paddle
 
 from .cpu_op_loader import load_cpu_ops
+
+TENSOR_ARGS = ("qkv", "key_cache", "value_cache", "seq_lens_encoder", "seq_lens_decoder", "seq_lens_this_time",
+               "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin", "swa_head_mask")
+# The attributes of both ops, in order; the CPU op takes all but the last (it has one pass only).
+ATTR_ARGS = ("num_heads", "kv_num_heads", "head_dim", "sliding_window", "sink_size", "visit_all_pages", "dual_pass")
+
+
+def op_arguments(tensors: dict, *, num_heads: int, kv_num_heads: int, head_dim: int, sliding_window: int,
+                 sink_size: int, visit_all_pages: bool = False, dual_pass: bool = False) -> tuple:
+    """(tensors in op order, attributes in op order): the argument contract of both ops."""
+    missing = [name for name in TENSOR_ARGS if tensors.get(name) is None]
+    if missing:
+        raise ValueError(f"append_attention: missing tensor argument(s) {', '.join(missing)}")
+    if dual_pass and (not visit_all_pages or len(tensors["block_tables"].shape) != 2):
+        raise ValueError("append_attention: dual_pass is upstream's 1-D baseline; it needs a 1-D block table "
+                         "[bsz, max_blocks] and visit_all_pages=True")
+    attrs = (int(num_heads), int(kv_num_heads), int(head_dim), int(sliding_window), int(sink_size),
+             bool(visit_all_pages), bool(dual_pass))
+    return tuple(tensors[name] for name in TENSOR_ARGS), attrs
+
+
+# Device-side error codes of the CUDA op (AppendAttnDeviceError in append_attn_api.cuh).
+DEVICE_ERRORS = {
+    1: "block table entry is -1 but the step needs it (request {0}, kv head {1}, block index {2}): the page was "
+       "recycled or never allocated (scheduler bug)",
+    2: "visit_all_pages met a -1 block table entry (request {0}, kv head {1}, block index {2}): the masked "
+       "baseline needs every page of [0, t] allocated",
+    3: "block table entry out of range (request {0}, kv head {1}, block index {2}): id beyond the cache or index "
+       "beyond max_blocks_per_seq",
+    4: "position {2} of request {0} is beyond the rotary tables",
+}
+
+
+def select_op(place, dual_pass: bool = False):
+    """(op, True when it is the CUDA op) for tensors on `place`. The CUDA op takes one more tensor
+    (error_info) and one more attribute (dual_pass) than the CPU op."""
+    if place.is_cpu_place():
+        if dual_pass:
+            raise ValueError("append_attention: dual_pass exists in the CUDA op only (FD_HEAD_WISE_ATTN=dual_pass "
+                             "needs --device gpu)")
+        return load_cpu_ops().append_attention_cpu, False
+    if place.is_gpu_place():
+        from .gpu_op_loader import GpuOpUnavailable, load_gpu_ops
+
+        try:
+            return load_gpu_ops().append_attention_gpu, True
+        except GpuOpUnavailable as e:
+            raise ValueError(f"append_attention: qkv lives on {place}, but {e}") from e
+    raise ValueError(f"append_attention: no op for tensors on {place} (CPU and CUDA GPUs only)")
+
+
+def new_error_info(place) -> paddle.Tensor:
+    """The CUDA op's 4 device ints (code, request, kv head, block index); one per engine, reused."""
+    return paddle.to_tensor(np.zeros(4, np.int32), place=place)
+
+
+def check_device_errors(error_info) -> None:
+    """Raise ValueError for an error the CUDA kernels recorded (reads 4 ints back: one sync)."""
+    info = [int(v) for v in (error_info.numpy() if hasattr(error_info, "numpy") else error_info)]
+    if info[0] != 0:
+        text = DEVICE_ERRORS.get(info[0], "unknown device error code {3}")
+        raise ValueError("append_attention_gpu: " + text.format(info[1], info[2], info[3], info[0]))
 
 
 def append_attention(
@@ -35,24 +104,36 @@ def append_attention(
     sliding_window: int,
     sink_size: int,
     visit_all_pages: bool = False,
+    dual_pass: bool = False,
+    error_info: Optional[paddle.Tensor] = None,
 ) -> paddle.Tensor:
     """Rotate q/k, write the new K/V into the paged cache, attend.
 
     ``sliding_window``/``sink_size`` apply to the KV heads flagged in
     ``swa_head_mask``; ``visit_all_pages`` is the benchmark baseline that reads
     every page and masks instead of skipping (needs a table without -1 in the
-    visible range). Bad shapes, or a -1 in a table entry the step needs
-    (a scheduler bug), raise ``ValueError`` naming request, head and block
-    index; the cache is left untouched in that case.
+    visible range); ``dual_pass`` (CUDA op, 1-D table, with visit_all_pages) is
+    upstream's two-pass head-wise SWA. Bad shapes, or a -1 in a table entry the
+    step needs (a scheduler bug), raise ``ValueError`` naming request, head and
+    block index; the cache is left untouched in that case (CPU op). On the GPU
+    that check costs a sync: pass a persistent ``error_info`` (new_error_info)
+    to record errors on the device instead and call check_device_errors once
+    per step; without it the call checks (and syncs) at once.
     """
-    if not qkv.place.is_cpu_place():
-        raise ValueError(f"append_attention: this is the CPU op, but qkv lives on {qkv.place}")
-    tensors = (qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
-               cu_seqlens_q, block_tables, rotary_cos, rotary_sin, swa_head_mask)
-    attrs = (int(num_heads), int(kv_num_heads), int(head_dim), int(sliding_window), int(sink_size),
-             bool(visit_all_pages))
-    out, _, _ = _call(load_cpu_ops().append_attention_cpu, *tensors, *attrs)
-    return out
+    tensors, attrs = op_arguments(
+        dict(qkv=qkv, key_cache=key_cache, value_cache=value_cache, seq_lens_encoder=seq_lens_encoder,
+             seq_lens_decoder=seq_lens_decoder, seq_lens_this_time=seq_lens_this_time, cu_seqlens_q=cu_seqlens_q,
+             block_tables=block_tables, rotary_cos=rotary_cos, rotary_sin=rotary_sin, swa_head_mask=swa_head_mask),
+        num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim, sliding_window=sliding_window,
+        sink_size=sink_size, visit_all_pages=visit_all_pages, dual_pass=dual_pass)
+    op, on_gpu = select_op(qkv.place, dual_pass)
+    check_now = on_gpu and error_info is None
+    if check_now:
+        error_info = new_error_info(qkv.place)
+    outs = _call(op, *tensors, error_info, *attrs) if on_gpu else _call(op, *tensors, *attrs[:-1])
+    if check_now:
+        check_device_errors(error_info)
+    return outs[0]
 
 
 def validate_append_attention_inputs(*tensors: paddle.Tensor, rules: str, check_place: bool = True,

@@ -1,0 +1,178 @@
+"""Megatron-style tensor parallelism: which slice of each parameter a rank holds, and the collectives.
+
+Parameters are named as in the checkpoint (`[out, in]` storage) and sliced by name:
+- column-parallel (output rows split): q/k/v projections by whole KV-head groups (a KV head and its
+  query heads stay on one rank), gate/up projections by intermediate columns;
+- row-parallel (input columns split, partial sums all-reduced): o_proj, down_proj;
+- vocab-parallel (rows split, padded to equal slices): embed_tokens, lm_head;
+- everything else (norms, a MoE router) is replicated.
+Rank r holds KV heads [r*H/N, (r+1)*H/N) of the load-time head order, which
+`kv_head_permutation` may change by moving whole KV-head groups (`--balance-swa-heads`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+COLUMN_HEADS_Q = ("self_attn.q_proj.weight",)
+COLUMN_HEADS_KV = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
+ROW_HEADS = ("self_attn.o_proj.weight",)
+COLUMN_FFN = ("gate_proj.weight", "up_proj.weight")
+ROW_FFN = ("down_proj.weight",)
+VOCAB = ("embed_tokens.weight", "lm_head.weight")
+
+
+def vocab_slice(vocab_size: int, rank: int, tp: int) -> tuple:
+    """(first token id, end token id, padded slice length) of a rank's vocabulary shard."""
+    per = -(-vocab_size // tp)
+    return min(vocab_size, rank * per), min(vocab_size, (rank + 1) * per), per
+
+
+def local_kv_heads(num_kv_heads: int, rank: int, tp: int) -> range:
+    """The KV heads (load-time order) rank `rank` holds."""
+    per = num_kv_heads // tp
+    return range(rank * per, (rank + 1) * per)
+
+
+def check_shardable(cfg, tp: int) -> None:
+    """Start-up check: every split above must be exact."""
+    if cfg.num_key_value_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide num_key_value_heads={cfg.num_key_value_heads}")
+    if cfg.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide intermediate_size={cfg.intermediate_size}")
+    moe = getattr(cfg, "moe", None)
+    if moe is not None:
+        if moe.intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide moe_intermediate_size={moe.intermediate_size}")
+
+
+def permute_kv_heads(weights: dict, cfg, order) -> dict:
+    """Reorder whole KV-head groups: K/V rows of head order[i] move to slot i, with the query heads
+    of that group and the matching o_proj input columns. Attention is per head and o_proj sums over
+    heads, so outputs are unchanged (up to float summation order). numpy arrays or Paddle tensors."""
+    return {name: _permute_one(name, w, cfg, order) for name, w in weights.items()}
+
+
+def _permute_one(name: str, w, cfg, order):
+    if order is None or list(order) == list(range(cfg.num_key_value_heads)):
+        return w
+    kv, d, h = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    group = cfg.num_attention_heads // kv * d  # query rows per KV head
+    order = list(order)
+    if name.endswith(COLUMN_HEADS_Q):
+        return _reshape(_take(_reshape(w, (kv, group, -1)), order, 0), tuple(w.shape))
+    if name.endswith(COLUMN_HEADS_KV):
+        return _reshape(_take(_reshape(w, (kv, d, -1)), order, 0), tuple(w.shape))
+    if name.endswith(ROW_HEADS):
+        return _reshape(_take(_reshape(w, (h, kv, group)), order, 1), tuple(w.shape))
+    return w
+
+
+def rank_tensor(name: str, w, cfg, rank: int, tp: int):
+    """What rank `rank` keeps of one checkpoint tensor: permuted to the load-time KV-head order,
+    then sliced. Applied to each tensor as it is read, so a rank never holds the whole model."""
+    return _shard_one(name, _permute_one(name, w, cfg, cfg.kv_head_order), cfg, rank, tp)
+
+
+def shard_weights(weights: dict, cfg, rank: int, tp: int) -> dict:
+    """The slice of every parameter rank `rank` of `tp` holds (a new dict of copies, so the full
+    tensors can be freed). numpy arrays or Paddle tensors, `[out, in]` as in the checkpoint."""
+    return {name: _shard_one(name, w, cfg, rank, tp) for name, w in weights.items()}
+
+
+def _shard_one(name: str, w, cfg, rank: int, tp: int):
+    if tp == 1:
+        return w
+    q_rows = cfg.num_attention_heads // tp * cfg.head_dim
+    kv_rows = cfg.num_key_value_heads // tp * cfg.head_dim
+    if name.endswith(COLUMN_HEADS_Q):
+        part = w[rank * q_rows:(rank + 1) * q_rows]
+    elif name.endswith(COLUMN_HEADS_KV):
+        part = w[rank * kv_rows:(rank + 1) * kv_rows]
+    elif name.endswith(ROW_HEADS):
+        part = w[:, rank * q_rows:(rank + 1) * q_rows]
+    elif name.endswith(COLUMN_FFN):  # dense MLP, every routed expert, the shared experts
+        n = w.shape[0] // tp
+        part = w[rank * n:(rank + 1) * n]
+    elif name.endswith(ROW_FFN):
+        n = w.shape[1] // tp
+        part = w[:, rank * n:(rank + 1) * n]
+    elif name.endswith(VOCAB):
+        lo, hi, per = vocab_slice(cfg.vocab_size, rank, tp)
+        part = _pad_rows(w[lo:hi], per)  # the last shard is padded with zero rows
+    else:
+        return w  # replicated: norms, the MoE router and its correction bias
+    return _copy(part)
+
+
+# numpy and Paddle tensors alike (the loader yields Paddle tensors, bfloat16 included).
+def _is_numpy(w) -> bool:
+    return isinstance(w, np.ndarray)
+
+
+def _reshape(w, shape: tuple):
+    return w.reshape(shape) if _is_numpy(w) else w.reshape(list(shape))
+
+
+def _take(w, index: list, axis: int):
+    if _is_numpy(w):
+        return np.take(w, index, axis=axis)
+    import paddle
+
+    return paddle.index_select(w, paddle.to_tensor(index, dtype="int64"), axis=axis)
+
+
+def _pad_rows(w, rows: int):
+    extra = rows - w.shape[0]
+    if extra == 0:
+        return w
+    if _is_numpy(w):
+        return np.concatenate([w, np.zeros((extra,) + tuple(w.shape[1:]), w.dtype)])
+    import paddle
+
+    return paddle.concat([w, paddle.zeros([extra] + list(w.shape[1:]), dtype=w.dtype)], axis=0)
+
+
+def _copy(w):
+    return np.ascontiguousarray(w) if _is_numpy(w) else w.clone()
+
+
+def balanced_kv_head_order(num_kv_heads: int, swa_kv_heads, tp: int) -> list:
+    """A KV-head order that gives every rank floor or ceil of its share of the SWA heads (dealt
+    round-robin), keeping each kind's heads in their original order; identity when already so."""
+    per_rank = num_kv_heads // tp
+    swa = sorted(swa_kv_heads)
+    counts = [sum(1 for h in swa if h // per_rank == r) for r in range(tp)]
+    if max(counts) - min(counts) <= 1:
+        return list(range(num_kv_heads))
+    full = [h for h in range(num_kv_heads) if h not in set(swa)]
+    slots: list = [[] for _ in range(tp)]
+    for i, h in enumerate(swa):
+        slots[i % tp].append(h)
+    for r in range(tp):
+        while len(slots[r]) < per_rank:
+            slots[r].append(full.pop(0))
+    return [h for r in range(tp) for h in sorted(slots[r])]
+
+
+# -- collectives (paddle.distributed; gloo on CPU, NCCL where Paddle has CUDA) -------------------
+
+def all_reduce(x, tp: int):
+    """Sum of the ranks' partial results (row-parallel layers, vocab-parallel embedding)."""
+    if tp > 1:
+        import paddle.distributed as dist
+
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather_last_axis(x, tp: int):
+    """The ranks' column slices side by side (vocab-parallel lm_head)."""
+    if tp == 1:
+        return x
+    import paddle
+    import paddle.distributed as dist
+
+    parts: list = []
+    dist.all_gather(parts, x)
+    return paddle.concat(parts, axis=-1)

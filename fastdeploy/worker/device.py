@@ -1,0 +1,74 @@
+"""The one place that picks the device the model runs on (`--device auto|gpu|cpu`).
+
+auto = the GPU where Paddle was built with CUDA and a GPU is visible, else the CPU. Everything
+device-specific downstream keys off the resolved name: the model runner sets Paddle's default
+device to it (weights, caches, step buffers follow), and the attention entry dispatches by the
+place of its tensors. Paddle is imported only to answer "auto" or to check "gpu", so a
+Paddle-free process (the GPU check's scheduler loop) can still build a config with "cpu".
+"""
+
+from __future__ import annotations
+
+DEVICE_CHOICES = ("auto", "gpu", "cpu")
+GPU_WHEEL_HINT = ("install the GPU wheel `paddlepaddle-gpu` (the CPU wheel `paddlepaddle` has no CUDA), "
+                  "or start with --device cpu")
+# The CUDA AppendAttention op computes in 16-bit floats; qkv and the caches share one dtype.
+GPU_ATTENTION_DTYPES = ("bfloat16", "float16")
+
+
+def cuda_device_count() -> int:
+    """GPUs Paddle can use: 0 without Paddle, with the CPU wheel, or with no visible device."""
+    try:
+        import paddle
+    except ImportError:
+        return 0
+    if not paddle.is_compiled_with_cuda():
+        return 0
+    try:
+        return int(paddle.device.cuda.device_count())
+    except (RuntimeError, ValueError, OSError):
+        return 0
+
+
+def resolve_device(requested: str) -> str:
+    """'gpu' or 'cpu' for `--device`; raises ValueError naming the flag when it cannot be honoured."""
+    requested = (requested or "auto").lower()
+    if requested not in DEVICE_CHOICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)}, got {requested!r}")
+    if requested == "cpu":
+        return "cpu"
+    available = cuda_device_count() > 0
+    if requested == "gpu" and not available:
+        raise ValueError(f"--device gpu: {gpu_unavailable_reason()}; {GPU_WHEEL_HINT}")
+    return "gpu" if available else "cpu"
+
+
+def gpu_unavailable_reason() -> str:
+    try:
+        import paddle
+    except ImportError:
+        return "Paddle is not installed"
+    if not paddle.is_compiled_with_cuda():
+        return f"this Paddle ({paddle.__version__}) is the CPU build"
+    return "Paddle has CUDA but sees no GPU (check CUDA_VISIBLE_DEVICES and the driver)"
+
+
+def paddle_device_name(device: str, rank: int = 0) -> str:
+    """Paddle's name for one rank's device: 'gpu:R' (one GPU per tensor-parallel rank) or 'cpu'."""
+    return f"gpu:{rank}" if device == "gpu" else "cpu"
+
+
+def default_cache_dtype(device: str, compute_dtype: str) -> str:
+    """`--cache-dtype` left unset: float32 on the CPU (its op's fastest storage); on the GPU the
+    compute dtype, which the CUDA op requires of its caches."""
+    return compute_dtype if device == "gpu" else "float32"
+
+
+def check_gpu_attention_dtypes(compute_dtype: str, cache_dtype: str) -> None:
+    """Start-up check for the paged backend on the GPU (the CUDA op would refuse every step)."""
+    if compute_dtype not in GPU_ATTENTION_DTYPES:
+        raise ValueError(f"--device gpu: the CUDA attention op computes in {' or '.join(GPU_ATTENTION_DTYPES)}, "
+                         f"but --dtype resolved to {compute_dtype}; pass --dtype bfloat16")
+    if cache_dtype != compute_dtype:
+        raise ValueError(f"--device gpu: the CUDA attention op needs --cache-dtype equal to the compute dtype "
+                         f"({compute_dtype}), got {cache_dtype}")

@@ -1,0 +1,225 @@
+"""--device: parsing, resolution, the start-up checks tied to it, and dispatch of the attention op by
+tensor place. Runs on the CPU wheel; where Paddle has CUDA and a GPU, the GPU-only checks run too."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.entrypoints.openai.api_server import build_parser
+from fastdeploy.worker.device import cuda_device_count, resolve_device
+
+# The module (the package re-exports its function under the same name).
+op_module = importlib.import_module("fastdeploy.model_executor.layers.attention.ops.append_attention")
+HAS_GPU = cuda_device_count() > 0
+
+
+def test_device_flag_parses_upstream_style_and_defaults_to_auto():
+    parser = build_parser()
+    assert parser.parse_args([]).device == "auto"
+    assert parser.parse_args(["--device", "cpu"]).device == "cpu"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--device", "tpu"])
+
+
+def test_auto_resolves_to_the_gpu_exactly_when_paddle_sees_one():
+    assert resolve_device("auto") == ("gpu" if HAS_GPU else "cpu")
+    assert resolve_device("cpu") == "cpu"
+    with pytest.raises(ValueError, match="device must be one of"):
+        resolve_device("tpu")
+
+
+@pytest.mark.skipif(HAS_GPU, reason="a GPU is visible")
+def test_device_gpu_without_a_cuda_paddle_fails_at_start_up_naming_both_wheels():
+    with pytest.raises(ValueError) as err:
+        EngineArgs(device="gpu").create_engine_config()
+    assert "paddlepaddle-gpu" in str(err.value) and "`paddlepaddle`" in str(err.value)
+    assert "--device cpu" in str(err.value)
+
+
+def test_cpu_device_keeps_the_float32_cache_default_and_the_config_records_the_device():
+    fd = EngineArgs(device="cpu").create_engine_config()
+    assert fd.device == "cpu" and fd.cache_config.cache_dtype == "float32"
+
+
+def test_float16_cache_on_the_cpu_is_a_start_up_error():
+    with pytest.raises(ValueError, match="float16 needs --device gpu"):
+        EngineArgs(device="cpu", cache_dtype="float16").create_engine_config()
+
+
+def test_dual_pass_on_the_cpu_is_a_start_up_error(monkeypatch):
+    monkeypatch.setenv("FD_HEAD_WISE_ATTN", "dual_pass")
+    with pytest.raises(ValueError, match="FD_HEAD_WISE_ATTN=dual_pass .*--device gpu"):
+        EngineArgs(device="cpu").create_engine_config()
+
+
+def test_unknown_head_wise_attn_value_is_rejected(monkeypatch):
+    monkeypatch.setenv("FD_HEAD_WISE_ATTN", "triple_pass")
+    with pytest.raises(ValueError, match="FD_HEAD_WISE_ATTN"):
+        EngineArgs(device="cpu").create_engine_config()
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs Paddle with CUDA and a GPU")
+def test_dual_pass_needs_the_1d_table_on_the_gpu(monkeypatch):
+    monkeypatch.setenv("FD_HEAD_WISE_ATTN", "dual_pass")
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")
+    with pytest.raises(ValueError, match="FD_HEAD_WISE_KV_CACHE=0"):
+        EngineArgs(device="gpu").create_engine_config()
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "0")
+    fd = EngineArgs(device="gpu").create_engine_config()
+    assert fd.head_wise_attn == "DUAL_PASS" and fd.model_config.dtype == "bfloat16"
+    assert fd.cache_config.cache_dtype == "bfloat16"
+
+
+# -- dispatch by place --------------------------------------------------------------------------------
+class _GpuPlace:
+    """Stands in for Place(gpu:0): the CPU wheel cannot make a GPU tensor, and dispatch reads only
+    the place's kind (a real one is used where a GPU exists, below)."""
+
+    def is_cpu_place(self):
+        return False
+
+    def is_gpu_place(self):
+        return True
+
+    def __str__(self):
+        return "Place(gpu:0)"
+
+
+def test_cpu_tensors_go_to_the_cpu_op():
+    op, on_gpu = op_module.select_op(paddle.CPUPlace())
+    assert op is op_module.load_cpu_ops().append_attention_cpu and not on_gpu
+
+
+@pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="this Paddle has CUDA")
+def test_a_gpu_tensor_meeting_the_cpu_wheel_raises_naming_both_wheels():
+    with pytest.raises(ValueError) as err:
+        op_module.select_op(_GpuPlace())
+    text = str(err.value)
+    assert "Place(gpu:0)" in text and "paddlepaddle-gpu" in text and "`paddlepaddle`" in text
+
+
+def test_dual_pass_on_cpu_tensors_is_refused_by_the_entry():
+    with pytest.raises(ValueError, match="CUDA op only"):
+        op_module.select_op(paddle.CPUPlace(), dual_pass=True)
+
+
+def _small_inputs(head_wise: bool, d: int = 8, bs: int = 4):
+    rng = np.random.default_rng(0)
+    nh, kvh = 4, 2
+    qkv = paddle.to_tensor(rng.standard_normal((3, (nh + 2 * kvh) * d)).astype(np.float32))
+    cache = [paddle.zeros([4, kvh, bs, d]) for _ in range(2)]
+    table = np.array([[[0, 2], [1, 3]]] if head_wise else [[0, 1]], np.int32)
+    cos = paddle.to_tensor(np.ones((16, d // 2), np.float32))
+    sin = paddle.to_tensor(np.zeros((16, d // 2), np.float32))
+    ints = lambda *v: paddle.to_tensor(np.array(v, np.int32))  # noqa: E731
+    tensors = dict(qkv=qkv, key_cache=cache[0], value_cache=cache[1], seq_lens_encoder=ints(3),
+                   seq_lens_decoder=ints(0), seq_lens_this_time=ints(3), cu_seqlens_q=ints(0, 3),
+                   block_tables=paddle.to_tensor(table), rotary_cos=cos, rotary_sin=sin, swa_head_mask=ints(1, 0))
+    attrs = dict(num_heads=nh, kv_num_heads=kvh, head_dim=d, sliding_window=2, sink_size=0)
+    # one 3-token prompt; KV head 0 slides (window 2)
+    return tensors, attrs
+
+
+def test_op_arguments_are_the_ops_order_and_both_ops_share_them():
+    tensors, attrs = _small_inputs(head_wise=True)
+    ordered, values = op_module.op_arguments(tensors, **attrs)
+    assert [id(t) for t in ordered] == [id(tensors[n]) for n in op_module.TENSOR_ARGS]
+    assert values == (4, 2, 8, 2, 0, False, False)  # the ATTR_ARGS order
+    # The CPU op takes all attributes but dual_pass: calling it through the entry gives what calling
+    # it directly with the shared arguments gives.
+    direct = op_module.load_cpu_ops().append_attention_cpu(*ordered, *values[:-1])[0].numpy()
+    tensors2, _ = _small_inputs(head_wise=True)
+    via_entry = op_module.append_attention(*[tensors2[n] for n in op_module.TENSOR_ARGS], **attrs).numpy()
+    np.testing.assert_array_equal(direct, via_entry)
+
+
+def test_op_arguments_name_a_missing_tensor_and_refuse_dual_pass_on_a_head_wise_table():
+    tensors, attrs = _small_inputs(head_wise=True)
+    with pytest.raises(ValueError, match="block_tables"):
+        op_module.op_arguments({**tensors, "block_tables": None}, **attrs)
+    with pytest.raises(ValueError, match="1-D block table"):
+        op_module.op_arguments(tensors, **attrs, visit_all_pages=True, dual_pass=True)
+    flat, _ = _small_inputs(head_wise=False)
+    assert op_module.op_arguments(flat, **attrs, visit_all_pages=True, dual_pass=True)[1][-1] is True
+
+
+def test_device_errors_are_decoded_like_the_cuda_launcher_describes_them():
+    op_module.check_device_errors(np.zeros(4, np.int32))
+    with pytest.raises(ValueError, match=r"-1 but the step needs it \(request 2, kv head 1, block index 5\)"):
+        op_module.check_device_errors(np.array([1, 2, 1, 5], np.int32))
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs Paddle with CUDA and a GPU")
+def test_gpu_tensors_go_to_the_cuda_op_and_match_the_cpu_op():
+    tensors, attrs = _small_inputs(head_wise=True, d=64, bs=16)  # shapes the CUDA kernels support
+    cpu = op_module.append_attention(*[tensors[n] for n in op_module.TENSOR_ARGS], **attrs).numpy()
+    gpu_tensors, _ = _small_inputs(head_wise=True, d=64, bs=16)
+    moved = {k: (v.cuda().astype("bfloat16") if k in ("qkv", "key_cache", "value_cache") else v.cuda())
+             for k, v in gpu_tensors.items()}
+    attrs_gpu = dict(attrs)
+    out = op_module.append_attention(*[moved[n] for n in op_module.TENSOR_ARGS], **attrs_gpu)
+    assert out.place.is_gpu_place()
+    np.testing.assert_allclose(out.astype("float32").numpy(), cpu, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs Paddle with CUDA and a GPU")
+def test_engine_on_the_gpu_runs_attention_on_the_cuda_op_and_follows_the_cpu_path(monkeypatch):
+    from fastdeploy import LLM, SamplingParams
+
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")
+    prompts = [[3 + (i * 37 + n * 11) % 250 for i in range(n)] for n in (5, 130, 300)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = {}
+    for device in ("gpu", "cpu"):
+        llm = LLM(device=device, block_size=16, max_model_len=1024, cache_dtype="bfloat16",
+                  dtype="bfloat16" if device == "gpu" else "float32")
+        runner = llm.engine.runner.ranks
+        assert runner.attn_backend.key_caches[0].place.is_gpu_place() == (device == "gpu")
+        outs[device] = [o.outputs.token_ids[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs["gpu"] == outs["cpu"]  # the first token: same prefix, bf16 vs float32 compute
+
+
+def test_jit_build_and_setup_ops_compile_the_same_cuda_sources_and_targets():
+    import sys as _sys
+
+    from fastdeploy.model_executor.layers.attention.ops import gpu_op_loader
+
+    _sys.path.insert(0, str(gpu_op_loader._REPO_ROOT / "custom_ops"))
+    try:
+        import setup_ops
+    finally:
+        _sys.path.pop(0)
+    jit = [p.name for p in gpu_op_loader.gpu_sources()]
+    assert jit[0] == "append_attention.cu" and "harness.cu" not in jit
+    assert sorted(jit[1:]) == sorted(p.name for p in setup_ops.KERNEL_SOURCES)
+    assert gpu_op_loader.NVCC_FLAGS == setup_ops.NVCC_FLAGS
+    assert all(p.is_file() for p in gpu_op_loader.gpu_sources())
+
+
+@pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="this Paddle has CUDA")
+def test_loading_the_cuda_op_on_the_cpu_wheel_names_both_wheels():
+    from fastdeploy.model_executor.layers.attention.ops.gpu_op_loader import GpuOpUnavailable, load_gpu_ops
+
+    with pytest.raises(GpuOpUnavailable, match="paddlepaddle-gpu.*`paddlepaddle`"):
+        load_gpu_ops()
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs Paddle with CUDA and a GPU")
+def test_dual_pass_on_the_1d_table_gives_the_single_pass_tokens(monkeypatch):
+    from fastdeploy import LLM, SamplingParams
+
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "0")
+    prompts = [[3 + (i * 37 + n * 11) % 250 for i in range(n)] for n in (5, 300)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = {}
+    for mode in ("single_pass", "dual_pass"):
+        monkeypatch.setenv("FD_HEAD_WISE_ATTN", mode)
+        llm = LLM(device="gpu", block_size=16, max_model_len=1024)
+        assert llm.engine.runner.ranks.attn_backend.dual_pass == (mode == "dual_pass")
+        tokens[mode] = [o.outputs.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens["dual_pass"] == tokens["single_pass"]  # same math, two kernel passes
