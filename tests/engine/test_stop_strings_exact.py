@@ -9,7 +9,7 @@ from the engine's stop_strings.py or tokenizer code.
 
 import pytest
 
-import fastdeploy.worker.model_runner as model_runner
+import fastdeploy.engine.step_runner as step_runner
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.engine.request import SamplingParams
@@ -37,7 +37,7 @@ def script(monkeypatch):
         tokens, n = scripts[request.request_id], len(request.output_token_ids)
         return (tokens[n] if n < len(tokens) else byte_tokens(FILLER)[0]), None
 
-    monkeypatch.setattr(model_runner, "sample_one", scripted_sample)
+    monkeypatch.setattr(step_runner, "sample_one", scripted_sample)
     return lambda rid, text: scripts.__setitem__(rid, byte_tokens(text))
 
 
