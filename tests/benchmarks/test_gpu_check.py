@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu_check  # puts tests/custom_ops on sys.path
+# The repository root, so `benchmarks` is the repo's folder (pytest puts tests/ first, whose
+# benchmarks/ would shadow it) when the project is pip-installed rather than on PYTHONPATH.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import gpu_check  # noqa: E402  (puts tests/custom_ops on sys.path)
 import gpu_harness  # noqa: E402
 from fastdeploy.worker.step_buffers import StepBufferLayout
 
