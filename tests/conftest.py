@@ -19,6 +19,8 @@ def pytest_configure(config):
     # pytest restores the warning filters around collection and every test, dropping the one
     # `import fastdeploy` installs (fastdeploy/paddle_env.py); re-state it as a pytest filter.
     config.addinivalue_line("filterwarnings", f"ignore:{CCACHE_WARNING}:UserWarning")
+    # PaddleFormers' import pulls in setuptools' distutils shim, which announces itself.
+    config.addinivalue_line("filterwarnings", "ignore:Setuptools is replacing distutils:UserWarning")
 
 
 @pytest.fixture(autouse=True)
