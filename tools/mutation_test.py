@@ -49,6 +49,8 @@ MODULES = {
                              "tests/engine/test_scheduler_counters.py",
                              "tests/engine/test_scheduler_integrity_messages.py",
                              "tests/engine/test_scheduler_step_edges.py",
+                             "tests/engine/test_admission_policy.py",
+                             "tests/engine/test_scheduler_liveness.py",
                              "tests/cache_manager/test_prefix_caching_policy.py"]),
 }
 

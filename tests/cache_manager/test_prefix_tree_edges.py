@@ -181,3 +181,71 @@ def test_integrity_check_names_each_broken_page_record(branched):
     assert broken(cm) == "rank 0: 16 pages owned by the cache, 17 reference sets, 16 in the trie"
     del pool.holders[free]
     cm.check_integrity()
+
+
+# -- the eviction classes the lazy heap must keep current (heap-bookkeeping mutants) -------------------
+
+def test_a_block_with_every_head_already_recycled_is_not_cached(make_config):
+    # Every head slides: a block whose pages were all recycled before registration has nothing to
+    # cache, and must not leave an all-tombstone node in the trie.
+    cfg = make_config("head_wise_recycle_on", num_gpu_blocks_override=4, enable_prefix_caching=True,
+                      head_wise_swa_config={"sliding_window": 1000, "sink_size": 0, "swa_kv_heads": [0, 1, 2, 3]})
+    cm = PrefixCacheManager(cfg)
+    version = cm.prefix_cache.version
+    assert cm.register_block(cm.prefix_root, key(0), [-1] * 4, "a") is None
+    assert cm.prefix_cache.num_nodes == 0 and cm.prefix_root.children == {}
+    assert cm.prefix_cache.version == version  # nothing a lookup could see changed
+    assert cm.match_prefix([key(0)]) == []
+    cm.check_integrity()
+
+
+def test_a_leaf_is_evicted_before_its_parent_even_when_the_parent_was_released_first(make_config):
+    # Block 0 is released (tick 1) while block 1 is still in use, then block 1 (tick 2). LRU alone
+    # would take block 0's page; the class order (whole leaf before interior block) takes block 1's.
+    cm = manager(make_config, blocks=4)
+    rows = cache_chain(cm, "a", 2)
+    cm.recycle_gpu_blocks_head_wise([[row[0]] for row in rows], "a")
+    cm.recycle_gpu_blocks_head_wise([[row[1]] for row in rows], "a")
+    first, second = cm.match_prefix([key(0), key(1)])
+    cm.allocate_gpu_blocks_head_wise([9, 0, 0, 0], "b")  # 8 free pages: exactly one cached page goes
+    assert first.pages == [row[0] for row in rows]
+    assert sorted(second.pages) == [-1] + sorted(row[1] for row in rows)[1:]
+    cm.check_integrity()
+
+
+def test_filling_a_tombstone_of_an_unreferenced_leaf_moves_its_other_pages_out_of_the_leaf_class(make_config):
+    cm = manager(make_config, blocks=8)
+    a = cache_chain(cm, "a", 1)
+    cm.recycle_gpu_blocks_head_wise(a, "a")
+    node = cm.match_prefix([key(0)])[0]
+    cache = cm.prefix_cache
+    cache._evict_page(cache.slot_rank[0], node.pages[0], node, 0)  # the SWA page: a tombstone
+    b = cm.allocate_gpu_blocks_head_wise([1] * 4, "b")
+    assert cm.register_block(cm.prefix_root, key(0), [row[0] for row in b], "b") is node
+    assert node.pages[0] == b[0][0] and node.num_referenced == 1  # b's SWA page filled the tombstone
+    # The full heads' pages are still unreferenced but no longer a whole unreferenced leaf.
+    for s in (1, 2, 3):
+        assert cache._key(0, node, s, node.pages[s])[0] == 2
+    cm.check_integrity()  # each of them has a heap entry with that class
+    cm.recycle_gpu_blocks_head_wise(b, "b")
+    cm.check_integrity()
+
+
+def test_an_unreferenced_leaf_that_gains_a_child_leaves_the_leaf_class(make_config):
+    # Without recycling no anchor changes repush the node: only the child-count rule does. Request b
+    # computed block 0 itself (its pages stay private: the cached block is complete), so the cached
+    # node stays unreferenced while b registers block 1 under it.
+    cfg = make_config("head_wise_recycle_off", num_gpu_blocks_override=8, enable_prefix_caching=True)
+    cm = PrefixCacheManager(cfg)
+    a = cache_chain(cm, "a", 1)
+    cm.recycle_gpu_blocks_head_wise(a, "a")
+    b = cm.allocate_gpu_blocks_head_wise([2] * 4, "b")
+    node = cm.register_block(cm.prefix_root, key(0), [row[0] for row in b], "b")
+    assert node is cm.match_prefix([key(0)])[0] and node.num_referenced == 0
+    cm.register_block(node, key(1), [row[1] for row in b], "b")
+    assert len(node.children) == 1
+    cache = cm.prefix_cache
+    assert {cache._key(0, node, s, p)[0] for s, p in enumerate(node.pages)} == {2}
+    cm.check_integrity()  # the pages' entries were refreshed to the interior class
+    cm.recycle_gpu_blocks_head_wise(b, "b")
+    cm.check_integrity()
