@@ -4,6 +4,7 @@
 launchers may change the environment after import. Configs snapshot the values when created.
 """
 
+import contextlib
 import os
 from typing import Any, Callable
 
@@ -116,3 +117,19 @@ def describe() -> list:
             pending = []
     return [(name, getattr(reader, "default", "?"), comments.get(name, ""))
             for name, reader in environment_variables.items()]
+
+
+@contextlib.contextmanager
+def override(**flags):
+    """Set env flags for the duration of a `with` block (values str()-ed), then restore them: a config
+    built inside snapshots them, so benchmarks and tests can build configs of other modes in one process."""
+    saved = {k: os.environ.get(k) for k in flags}
+    os.environ.update({k: str(v) for k, v in flags.items()})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

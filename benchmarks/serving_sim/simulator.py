@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import bisect
-import contextlib
 import dataclasses
 import functools
 import json
@@ -24,6 +23,7 @@ from typing import Optional
 
 import numpy as np
 
+from fastdeploy import envs
 from fastdeploy.cache_manager.head_wise import PageLayout, predicted_concurrency
 from fastdeploy.config import CacheConfig, ModelConfig
 from fastdeploy.engine.args_utils import EngineArgs
@@ -113,24 +113,8 @@ def kv_pool_blocks(model_dir: str, hardware: Hardware, gpu_memory_utilization: f
     return int(budget // block)
 
 
-@contextlib.contextmanager
-def _env(**flags):
-    saved = {k: os.environ.get(k) for k in flags}
-    os.environ.update({k: str(v) for k, v in flags.items()})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def admission_env(admission: str) -> dict:
     """The env flags selecting an admission policy; ValueError if this tree's scheduler lacks it."""
-    from fastdeploy import envs
-
     if admission not in ADMISSION_ENV:
         raise ValueError(f"unknown admission policy {admission!r}; choose one of {', '.join(ADMISSIONS)}")
     flags = ADMISSION_ENV[admission]
@@ -142,7 +126,7 @@ def admission_env(admission: str) -> dict:
 
 def make_fd_config(settings: EngineSettings, recycle: bool):
     """The engine config of one arm: head-wise tables in both, recycling on or off."""
-    with _env(FD_HEAD_WISE_KV_CACHE=1, FD_HEAD_WISE_SWA_RECYCLE=int(recycle), **admission_env(settings.admission)):
+    with envs.override(FD_HEAD_WISE_KV_CACHE=1, FD_HEAD_WISE_SWA_RECYCLE=int(recycle), **admission_env(settings.admission)):
         return EngineArgs(
             model=settings.model_dir, max_model_len=settings.max_model_len, block_size=settings.block_size,
             num_gpu_blocks_override=settings.num_gpu_blocks, cache_dtype="bfloat16",

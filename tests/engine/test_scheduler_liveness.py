@@ -6,8 +6,6 @@ position 0 nothing is dead, so its SWA head needs every page), and it was releas
 an idle cache forever. Chunks are now bounded by the page-need function, so they always fit.
 """
 
-import contextlib
-import os
 import random
 
 import pytest
@@ -15,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastdeploy.cache_manager.head_wise import PageLayout
+from fastdeploy.envs import override
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.request import Request, SamplingParams
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
@@ -24,25 +23,11 @@ EOS = 2
 MODES = {"1d": ("0", "1"), "head_wise_recycle_off": ("1", "0"), "head_wise_recycle_on": ("1", "1")}
 
 
-@contextlib.contextmanager
-def env(**flags):
-    saved = {k: os.environ.get(k) for k in flags}
-    os.environ.update(flags)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def config(policy, mode="head_wise_recycle_on", **kwargs):
     head_wise, recycle = MODES[mode]
     # The legacy flag too, so the same test runs on an engine that predates FD_ADMISSION_POLICY.
     legacy = "0" if policy == "on_demand" else "1"
-    with env(FD_HEAD_WISE_KV_CACHE=head_wise, FD_HEAD_WISE_SWA_RECYCLE=recycle, FD_ADMISSION_POLICY=policy,
+    with override(FD_HEAD_WISE_KV_CACHE=head_wise, FD_HEAD_WISE_SWA_RECYCLE=recycle, FD_ADMISSION_POLICY=policy,
              FD_RESERVE_OUTPUT_PAGES=legacy):
         return EngineArgs(**kwargs).create_engine_config()
 
@@ -100,7 +85,7 @@ def test_issue_13_reproduction_finishes_both_requests_in_the_scheduler(policy, p
 def test_issue_13_reproduction_finishes_through_the_engine(prefix_caching):
     from fastdeploy.engine.engine import LLMEngine
 
-    with env(FD_ATTENTION_BACKEND="APPEND_ATTN"):
+    with override(FD_ATTENTION_BACKEND="APPEND_ATTN"):
         engine = LLMEngine(issue_13_config("on_demand", prefix_caching))
     for rid, ids, params in issue_13_requests():
         engine.add_request(rid, ids, params)
