@@ -17,6 +17,8 @@ HERE = Path(__file__).resolve().parent
 GPU_OPS = HERE / "gpu_ops"
 # The test harness is ctypes-only; it is not part of the Paddle op.
 KERNEL_SOURCES = sorted(p for p in (GPU_OPS / "append_attn").glob("*.cu") if p.name != "harness.cu")
+# cpu_ops/ holds append_attention_checks.h, the input checks shared with the CPU op.
+INCLUDE_DIRS = [GPU_OPS, HERE / "cpu_ops"]
 NVCC_FLAGS = [
     "-std=c++17",
     "-O3",
@@ -41,8 +43,7 @@ def main() -> int:
         name="fastdeploy_ops_gpu",
         ext_modules=CUDAExtension(
             sources=[str(GPU_OPS / "append_attention.cu"), *map(str, KERNEL_SOURCES)],
-            # cpu_ops/ holds append_attention_checks.h, the input checks shared with the CPU op.
-            include_dirs=[str(GPU_OPS), str(HERE / "cpu_ops")],
+            include_dirs=[str(d) for d in INCLUDE_DIRS],
             extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": NVCC_FLAGS},
         ),
     )

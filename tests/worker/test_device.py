@@ -184,7 +184,7 @@ def test_engine_on_the_gpu_runs_attention_on_the_cuda_op_and_follows_the_cpu_pat
     assert outs["gpu"] == outs["cpu"]  # the first token: same prefix, bf16 vs float32 compute
 
 
-def test_jit_build_and_setup_ops_compile_the_same_cuda_sources_and_targets():
+def test_jit_build_and_setup_ops_compile_the_same_cuda_sources_targets_and_include_dirs():
     import sys as _sys
 
     from fastdeploy.model_executor.layers.attention.ops import gpu_op_loader
@@ -198,6 +198,9 @@ def test_jit_build_and_setup_ops_compile_the_same_cuda_sources_and_targets():
     assert jit[0] == "append_attention.cu" and "harness.cu" not in jit
     assert sorted(jit[1:]) == sorted(p.name for p in setup_ops.KERNEL_SOURCES)
     assert gpu_op_loader.NVCC_FLAGS == setup_ops.NVCC_FLAGS
+    # The wrapper includes append_attention_checks.h from cpu_ops/: both builds must see it.
+    assert gpu_op_loader.include_dirs() == [d.resolve() for d in setup_ops.INCLUDE_DIRS]
+    assert any((d / "append_attention_checks.h").is_file() for d in gpu_op_loader.include_dirs())
     assert all(p.is_file() for p in gpu_op_loader.gpu_sources())
 
 

@@ -19,7 +19,7 @@ from types import ModuleType
 
 from fastdeploy.worker.device import GPU_WHEEL_HINT
 
-from .cpu_op_loader import _BUILT_MARKER, _locked, _quiet_paddle_extension_logs, build_dir
+from .cpu_op_loader import _BUILT_MARKER, SOURCE_DIR as CPU_SOURCE_DIR, _locked, _quiet_paddle_extension_logs, build_dir
 
 MODULE_NAME = "fd_gpu_ops"
 INSTALLED_MODULE = "fastdeploy_ops_gpu"  # what custom_ops/setup_ops.py installs
@@ -45,11 +45,17 @@ def gpu_sources() -> list[Path]:
     return [SOURCE_DIR / "append_attention.cu", *kernels]
 
 
+def include_dirs() -> list[Path]:
+    """gpu_ops/ for the kernels' API header; cpu_ops/ for append_attention_checks.h, the input
+    checks the wrapper shares with the CPU op."""
+    return [SOURCE_DIR, CPU_SOURCE_DIR]
+
+
 def _build_key() -> str:
     import paddle
 
     h = hashlib.sha256()
-    for src in sorted(SOURCE_DIR.rglob("*.cu*")):
+    for src in [*sorted(SOURCE_DIR.rglob("*.cu*")), *sorted(CPU_SOURCE_DIR.glob("*.h"))]:
         h.update(src.name.encode())
         h.update(src.read_bytes())
     h.update(" ".join(NVCC_FLAGS).encode())
@@ -80,7 +86,7 @@ def _build(out_dir: Path) -> ModuleType:
         try:
             module = load(name=MODULE_NAME, sources=[str(s) for s in gpu_sources()],
                           extra_cxx_cflags=["-O3", "-std=c++17"], extra_cuda_cflags=NVCC_FLAGS,
-                          extra_include_paths=[str(SOURCE_DIR)], build_directory=str(out_dir))
+                          extra_include_paths=[str(d) for d in include_dirs()], build_directory=str(out_dir))
         except Exception as e:
             raise GpuOpUnavailable(f"building the CUDA attention op in {out_dir} failed (nvcc output above); "
                                    f"or build it ahead with `python custom_ops/setup_ops.py install`") from e
