@@ -7,7 +7,7 @@ dataset fixes its output length with `max_tokens` and `metadata.min_tokens`; com
 `max_tokens` unless the yaml does (the server then generates up to max_model_len).
 
 The server streams one chunk per generated token, each choice with `arrival_time` (seconds from
-the request's arrival in the engine). Per request the client records TTFT (first chunk with
+the request's arrival in the engine); a chat choice opens with a role-only chunk, as upstream's does. Per request the client records TTFT (first chunk with
 choices), ITL (gaps between later chunks), E2E latency, `arrival_time` of every chunk (from which
 benchmark_serving derives the server-side S_TTFT / S_ITL / S_E2EL / S_decode), and from `usage`:
 completion tokens, prompt tokens and prefix-cache hits (`prompt_tokens_details.cached_tokens`).
@@ -137,6 +137,12 @@ def _choice_text(choice: dict) -> tuple[str, str]:
     return choice.get("text") or "", ""
 
 
+def _opens_a_chat_choice(choice: dict) -> bool:
+    """The role-only chunk that opens a streamed chat choice (upstream and OpenAI send one): no token."""
+    delta = choice.get("delta") or {}
+    return "role" in delta and not delta.get("content") and choice.get("finish_reason") is None
+
+
 async def _stream(request: RequestFuncInput, payload: dict, session: aiohttp.ClientSession) -> RequestFuncOutput:
     output = RequestFuncOutput(no=request.no)
     headers = {"Content-Type": "application/json"}
@@ -148,6 +154,7 @@ async def _stream(request: RequestFuncInput, payload: dict, session: aiohttp.Cli
     reasoning: list[str] = []
     start = time.perf_counter()
     last = start
+    token_chunks = 0
     try:
         async with session.post(request.api_url, json=payload, headers=headers) as response:
             if response.status != 200:
@@ -177,6 +184,7 @@ async def _stream(request: RequestFuncInput, payload: dict, session: aiohttp.Cli
                     if not output.res_ttft and content:
                         output.res_ttft = choice.get("arrival_time", now - start)
                     output.arrival_time.append(choice.get("arrival_time", now - start))
+                    token_chunks += not _opens_a_chat_choice(choice)
                     text.append(content)
                     reasoning.append(thought)
                     last = now
@@ -190,7 +198,7 @@ async def _stream(request: RequestFuncInput, payload: dict, session: aiohttp.Cli
         output.generated_text = "".join(text)
         output.reasoning_content = "".join(reasoning)
         if not output.output_tokens:  # a server that sends no usage: one chunk per token
-            output.output_tokens = len(output.arrival_time)
+            output.output_tokens = token_chunks
         if output.output_tokens > 1:
             output.tpot = (output.latency - output.ttft) / (output.output_tokens - 1)
         if not output.arrival_time:

@@ -229,6 +229,8 @@ def test_ebchat_with_a_request_yaml_saves_upstreams_result_json(live_server_url,
                   "--json", str(tmp_path / "ours.json"), "--plot", str(tmp_path / "latency.png"))
     assert result["failed"] == 0, result["errors"]
     assert result["output_lens"] == [32] * 4  # the yaml's max_tokens / metadata.min_tokens
+    # The role chunk, then 32 token chunks: 32 gaps per request, as upstream's client counts them.
+    assert [len(gaps) for gaps in result["itls"]] == [32] * 4
     (saved,) = [p for p in tmp_path.iterdir() if p.name.startswith("openai-chat-infqps-concurrency4-")]
     record = json.loads(saved.read_text())
     for key in ("date", "backend", "model_id", "tokenizer_id", "num_prompts", "request_rate", "burstiness",
@@ -240,6 +242,24 @@ def test_ebchat_with_a_request_yaml_saves_upstreams_result_json(live_server_url,
     assert record["run"] == "test" and record["request_rate"] == "inf"
     assert json.loads((tmp_path / "ours.json").read_text())["completed"] == 4
     assert (tmp_path / "latency.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_without_usage_the_client_counts_token_chunks_not_the_chat_role_chunk(live_server_url):
+    import asyncio
+    import urllib.request
+
+    from backend_request_func import async_request_eb_openai_chat_completions
+
+    with urllib.request.urlopen(f"{live_server_url}/v1/models") as resp:
+        model = json.load(resp)["data"][0]["id"]
+    request = RequestFuncInput(no=1, prompt="hi", history_QA=[{"role": "user", "content": "hi"}],
+                               hyper_parameters={"stream_options": {"include_usage": False}, "temperature": 0},
+                               api_url=f"{live_server_url}/v1/chat/completions", prompt_len=0, output_len=6,
+                               model=model, ignore_eos=True)
+    output = asyncio.run(async_request_eb_openai_chat_completions(request))
+    assert output.success, output.error
+    assert output.output_tokens == 6 and len(output.arrival_time) == 7  # role chunk + six tokens
+    assert output.arrival_time[0] == output.arrival_time[1]  # S_TTFT (arrival_time[1]) is the first token's
 
 
 def test_a_repeated_prompt_reports_cached_tokens(live_server_url):

@@ -70,14 +70,23 @@ def assert_upstream_stream_shape(chunks: list[dict], num_tokens: int) -> None:
     assert "cached_tokens" in final["usage"]["prompt_tokens_details"]
 
 
-def test_chat_stream_has_one_chunk_per_token_and_the_role_on_the_first_token(server):
+def test_chat_stream_opens_with_a_role_chunk_then_one_chunk_per_token(server):
+    # Upstream's serving_chat yields, when a choice's first result arrives, a role-only delta
+    # (role "assistant", content "") with usage so far (completion 0), then one chunk per token;
+    # its benchmark therefore takes the first token's server time (S_TTFT) from arrival_time[1].
     model = server.model_name()
     messages = [{"role": "user", "content": "Tell me about sliding windows."}]
     chunks = stream(server, "/v1/chat/completions", upstream_chat_payload(model, messages, 12))
-    assert_upstream_stream_shape(chunks, 12)
-    deltas = [c["choices"][0]["delta"] for c in token_chunks(chunks)]
-    assert deltas[0]["role"] == "assistant"  # not a chunk of its own sent before prefill
-    assert all("role" not in d for d in deltas[1:])
+    opening, rest = chunks[0], chunks[1:]
+    assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert opening["choices"][0]["finish_reason"] is None
+    assert opening["usage"]["completion_tokens"] == 0 and opening["usage"]["prompt_tokens"] > 0
+    assert "cached_tokens" in opening["usage"]["prompt_tokens_details"]  # upstream's client reads it here
+    assert_upstream_stream_shape(rest, 12)
+    deltas = [c["choices"][0]["delta"] for c in token_chunks(rest)]
+    assert all("role" not in d for d in deltas)
+    arrivals = [c["choices"][0]["arrival_time"] for c in token_chunks(chunks)]
+    assert arrivals[0] == arrivals[1]  # the role chunk goes out with the first token, not before prefill
     full = server.http.post("/v1/chat/completions", json={**upstream_chat_payload(model, messages, 12),
                                                           "stream": False}).json()
     assert "".join(d["content"] for d in deltas) == full["choices"][0]["message"]["content"]

@@ -17,6 +17,7 @@ from fastdeploy.entrypoints.openai.protocol import (
     ChatMessageOut,
     ChatTokenLogprob,
     TopLogprob,
+    UsageInfo,
 )
 from fastdeploy.entrypoints.openai.serving_completion import (
     ChoiceStreams,
@@ -50,24 +51,34 @@ class OpenAIServingChat(OpenAIServing):
     @staticmethod
     async def _stream(request: ChatCompletionRequest, choices: ChoiceStreams,
                       chunks: StreamChunks) -> AsyncIterator[str]:
-        """One chunk per generated token, as upstream FastDeploy streams: the first token's chunk
-        carries the assistant role (so a client's first chunk marks its real first token), the
-        last token's chunk the finish reason."""
+        """One chunk per generated token, as upstream FastDeploy streams. Each choice opens, when its
+        first token arrives, with a role-only chunk (`{"role": "assistant", "content": ""}`, as
+        upstream and OpenAI send it; upstream's benchmark therefore reads the first token's server
+        time from the second chunk); the last token's chunk carries the finish reason."""
         texts = [IncrementalText() for _ in choices.streams]
         started = [False] * len(choices.streams)
         lasts: dict = {}
         async for index, out in choices:
             lasts[index] = out
-            delta = {"content": texts[index].delta(out.text, out.finished)}
             if not started[index]:
-                delta = {"role": "assistant", **delta}
                 started[index] = True
+                yield chunks.chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None, "arrival_time": out.arrival_time},
+                                   usage=_usage_before_token(lasts, index, request.n))
+            delta = {"content": texts[index].delta(out.text, out.finished)}
             logprobs = _chat_logprobs(out.new_logprobs).model_dump() if request.logprobs and out.new_logprobs else None
             yield chunks.chunk({"index": index, "delta": delta, "logprobs": logprobs,
                                 "finish_reason": out.finish_reason if out.finished else None,
                                 "arrival_time": out.arrival_time}, lasts)
         for line in chunks.close(lasts):
             yield line
+
+
+def _usage_before_token(lasts: dict, index: int, n: int) -> UsageInfo:
+    """The usage so far without choice `index`'s newest output: its role chunk precedes its tokens."""
+    so_far = usage_of(lasts, n)
+    cached = so_far.prompt_tokens_details.cached_tokens if so_far.prompt_tokens_details else 0
+    return UsageInfo.of(so_far.prompt_tokens, so_far.completion_tokens - lasts[index].num_output_tokens, cached)
 
 
 def _chat_logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:

@@ -79,11 +79,14 @@ class StreamChunks:
     continuous_usage: bool = False
     n: int = 1  # choices per prompt: usage counts each prompt once
 
-    def chunk(self, choice: dict, lasts: Optional[dict] = None) -> str:
+    def chunk(self, choice: dict, lasts: Optional[dict] = None, usage: Optional[UsageInfo] = None) -> str:
+        """`usage`: the usage so far when it is not that of `lasts` (a chat choice's role chunk)."""
         body = {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [choice]}
         if self.include_usage:  # stream_options.include_usage: null on every chunk but the last
-            body["usage"] = usage_of(lasts, self.n).model_dump() if self.continuous_usage and lasts else None
+            if usage is None and lasts:
+                usage = usage_of(lasts, self.n)
+            body["usage"] = usage.model_dump() if self.continuous_usage and usage else None
         return sse(body)
 
     def close(self, lasts: dict) -> Iterator[str]:
