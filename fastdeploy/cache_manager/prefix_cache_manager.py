@@ -120,8 +120,7 @@ class _Pool:
         listed_total = sum(len(f) for f in self.free_lists)
         if listed_total != self.num_free:
             raise AssertionError(f"{label}: free count {self.num_free} but {listed_total} ids are listed")
-        if owned + self.num_free != self.num_ids:
-            raise AssertionError(f"{label}: free {self.num_free} + owned {owned} != total {self.num_ids}")
+        # Every id is now either free and listed once or owned and unlisted, so free + owned == total.
         return owned
 
 
@@ -150,7 +149,7 @@ class PrefixCacheManager:
             slot_rank = [h // self.heads_per_rank for h in range(layout.num_kv_heads)] if self.head_wise else [0]
             self.prefix_cache = PrefixCache(
                 self._pools, slot_rank, layout.recycling_heads if self.head_wise else (), layout.block_size,
-                layout.window, layout.sink, self.heads_per_rank if self.head_wise else 1)
+                layout.window, layout.sink)
 
     # -- 1-D mode ------------------------------------------------------------------------------
     def can_allocate_gpu_blocks(self, num_blocks: int) -> bool:

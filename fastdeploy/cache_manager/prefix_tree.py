@@ -89,7 +89,7 @@ class PrefixCache:
     """The trie, per-page reference sets and the eviction heaps over a set of page pools (one per rank)."""
 
     def __init__(self, pools: list, slot_rank: list, recycling_slots: Iterable[int], block_size: int,
-                 window: int, sink: int, heads_per_rank: int):
+                 window: int, sink: int):
         self.pools = pools
         self.slot_rank = list(slot_rank)
         self.num_slots = len(self.slot_rank)
@@ -99,7 +99,6 @@ class PrefixCache:
         self.rec_slots = sorted(rec)
         self.block_size, self.window = block_size, window
         self.sink_blocks = sink_blocks(sink, block_size) if rec else 0
-        self.heads_per_rank = heads_per_rank  # home lists per pool (1 in 1-D mode)
         self.root = BlockNode(None, None, -1, self.num_slots)
         ranks = len(pools)
         self.where = [dict() for _ in range(ranks)]      # page -> (node, slot)
