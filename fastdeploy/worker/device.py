@@ -9,6 +9,8 @@ Paddle-free process (the GPU check's scheduler loop) can still build a config wi
 
 from __future__ import annotations
 
+import os
+
 DEVICE_CHOICES = ("auto", "gpu", "cpu")
 GPU_WHEEL_HINT = ("install the GPU wheel `paddlepaddle-gpu` (the CPU wheel `paddlepaddle` has no CUDA), "
                   "or start with --device cpu")
@@ -53,9 +55,18 @@ def gpu_unavailable_reason() -> str:
     return "Paddle has CUDA but sees no GPU (check CUDA_VISIBLE_DEVICES and the driver)"
 
 
+def local_gpu_index(rank: int) -> int:
+    """This process's GPU on its own machine. `paddle.distributed.launch` (and the engine's own
+    launcher, engine/worker_group.py) name it in FLAGS_selected_gpus, which init_parallel_env binds
+    the NCCL communicator to; the global rank is not it on a second machine (ranks 2, 3 of
+    `--nproc_per_node 2` drive GPUs 0, 1) nor under `--gpus 4,5`. Without the flag: the rank."""
+    selected = os.environ.get("FLAGS_selected_gpus", "").split(",")[0].strip()
+    return int(selected) if selected.isdigit() else rank
+
+
 def paddle_device_name(device: str, rank: int = 0) -> str:
-    """Paddle's name for one rank's device: 'gpu:R' (one GPU per tensor-parallel rank) or 'cpu'."""
-    return f"gpu:{rank}" if device == "gpu" else "cpu"
+    """Paddle's name for one rank's device: 'gpu:N' (N = local_gpu_index, one GPU per rank) or 'cpu'."""
+    return f"gpu:{local_gpu_index(rank)}" if device == "gpu" else "cpu"
 
 
 def default_cache_dtype(device: str, compute_dtype: str) -> str:

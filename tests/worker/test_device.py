@@ -41,6 +41,20 @@ def test_device_gpu_without_a_cuda_paddle_fails_at_start_up_naming_both_wheels()
     assert "--device cpu" in str(err.value)
 
 
+def test_a_ranks_gpu_is_the_one_paddle_launch_selected_not_its_global_rank(monkeypatch):
+    from fastdeploy.worker.device import paddle_device_name
+
+    # paddle.distributed.launch, second machine of two with --nproc_per_node 2: global rank 3 is
+    # local GPU 1, which init_parallel_env binds NCCL to (FLAGS_selected_gpus).
+    monkeypatch.setenv("FLAGS_selected_gpus", "1")
+    assert paddle_device_name("gpu", 3) == "gpu:1"
+    monkeypatch.setenv("FLAGS_selected_gpus", "4,5")  # one process driving several: Paddle takes the first
+    assert paddle_device_name("gpu", 0) == "gpu:4"
+    monkeypatch.delenv("FLAGS_selected_gpus")
+    assert paddle_device_name("gpu", 2) == "gpu:2"  # the engine's in-process / own launcher default
+    assert paddle_device_name("cpu", 3) == "cpu"
+
+
 def test_cpu_device_keeps_the_float32_cache_default_and_the_config_records_the_device():
     fd = EngineArgs(device="cpu").create_engine_config()
     assert fd.device == "cpu" and fd.cache_config.cache_dtype == "float32"
