@@ -55,6 +55,58 @@ def test_a_ranks_gpu_is_the_one_paddle_launch_selected_not_its_global_rank(monke
     assert paddle_device_name("cpu", 3) == "cpu"
 
 
+def _gpu_config(model=None, block_size=64):
+    """A config resolved for --device gpu (buildable with the CPU wheel: nothing here touches a GPU)."""
+    from fastdeploy.config import CacheConfig, FDConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
+    model_config = ModelConfig.create(model, None, None, device="gpu")
+    return FDConfig.from_env(model_config=model_config, scheduler_config=SchedulerConfig(),
+                             cache_config=CacheConfig(block_size=block_size, cache_dtype=model_config.dtype),
+                             parallel_config=ParallelConfig(), device="gpu")
+
+
+def test_without_a_model_the_gpu_serves_the_head_dim_64_twin_of_the_tiny_preset():
+    from fastdeploy.model_executor.models.tiny_preset import TINY_GPU_PRESET_NAME, TINY_PRESET_NAME
+
+    gpu = _gpu_config().model_config
+    cpu = EngineArgs(device="cpu").create_engine_config().model_config
+    assert (gpu.preset, gpu.served_model_name, gpu.head_dim) == (TINY_GPU_PRESET_NAME, TINY_GPU_PRESET_NAME, 64)
+    assert (cpu.preset, cpu.head_dim) == (TINY_PRESET_NAME, 32)  # the CPU default is unchanged
+    for field in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_wise_swa", "seed"):
+        assert getattr(gpu, field) == getattr(cpu, field)
+    assert _gpu_config("tiny-moe-hd64").model_config.head_dim == 64
+
+
+def test_shapes_the_cuda_op_has_no_kernels_for_are_start_up_errors_on_the_gpu():
+    from fastdeploy.worker.device import check_gpu_attention_shapes
+
+    # tiny-moe has head_dim 16: every step would fail inside the CUDA op; say so at start-up.
+    with pytest.raises(ValueError, match=r"head_dim 64 or 128, but the model has head_dim 16.*--model tiny-moe-hd64"):
+        _gpu_config("tiny-moe")
+    with pytest.raises(ValueError, match="--block-size 16 or 64, got 32"):
+        _gpu_config(block_size=32)
+    with pytest.raises(ValueError, match="at most 8 query heads per KV head"):
+        check_gpu_attention_shapes(128, 64, 36, 4)
+    check_gpu_attention_shapes(128, 64, 20, 4)  # ERNIE-4.5-21B-A3B
+    assert EngineArgs(device="cpu", model="tiny-moe").create_engine_config().model_config.head_dim == 16
+
+
+def test_the_gpu_shape_limits_are_the_cuda_launchers():
+    import re
+    from pathlib import Path
+
+    from fastdeploy.worker import device
+
+    src = Path(__file__).resolve().parents[2] / "custom_ops" / "gpu_ops" / "append_attn"
+    launcher = (src / "launcher.cu").read_text()
+    for field, allowed in (("head_dim", device.GPU_ATTENTION_HEAD_DIMS),
+                           ("block_size", device.GPU_ATTENTION_BLOCK_SIZES)):
+        refused = re.search(rf"if \((p\.{field} != \d+(?: && p\.{field} != \d+)*)\)", launcher).group(1)
+        assert tuple(int(v) for v in re.findall(r"!= (\d+)", refused)) == allowed
+    group = re.search(r"constexpr int kMaxGroup = (\d+);", (src / "append_attn_common.cuh").read_text())
+    assert int(group.group(1)) == device.GPU_ATTENTION_MAX_GROUP
+
+
 def test_cpu_device_keeps_the_float32_cache_default_and_the_config_records_the_device():
     fd = EngineArgs(device="cpu").create_engine_config()
     assert fd.device == "cpu" and fd.cache_config.cache_dtype == "float32"
@@ -184,13 +236,14 @@ def test_gpu_tensors_go_to_the_cuda_op_and_match_the_cpu_op():
 @pytest.mark.skipif(not HAS_GPU, reason="needs Paddle with CUDA and a GPU")
 def test_engine_on_the_gpu_runs_attention_on_the_cuda_op_and_follows_the_cpu_path(monkeypatch):
     from fastdeploy import LLM, SamplingParams
+    from fastdeploy.model_executor.models.tiny_preset import TINY_GPU_PRESET_NAME
 
     monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")
     prompts = [[3 + (i * 37 + n * 11) % 250 for i in range(n)] for n in (5, 130, 300)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = {}
     for device in ("gpu", "cpu"):
-        llm = LLM(device=device, block_size=16, max_model_len=1024, cache_dtype="bfloat16",
+        llm = LLM(model=TINY_GPU_PRESET_NAME, device=device, block_size=16, max_model_len=1024, cache_dtype="bfloat16",
                   dtype="bfloat16" if device == "gpu" else "float32")
         runner = llm.engine.runner.ranks
         assert runner.attn_backend.key_caches[0].place.is_gpu_place() == (device == "gpu")
