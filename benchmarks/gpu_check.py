@@ -256,10 +256,7 @@ class CudaExecutor:
         import cupy as cp
 
         self.cp = cp
-        self.lib = ctypes.CDLL(str(library))
-        self.lib.append_attention_launch.restype = ctypes.c_int
-        self.lib.append_attention_workspace_bytes.restype = ctypes.c_size_t
-        self.lib.append_attention_last_error.restype = ctypes.c_char_p
+        self.lib = gpu_harness.bind(ctypes.CDLL(str(library)), gpu_harness.C_ABI)  # the header's prototypes
         try:
             import torch
 
