@@ -74,6 +74,14 @@ def paddle_device_name(device: str, rank: int = 0) -> str:
     return f"gpu:{local_gpu_index(rank)}" if device == "gpu" else "cpu"
 
 
+def collective_backend(device: str) -> str:
+    """paddle.distributed's backend for ranks on `device`: NCCL on the GPU, gloo on the CPU. The
+    worker sets it from the device the engine resolved, whatever the launcher's environment says:
+    under PADDLE_DISTRI_BACKEND=gloo (the CPU recipe, which the CPU wheel needs) a GPU Paddle builds
+    a CPU-only group whose all-reduce cannot take the GPU tensors."""
+    return "nccl" if device == "gpu" else "gloo"
+
+
 def default_cache_dtype(device: str, compute_dtype: str) -> str:
     """`--cache-dtype` left unset: float32 on the CPU (its op's fastest storage); on the GPU the
     compute dtype, which the CUDA op requires of its caches."""

@@ -4,6 +4,7 @@ tensor place. Runs on the CPU wheel; where Paddle has CUDA and a GPU, the GPU-on
 from __future__ import annotations
 
 import importlib
+import os
 
 import numpy as np
 import paddle
@@ -53,6 +54,23 @@ def test_a_ranks_gpu_is_the_one_paddle_launch_selected_not_its_global_rank(monke
     monkeypatch.delenv("FLAGS_selected_gpus")
     assert paddle_device_name("gpu", 2) == "gpu:2"  # the engine's in-process / own launcher default
     assert paddle_device_name("cpu", 3) == "cpu"
+
+
+def test_a_rank_takes_its_collective_backend_from_the_device_not_the_launchers_environment(monkeypatch):
+    from fastdeploy.worker.device import collective_backend
+    from fastdeploy.worker.worker_process import place_rank
+
+    # The multi-machine recipe exports PADDLE_DISTRI_BACKEND=gloo (the CPU wheel needs it); on a GPU
+    # Paddle that would build a CPU-only group that cannot all-reduce the GPU tensors.
+    assert collective_backend("gpu") == "nccl" and collective_backend("cpu") == "gloo"
+    monkeypatch.setenv("PADDLE_DISTRI_BACKEND", "nccl")
+    place_rank("cpu", 0)
+    assert os.environ["PADDLE_DISTRI_BACKEND"] == "gloo" and paddle.get_device() == "cpu"
+    monkeypatch.setenv("PADDLE_DISTRI_BACKEND", "gloo")
+    if not HAS_GPU:  # the CPU wheel refuses gpu:N, after the backend was set
+        with pytest.raises(ValueError):
+            place_rank("gpu", 0)
+        assert os.environ["PADDLE_DISTRI_BACKEND"] == "nccl"
 
 
 def _gpu_config(model=None, block_size=64):
