@@ -54,6 +54,7 @@ from benchmarks.serving_sim.workload import Workload  # noqa: E402
 from fastdeploy.engine.request import Request, SamplingParams  # noqa: E402
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1  # noqa: E402
 from fastdeploy.engine.step_runner import StepRunner  # noqa: E402
+from fastdeploy.model_executor.models.tiny_preset import TINY_GPU_PRESET_NAME, TINY_MOE_GPU_PRESET_NAME  # noqa: E402
 from fastdeploy.worker.step_buffers import HostStepBuffer, StepBufferLayout  # noqa: E402
 
 import gpu_harness  # noqa: E402  (tests/custom_ops: nvcc build + ctypes structs of the C ABI)
@@ -255,10 +256,7 @@ class CudaExecutor:
         import cupy as cp
 
         self.cp = cp
-        self.lib = ctypes.CDLL(str(library))
-        self.lib.append_attention_launch.restype = ctypes.c_int
-        self.lib.append_attention_workspace_bytes.restype = ctypes.c_size_t
-        self.lib.append_attention_last_error.restype = ctypes.c_char_p
+        self.lib = gpu_harness.bind(ctypes.CDLL(str(library)), gpu_harness.C_ABI)  # the header's prototypes
         try:
             import torch
 
@@ -428,7 +426,7 @@ ENGINE_SCRIPT = r"""
 import json, os, sys
 os.environ["FD_HEAD_WISE_KV_CACHE"] = "1"
 from fastdeploy import LLM, SamplingParams
-device, model = sys.argv[1], (sys.argv[2] if sys.argv[2] != "-" else None)
+device, model = sys.argv[1], sys.argv[2]
 llm = LLM(model=model, device=device, dtype="bfloat16" if device == "gpu" else "float32",
           cache_dtype="bfloat16", block_size=16, max_model_len=1024, max_num_seqs=8)
 prompts = [[3 + (i * 37 + n * 11) % 250 for i in range(n)] for n in (1, 17, 130, 300)]
@@ -462,7 +460,8 @@ def engine_part(timeout: float) -> dict:
     if not paddle.is_compiled_with_cuda():
         return {"skipped": f"Paddle {paddle.__version__} is the CPU build (this part needs paddlepaddle-gpu)"}
     report = {}
-    for model in ("-", "tiny-moe"):
+    # The presets' head_dim-64 twins, named on both devices: the CUDA op has no head_dim 32/16 kernels.
+    for model in (TINY_GPU_PRESET_NAME, TINY_MOE_GPU_PRESET_NAME):
         runs = {}
         for device in ("gpu", "cpu"):
             rc, out, secs = _run([sys.executable, "-c", ENGINE_SCRIPT, device, model], timeout / 5)

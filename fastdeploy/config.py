@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from fastdeploy import envs
 from fastdeploy.model_executor.tensor_parallel import balanced_kv_head_order, check_shardable
-from fastdeploy.model_executor.models.tiny_preset import PRESETS, TINY_PRESET_NAME
+from fastdeploy.model_executor.models.tiny_preset import PRESETS, TINY_PRESET_NAME, default_preset
 
 logger = logging.getLogger("fastdeploy.config")
 
@@ -177,7 +177,7 @@ class ModelConfig:
     @classmethod
     def create(cls, model: Optional[str], max_model_len: Optional[int], head_wise_swa_override: Any,
                served_model_name: Optional[str] = None, dtype: str = "auto", device: str = "cpu") -> "ModelConfig":
-        preset = TINY_PRESET_NAME if model is None else (model if model in PRESETS else None)
+        preset = default_preset(device) if model is None else (model if model in PRESETS else None)
         if preset is not None:
             raw, model = dict(PRESETS[preset]), None
         else:
@@ -438,12 +438,15 @@ class FDConfig:
         self._check_device()
 
     def _check_device(self) -> None:
-        from fastdeploy.worker.device import check_gpu_attention_dtypes
+        from fastdeploy.worker.device import check_gpu_attention_dtypes, check_gpu_attention_shapes
 
         if self.device not in ("gpu", "cpu"):
             raise ValueError(f"device must be resolved to gpu or cpu, got {self.device!r}")
         if self.device == "gpu" and self.attention_backend == "APPEND_ATTN":
             check_gpu_attention_dtypes(self.model_config.dtype, self.cache_config.cache_dtype)
+            model = self.model_config
+            check_gpu_attention_shapes(model.head_dim, self.cache_config.block_size, model.num_attention_heads,
+                                       model.num_key_value_heads, model.preset)
         if self.device == "cpu" and self.cache_config.cache_dtype == "float16":
             raise ValueError("cache_dtype=float16 needs --device gpu; the CPU op stores float32 or bfloat16")
         if self.head_wise_attn == "DUAL_PASS":

@@ -19,6 +19,7 @@ import weakref
 from pathlib import Path
 
 from fastdeploy import envs
+from fastdeploy.worker.device import collective_backend
 
 logger = logging.getLogger("fastdeploy.engine.worker_group")
 
@@ -125,7 +126,7 @@ class WorkerGroup:
         endpoints = [f"{host}:{p}" for p in _free_ports(tp, host)]
         env = dict(os.environ, PADDLE_TRAINERS_NUM=str(tp), PADDLE_TRAINER_ENDPOINTS=",".join(endpoints),
                    PADDLE_MASTER=endpoints[0])
-        env.setdefault("PADDLE_DISTRI_BACKEND", "nccl" if gpu else "gloo")
+        env["PADDLE_DISTRI_BACKEND"] = collective_backend("gpu" if gpu else "cpu")  # the worker sets it too
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p)
         for rank in range(tp):
             cmd = [sys.executable, "-m", WORKER_MODULE, "--rank", str(rank),

@@ -44,6 +44,17 @@ def _exit_quietly(_signum, _frame) -> None:
     raise SystemExit(0)
 
 
+def place_rank(device: str, rank: int) -> None:
+    """Before the collective group, which reads both: its backend (from the device, not the
+    launcher's environment) and this rank's device."""
+    import paddle
+
+    from fastdeploy.worker.device import collective_backend, paddle_device_name
+
+    os.environ["PADDLE_DISTRI_BACKEND"] = collective_backend(device)
+    paddle.set_device(paddle_device_name(device, rank))
+
+
 def serve(rank: int, step_address: str, result_address: str) -> int:
     import zmq
 
@@ -59,13 +70,9 @@ def serve(rank: int, step_address: str, result_address: str) -> int:
         if fd_config is None:  # the engine gave up before this rank started
             return 0
         tp = fd_config.parallel_config.tensor_parallel_size
-        import paddle
         import paddle.distributed as dist
 
-        from fastdeploy.worker.device import paddle_device_name
-
-        # Before the collective group: it takes its backend (NCCL / gloo) from the current device.
-        paddle.set_device(paddle_device_name(getattr(fd_config, "device", "cpu"), rank))
+        place_rank(getattr(fd_config, "device", "cpu"), rank)
         if tp > 1:
             dist.init_parallel_env()
         from fastdeploy.worker.model_runner import ModelRunner

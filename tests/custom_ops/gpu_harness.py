@@ -81,6 +81,32 @@ class _Buffers(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in BUFFER_FIELDS]
 
 
+# restype and argtypes of every C entry point ctypes calls, as declared in append_attn_api.cuh (the
+# launcher) and harness.cu (aa_*); tests/custom_ops/test_op_abi_contract.py checks them against
+# the sources, so a changed prototype cannot be called with stale argument types.
+C_ABI = {
+    "append_attention_workspace_bytes": (ctypes.c_size_t, [ctypes.POINTER(_Params)]),
+    "append_attention_launch": (ctypes.c_int, [ctypes.POINTER(_Params), ctypes.POINTER(_Buffers), ctypes.c_void_p,
+                                               ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p]),
+    "append_attention_last_error": (ctypes.c_char_p, []),
+}
+HARNESS_ABI = {
+    "aa_device_count": (ctypes.c_int, []),
+    "aa_run": (ctypes.c_int, [ctypes.POINTER(_Params), ctypes.POINTER(_Buffers), ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int),
+                              ctypes.c_char_p, ctypes.c_int]),
+    "aa_copy_bandwidth_gbps": (ctypes.c_double, [ctypes.c_size_t, ctypes.c_int]),
+}
+
+
+def bind(lib, abi: dict):
+    """Declare restype/argtypes of `abi`'s functions on a loaded library; returns the library."""
+    for name, (restype, argtypes) in abi.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
 class BuildError(RuntimeError):
     pass
 
@@ -230,24 +256,7 @@ class RunResult:
 
 class Harness:
     def __init__(self, library: Path | str):
-        self.lib = ctypes.CDLL(str(library))
-        self.lib.aa_device_count.restype = ctypes.c_int
-        self.lib.aa_run.restype = ctypes.c_int
-        self.lib.aa_run.argtypes = [
-            ctypes.POINTER(_Params),
-            ctypes.POINTER(_Buffers),
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.POINTER(ctypes.c_float),
-            ctypes.POINTER(ctypes.c_int),
-            ctypes.c_char_p,
-            ctypes.c_int,
-        ]
-        self.lib.aa_copy_bandwidth_gbps.restype = ctypes.c_double
-        self.lib.aa_copy_bandwidth_gbps.argtypes = [ctypes.c_size_t, ctypes.c_int]
-        self.lib.append_attention_workspace_bytes.restype = ctypes.c_size_t
-        self.lib.append_attention_workspace_bytes.argtypes = [ctypes.POINTER(_Params)]
+        self.lib = bind(bind(ctypes.CDLL(str(library)), C_ABI), HARNESS_ABI)
 
     def device_count(self) -> int:
         return self.lib.aa_device_count()

@@ -1,13 +1,14 @@
 """The Paddle op wrapper (custom_ops/gpu_ops/append_attention.cu) compiles against this Paddle's own
 headers as a CUDA build of Paddle compiles it, and links with the kernels.
 
-Where nvcc exists (CI has it, no GPU needed). The flags are the JIT loader's (gpu_op_loader: sources,
-include dirs, sm_80 + sm_90) plus Paddle's own CUDA defines (`COMMON_NVCC_FLAGS`:
-PADDLE_WITH_CUDA, which turns on `paddle::Tensor::stream()` and the GPU places). One deviation:
-with PADDLE_WITH_CUDA, `paddle/extension.h` pulls Paddle's Python bindings, whose ATen shim needs
-cuBLAS/cuDNN headers that a CPU machine's CUDA toolkit lacks; the op uses no Python binding, so
-`PADDLE_NO_PYTHON` leaves that header out. Linking with the CPU libpaddle is impossible (no GPU
-symbols), so the link check is the C ABI between the wrapper and the kernels.
+Where nvcc exists (CI has it, no GPU needed). The flags are exactly the JIT loader's (gpu_op_loader:
+sources, include dirs, sm_80 + sm_90, PADDLE_NO_PYTHON) plus Paddle's own CUDA defines
+(`COMMON_NVCC_FLAGS`: PADDLE_WITH_CUDA, which turns on `paddle::Tensor::stream()` and the GPU
+places). Without PADDLE_NO_PYTHON, `paddle/extension.h` would pull Paddle's Python bindings, whose
+ATen shim needs cublasXt.h and cudnn.h, which CI's toolkit (and many GPU machines') lacks; the op
+uses no binding, so the production build leaves them out too and this check compiles what ships.
+Linking with the CPU libpaddle is impossible (no GPU symbols), so the link check is the C ABI
+between the wrapper and the kernels.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _paddle_cuda_compile_command(nvcc: str, out) -> list[str]:
     wrapper = gpu_op_loader.gpu_sources()[0]
     includes = [*map(str, gpu_op_loader.include_dirs()), *extension_utils.find_paddle_includes(use_cuda=False),
                 sysconfig.get_paths()["include"]]
-    return [nvcc, *extension_utils.COMMON_NVCC_FLAGS, "-DPADDLE_NO_PYTHON", *gpu_op_loader.NVCC_FLAGS,
+    return [nvcc, *extension_utils.COMMON_NVCC_FLAGS, *gpu_op_loader.NVCC_FLAGS,
             "-Xcompiler", "-fPIC", *(f"-I{d}" for d in includes), "-c", str(wrapper), "-o", str(out)]
 
 

@@ -4,6 +4,7 @@ tensor place. Runs on the CPU wheel; where Paddle has CUDA and a GPU, the GPU-on
 from __future__ import annotations
 
 import importlib
+import os
 
 import numpy as np
 import paddle
@@ -39,6 +40,89 @@ def test_device_gpu_without_a_cuda_paddle_fails_at_start_up_naming_both_wheels()
         EngineArgs(device="gpu").create_engine_config()
     assert "paddlepaddle-gpu" in str(err.value) and "`paddlepaddle`" in str(err.value)
     assert "--device cpu" in str(err.value)
+
+
+def test_a_ranks_gpu_is_the_one_paddle_launch_selected_not_its_global_rank(monkeypatch):
+    from fastdeploy.worker.device import paddle_device_name
+
+    # paddle.distributed.launch, second machine of two with --nproc_per_node 2: global rank 3 is
+    # local GPU 1, which init_parallel_env binds NCCL to (FLAGS_selected_gpus).
+    monkeypatch.setenv("FLAGS_selected_gpus", "1")
+    assert paddle_device_name("gpu", 3) == "gpu:1"
+    monkeypatch.setenv("FLAGS_selected_gpus", "4,5")  # one process driving several: Paddle takes the first
+    assert paddle_device_name("gpu", 0) == "gpu:4"
+    monkeypatch.delenv("FLAGS_selected_gpus")
+    assert paddle_device_name("gpu", 2) == "gpu:2"  # the engine's in-process / own launcher default
+    assert paddle_device_name("cpu", 3) == "cpu"
+
+
+def test_a_rank_takes_its_collective_backend_from_the_device_not_the_launchers_environment(monkeypatch):
+    from fastdeploy.worker.device import collective_backend
+    from fastdeploy.worker.worker_process import place_rank
+
+    # The multi-machine recipe exports PADDLE_DISTRI_BACKEND=gloo (the CPU wheel needs it); on a GPU
+    # Paddle that would build a CPU-only group that cannot all-reduce the GPU tensors.
+    assert collective_backend("gpu") == "nccl" and collective_backend("cpu") == "gloo"
+    monkeypatch.setenv("PADDLE_DISTRI_BACKEND", "nccl")
+    place_rank("cpu", 0)
+    assert os.environ["PADDLE_DISTRI_BACKEND"] == "gloo" and paddle.get_device() == "cpu"
+    monkeypatch.setenv("PADDLE_DISTRI_BACKEND", "gloo")
+    if not HAS_GPU:  # the CPU wheel refuses gpu:N, after the backend was set
+        with pytest.raises(ValueError):
+            place_rank("gpu", 0)
+        assert os.environ["PADDLE_DISTRI_BACKEND"] == "nccl"
+
+
+def _gpu_config(model=None, block_size=64):
+    """A config resolved for --device gpu (buildable with the CPU wheel: nothing here touches a GPU)."""
+    from fastdeploy.config import CacheConfig, FDConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
+    model_config = ModelConfig.create(model, None, None, device="gpu")
+    return FDConfig.from_env(model_config=model_config, scheduler_config=SchedulerConfig(),
+                             cache_config=CacheConfig(block_size=block_size, cache_dtype=model_config.dtype),
+                             parallel_config=ParallelConfig(), device="gpu")
+
+
+def test_without_a_model_the_gpu_serves_the_head_dim_64_twin_of_the_tiny_preset():
+    from fastdeploy.model_executor.models.tiny_preset import TINY_GPU_PRESET_NAME, TINY_PRESET_NAME
+
+    gpu = _gpu_config().model_config
+    cpu = EngineArgs(device="cpu").create_engine_config().model_config
+    assert (gpu.preset, gpu.served_model_name, gpu.head_dim) == (TINY_GPU_PRESET_NAME, TINY_GPU_PRESET_NAME, 64)
+    assert (cpu.preset, cpu.head_dim) == (TINY_PRESET_NAME, 32)  # the CPU default is unchanged
+    for field in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_wise_swa", "seed"):
+        assert getattr(gpu, field) == getattr(cpu, field)
+    assert _gpu_config("tiny-moe-hd64").model_config.head_dim == 64
+
+
+def test_shapes_the_cuda_op_has_no_kernels_for_are_start_up_errors_on_the_gpu():
+    from fastdeploy.worker.device import check_gpu_attention_shapes
+
+    # tiny-moe has head_dim 16: every step would fail inside the CUDA op; say so at start-up.
+    with pytest.raises(ValueError, match=r"head_dim 64 or 128, but the model has head_dim 16.*--model tiny-moe-hd64"):
+        _gpu_config("tiny-moe")
+    with pytest.raises(ValueError, match="--block-size 16 or 64, got 32"):
+        _gpu_config(block_size=32)
+    with pytest.raises(ValueError, match="at most 8 query heads per KV head"):
+        check_gpu_attention_shapes(128, 64, 36, 4)
+    check_gpu_attention_shapes(128, 64, 20, 4)  # ERNIE-4.5-21B-A3B
+    assert EngineArgs(device="cpu", model="tiny-moe").create_engine_config().model_config.head_dim == 16
+
+
+def test_the_gpu_shape_limits_are_the_cuda_launchers():
+    import re
+    from pathlib import Path
+
+    from fastdeploy.worker import device
+
+    src = Path(__file__).resolve().parents[2] / "custom_ops" / "gpu_ops" / "append_attn"
+    launcher = (src / "launcher.cu").read_text()
+    for field, allowed in (("head_dim", device.GPU_ATTENTION_HEAD_DIMS),
+                           ("block_size", device.GPU_ATTENTION_BLOCK_SIZES)):
+        refused = re.search(rf"if \((p\.{field} != \d+(?: && p\.{field} != \d+)*)\)", launcher).group(1)
+        assert tuple(int(v) for v in re.findall(r"!= (\d+)", refused)) == allowed
+    group = re.search(r"constexpr int kMaxGroup = (\d+);", (src / "append_attn_common.cuh").read_text())
+    assert int(group.group(1)) == device.GPU_ATTENTION_MAX_GROUP
 
 
 def test_cpu_device_keeps_the_float32_cache_default_and_the_config_records_the_device():
@@ -157,6 +241,8 @@ def test_device_errors_are_decoded_like_the_cuda_launcher_describes_them():
 @pytest.mark.skipif(not HAS_GPU, reason="needs Paddle with CUDA and a GPU")
 def test_gpu_tensors_go_to_the_cuda_op_and_match_the_cpu_op():
     tensors, attrs = _small_inputs(head_wise=True, d=64, bs=16)  # shapes the CUDA kernels support
+    # The reference sees the GPU's bf16 inputs (rounded, then float32): only the math may differ.
+    tensors["qkv"] = tensors["qkv"].astype("bfloat16").astype("float32")
     cpu = op_module.append_attention(*[tensors[n] for n in op_module.TENSOR_ARGS], **attrs).numpy()
     gpu_tensors, _ = _small_inputs(head_wise=True, d=64, bs=16)
     moved = {k: (v.cuda().astype("bfloat16") if k in ("qkv", "key_cache", "value_cache") else v.cuda())
@@ -170,13 +256,14 @@ def test_gpu_tensors_go_to_the_cuda_op_and_match_the_cpu_op():
 @pytest.mark.skipif(not HAS_GPU, reason="needs Paddle with CUDA and a GPU")
 def test_engine_on_the_gpu_runs_attention_on_the_cuda_op_and_follows_the_cpu_path(monkeypatch):
     from fastdeploy import LLM, SamplingParams
+    from fastdeploy.model_executor.models.tiny_preset import TINY_GPU_PRESET_NAME
 
     monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")
     prompts = [[3 + (i * 37 + n * 11) % 250 for i in range(n)] for n in (5, 130, 300)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = {}
     for device in ("gpu", "cpu"):
-        llm = LLM(device=device, block_size=16, max_model_len=1024, cache_dtype="bfloat16",
+        llm = LLM(model=TINY_GPU_PRESET_NAME, device=device, block_size=16, max_model_len=1024, cache_dtype="bfloat16",
                   dtype="bfloat16" if device == "gpu" else "float32")
         runner = llm.engine.runner.ranks
         assert runner.attn_backend.key_caches[0].place.is_gpu_place() == (device == "gpu")

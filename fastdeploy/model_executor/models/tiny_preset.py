@@ -63,4 +63,23 @@ TINY_MOE_PRESET_CONFIG = {
     "seed": 2025,
 }
 
-PRESETS = {TINY_PRESET_NAME: TINY_PRESET_CONFIG, TINY_MOE_PRESET_NAME: TINY_MOE_PRESET_CONFIG}
+# The CUDA AppendAttention op has kernels for head_dim 64 and 128 only (worker/device.py), so the
+# GPU runs twins of the presets with head_dim 64: same layers, heads, SWA spec and seed, wider
+# heads (different random weights). Without --model the GPU serves the dense twin; the GPU-vs-CPU
+# checks name a twin on both devices so that they compare one model.
+GPU_PRESET_HEAD_DIM = 64
+TINY_GPU_PRESET_NAME = TINY_PRESET_NAME + "-hd64"
+TINY_MOE_GPU_PRESET_NAME = TINY_MOE_PRESET_NAME + "-hd64"
+
+PRESETS = {
+    TINY_PRESET_NAME: TINY_PRESET_CONFIG,
+    TINY_MOE_PRESET_NAME: TINY_MOE_PRESET_CONFIG,
+    TINY_GPU_PRESET_NAME: {**TINY_PRESET_CONFIG, "head_dim": GPU_PRESET_HEAD_DIM},
+    TINY_MOE_GPU_PRESET_NAME: {**TINY_MOE_PRESET_CONFIG, "head_dim": GPU_PRESET_HEAD_DIM},
+}
+GPU_TWIN = {TINY_PRESET_NAME: TINY_GPU_PRESET_NAME, TINY_MOE_PRESET_NAME: TINY_MOE_GPU_PRESET_NAME}
+
+
+def default_preset(device: str) -> str:
+    """The preset served when no --model is given."""
+    return TINY_GPU_PRESET_NAME if device == "gpu" else TINY_PRESET_NAME
