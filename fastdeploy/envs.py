@@ -62,6 +62,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FD_RESERVE_OUTPUT_PAGES": _int_flag("FD_RESERVE_OUTPUT_PAGES", "1"),
     # Admission policy: reserve, on_demand or projected (see fastdeploy/config.py); unset = the default.
     "FD_ADMISSION_POLICY": lambda: os.getenv("FD_ADMISSION_POLICY", "").strip().lower().replace("-", "_") or None,
+    # The device when --device / LLM(device=...) is not given: AUTO (the GPU when Paddle has CUDA and
+    # sees one), GPU or CPU. The test suite pins CPU (tests/conftest.py); GPU tests ask for the GPU.
+    "FD_DEVICE": _choice_flag("FD_DEVICE", "AUTO", ("AUTO", "GPU", "CPU")),
     # Attention backend: APPEND_ATTN (paged custom op) or NATIVE_ATTN (dense reference, the oracle).
     "FD_ATTENTION_BACKEND": _choice_flag("FD_ATTENTION_BACKEND", "APPEND_ATTN", ("APPEND_ATTN", "NATIVE_ATTN")),
     # Head-wise SWA on the GPU: SINGLE_PASS (one kernel pass, each head its own window) or DUAL_PASS

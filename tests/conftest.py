@@ -7,6 +7,10 @@ import pytest
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.paddle_env import CCACHE_WARNING
 
+# The suite's exact-token expectations are CPU float32 ones; on a machine with paddlepaddle-gpu,
+# `auto` would pick the GPU (bf16, other presets). GPU tests ask for device="gpu" explicitly.
+os.environ.setdefault("FD_DEVICE", "cpu")
+
 # (FD_HEAD_WISE_KV_CACHE, FD_HEAD_WISE_SWA_RECYCLE) for the three memory modes of docs/testing.md.
 MEMORY_MODES = {
     "1d": ("0", "1"),

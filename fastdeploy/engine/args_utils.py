@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
+from fastdeploy import envs
 from fastdeploy.config import (ADMISSION_POLICIES, COMPUTE_DTYPES, DEFAULT_ADMISSION_POLICY, CacheConfig, FDConfig,
                                ModelConfig, ParallelConfig, SchedulerConfig)
 from fastdeploy.worker.device import DEVICE_CHOICES, default_cache_dtype, resolve_device
@@ -29,11 +30,11 @@ class EngineArgs:
     head_wise_swa_config: Union[None, str, dict] = None
     dtype: str = "auto"
     admission_policy: Optional[str] = None  # None: FD_ADMISSION_POLICY, else FD_RESERVE_OUTPUT_PAGES, else default
-    device: str = "auto"
+    device: Optional[str] = None  # None: FD_DEVICE (default auto)
 
     def create_engine_config(self) -> FDConfig:
         """Validate every flag (env flags included) and build the config; raises ValueError naming the field."""
-        device = resolve_device(self.device)
+        device = resolve_device(self.device or envs.FD_DEVICE.lower())
         model_config = ModelConfig.create(self.model, self.max_model_len, self.head_wise_swa_config,
                                           self.served_model_name, self.dtype, device)
         return FDConfig.from_env(
@@ -80,7 +81,7 @@ class EngineArgs:
                        help="storage type of the KV cache (default: float32 on the CPU, the compute dtype on the GPU)")
         g.add_argument("--device", choices=list(DEVICE_CHOICES), default=d.device,
                        help="where the model, KV cache and attention run (auto: the GPU when Paddle has CUDA and "
-                            "sees one, else the CPU)")
+                            "sees one, else the CPU; default: FD_DEVICE, else auto)")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help="token budget of one step (prefill chunks + decodes)")
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,

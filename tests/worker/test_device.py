@@ -19,9 +19,16 @@ op_module = importlib.import_module("fastdeploy.model_executor.layers.attention.
 HAS_GPU = cuda_device_count() > 0
 
 
-def test_device_flag_parses_upstream_style_and_defaults_to_auto():
+def test_device_flag_parses_upstream_style_and_defaults_to_fd_device(monkeypatch):
     parser = build_parser()
-    assert parser.parse_args([]).device == "auto"
+    assert parser.parse_args([]).device is None  # then FD_DEVICE, whose default is auto
+    monkeypatch.delenv("FD_DEVICE")
+    assert EngineArgs().create_engine_config().device == ("gpu" if HAS_GPU else "cpu")
+    monkeypatch.setenv("FD_DEVICE", "cpu")
+    assert EngineArgs().create_engine_config().device == "cpu"
+    monkeypatch.setenv("FD_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="FD_DEVICE"):
+        EngineArgs().create_engine_config()
     assert parser.parse_args(["--device", "cpu"]).device == "cpu"
     with pytest.raises(SystemExit):
         parser.parse_args(["--device", "tpu"])
