@@ -32,6 +32,7 @@ def step(rm):
     batch = rm.schedule()
     rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
     rm.check_integrity()
+    assert all(type(s.num_tokens) is int for s in batch.requests)  # token counts index tables and tensors
     return [(s.request.request_id, s.start, s.num_tokens) for s in batch.requests]
 
 
@@ -49,6 +50,9 @@ def test_a_prefilling_curve_has_one_step_per_token_left_and_the_last_steps_table
     assert rm._curve(r, 5) == (11, 16, 12, False, 0)  # positions 5..15
     assert rm._curve(r, 8) == (8, 16, 12, False, 0)   # positions 8..15 (n = 9 would be decoding)
     assert rm._claim(rm._curve(r, 5)) == [3 * 16 + 12]
+    # One output more: the last step computes position 16, a table of ceil(17/4) = 5 blocks: peak 20.
+    longer = request("b", range(3, 13), 8)
+    assert rm._curve(longer, 0) == (17, 20, 12, False, 0)
 
 
 def test_a_decoding_curve_starts_at_n_plus_a_block_and_is_capped_at_the_last_steps_table():
@@ -146,6 +150,21 @@ def test_a_running_chunk_shrinks_to_one_token_when_two_would_need_a_page_nobody_
     assert rm._slack == [0]
     assert step(rm) == [("b", 1, 1), ("a", 7, 1)]
     assert rm._slack == [0] and rm.num_preemptions_total == 0
+
+
+def test_a_prefill_whose_claim_is_the_window_advances_to_the_next_block_boundary_each_step():
+    """W = 5 (live 2), every head recycles, 4 blocks = 64 units, chunk budget 8. b (prompt 1, 8
+    outputs) and a (prompt 16, 2 outputs) each claim 4 * 4 * 2 = 32: together the whole cache, so a's
+    chunks get no slack and must fit its 2 pages per head. a's first chunk, 7 tokens, needs 2 blocks.
+    At n = 7 nothing is dead yet (first window block (7 - 4) // 4 = 0): 2 blocks reach position 8,
+    1 token. At n = 8 block 0 is dead: blocks 1-2 reach 12, 4 tokens; at n = 12 block 1 too: blocks 2-3 reach 16,
+    the last 4 prompt tokens; then a decodes its second token and finishes."""
+    rm = manager(4, window=5, enable_prefix_caching=False, max_num_batched_tokens=8)
+    rm.add_request(request("b", [3], 8))
+    rm.add_request(request("a", range(10, 26), 2))
+    chunks = [[s for s in step(rm) if s[0] == "a"] for _ in range(5)]
+    assert chunks == [[("a", 0, 7)], [("a", 7, 1)], [("a", 8, 4)], [("a", 12, 4)], [("a", 16, 1)]]
+    assert rm.num_preemptions_total == 0 and "a" not in rm.requests
 
 
 def test_a_cached_prefix_counts_only_the_tokens_after_it_in_the_first_chunk():
