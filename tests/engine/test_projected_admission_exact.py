@@ -92,6 +92,21 @@ def test_the_curve_counts_exactly_the_steps_left_at_one_token_per_step():
             assert 3 * BS * max(held[1:]) + BS * held[0] <= rm._claim(curve)[0]
 
 
+def test_the_fit_check_sees_the_peak_just_before_the_longest_curves_end_though_a_short_one_follows():
+    """Full heads only (1-D cache), block 4. Three requests decoding at n = 20 with 12 steps left
+    (prompt 21, 12 outputs: last position 31, a 32-token table, rounding 24 + 11 - 32 = 3) each need
+    U(t) = 4 * min(24 + t, 32); a request prefilling at n = 9 with 3 steps left (prompt 11, 2 outputs:
+    last position 11, a 12-token table) needs 4 * 12. Summed by hand: 4 * (3 * (24 + t) + 12) for
+    t < 3 (at most 360), then 4 * 3 * min(24 + t, 32), 384 from t = 8 to 11. So 384 units fit and
+    383 do not, though at the short curve's end the sum is only 360."""
+    rm = manager(16, head_wise="0")
+    decoding = rm._curve(request("d", range(3, 24), 12), 20)
+    prefilling = rm._curve(request("p", range(3, 14), 2), 9)
+    assert (decoding, prefilling) == ((12, 24, 0, True, 3), (3, 12, 0, False, 0))
+    curves = [decoding] * 3 + [prefilling]
+    assert rm._curves_fit(curves, [384]) and not rm._curves_fit(curves, [383])
+
+
 # -- admission at the slack boundary ---------------------------------------------------------------
 # Every head recycles with W = 8, live 3: (f, r) = (0, 4), so a claim is 4 * y and curves are flat.
 # r1 (prompt 2, 20 outputs) runs first; one step later it decodes at n = 2 and claims
