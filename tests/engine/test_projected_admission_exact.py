@@ -21,7 +21,9 @@ def manager(blocks, swa_heads=(0, 1, 2, 3), window=8, head_wise="1", **kwargs):
                   FD_RESERVE_OUTPUT_PAGES="1"):
         config = EngineArgs(block_size=BS, num_gpu_blocks_override=blocks, max_model_len=64,
                             head_wise_swa_config=swa, **kwargs).create_engine_config()
-    return ResourceManagerV1(config)
+    rm = ResourceManagerV1(config)
+    assert rm.layout.heads_per_rank == 4 and rm.layout.tensor_parallel_size == 1  # what the arithmetic assumes
+    return rm
 
 
 def request(rid, tokens, max_tokens):
