@@ -51,6 +51,7 @@ MODULES = {
                              "tests/engine/test_scheduler_step_edges.py",
                              "tests/engine/test_admission_policy.py",
                              "tests/engine/test_scheduler_liveness.py",
+                             "tests/engine/test_projected_admission_exact.py",
                              "tests/cache_manager/test_prefix_caching_policy.py"]),
 }
 
