@@ -101,7 +101,7 @@ class _Pool:
                 raise ValueError(f"{_label(what, rank)} {i} freed by request {owner!r} belongs to request "
                                  f"{holder!r}")
 
-    def check(self, label: str) -> int:
+    def check(self, label: str) -> None:
         """Raise if a free id is missing, listed twice, in the wrong list, or also owned."""
         listed = [0] * self.num_ids
         for home, free in enumerate(self.free_lists):
@@ -109,19 +109,15 @@ class _Pool:
                 if i % self.num_lists != home:
                     raise AssertionError(f"{label}: id {i} sits in free list {home}, its home is {i % self.num_lists}")
                 listed[i] += 1
-        owned = 0
         for i, holder in enumerate(self.owner):
             if holder is None and listed[i] != 1:
                 raise AssertionError(f"{label}: free id {i} is listed {listed[i]} times")
-            if holder is not None:
-                if listed[i]:
-                    raise AssertionError(f"{label}: id {i} is owned by {holder!r} and also free")
-                owned += 1
+            if holder is not None and listed[i]:
+                raise AssertionError(f"{label}: id {i} is owned by {holder!r} and also free")
         listed_total = sum(len(f) for f in self.free_lists)
         if listed_total != self.num_free:
             raise AssertionError(f"{label}: free count {self.num_free} but {listed_total} ids are listed")
-        # Every id is now either free and listed once or owned and unlisted, so free + owned == total.
-        return owned
+        # Every id is now either free and listed once or owned and unlisted: free + owned == total.
 
 
 class PrefixCacheManager:
@@ -131,7 +127,6 @@ class PrefixCacheManager:
         if tensor_parallel_size != fd_config.parallel_config.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} differs from the config's "
                              f"{fd_config.parallel_config.tensor_parallel_size}")
-        self.fd_config = fd_config
         self.head_wise = fd_config.head_wise_kv_cache
         self.layout = PageLayout.from_config(fd_config)
         self.num_gpu_blocks = fd_config.cache_config.num_gpu_blocks
