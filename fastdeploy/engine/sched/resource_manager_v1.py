@@ -212,9 +212,9 @@ class ResourceManagerV1:
         if num_new == 1:
             return 1
         own = self._claim(self._curve(request, n))
-        return self._take_transient(request, n, num_new, own)
+        return self._take_transient(n, num_new, own)
 
-    def _take_transient(self, request: Request, n: int, num_new: int, own: list) -> int:
+    def _take_transient(self, n: int, num_new: int, own: list) -> int:
         """Largest chunk <= num_new whose pages beyond the request's own reservation `own` (x bs, per
         rank) fit the unreserved slack; at least one token, which never exceeds `own`."""
         slack = self._unreserved_slack()
@@ -331,7 +331,7 @@ class ResourceManagerV1:
                 self._release(request)  # drops the references the hit took
                 return None
         if own is not None and num_new > 1:
-            num_new = self._take_transient(request, start, num_new, own)
+            num_new = self._take_transient(start, num_new, own)
         if not self._grow_tables(request, num_new):
             self._release(request)
             return None
