@@ -105,14 +105,14 @@ def test_projected_fills_the_cache_when_every_head_slides(monkeypatch):
 
 
 def brute_force_peaks(rm, curves):
-    """Per rank, the most the curves' U(t) sum to at any step (what _curves_fit bounds in closed form)."""
+    """Per rank, the most the curves' U(t) sum to at any step (what PageCurves.fit bounds in closed form)."""
     peaks = [0] * len(rm._capacity)
     for t in range(max(c[0] for c in curves)):
         total = [0] * len(rm._capacity)
         for steps, x, y, decoding, rounding in curves:
             if t < steps:
                 xt = min(x + t, x + steps - 1 - rounding) if decoding else x
-                total = [a + f * xt + r * y for a, (f, r) in zip(total, rm._head_counts)]
+                total = [a + f * xt + r * y for a, (f, r) in zip(total, rm.projection.head_counts)]
         peaks = [max(p, a) for p, a in zip(peaks, total)]
     return peaks
 
@@ -133,9 +133,9 @@ def test_the_closed_form_curve_check_equals_summing_every_step(monkeypatch):
     def run(rm, curves, data):
         curves = [(s, x, y, d, min(e, rm.block_size - 1) if d else 0) for s, x, y, d, e in curves]
         peaks = brute_force_peaks(rm, curves)
-        assert rm._curves_fit(curves, peaks)  # fits exactly at its peak...
+        assert rm.projection.fit(curves, peaks)  # fits exactly at its peak...
         rank = data.draw(st.integers(0, len(peaks) - 1))
         tighter = [p - (i == rank) for i, p in enumerate(peaks)]
-        assert not rm._curves_fit(curves, tighter)  # ...and not one unit below it on any rank
+        assert not rm.projection.fit(curves, tighter)  # ...and not one unit below it on any rank
 
     run()

@@ -16,7 +16,7 @@ Admission policies (FD_ADMISSION_POLICY / --admission-policy), all computed with
 `PageLayout` arithmetic that drives recycling:
 - projected (default): each running request holds a claim on the pages of its one-token steps over
   the steps it has left; a newcomer is admitted while the claims' sum fits every future step, and
-  prefill chunks borrow the unclaimed rest (see "projected admission" below). Never preempts.
+  prefill chunks borrow the unclaimed rest (engine/sched/projected_admission.py). Never preempts.
 - reserve (FD_RESERVE_OUTPUT_PAGES=1): the most pages a request can ever hold, prefill chunk
   included, reserved for its whole life. Never preempts.
 - on_demand (FD_RESERVE_OUTPUT_PAGES=0): upstream's rule, the first chunk plus FD_ENC_DEC_BLOCK_NUM
@@ -36,7 +36,6 @@ because allocation evicts them on demand.
 from __future__ import annotations
 
 import collections
-import heapq
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -49,6 +48,7 @@ from fastdeploy.cache_manager.head_wise import (
 )
 from fastdeploy.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy.engine.request import Request, RequestStatus
+from fastdeploy.engine.sched.projected_admission import PageCurves
 
 
 @dataclass
@@ -92,11 +92,10 @@ class ResourceManagerV1:
         self.projected = self.admission_policy == "projected"
         self.pages_per_rank = fd_config.cache_config.num_gpu_blocks * self.layout.heads_per_rank
         self._capacity = [self.pages_per_rank] * self.layout.tensor_parallel_size
-        self._head_counts = self.layout.rank_head_counts()
-        self._slack: Optional[list] = None  # projected: unreserved pages left this step (x block_size)
-        self._curves: Optional[list] = None  # projected: the running requests' curves at this step's start
         self.waiting: collections.deque = collections.deque()
         self.running: list = []
+        self.projection = (PageCurves(self.layout, self._capacity, self.max_num_batched_tokens, self.running)
+                           if self.projected else None)
         self.requests: dict = {}
         self._reserved_per_rank = [0] * self.layout.tensor_parallel_size
         self._recycling_heads = self.layout.recycling_heads
@@ -166,7 +165,8 @@ class ResourceManagerV1:
         self.recycle_out_of_window_pages()  # processed-token basis, before any allocation
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        self._slack = self._curves = None
+        if self.projection:
+            self.projection.new_step()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -211,19 +211,8 @@ class ResourceManagerV1:
         num_new = max(1, num_new - num_behind)
         if num_new == 1:
             return 1
-        own = self._claim(self._curve(request, n))
-        return self._take_transient(n, num_new, own)
-
-    def _take_transient(self, n: int, num_new: int, own: list) -> int:
-        """Largest chunk <= num_new whose pages beyond the request's own reservation `own` (x bs, per
-        rank) fit the unreserved slack; at least one token, which never exceeds `own`."""
-        slack = self._unreserved_slack()
-        bs = self.block_size
-        limit = [(o + s) // bs for o, s in zip(own, slack)]
-        num_new = max(1, self.layout.largest_chunk_within(n, num_new, limit))
-        need = self.layout.pages_per_rank(n, num_new)
-        self._slack = [s - max(0, p * bs - o) for s, p, o in zip(slack, need, own)]
-        return num_new
+        own = self.projection.claim(self.projection.curve(request, n))
+        return self.projection.take_transient(n, num_new, own)
 
     def update_from_output(self, batch: ScheduledBatch, sampled_token_ids: list,
                            sampled_logprobs: Optional[list] = None) -> list:
@@ -313,7 +302,7 @@ class ResourceManagerV1:
         start = len(hit) * self.block_size
         own = None
         if self.projected:
-            own = self._projected_admission(request, start)
+            own = self.projection.admit(request, start)
             if own is None:
                 return None
         num_new = min(request.num_tokens - start, budget)
@@ -331,7 +320,7 @@ class ResourceManagerV1:
                 self._release(request)  # drops the references the hit took
                 return None
         if own is not None and num_new > 1:
-            num_new = self._take_transient(start, num_new, own)
+            num_new = self.projection.take_transient(start, num_new, own)
         if not self._grow_tables(request, num_new):
             self._release(request)
             return None
@@ -345,107 +334,6 @@ class ResourceManagerV1:
             request.reserved_pages_per_rank = peak
             self._reserved_per_rank = [r + p for r, p in zip(self._reserved_per_rank, peak)]
         return num_new
-
-    # -- projected admission -------------------------------------------------------------------
-    # Every running request is guaranteed one token per step, so it finishes within L steps, where
-    # L = (tokens to compute at one per step). Its pages over those steps are bounded by a curve U(t):
-    # in decode (one position per step, exactly) a linear bound of pages_per_rank(n + t, 1), capped
-    # at its last step's need; while it still prefills (it may run ahead of one token per step) that
-    # last step's need, flat. The invariant kept: the running requests' U(t) sum to at most the cache
-    # at every future step t. A step moves every curve at least one step left and never up, so the
-    # invariant survives it and no running request ever has to be preempted. Admission adds the
-    # newcomer's curve only if the sum still fits at every step. A prefill chunk beyond its curve
-    # takes the difference from the pages no curve claims this step (the slack), or shrinks; a
-    # newcomer also needs the slack for its whole first chunk.
-    def _curve(self, request: Request, n: int) -> tuple:
-        """(L, x, y, decoding, rounding) of a request with `n` tokens computed. On a rank with f keeping
-        and r recycling heads its U(t), t < L, is f * min(x + t, x + L - 1 - rounding) + r * y when
-        decoding (the linear bound, capped at the exact table length of its last step), else
-        f * x + r * y with x that exact last-step value."""
-        total = request.num_tokens + request.max_new_tokens
-        last = total - 2  # position of the last one-token step (the last sampled token is never cached)
-        memo = request.projection_memo
-        if memo is None or memo[0] != last:
-            bs = self.block_size
-            peak = bs * table_length(last + 1, bs)
-            memo = request.projection_memo = (last, self.layout.recycling_head_bound(last), peak, last + bs - peak)
-        _, y, peak, rounding = memo
-        if n == request.num_tokens - 1:  # decoding: exactly one position per step from here
-            return total - 1 - n, n + self.block_size, y, True, rounding
-        return total - 1 - n, peak, y, False, 0
-
-    def _claim(self, curve: tuple) -> list:
-        """U(0) per rank (x block_size): the pages the curve claims now."""
-        steps, x, y, _, rounding = curve
-        x = min(x, x + steps - 1 - rounding)
-        return [f * x + r * y for f, r in self._head_counts]
-
-    def _unreserved_slack(self) -> list:
-        """Pages (x bs, per rank) that no running request's curve claims now, less transients granted."""
-        if self._slack is None:
-            self._curves = self._running_curves()
-            bs = self.block_size
-            slack = [c * bs for c in self._capacity]
-            for curve in self._curves:
-                slack = [s - o for s, o in zip(slack, self._claim(curve))]
-            self._slack = slack
-        return self._slack
-
-    def _running_curves(self) -> list:
-        return [self._curve(r, r.num_computed_tokens) for r in self.running]
-
-    def _projected_admission(self, request: Request, start: int) -> Optional[list]:
-        """The newcomer's U(0) if its curve fits beside the running ones now and at every future step;
-        None if it must wait. On an idle cache it is always admitted (add_request checked its peak)."""
-        curve = self._curve(request, start)
-        own = self._claim(curve)
-        slack = self._unreserved_slack()
-        if self.running:
-            # Its first chunk must run whole now (so admitting more never squeezes prefill into tiny
-            # chunks; later chunks find the same pages again once the SWA ones are recycled)...
-            first = min(request.num_tokens - start, self.max_num_batched_tokens)
-            need = self.layout.pages_per_rank(start, first)
-            bs = self.block_size
-            if any(max(o, p * bs) > s for o, p, s in zip(own, need, slack)):
-                return None
-            if not self._curves_fit(self._curves + [curve]):  # ...and its curve must fit beside the others'
-                return None
-        self._slack = [s - o for s, o in zip(slack, own)]
-        self._curves.append(curve)
-        return own
-
-    def _curves_fit(self, curves: list, limits: Optional[list] = None) -> bool:
-        """Whether the sum of the curves U(t) (see _curve) fits every rank at every future step.
-
-        Between two request ends the sum only grows, so it is checked just before each end (t = L - 1),
-        in closed form: the linear parts sum up, less what the decoding curves already capped at t have
-        above their cap. A decoding curve is capped from t = D - 1 on, D = L - rounding; at t = L' - 1
-        it lies L' - D above its cap when D < L'. Scanning the ends latest first, L' only falls, so a
-        heap of the capped curves' D keeps that sum (count * L' - sum of D) in O(n log n)."""
-        curves = sorted(curves, key=lambda c: c[0], reverse=True)
-        if limits is None:
-            limits = [c * self.block_size for c in self._capacity]
-        sum_x = sum_y = decoding = 0
-        capped, capped_count, capped_sum = [], 0, 0  # max-heap (negated) of D of the capped curves
-        for i, (steps, x, y, dec, rounding) in enumerate(curves):
-            sum_x += x
-            sum_y += y
-            if dec:
-                decoding += 1
-                if rounding:
-                    heapq.heappush(capped, rounding - steps)
-                    capped_count, capped_sum = capped_count + 1, capped_sum + steps - rounding
-            if i + 1 < len(curves) and curves[i + 1][0] == steps:
-                continue  # evaluate once per group of curves ending together
-            while capped and -capped[0] >= steps:  # D >= L': no longer above its cap at t = L' - 1
-                d = -heapq.heappop(capped)
-                capped_count, capped_sum = capped_count - 1, capped_sum - d
-            t = steps - 1
-            above = capped_count * steps - capped_sum
-            for (f, r), limit in zip(self._head_counts, limits):
-                if f * (sum_x + decoding * t - above) + r * sum_y > limit:
-                    return False
-        return True
 
     def _peak_pages(self, request: Request) -> list:
         # Memoised: a blocked queue head is re-checked every step and only changes when preempted.
@@ -602,7 +490,7 @@ class ResourceManagerV1:
                 if cm.references(rank, page) != want:
                     raise AssertionError(f"rank {rank} page {page}: the cache manager records references "
                                          f"{set(cm.references(rank, page))}, block tables hold it for {set(want)}")
-        if self.projected and len(self.running) > 1 and not self._curves_fit(self._running_curves()):
+        if self.projected and len(self.running) > 1 and not self.projection.fit(self.projection.running_curves()):
             raise AssertionError("projected admission: the running requests' page curves overflow the cache "
                                  "at some future step")
         if self.reserve_output_pages:

@@ -1,0 +1,141 @@
+"""Projected admission (FD_ADMISSION_POLICY=projected, the default): page curves of running requests.
+
+Every running request is guaranteed one token per step, so it finishes within L steps, where
+L = (tokens to compute at one per step). Its pages over those steps are bounded by a curve U(t):
+in decode (one position per step, exactly) a linear bound of pages_per_rank(n + t, 1), capped at its
+last step's need; while it still prefills (it may run ahead of one token per step) that last step's
+need, flat. The invariant kept: the running requests' U(t) sum to at most the cache at every future
+step t. A step moves every curve at least one step left and never up, so the invariant survives it
+and no running request ever has to be preempted. Admission adds the newcomer's curve only if the sum
+still fits at every step. A prefill chunk beyond its curve takes the difference from the pages no
+curve claims this step (the slack), or shrinks; a newcomer also needs the slack for its whole first
+chunk.
+
+Page counts here are in units of pages x block_size, so the curves stay integer.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Optional
+
+from fastdeploy.cache_manager.head_wise import PageLayout, table_length
+from fastdeploy.engine.request import Request
+
+
+class PageCurves:
+    """The curves of one scheduler's running requests and this step's unclaimed pages (the slack)."""
+
+    def __init__(self, layout: PageLayout, capacity: list, max_first_chunk: int, running: list):
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.capacity = capacity  # pages per rank
+        self.max_first_chunk = max_first_chunk  # the token budget of one step
+        self.running = running  # the scheduler's running list, read where the slack is first needed
+        self.head_counts = layout.rank_head_counts()
+        self.slack: Optional[list] = None  # unclaimed pages left this step, per rank (x block_size)
+        self.curves: Optional[list] = None  # the running requests' curves at this step's start
+
+    def new_step(self) -> None:
+        self.slack = self.curves = None
+
+    def curve(self, request: Request, n: int) -> tuple:
+        """(L, x, y, decoding, rounding) of a request with `n` tokens computed. On a rank with f keeping
+        and r recycling heads its U(t), t < L, is f * min(x + t, x + L - 1 - rounding) + r * y when
+        decoding (the linear bound, capped at the exact table length of its last step), else
+        f * x + r * y with x that exact last-step value."""
+        total = request.num_tokens + request.max_new_tokens
+        last = total - 2  # position of the last one-token step (the last sampled token is never cached)
+        memo = request.projection_memo
+        if memo is None or memo[0] != last:
+            bs = self.block_size
+            peak = bs * table_length(last + 1, bs)
+            memo = request.projection_memo = (last, self.layout.recycling_head_bound(last), peak, last + bs - peak)
+        _, y, peak, rounding = memo
+        if n == request.num_tokens - 1:  # decoding: exactly one position per step from here
+            return total - 1 - n, n + self.block_size, y, True, rounding
+        return total - 1 - n, peak, y, False, 0
+
+    def claim(self, curve: tuple) -> list:
+        """U(0) per rank (x block_size): the pages the curve claims now."""
+        steps, x, y, _, rounding = curve
+        x = min(x, x + steps - 1 - rounding)
+        return [f * x + r * y for f, r in self.head_counts]
+
+    def unclaimed(self) -> list:
+        """Pages (x bs, per rank) that no running request's curve claims now, less transients granted."""
+        if self.slack is None:
+            self.curves = self.running_curves()
+            bs = self.block_size
+            slack = [c * bs for c in self.capacity]
+            for curve in self.curves:
+                slack = [s - o for s, o in zip(slack, self.claim(curve))]
+            self.slack = slack
+        return self.slack
+
+    def running_curves(self) -> list:
+        return [self.curve(r, r.num_computed_tokens) for r in self.running]
+
+    def admit(self, request: Request, start: int) -> Optional[list]:
+        """The newcomer's U(0) if its curve fits beside the running ones now and at every future step;
+        None if it must wait. On an idle cache it is always admitted (add_request checked its peak)."""
+        curve = self.curve(request, start)
+        own = self.claim(curve)
+        slack = self.unclaimed()
+        if self.running:
+            # Its first chunk must run whole now (so admitting more never squeezes prefill into tiny
+            # chunks; later chunks find the same pages again once the SWA ones are recycled)...
+            first = min(request.num_tokens - start, self.max_first_chunk)
+            need = self.layout.pages_per_rank(start, first)
+            bs = self.block_size
+            if any(max(o, p * bs) > s for o, p, s in zip(own, need, slack)):
+                return None
+            if not self.fit(self.curves + [curve]):  # ...and its curve must fit beside the others'
+                return None
+        self.slack = [s - o for s, o in zip(slack, own)]
+        self.curves.append(curve)
+        return own
+
+    def take_transient(self, n: int, num_new: int, own: list) -> int:
+        """Largest chunk <= num_new whose pages beyond the request's own claim `own` (x bs, per rank)
+        fit the slack; at least one token, which never exceeds `own`."""
+        slack = self.unclaimed()
+        bs = self.block_size
+        limit = [(o + s) // bs for o, s in zip(own, slack)]
+        num_new = max(1, self.layout.largest_chunk_within(n, num_new, limit))
+        need = self.layout.pages_per_rank(n, num_new)
+        self.slack = [s - max(0, p * bs - o) for s, p, o in zip(slack, need, own)]
+        return num_new
+
+    def fit(self, curves: list, limits: Optional[list] = None) -> bool:
+        """Whether the sum of the curves U(t) fits every rank at every future step.
+
+        Between two request ends the sum only grows, so it is checked just before each end (t = L - 1),
+        in closed form: the linear parts sum up, less what the decoding curves already capped at t have
+        above their cap. A decoding curve is capped from t = D - 1 on, D = L - rounding; at t = L' - 1
+        it lies L' - D above its cap when D < L'. Scanning the ends latest first, L' only falls, so a
+        heap of the capped curves' D keeps that sum (count * L' - sum of D) in O(n log n)."""
+        curves = sorted(curves, key=lambda c: c[0], reverse=True)
+        if limits is None:
+            limits = [c * self.block_size for c in self.capacity]
+        sum_x = sum_y = decoding = 0
+        capped, capped_count, capped_sum = [], 0, 0  # max-heap (negated) of D of the capped curves
+        for i, (steps, x, y, dec, rounding) in enumerate(curves):
+            sum_x += x
+            sum_y += y
+            if dec:
+                decoding += 1
+                if rounding:
+                    heapq.heappush(capped, rounding - steps)
+                    capped_count, capped_sum = capped_count + 1, capped_sum + steps - rounding
+            if i + 1 < len(curves) and curves[i + 1][0] == steps:
+                continue  # evaluate once per group of curves ending together
+            while capped and -capped[0] >= steps:  # D >= L': no longer above its cap at t = L' - 1
+                d = -heapq.heappop(capped)
+                capped_count, capped_sum = capped_count - 1, capped_sum - d
+            t = steps - 1
+            above = capped_count * steps - capped_sum
+            for (f, r), limit in zip(self.head_counts, limits):
+                if f * (sum_x + decoding * t - above) + r * sum_y > limit:
+                    return False
+        return True
