@@ -33,11 +33,12 @@ class PageCurves:
         self.max_first_chunk = max_first_chunk  # the token budget of one step
         self.running = running  # the scheduler's running list, read where the slack is first needed
         self.head_counts = layout.rank_head_counts()
-        self.slack: Optional[list] = None  # unclaimed pages left this step, per rank (x block_size)
-        self.curves: Optional[list] = None  # the running requests' curves at this step's start
+        self.new_step()
 
     def new_step(self) -> None:
-        self.slack = self.curves = None
+        """Forget the last step's slack and curves; the first reader this step recomputes them."""
+        self.slack: Optional[list] = None  # unclaimed pages left this step, per rank (x block_size)
+        self.curves: Optional[list] = None  # the running requests' curves at this step's start
 
     def curve(self, request: Request, n: int) -> tuple:
         """(L, x, y, decoding, rounding) of a request with `n` tokens computed. On a rank with f keeping
