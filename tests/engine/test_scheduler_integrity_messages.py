@@ -97,3 +97,22 @@ def test_reservation_corruptions_are_named(running):
     over = rm.pages_per_rank + 1
     rm._reserved_per_rank, r.reserved_pages_per_rank = [over], [over]
     assert broken(rm) == f"reservations [{over}] != sum [{over}] or over capacity"
+
+
+def test_page_curves_that_overflow_the_cache_are_named(make_config, monkeypatch):
+    monkeypatch.setenv("FD_ADMISSION_POLICY", "projected")
+    rm = ResourceManagerV1(make_config("head_wise_recycle_on", num_gpu_blocks_override=32, head_wise_swa_config=SWA,
+                                       enable_prefix_caching=False))
+    rm.add_request(request("a", 40, 20))
+    rm.add_request(request("b", 8, 20))
+    step(rm)
+    step(rm)
+    assert [r.request_id for r in rm.running] == ["a", "b"]
+    # 10,000 more tokens: a's full heads alone would need 3 x 628 pages of the cache's 4 x 32.
+    rm.requests["a"].sampling_params.max_tokens = 10_000
+    message = "projected admission: the running requests' page curves overflow the cache at some future step"
+    assert broken(rm) == message
+    rm.abort_request("b")
+    assert broken(rm) == message  # a lone request's curve is checked too
+    rm.requests["a"].sampling_params.max_tokens = 20
+    rm.check_integrity()

@@ -490,7 +490,7 @@ class ResourceManagerV1:
                 if cm.references(rank, page) != want:
                     raise AssertionError(f"rank {rank} page {page}: the cache manager records references "
                                          f"{set(cm.references(rank, page))}, block tables hold it for {set(want)}")
-        if self.projected and len(self.running) > 1 and not self.projection.fit(self.projection.running_curves()):
+        if self.projected and not self.projection.fit(self.projection.running_curves()):
             raise AssertionError("projected admission: the running requests' page curves overflow the cache "
                                  "at some future step")
         if self.reserve_output_pages:
