@@ -93,6 +93,8 @@ def main() -> int:
     parser.add_argument("--show", action="store_true", help="print the surviving mutants' diffs")
     parser.add_argument("--jobs", type=int, default=1, help="mutmut workers (default 1: a shared machine)")
     parser.add_argument("--list", action="store_true", help="list the modules and their tests")
+    parser.add_argument("--only", action="append", metavar="FUNCTION",
+                        help="mutate only this function or method (repeatable; a quick re-check after a fix)")
     args = parser.parse_args()
     if args.list or args.module is None:
         for name, (source, tests) in MODULES.items():
@@ -102,10 +104,13 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=str(work))
     mutmut = [sys.executable, "-m", "mutmut"]
     if not args.show:
-        subprocess.run([*mutmut, "run", "--max-children", str(args.jobs)], cwd=work, env=env, check=False)
+        selected = [f"*{name}__mutmut_*" for name in args.only or ()]
+        subprocess.run([*mutmut, "run", "--max-children", str(args.jobs), *selected], cwd=work, env=env, check=False)
     results = subprocess.run([*mutmut, "results", "--all", "true"], cwd=work, env=env, capture_output=True,
                              text=True)
     verdicts = dict(line.strip().rsplit(": ", 1) for line in results.stdout.splitlines() if ": " in line)
+    if args.only:
+        verdicts = {m: v for m, v in verdicts.items() if any(f"{name}__mutmut_" in m for name in args.only)}
     for mutant, verdict in verdicts.items():
         if verdict != "killed":
             print(f"{mutant}: {verdict}")
