@@ -19,7 +19,6 @@ import weakref
 from pathlib import Path
 
 from fastdeploy import envs
-from fastdeploy.worker.device import collective_backend
 
 logger = logging.getLogger("fastdeploy.engine.worker_group")
 
@@ -122,11 +121,11 @@ class WorkerGroup:
 
     def _launch(self, tp: int, host: str, result_port: int, step_ports: list, gpu: bool = False) -> None:
         """One worker process per rank on this machine, with paddle.distributed's environment; on the
-        GPU rank r uses GPU r (FLAGS_selected_gpus) and the collectives are NCCL's."""
+        GPU rank r uses GPU r (FLAGS_selected_gpus). Each worker picks its collective backend itself
+        (worker_process.place_rank), as it must under paddle.distributed.launch too."""
         endpoints = [f"{host}:{p}" for p in _free_ports(tp, host)]
         env = dict(os.environ, PADDLE_TRAINERS_NUM=str(tp), PADDLE_TRAINER_ENDPOINTS=",".join(endpoints),
                    PADDLE_MASTER=endpoints[0])
-        env["PADDLE_DISTRI_BACKEND"] = collective_backend("gpu" if gpu else "cpu")  # the worker sets it too
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p)
         for rank in range(tp):
             cmd = [sys.executable, "-m", WORKER_MODULE, "--rank", str(rank),

@@ -208,6 +208,9 @@ class ResourceManagerV1:
         n = request.num_computed_tokens
         if not self.projected:
             return max(1, self.layout.largest_chunk_within(n, num_new, self._capacity))
+        # A guard for the curves' premise (one token per running request per step): while admission
+        # keeps the running list in order no request runs behind a prefilling one, so num_behind is 0
+        # here (the proof is in docs/mutation_testing.md), but a change to admission must not starve one.
         num_new = max(1, num_new - num_behind)
         if num_new == 1:
             return 1
