@@ -16,7 +16,7 @@ import paddle.nn.functional as F
 
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.host_tensor import host_tensor
-from fastdeploy.model_executor.layers.attention.swa_spec import swa_attention_args
+from fastdeploy.model_executor.layers.attention.swa_spec import swa_layer_masks
 from fastdeploy.model_executor.layers.rotary_embedding import apply_rope
 from fastdeploy.model_executor.tensor_parallel import local_kv_heads
 
@@ -32,18 +32,20 @@ class NativeAttentionBackend:
         self.rotary_cos, self.rotary_sin = rotary_cos, rotary_sin
         self.num_heads, self.kv_num_heads, self.head_dim = (model.num_attention_heads // tp,
                                                             model.num_key_value_heads // tp, model.head_dim)
-        mask, self.window, self.sink = swa_attention_args(model)
-        mask = [mask[h] for h in local_kv_heads(model.num_key_value_heads, tp_rank, tp)]  # this rank's heads
+        # One mask per layer: any (layer, KV head) pattern, uneven counts too (swa_head_placement.py).
+        masks, self.window, self.sink = swa_layer_masks(model)
+        mine = list(local_kv_heads(model.num_key_value_heads, tp_rank, tp))  # this rank's heads
         group = self.num_heads // self.kv_num_heads
-        self.q_head_is_swa = np.repeat(np.array(mask, dtype=bool), group)  # [num_heads]
+        self.q_head_is_swa = np.repeat(np.array([[m[h] for h in mine] for m in masks], dtype=bool), group,
+                                       axis=1)  # [num_layers, num_heads]
 
-    def visibility(self, start: int, num_new: int) -> np.ndarray:
-        """[num_heads, num_new, start + num_new] bool: docs/retention_rule.md, per query head."""
+    def visibility(self, start: int, num_new: int, layer_id: int = 0) -> np.ndarray:
+        """[num_heads, num_new, start + num_new] bool: docs/retention_rule.md, per query head of a layer."""
         t = np.arange(start, start + num_new)[:, None]
         j = np.arange(start + num_new)[None, :]
         causal = j <= t
         sliding = causal & ((j < self.sink) | (j > t - self.window))
-        return np.where(self.q_head_is_swa[:, None, None], sliding[None], causal[None])
+        return np.where(self.q_head_is_swa[layer_id][:, None, None], sliding[None], causal[None])
 
     def forward(self, layer_id: int, qkv: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         nh, kvh, d = self.num_heads, self.kv_num_heads, self.head_dim
@@ -64,7 +66,7 @@ class NativeAttentionBackend:
             keys = self.keys[layer_id][slot, :start + n].repeat_interleave(group, axis=1)    # [L, nh, d]
             values = self.values[layer_id][slot, :start + n].repeat_interleave(group, axis=1)
             scores = paddle.matmul(q.transpose([1, 0, 2]), keys.transpose([1, 2, 0])) / math.sqrt(d)
-            visible = host_tensor(self.visibility(start, n))
+            visible = host_tensor(self.visibility(start, n, layer_id))
             scores = paddle.where(visible, scores, paddle.full_like(scores, float("-inf")))
             probs = F.softmax(scores, axis=-1)                                              # [nh, n, L]
             out = paddle.matmul(probs, values.transpose([1, 0, 2]))                         # [nh, n, d]
