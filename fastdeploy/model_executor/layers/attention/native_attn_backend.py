@@ -39,9 +39,9 @@ class NativeAttentionBackend:
             mask, window, sink = layer_attention_args(model, layer)
             self.layer_masks.append((np.repeat(np.array([mask[h] for h in heads], dtype=bool), group), window, sink))
 
-    def visibility(self, start: int, num_new: int, layer: int = 0) -> np.ndarray:
+    def visibility(self, start: int, num_new: int, layer_id: int = 0) -> np.ndarray:
         """[num_heads, num_new, start + num_new] bool: docs/retention_rule.md, per query head."""
-        q_head_is_swa, window, sink = self.layer_masks[layer]
+        q_head_is_swa, window, sink = self.layer_masks[layer_id]
         t = np.arange(start, start + num_new)[:, None]
         j = np.arange(start + num_new)[None, :]
         causal = j <= t
