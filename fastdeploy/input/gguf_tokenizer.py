@@ -197,8 +197,9 @@ class _Metadata:
                 raise RuntimeError("GGUF files need the gguf package: pip install gguf") from None
             try:
                 self.reader = GGUFReader(str(source))
-            except (OSError, ValueError) as exc:
-                raise ValueError(f"GGUF tokenizer: cannot read {source}: {exc}") from None
+            except Exception as exc:  # the reader's own errors for a file that is not (all) GGUF vary
+                raise ValueError(f"GGUF tokenizer: cannot read {source} (not a GGUF file, or truncated): "
+                                 f"{type(exc).__name__}: {exc}") from None
 
     def get(self, key: str, default=None):
         from gguf import GGUFValueType
