@@ -8,12 +8,17 @@ merges, `ggml.scores` the SentencePiece scores, `ggml.pre` the pre-tokenizer of 
 - `gpt2`: byte-level BPE over tokens and merges; the text is first split by llama.cpp's regexes for
   the file's `pre` (llama-vocab.cpp), each regex refining the pieces of the one before, then mapped
   to GPT-2's byte alphabet.
-- `llama`: a SentencePiece vocabulary with scores, built the way transformers' GGUF loader builds it
-  (a Unigram over the scores with byte fallback, spaces as U+2581, whitespace-only pieces spelled in
-  U+2581), which is the reference the tests hold it to.
+- `llama`: a SentencePiece vocabulary with scores (spaces as U+2581, byte fallback `<0xNN>`), in one of
+  two readings. `sentencepiece="unigram"` (the default) is transformers' GGUF loader's: a Unigram
+  over the scores, whitespace-only pieces spelled in U+2581 — the reference the engine is checked
+  against, token for token. `sentencepiece="bpe"` is llama.cpp's: repeatedly join the adjacent pair
+  whose joined piece scores highest, user-defined pieces matched whole. For Gemma 3, whose scores
+  are BPE ranks, only the second gives the model's own tokenization ("The capital of France is
+  Paris." is 7 tokens; the Unigram reading cuts it into 14).
 
-Control tokens (and user-defined ones of a BPE vocabulary) are added tokens: written in text they
-encode as their one id instead of being split. The ids that stop generation are the end-of-sequence
+Control tokens are added special tokens and user-defined ones added tokens (except in the Unigram
+reading, which finds them by their scores, as transformers does): written in text they encode as
+their one id instead of being split. The ids that stop generation are the end-of-sequence
 id, the end-of-turn id and the end-of-message id where the file has them; a file without an
 end-of-turn id gets the end-of-turn token llama.cpp would find by its text, preferring the one the
 chat template writes (`<|im_end|>` for ChatML, `<end_of_turn>` for Gemma).
@@ -59,6 +64,7 @@ PRE_TOKENIZERS = {
                     _DIGITS_THEN_GPT2),
 }
 TOKENIZER_MODELS = ("gpt2", "llama")
+SENTENCEPIECE_READINGS = ("unigram", "bpe")
 
 # The end-of-turn tokens llama.cpp recognises by their text when a file names no eot id.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>",
@@ -66,8 +72,9 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<
 END_OF_MESSAGE_TOKENS = ("<|eom_id|>",)
 
 
-def gguf_tokenizer(source) -> tuple:
-    """The tokenizer of a GGUF file (a path or an open `gguf.GGUFReader`).
+def gguf_tokenizer(source, sentencepiece: str = "unigram") -> tuple:
+    """The tokenizer of a GGUF file (a path or an open `gguf.GGUFReader`); `sentencepiece` picks the
+    reading of a `llama` vocabulary (module docstring).
 
     Returns `(tokenizer, special, chat_template)`: the engine's tokenizer (encode, decode,
     decode_incremental, token_bytes, id_to_token, apply_chat_template, encode_chat); a dict with
@@ -76,6 +83,8 @@ def gguf_tokenizer(source) -> tuple:
     ends with eos) and `stop_token_ids` (the ids that end generation, eos first); the Jinja chat
     template (None when the file has none). Unsupported or malformed metadata is a ValueError naming it.
     """
+    if sentencepiece not in SENTENCEPIECE_READINGS:
+        raise ValueError(f"GGUF tokenizer: sentencepiece={sentencepiece!r} is not one of {SENTENCEPIECE_READINGS}")
     meta = _Metadata(source)
     model = meta.get("tokenizer.ggml.model")
     if model is None:
@@ -100,19 +109,25 @@ def gguf_tokenizer(source) -> tuple:
             raise ValueError(f"GGUF tokenizer: pre-tokenizer tokenizer.ggml.pre={pre_name!r} is not supported "
                              f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})")
         tok = _byte_level_bpe(tokens, meta.require("tokenizer.ggml.merges"), pre)
-        whole = (CONTROL, USER_DEFINED)
         add_bos_default = pre.add_bos
     else:
         add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-        tok = _sentencepiece_unigram(tokens, meta.require("tokenizer.ggml.scores"), ids["unknown_token_id"],
-                                     add_space_prefix)
-        whole = (CONTROL,)
+        scores = meta.require("tokenizer.ggml.scores")
+        if len(scores) != len(tokens):
+            raise ValueError(f"GGUF tokenizer: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+        if sentencepiece == "unigram":
+            tok = _sentencepiece_unigram(tokens, scores, ids["unknown_token_id"])
+        else:
+            tok = _sentencepiece_bpe(tokens, scores, types, ids["unknown_token_id"])
+        _sentencepiece_spaces(tok, add_space_prefix)
         add_bos_default = True
 
     from tokenizers import AddedToken
 
-    special = [tokens[i] for i in np.flatnonzero(np.isin(types, whole))]
+    special = [tokens[i] for i in np.flatnonzero(types == CONTROL)]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    if model == "gpt2" or sentencepiece == "bpe":  # text, kept by decode
+        tok.add_tokens([AddedToken(tokens[i], normalized=False) for i in np.flatnonzero(types == USER_DEFINED)])
 
     by_text = {t: i for i, t in enumerate(tokens)}
     if ids["eot_token_id"] is None:
@@ -166,22 +181,45 @@ def _byte_level_bpe(tokens: list, merges: list, pre: _Pre):
     return tok
 
 
-def _sentencepiece_unigram(tokens: list, scores, unk_id: Optional[int], add_space_prefix: bool):
-    from tokenizers import Tokenizer, decoders, normalizers
+def _sentencepiece_unigram(tokens: list, scores, unk_id: Optional[int]):
+    from tokenizers import Tokenizer
     from tokenizers.models import Unigram
 
-    if len(scores) != len(tokens):
-        raise ValueError(f"GGUF tokenizer: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
     # Spaces become U+2581 before the model sees the text, so a whitespace-only piece written with
     # spaces (llama.cpp keeps Gemma's that way) is spelled in U+2581 to stay reachable.
     pieces = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
-    tok = Tokenizer(Unigram(list(zip(pieces, np.asarray(scores, dtype=np.float64).tolist())),
-                            unk_id=unk_id, byte_fallback=True))
+    return Tokenizer(Unigram(list(zip(pieces, np.asarray(scores, dtype=np.float64).tolist())),
+                             unk_id=unk_id, byte_fallback=True))
+
+
+def _sentencepiece_bpe(tokens: list, scores, types, unk_id: Optional[int]):
+    """llama.cpp's SentencePiece tokenization as BPE: a merge for every split of a normal piece into
+    two pieces of the vocabulary, ranked by the joined piece's score (ties: lower id, shorter left)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    score = np.asarray(scores, dtype=np.float64).tolist()
+    ranked = []
+    for i in np.flatnonzero(types == NORMAL).tolist():
+        piece = tokens[i]
+        for cut in range(1, len(piece)):
+            if piece[:cut] in vocab and piece[cut:] in vocab:
+                ranked.append((-score[i], i, cut))
+    ranked.sort()
+    merges = [(tokens[i][:cut], tokens[i][cut:]) for _, i, cut in ranked]
+    unk = tokens[unk_id] if unk_id is not None else None
+    return Tokenizer(BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+
+
+def _sentencepiece_spaces(tok, add_space_prefix: bool):
+    """Spaces as U+2581 (one more in front when the file says so, taken off again in decoding)."""
+    from tokenizers import decoders, normalizers
+
     steps = ([normalizers.Prepend("\u2581")] if add_space_prefix else []) + [normalizers.Replace(" ", "\u2581")]
     tok.normalizer = normalizers.Sequence(steps)
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
                                     + ([decoders.Strip(content=" ", left=1, right=0)] if add_space_prefix else []))
-    return tok
 
 
 class _Metadata:
