@@ -84,8 +84,11 @@ class Real:
     """One real file: our tokenizer (and its special ids and template) beside transformers'."""
 
     def __init__(self, path):
+        from gguf import GGUFReader
+
         self.path = path
-        self.ours, self.special, self.template = gguf_tokenizer(path)
+        self.reader = GGUFReader(path)
+        self.ours, self.special, self.template = gguf_tokenizer(self.reader)
         self._theirs = None
 
     @property
@@ -176,6 +179,63 @@ def test_gemma3_special_ids_end_of_turn_stops_and_bos_is_added(gemma3):
     assert all(tok.id_to_token(i).startswith("<0x") for i in ids)
     if gemma3.template is None:  # this file carries no template; the engine's plain one serves
         assert tok.encode_chat([{"role": "user", "content": "hi"}])
+
+
+def test_gemma3_llama_cpp_reading_gives_gemmas_own_tokens(gemma3):
+    tok, special, _ = gguf_tokenizer(gemma3.reader, sentencepiece="bpe")
+    pieces = [tok.id_to_token(i) for i in tok.encode("The capital of France is Paris.")]
+    assert pieces == ["The", "\u2581capital", "\u2581of", "\u2581France", "\u2581is", "\u2581Paris", "."]
+    for text in TEXTS:
+        if "\u2581" not in text:  # a literal U+2581 reads as a space, in every SentencePiece tokenizer
+            assert tok.decode(tok.encode(text)) == text, text
+    assert tok.encode("hi<end_of_turn>\n\n") == tok.encode("hi") + [special["eot_token_id"]] + tok.encode("\n\n")
+    assert len(tok.encode("\n\n")) == 1 and len(tok.encode("\t\t")) == 1  # user-defined pieces, whole
+
+
+def _write_sentencepiece_gguf(path, **kv):
+    """A `llama` vocabulary: controls, the 256 byte pieces, and pieces that build "hello" and "world"."""
+    import gguf
+
+    words = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "hell", "hello", "wo", "rl", "worl", "world",
+             "\u2581hello", "\u2581world"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + words
+    types = [2, 3, 3] + [6] * 256 + [1] * len(words)
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-100.0 + len(w) for w in words]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores(scores)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for key, value in kv.items():
+        writer.add_bool(key, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("reading", ["unigram", "bpe"])
+def test_a_sentencepiece_vocab_prefixes_a_space_and_falls_back_to_bytes(tmp_path, reading):
+    tok, special, _ = gguf_tokenizer(_write_sentencepiece_gguf(tmp_path / "s.gguf"), sentencepiece=reading)
+    ids = tok.encode("hello world")
+    assert [tok.id_to_token(i) for i in ids] == ["\u2581hello", "\u2581world"]
+    assert tok.decode(ids) == "hello world"
+    assert [tok.id_to_token(i) for i in tok.encode("hello z")] == ["\u2581hello", "\u2581", "<0x7A>"]
+    assert tok.decode(tok.encode("hello z")) == "hello z"
+    assert special["add_bos_token"] is True and special["stop_token_ids"] == (2,)
+    tok, _, _ = gguf_tokenizer(_write_sentencepiece_gguf(tmp_path / "t.gguf", **{"tokenizer.ggml.add_space_prefix": False}),
+                               sentencepiece=reading)
+    assert [tok.id_to_token(i) for i in tok.encode("hello world")] == ["hello", "\u2581world"]
+    assert tok.decode(tok.encode("hello world")) == "hello world"
+
+
+def test_an_unknown_sentencepiece_reading_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="sentencepiece='viterbi'"):
+        gguf_tokenizer(_write_sentencepiece_gguf(tmp_path / "s.gguf"), sentencepiece="viterbi")
 
 
 # --- tiny files: the pre-tokenizer choice and bad input --------------------------------------------
