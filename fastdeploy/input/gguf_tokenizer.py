@@ -16,7 +16,7 @@ merges, `ggml.scores` the SentencePiece scores, `ggml.pre` the pre-tokenizer of 
   are BPE ranks, only the second gives the model's own tokenization ("The capital of France is
   Paris." is 7 tokens; the Unigram reading cuts it into 14).
 
-Control tokens are added special tokens and user-defined ones added tokens (except in the Unigram
+Control (and unknown) tokens are added special tokens and user-defined ones added tokens (except in the Unigram
 reading, which finds them by their scores, as transformers does): written in text they encode as
 their one id instead of being split. The ids that stop generation are the end-of-sequence
 id, the end-of-turn id and the end-of-message id where the file has them; a file without an
@@ -124,7 +124,7 @@ def gguf_tokenizer(source, sentencepiece: str = "unigram") -> tuple:
 
     from tokenizers import AddedToken
 
-    special = [tokens[i] for i in np.flatnonzero(types == CONTROL)]
+    special = [tokens[i] for i in np.flatnonzero(np.isin(types, (CONTROL, UNKNOWN)))]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     if model == "gpt2" or sentencepiece == "bpe":  # text, kept by decode
         tok.add_tokens([AddedToken(tokens[i], normalized=False) for i in np.flatnonzero(types == USER_DEFINED)])

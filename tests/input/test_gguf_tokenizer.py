@@ -227,6 +227,8 @@ def test_a_sentencepiece_vocab_prefixes_a_space_and_falls_back_to_bytes(tmp_path
     assert [tok.id_to_token(i) for i in tok.encode("hello z")] == ["\u2581hello", "\u2581", "<0x7A>"]
     assert tok.decode(tok.encode("hello z")) == "hello z"
     assert special["add_bos_token"] is True and special["stop_token_ids"] == (2,)
+    assert tok.encode("hello<s></s><unk>") == tok.encode("hello") + [1, 2, 0]  # controls and unk, whole
+    assert tok.decode(tok.encode("hello<s></s><unk>")) == "hello"
     tok, _, _ = gguf_tokenizer(_write_sentencepiece_gguf(tmp_path / "t.gguf", **{"tokenizer.ggml.add_space_prefix": False}),
                                sentencepiece=reading)
     assert [tok.id_to_token(i) for i in tok.encode("hello world")] == ["hello", "\u2581world"]
