@@ -114,7 +114,8 @@ def gguf_tokenizer(source, sentencepiece: str = "unigram") -> tuple:
         add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
         scores = meta.require("tokenizer.ggml.scores")
         if len(scores) != len(tokens):
-            raise ValueError(f"GGUF tokenizer: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+            raise ValueError(f"GGUF tokenizer: tokenizer.ggml.scores has {len(scores)} entries "
+                             f"for {len(tokens)} tokens")
         if sentencepiece == "unigram":
             tok = _sentencepiece_unigram(tokens, scores, ids["unknown_token_id"])
         else:

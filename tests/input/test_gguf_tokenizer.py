@@ -229,8 +229,8 @@ def test_a_sentencepiece_vocab_prefixes_a_space_and_falls_back_to_bytes(tmp_path
     assert special["add_bos_token"] is True and special["stop_token_ids"] == (2,)
     assert tok.encode("hello<s></s><unk>") == tok.encode("hello") + [1, 2, 0]  # controls and unk, whole
     assert tok.decode(tok.encode("hello<s></s><unk>")) == "hello"
-    tok, _, _ = gguf_tokenizer(_write_sentencepiece_gguf(tmp_path / "t.gguf", **{"tokenizer.ggml.add_space_prefix": False}),
-                               sentencepiece=reading)
+    no_prefix = _write_sentencepiece_gguf(tmp_path / "t.gguf", **{"tokenizer.ggml.add_space_prefix": False})
+    tok, _, _ = gguf_tokenizer(no_prefix, sentencepiece=reading)
     assert [tok.id_to_token(i) for i in tok.encode("hello world")] == ["hello", "\u2581world"]
     assert tok.decode(tok.encode("hello world")) == "hello world"
 
