@@ -44,6 +44,7 @@ setup(
         "jinja2",  # the checkpoint's chat template (tokenizer_config.json / chat_template.jinja)
         "tokenizers",  # the checkpoint's tokenizer.json, and tokenizer.model converted to the same pipeline
         "sentencepiece",  # reads tokenizer.model (its protobuf comes with paddle)
+        "gguf",  # llama.cpp's reader for GGUF model files: their metadata, tokenizer and tensors
     ],
     extras_require={
         "cpu": ["paddlepaddle>=3.0"],
