@@ -409,11 +409,12 @@ def _is_gguf_path(model: str) -> bool:
 
 
 def _read_gguf_config(path: str) -> dict:
-    from fastdeploy.model_executor.gguf_loader import gguf_config, open_gguf, stop_token_ids
+    from fastdeploy.input.gguf_tokenizer import stop_token_ids
+    from fastdeploy.model_executor.gguf_loader import gguf_config, open_gguf
 
     reader = open_gguf(path)
     raw = gguf_config(reader, path)
-    raw["eos_token_id"] = stop_token_ids(reader)
+    raw["eos_token_id"] = list(stop_token_ids(reader))  # eos, then the template's end of turn
     return raw
 
 

@@ -113,7 +113,7 @@ class LLMEngine:
 
     def _tokenize(self, prompt: Union[str, list]) -> list:
         if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
+            token_ids = self.tokenizer.encode_prompt(prompt) if prompt else []
             if not token_ids:
                 raise ValueError("prompt is empty")
             return token_ids

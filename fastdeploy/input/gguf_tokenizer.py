@@ -130,13 +130,7 @@ def gguf_tokenizer(source, sentencepiece: str = "unigram") -> tuple:
     if model == "gpt2" or sentencepiece == "bpe":  # text, kept by decode
         tok.add_tokens([AddedToken(tokens[i], normalized=False) for i in np.flatnonzero(types == USER_DEFINED)])
 
-    by_text = {t: i for i, t in enumerate(tokens)}
-    if ids["eot_token_id"] is None:
-        ids["eot_token_id"] = _find_by_text(END_OF_TURN_TOKENS, by_text, template)
-    if ids["eom_token_id"] is None:
-        ids["eom_token_id"] = _find_by_text(END_OF_MESSAGE_TOKENS, by_text, template)
-    stop = tuple(dict.fromkeys(i for i in (ids["eos_token_id"], ids["eot_token_id"], ids["eom_token_id"])
-                               if i is not None))
+    stop = _complete_stop_ids(ids, tokens, template)
     info = {
         "bos_token_id": ids["bos_token_id"], "eos_token_id": ids["eos_token_id"],
         "eot_token_id": ids["eot_token_id"], "eom_token_id": ids["eom_token_id"],
@@ -153,6 +147,27 @@ def gguf_tokenizer(source, sentencepiece: str = "unigram") -> tuple:
                                     byte_level=model == "gpt2")
     tokenizer.bos_token_id, tokenizer.add_bos_token = info["bos_token_id"], info["add_bos_token"]
     return tokenizer, info, template
+
+
+def stop_token_ids(source) -> tuple:
+    """The ids that end generation — eos first, then end of turn and end of message — from the metadata
+    alone (no tokenizer is built): what the engine's scheduler stops on."""
+    meta = _Metadata(source)
+    tokens = meta.require("tokenizer.ggml.tokens")
+    ids = {name: meta.token_id(f"tokenizer.ggml.{name}", len(tokens))
+           for name in ("eos_token_id", "eot_token_id", "eom_token_id")}
+    return _complete_stop_ids(ids, tokens, meta.get("tokenizer.chat_template"))
+
+
+def _complete_stop_ids(ids: dict, tokens: list, template: Optional[str]) -> tuple:
+    """Fill in eot/eom by their text where the file names no id (in `ids`), then the stop ids in order."""
+    by_text = {t: i for i, t in enumerate(tokens)}
+    if ids["eot_token_id"] is None:
+        ids["eot_token_id"] = _find_by_text(END_OF_TURN_TOKENS, by_text, template)
+    if ids["eom_token_id"] is None:
+        ids["eom_token_id"] = _find_by_text(END_OF_MESSAGE_TOKENS, by_text, template)
+    return tuple(dict.fromkeys(i for i in (ids["eos_token_id"], ids["eot_token_id"], ids["eom_token_id"])
+                               if i is not None))
 
 
 def _find_by_text(candidates: tuple, by_text: dict, template: Optional[str]) -> Optional[int]:
@@ -229,16 +244,10 @@ class _Metadata:
     def __init__(self, source):
         if hasattr(source, "fields"):
             self.reader = source
-        else:
-            try:
-                from gguf import GGUFReader
-            except ImportError:
-                raise RuntimeError("GGUF files need the gguf package: pip install gguf") from None
-            try:
-                self.reader = GGUFReader(str(source))
-            except Exception as exc:  # the reader's own errors for a file that is not (all) GGUF vary
-                raise ValueError(f"GGUF tokenizer: cannot read {source} (not a GGUF file, or truncated): "
-                                 f"{type(exc).__name__}: {exc}") from None
+        else:  # the loader's reader: one parse of the file for config, weights and tokenizer
+            from fastdeploy.model_executor.gguf_loader import open_gguf
+
+            self.reader = open_gguf(str(source))
 
     def get(self, key: str, default=None):
         from gguf import GGUFValueType

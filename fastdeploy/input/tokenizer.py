@@ -28,6 +28,13 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_t
 
 class _Chat:
     chat_template = PlainChatTemplate()
+    add_bos_token = False  # a raw prompt starts with bos (a GGUF file's tokenizer.ggml.add_bos_token: Gemma)
+    bos_token_id = None
+
+    def encode_prompt(self, text: str) -> list:
+        """Token ids of a raw (completion) prompt: bos first where the model's tokenizer adds it."""
+        ids = self.encode(text)
+        return [self.bos_token_id] + ids if self.add_bos_token and self.bos_token_id is not None else ids
 
     def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> str:
         return self.chat_template.render(messages, add_generation_prompt)

@@ -327,12 +327,12 @@ def test_a_merge_of_unknown_tokens_is_a_value_error(tmp_path):
 def test_a_file_that_is_not_gguf_or_is_truncated_is_a_value_error(tmp_path):
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file" * 10)
-    with pytest.raises(ValueError, match="not a GGUF file, or truncated"):
+    with pytest.raises(ValueError, match="not a GGUF file|truncated"):
         gguf_tokenizer(str(junk))
     whole = open(_write_gguf(tmp_path / "t.gguf"), "rb").read()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(whole[: len(whole) // 2])
-    with pytest.raises(ValueError, match="not a GGUF file, or truncated"):
+    with pytest.raises(ValueError, match="not a GGUF file|truncated"):
         gguf_tokenizer(str(cut))
 
 
