@@ -2,8 +2,10 @@
 backend, RoPE inside it), SwiGLU MLP or the MoE block (ernie4_5_moe.py), tied or untied LM head.
 
 Weights are held once, under the checkpoint's own names and in its `[out, in]` layout
-(`model.layers.N.self_attn.q_proj.weight`); the projections multiply with `transpose_y`, so a
-loaded tensor is used as it is and can be sliced by name (tensor parallelism).
+(`model.layers.N.self_attn.q_proj.weight`); the projections multiply with `transpose_y`
+(layers/linear.py), so a loaded tensor is used as it is and can be sliced by name (tensor
+parallelism). q/k/v and gate/up are fused once at construction (after slicing) into one GEMM
+each; their names stay in the dict as views of the fused tensors.
 """
 
 from __future__ import annotations
@@ -18,26 +20,9 @@ import paddle.nn.functional as F
 from fastdeploy.model_executor import model_loader
 from fastdeploy.model_executor import tensor_parallel as tp_
 from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.model_executor.layers.linear import fuse_named, linear
 
 WEIGHTS_FILE = "model.safetensors"
-
-# CPU GEMM kernels give a row bit-identical results only when the row count is a multiple of
-# this; otherwise the remainder rows take another code path. Padding every step's rows to it
-# makes a request's tokens independent of which other requests share its batch, so recycling
-# ON and OFF (different batch mixes) produce identical greedy tokens.
-ROW_ALIGN = 8
-
-
-def _aligned(rows: int) -> int:
-    return -(-rows // ROW_ALIGN) * ROW_ALIGN
-
-
-def _pad_rows(x: paddle.Tensor, rows: int) -> paddle.Tensor:
-    extra = rows - x.shape[0]
-    if extra == 0:
-        return x
-    return paddle.concat([x, paddle.zeros([extra] + list(x.shape[1:]), dtype=x.dtype)], axis=0)
-
 
 def _layer_names(i: int) -> dict:
     p = f"model.layers.{i}."
@@ -117,6 +102,9 @@ class Ernie4_5ForCausalLM:
         self.vocab_start = tp_.vocab_slice(cfg.vocab_size, tp_rank, tp_size)[0] if tp_size > 1 else 0
         self.lm_head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         self.moe = {i: MoEBlock(cfg, i, weights) for i in range(cfg.num_hidden_layers) if is_moe_layer(cfg, i)}
+        names = [_layer_names(i) for i in range(cfg.num_hidden_layers)]
+        self.qkv = [fuse_named(weights, [n["q"], n["k"], n["v"]]) for n in names]
+        self.gate_up = {i: fuse_named(weights, [n["gate"], n["up"]]) for i, n in enumerate(names) if i not in self.moe}
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -167,34 +155,36 @@ class Ernie4_5ForCausalLM:
         return (normed if normed.dtype == weight.dtype else normed.astype(weight.dtype)) * weight
 
     def _linear(self, x: paddle.Tensor, name: str) -> paddle.Tensor:
-        return paddle.matmul(x, self.weights[name], transpose_y=True)
+        return linear(x, self.weights[name])
 
-    def _dense_mlp(self, x: paddle.Tensor, n: dict) -> paddle.Tensor:
-        return self._linear(F.silu(self._linear(x, n["gate"])) * self._linear(x, n["up"]), n["down"])
+    def _dense_mlp(self, x: paddle.Tensor, layer_id: int, n: dict) -> paddle.Tensor:
+        gate_up = self.gate_up[layer_id]
+        gate, up = gate_up.split(gate_up(x))
+        return self._linear(F.silu(gate) * up, n["down"])
 
     @paddle.no_grad()
     def forward(self, meta: ForwardMeta) -> paddle.Tensor:
         """Logits [num_sampled, vocab] for the last token of every request that samples this step."""
         w = self.weights
         num_tokens = meta.input_ids.shape[0]
-        rows = _aligned(num_tokens)
-        hidden = self._embed(_pad_rows(meta.input_ids, rows))
+        hidden = self._embed(meta.input_ids)
         for layer_id in range(self.config.num_hidden_layers):
             n = _layer_names(layer_id)
             x = self._rms_norm(hidden, w[n["input_norm"]])
-            qkv = paddle.concat([self._linear(x, n["q"]), self._linear(x, n["k"]), self._linear(x, n["v"])], axis=-1)
-            attn = meta.attn_backend.forward(layer_id, qkv[:num_tokens] if rows != num_tokens else qkv, meta)
-            hidden = hidden + tp_.all_reduce(self._linear(_pad_rows(attn, rows), n["o"]), self.tp_size)
+            attn = meta.attn_backend.forward(layer_id, self.qkv[layer_id](x), meta)
+            hidden = hidden + tp_.all_reduce(self._linear(attn, n["o"]), self.tp_size)
             x = self._rms_norm(hidden, w[n["post_norm"]])
             moe = self.moe.get(layer_id)
-            ffn = moe(x, num_tokens) if moe is not None else self._dense_mlp(x, n)
+            ffn = moe(x, num_tokens) if moe is not None else self._dense_mlp(x, layer_id, n)
             hidden = hidden + tp_.all_reduce(ffn, self.tp_size)
         num_sampled = meta.sample_rows.shape[0]
         if num_sampled == 0:
             return paddle.zeros([0, self.config.vocab_size], dtype="float32")
-        last = paddle.gather(hidden, _pad_rows(meta.sample_rows, _aligned(num_sampled)))
+        last = paddle.gather(hidden, meta.sample_rows)
         logits = self._linear(self._rms_norm(last, w["model.norm.weight"]), self.lm_head_name)
-        logits = tp_.all_gather_last_axis(logits, self.tp_size)[:num_sampled, :self.config.vocab_size]
+        logits = tp_.all_gather_last_axis(logits, self.tp_size)
+        if logits.shape[-1] != self.config.vocab_size:  # vocab-parallel shards are padded
+            logits = logits[:, :self.config.vocab_size]
         return logits if logits.dtype == paddle.float32 else logits.astype("float32")
 
     def _embed(self, ids: paddle.Tensor) -> paddle.Tensor:
