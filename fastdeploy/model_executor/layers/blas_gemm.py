@@ -43,7 +43,7 @@ def _link() -> tuple:
             f"{PACKAGE} {ob.__version__}")
 
 
-GEMM_OPS = CpuOpLibrary("fd_cpu_gemm", ("linear_sgemm.cc",), "the CPU GEMM op (OpenBLAS sgemm)",
+GEMM_OPS = CpuOpLibrary("fd_cpu_gemm", ("linear_packed.cc", "linear_sgemm.cc"), "the CPU GEMM op (OpenBLAS sgemm)",
                         dir_prefix="gemm-", link=_link)
 
 
@@ -77,3 +77,28 @@ def blas_info() -> dict:
         "env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS",
                                            "OMP_NUM_THREADS") if k in os.environ},
     }
+
+
+PANEL = 32  # custom_ops/cpu_ops/linear_packed.cc's output columns per panel
+
+
+def pack(weight):
+    """`[N, K]` float32 -> the packed `[ceil(N / 32), K, 32]` layout linear_packed streams."""
+    import paddle
+
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    if panels * PANEL != n:
+        w = paddle.concat([w, paddle.zeros([panels * PANEL - n, k], dtype=w.dtype)], axis=0)
+    return w.reshape([panels, PANEL, k]).transpose([0, 2, 1]).contiguous()
+
+
+def linear_packed():
+    """`linear_packed(x [.., K], packed, n) -> [.., n]`, and `packed_rows(packed, ids, n)`."""
+    linear_sgemm()  # one module: loads it and settles the threads
+    return load_library(GEMM_OPS).linear_packed
+
+
+def packed_rows():
+    return load_library(GEMM_OPS).packed_rows

@@ -3,9 +3,9 @@ backend, RoPE inside it), SwiGLU MLP or the MoE block (ernie4_5_moe.py), tied or
 
 Weights are held once, under the checkpoint's own names and in its `[out, in]` layout
 (`model.layers.N.self_attn.q_proj.weight`); the projections multiply with `transpose_y`
-(layers/linear.py), so a loaded tensor is used as it is and can be sliced by name (tensor
-parallelism). q/k/v and gate/up are fused once at construction (after slicing) into one GEMM
-each; their names stay in the dict as views of the fused tensors.
+(layers/linear.py), so a loaded tensor can be sliced by name (tensor parallelism). At
+construction (after slicing) the projections are packed once into `Linear`s for the device's
+GEMM, q/k/v and gate/up fused into one each; their names stay in the dict as views.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import paddle.nn.functional as F
 from fastdeploy.model_executor import model_loader
 from fastdeploy.model_executor import tensor_parallel as tp_
 from fastdeploy.model_executor.forward_meta import ForwardMeta
-from fastdeploy.model_executor.layers.linear import fuse_named, linear
+from fastdeploy.model_executor.layers.linear import fuse_named
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -104,7 +104,10 @@ class Ernie4_5ForCausalLM:
         self.moe = {i: MoEBlock(cfg, i, weights) for i in range(cfg.num_hidden_layers) if is_moe_layer(cfg, i)}
         names = [_layer_names(i) for i in range(cfg.num_hidden_layers)]
         self.qkv = [fuse_named(weights, [n["q"], n["k"], n["v"]]) for n in names]
+        self.o = [fuse_named(weights, [n["o"]]) for n in names]
         self.gate_up = {i: fuse_named(weights, [n["gate"], n["up"]]) for i, n in enumerate(names) if i not in self.moe}
+        self.down = {i: fuse_named(weights, [n["down"]]) for i, n in enumerate(names) if i not in self.moe}
+        self.lm_head = fuse_named(weights, [self.lm_head_name])  # tied: the embedding reads its rows
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -154,13 +157,10 @@ class Ernie4_5ForCausalLM:
         normed = x32 * paddle.rsqrt(variance + self.config.rms_norm_eps)
         return (normed if normed.dtype == weight.dtype else normed.astype(weight.dtype)) * weight
 
-    def _linear(self, x: paddle.Tensor, name: str) -> paddle.Tensor:
-        return linear(x, self.weights[name])
-
-    def _dense_mlp(self, x: paddle.Tensor, layer_id: int, n: dict) -> paddle.Tensor:
+    def _dense_mlp(self, x: paddle.Tensor, layer_id: int) -> paddle.Tensor:
         gate_up = self.gate_up[layer_id]
         gate, up = gate_up.split(gate_up(x))
-        return self._linear(F.silu(gate) * up, n["down"])
+        return self.down[layer_id](F.silu(gate) * up)
 
     @paddle.no_grad()
     def forward(self, meta: ForwardMeta) -> paddle.Tensor:
@@ -172,16 +172,16 @@ class Ernie4_5ForCausalLM:
             n = _layer_names(layer_id)
             x = self._rms_norm(hidden, w[n["input_norm"]])
             attn = meta.attn_backend.forward(layer_id, self.qkv[layer_id](x), meta)
-            hidden = hidden + tp_.all_reduce(self._linear(attn, n["o"]), self.tp_size)
+            hidden = hidden + tp_.all_reduce(self.o[layer_id](attn), self.tp_size)
             x = self._rms_norm(hidden, w[n["post_norm"]])
             moe = self.moe.get(layer_id)
-            ffn = moe(x, num_tokens) if moe is not None else self._dense_mlp(x, layer_id, n)
+            ffn = moe(x, num_tokens) if moe is not None else self._dense_mlp(x, layer_id)
             hidden = hidden + tp_.all_reduce(ffn, self.tp_size)
         num_sampled = meta.sample_rows.shape[0]
         if num_sampled == 0:
             return paddle.zeros([0, self.config.vocab_size], dtype="float32")
         last = paddle.gather(hidden, meta.sample_rows)
-        logits = self._linear(self._rms_norm(last, w["model.norm.weight"]), self.lm_head_name)
+        logits = self.lm_head(self._rms_norm(last, w["model.norm.weight"]))
         logits = tp_.all_gather_last_axis(logits, self.tp_size)
         if logits.shape[-1] != self.config.vocab_size:  # vocab-parallel shards are padded
             logits = logits[:, :self.config.vocab_size]
@@ -190,10 +190,11 @@ class Ernie4_5ForCausalLM:
     def _embed(self, ids: paddle.Tensor) -> paddle.Tensor:
         """Vocab-parallel lookup: each rank embeds the ids of its slice (zeros elsewhere), summed."""
         table = self.weights["model.embed_tokens.weight"]
+        lookup = self.lm_head.rows if self.config.tie_word_embeddings else (lambda i: F.embedding(i, table))
         if self.tp_size == 1:
-            return F.embedding(ids, table)
+            return lookup(ids)
         local = ids - self.vocab_start
         mine = (local >= 0) & (local < table.shape[0])
-        out = F.embedding(paddle.where(mine, local, paddle.zeros_like(local)), table)
+        out = lookup(paddle.where(mine, local, paddle.zeros_like(local)))
         out = out * mine.astype(out.dtype).unsqueeze(-1)
         return tp_.all_reduce(out, self.tp_size)
