@@ -170,23 +170,31 @@ std::vector<paddle::Tensor> LinearPacked(const paddle::Tensor& x_in,
   return {y};
 }
 
+template <typename Id>
+void gather_packed_rows(const float* wp, int64_t k_dim, const Id* id, int64_t t,
+                        int64_t n, float* op) {
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t v = int64_t(id[i]);
+    PD_CHECK(v >= 0 && v < n, "packed_rows: id ", v, " out of range [0, ", n, ")");
+    const float* src = wp + (v / kPanel) * k_dim * kPanel + v % kPanel;
+    for (int64_t k = 0; k < k_dim; ++k) op[i * k_dim + k] = src[k * kPanel];
+  }
+}
+
 // Rows `ids` of the unpacked weight (an embedding lookup on a packed tied table).
 std::vector<paddle::Tensor> PackedRows(const paddle::Tensor& packed,
                                        const paddle::Tensor& ids_in, int64_t n) {
   const paddle::Tensor ids = ids_in.is_contiguous() ? ids_in : ids_in.contiguous();
-  PD_CHECK(ids.dtype() == paddle::DataType::INT64, "packed_rows: ids must be int64");
+  PD_CHECK(ids.dtype() == paddle::DataType::INT64 || ids.dtype() == paddle::DataType::INT32,
+           "packed_rows: ids must be int32 or int64");
   PD_CHECK(packed.is_contiguous() && packed.shape().size() == 3 && packed.shape()[2] == kPanel,
            "packed_rows: the weight must be packed [panels, in, 32]");
   const int64_t k_dim = packed.shape()[1], t = ids.numel();
   paddle::Tensor out = paddle::empty({t, k_dim}, paddle::DataType::FLOAT32, packed.place());
-  const int64_t* id = ids.data<int64_t>();
-  const float* wp = packed.data<float>();
-  float* op = out.data<float>();
-  for (int64_t i = 0; i < t; ++i) {
-    PD_CHECK(id[i] >= 0 && id[i] < n, "packed_rows: id ", id[i], " out of range [0, ", n, ")");
-    const float* src = wp + (id[i] / kPanel) * k_dim * kPanel + id[i] % kPanel;
-    for (int64_t k = 0; k < k_dim; ++k) op[i * k_dim + k] = src[k * kPanel];
-  }
+  if (ids.dtype() == paddle::DataType::INT64)
+    gather_packed_rows(packed.data<float>(), k_dim, ids.data<int64_t>(), t, n, out.data<float>());
+  else
+    gather_packed_rows(packed.data<float>(), k_dim, ids.data<int32_t>(), t, n, out.data<float>());
   return {out};
 }
 
