@@ -1,6 +1,7 @@
-"""GFLOP/s of the model's dense layers on the CPU: Paddle's matmul vs the OpenBLAS GEMM op
-(layers/linear.py) vs numpy, for SmolLM2-135M's shapes at several row counts, next to this
-machine's float32 GEMM peak (2048^3 through the op) measured in the same run.
+"""GFLOP/s of the model's dense layers on the CPU: Paddle's matmul vs the packed kernel (a
+layers/linear.py `Linear`, what the decoder runs) vs the OpenBLAS sgemm op (`linear()`) vs numpy,
+for SmolLM2-135M's shapes at several row counts, next to this machine's float32 GEMM peak
+(2048^3 through OpenBLAS) measured in the same run.
 
     python benchmarks/bench_linear_cpu.py [--rows 1 8 32 128 2048] [--seconds 0.3] [--json out.json]
 
@@ -22,7 +23,7 @@ import numpy as np
 import paddle
 
 from fastdeploy.model_executor.layers.blas_gemm import blas_info
-from fastdeploy.model_executor.layers.linear import linear
+from fastdeploy.model_executor.layers.linear import Linear, linear
 
 # (name, in, out) of SmolLM2-135M (hidden 576, 9 heads / 3 KV heads of 64, FFN 1536, vocab 49152).
 SHAPES = [
@@ -79,14 +80,16 @@ def main() -> None:
     info = blas_info()
     print(f"op BLAS: {info['config']} (kernels {info['corename']}, {info['threads']} threads; env {info['env']})")
     print(f"numpy BLAS: {numpy_blas()}")
-    print(f"GEMM peak (2048^3 float32 through the op): {peak:.0f} GFLOP/s ({args.clock} clock)\n")
-    print(f"{'shape':<14} {'[M, in] x [in, out]':<24} {'paddle':>8} {'op':>8} {'numpy':>8} {'op/paddle':>10} {'op/peak':>8}")
+    print(f"GEMM peak (2048^3 float32 through OpenBLAS): {peak:.0f} GFLOP/s ({args.clock} clock)\n")
+    print(f"{'shape':<14} {'[M, in] x [in, out]':<24} {'paddle':>8} {'packed':>8} {'sgemm':>8} {'numpy':>8} "
+          f"{'packed/paddle':>14} {'packed/peak':>12}")
     rows = []
     for name, k, n in SHAPES:
         if args.shapes and name not in args.shapes:
             continue
         w = rng.standard_normal((n, k)).astype(np.float32)
         w_pd = paddle.to_tensor(w)
+        packed = Linear([w_pd])
         w_np_t = np.ascontiguousarray(w.T)
         for m in args.rows:
             x = rng.standard_normal((m, k)).astype(np.float32)
@@ -95,12 +98,14 @@ def main() -> None:
             cell = {
                 "shape": name, "m": m, "k": k, "n": n,
                 "paddle": gflops(lambda: paddle.matmul(x_pd, w_pd, transpose_y=True), flops, args.seconds),
-                "op": gflops(lambda: linear(x_pd, w_pd), flops, args.seconds),
+                "packed": gflops(lambda: packed(x_pd), flops, args.seconds),
+                "sgemm": gflops(lambda: linear(x_pd, w_pd), flops, args.seconds),
                 "numpy": gflops(lambda: x @ w_np_t, flops, args.seconds),
             }
             rows.append(cell)
-            print(f"{name:<14} {f'[{m}, {k}] x [{k}, {n}]':<24} {cell['paddle']:>8.1f} {cell['op']:>8.1f} "
-                  f"{cell['numpy']:>8.1f} {cell['op'] / cell['paddle']:>9.1f}x {cell['op'] / peak:>7.0%}", flush=True)
+            print(f"{name:<14} {f'[{m}, {k}] x [{k}, {n}]':<24} {cell['paddle']:>8.1f} {cell['packed']:>8.1f} "
+                  f"{cell['sgemm']:>8.1f} {cell['numpy']:>8.1f} {cell['packed'] / cell['paddle']:>13.1f}x "
+                  f"{cell['packed'] / peak:>11.0%}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"clock": args.clock, "peak_gflops": peak, "blas": info, "numpy_blas": numpy_blas(), "cells": rows}, f, indent=2)
