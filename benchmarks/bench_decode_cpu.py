@@ -26,10 +26,23 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
 
 
+def _shapes(c) -> dict:
+    """The checkpoint's tensors, `[out, in]` (the names every supported architecture shares)."""
+    h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "mlp.gate_proj.weight": (c.intermediate_size, h),
+                       p + "mlp.up_proj.weight": (c.intermediate_size, h),
+                       p + "mlp.down_proj.weight": (h, c.intermediate_size)})
+    return shapes
+
+
 def write_checkpoint(path: str) -> str:
     from safetensors.numpy import save_file
-
-    from fastdeploy.model_executor.models.ernie4_5 import checkpoint_shapes
 
     if os.path.exists(os.path.join(path, "model.safetensors")):
         return path
@@ -40,7 +53,7 @@ def write_checkpoint(path: str) -> str:
               "fastdeploy_byte_tokenizer": True}
     rng = np.random.default_rng(0)
     weights = {}
-    for name, shape in checkpoint_shapes(SimpleNamespace(moe=None, **SMOLLM2_SHAPE)).items():
+    for name, shape in _shapes(SimpleNamespace(**SMOLLM2_SHAPE)).items():
         if len(shape) == 1:
             weights[name] = np.ones(shape, np.float32)
         else:
