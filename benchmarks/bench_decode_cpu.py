@@ -5,6 +5,7 @@ cProfile and prints the top entries, to see what a step costs besides the GEMMs.
 
     python benchmarks/bench_decode_cpu.py [--concurrency 1 8] [--input-len 128] [--output-len 64]
     python benchmarks/bench_decode_cpu.py --concurrency 1 --profile 25
+    python benchmarks/bench_decode_cpu.py --model smollm2-135m-instruct   # the real model instead
 
 The checkpoint (ERNIE-4.5 layout, ~540 MB) is written once to --model-dir and reused.
 """
@@ -84,13 +85,14 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--model-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "fastdeploy",
                                                          "smollm2-shaped-random"))
+    ap.add_argument("--model", help="a model name, directory or GGUF file instead of the random SmolLM2-shaped one")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the last run; print this many entries")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
     from fastdeploy import LLM
 
-    llm = LLM(model=write_checkpoint(args.model_dir), block_size=16, max_num_seqs=max(args.concurrency),
+    llm = LLM(model=args.model or write_checkpoint(args.model_dir), block_size=16, max_num_seqs=max(args.concurrency),
               max_model_len=args.input_len + args.output_len + 16, num_gpu_blocks_override=4096,
               max_num_batched_tokens=2048)
     run(llm, 1, 8, 2, seed=99)  # warm-up: op builds, first-call allocations
