@@ -1,17 +1,21 @@
-"""The CPU GEMM op: OpenBLAS's sgemm (the `scipy-openblas32` wheel, made for linking) behind a
-Paddle custom op (custom_ops/cpu_ops/linear_sgemm.cc), built once by cpu_op_loader.
-
-Why OpenBLAS: on this project's 2-core machine Paddle 3.3.1's CPU matmul runs `[M, 576] x
-[576, 1536]` at 15-26 GFLOP/s where OpenBLAS reaches 50-180 (benchmarks/bench_linear_cpu.py
-prints both); the wheel ships a DYNAMIC_ARCH library with a stable C ABI and its own headers, so
-the op links against it without a system BLAS. OpenBLAS reads OPENBLAS_CORETYPE (which kernel
+"""The CPU GEMM ops, one module built once by cpu_op_loader:
+- `linear_packed` (custom_ops/cpu_ops/linear_packed.cc): weights packed once at load (`pack`),
+  what the decoder's layers run; row-invariant by construction, 1-3x Paddle's matmul at decode
+  row counts (benchmarks/bench_linear_cpu.py);
+- `linear_sgemm` (custom_ops/cpu_ops/linear_sgemm.cc): OpenBLAS's sgemm from the
+  `scipy-openblas32` wheel (made for linking: a DYNAMIC_ARCH library with a stable C ABI and its
+  own headers), for weights used as they are; row-invariant once small products are padded out of
+  its small-matrix kernels (the op does that). Its packing of the weight on every call makes it
+  3-5x slower than the packed kernel for 1-8 rows, hence the packed kernel for the model. OpenBLAS reads OPENBLAS_CORETYPE (which kernel
 set to use) at load; this module never sets it: `blas_info()` reports what the loaded library
 chose.
 
-Threads: OpenBLAS takes its count from OPENBLAS_NUM_THREADS, else OMP_NUM_THREADS, and
-`import paddle` sets OMP_NUM_THREADS=1 when it is unset, which would leave the GEMM on one
-core. So unless OPENBLAS_NUM_THREADS is given, the op's first load sets the count to the cores
-this process may run on.
+Threads: OpenBLAS takes its count from OPENBLAS_NUM_THREADS, else OMP_NUM_THREADS (which
+`import paddle` sets to 1 when unset). Unless OPENBLAS_NUM_THREADS is given, the op's first load
+pins it to one thread: on a busy 2-core machine OpenBLAS's spinning thread hand-off made
+small-row products 10-100x slower (bench_linear_cpu.py, wall clock), and the model's large
+layers run on the packed kernel (linear_packed.cc), whose work pool is robust to that; only
+weights used as they are (MoE experts, the router) come here.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def linear_sgemm():
     """The op: `linear_sgemm(x [.., K] float32, w [N, K] float32) -> [.., N]`, x . w^T."""
     op = load_library(GEMM_OPS).linear_sgemm
     if "OPENBLAS_NUM_THREADS" not in os.environ:
-        _library().scipy_openblas_set_num_threads(len(os.sched_getaffinity(0)))
+        _library().scipy_openblas_set_num_threads(1)
     return op
 
 
