@@ -91,3 +91,22 @@ def test_bench_head_wise_swa_runs_both_servers_and_splits_the_gain(tmp_path):
     # on a loaded machine, so the exact step counters carry this assertion).
     assert result["engine_steps_off"] >= 144 and 96 <= result["engine_steps_on"] < 144
     assert "Engine steps" in stdout and plot.stat().st_size > 0
+
+
+def test_bench_linear_cpu_prints_every_gemm_next_to_the_peak(tmp_path):
+    out = tmp_path / "gemm.json"
+    text = run("bench_linear_cpu.py", "--rows", "1", "3", "--shapes", "qkv fused", "--seconds", "0.01",
+               "--json", str(out))
+    result = json.loads(out.read_text())
+    assert result["peak_gflops"] > 0 and "GEMM peak" in text
+    assert [c["m"] for c in result["cells"]] == [1, 3]
+    assert all(c[k] > 0 for c in result["cells"] for k in ("paddle", "packed", "sgemm", "numpy"))
+
+
+def test_bench_decode_cpu_reports_tokens_per_second(tmp_path):
+    out = tmp_path / "decode.json"
+    run("bench_decode_cpu.py", "--model", "tiny-moe", "--concurrency", "1", "2", "--input-len", "8",
+        "--output-len", "4", "--json", str(out))
+    result = json.loads(out.read_text())
+    assert [r["concurrency"] for r in result] == [1, 2]
+    assert [r["output_tokens"] for r in result] == [4, 8] and all(r["tok_per_s"] > 0 for r in result)
