@@ -47,8 +47,15 @@ def _link() -> tuple:
             f"{PACKAGE} {ob.__version__}")
 
 
-GEMM_OPS = CpuOpLibrary("fd_cpu_gemm", ("linear_packed.cc", "linear_sgemm.cc"), "the CPU GEMM op (OpenBLAS sgemm)",
+GEMM_OPS = CpuOpLibrary("fd_cpu_gemm", ("linear_packed.cc", "linear_sgemm.cc", "rms_norm.cc"),
+                        "the CPU dense-layer ops (packed GEMM, OpenBLAS sgemm, RMSNorm)",
                         dir_prefix="gemm-", link=_link)
+
+
+@lru_cache(maxsize=None)
+def rms_norm_rows():
+    """The op: `rms_norm_rows(x [.., D] float32, weight [D] float32, eps) -> [.., D]`, row-invariant."""
+    return load_library(GEMM_OPS).rms_norm_rows
 
 
 @lru_cache(maxsize=None)

@@ -24,6 +24,7 @@ import paddle.nn.functional as F
 from fastdeploy.model_executor import model_loader
 from fastdeploy.model_executor import tensor_parallel as tp_
 from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.model_executor.layers.rms_norm import rms_norm
 from fastdeploy.model_executor.models.ernie4_5_moe import MoEBlock, is_moe_layer, moe_shapes
 from fastdeploy.model_executor.layers.linear import fuse_named
 
@@ -179,11 +180,7 @@ class CausalLM:
 
     # -- compute -------------------------------------------------------------------------------
     def _rms_norm(self, x: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
-        # PaddleFormers normalises in float32 and scales in the weight's dtype.
-        x32 = x if x.dtype == paddle.float32 else x.astype("float32")
-        variance = (x32 * x32).mean(axis=-1, keepdim=True)
-        normed = x32 * paddle.rsqrt(variance + self.config.rms_norm_eps)
-        return (normed if normed.dtype == weight.dtype else normed.astype(weight.dtype)) * weight
+        return rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _dense_mlp(self, x: paddle.Tensor, layer_id: int) -> paddle.Tensor:
         gate_up = self.gate_up[layer_id]
