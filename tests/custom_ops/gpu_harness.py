@@ -50,6 +50,7 @@ PARAM_FIELDS = (
     "sink_size",
     "visit_all_pages",
     "dual_pass",
+    "kv_slots",
 )
 BUFFER_FIELDS = (
     "qkv",
@@ -64,6 +65,7 @@ BUFFER_FIELDS = (
     "rotary_sin",
     "swa_head_mask",
     "out",
+    "kv_head_slots",
 )
 
 # Device-side error codes (AppendAttnDeviceError).
