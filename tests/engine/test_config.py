@@ -138,11 +138,12 @@ def test_invalid_per_layer_swa_heads_name_the_layer_and_field(monkeypatch, heads
         build(monkeypatch, head_wise_swa_config=dict(PER_LAYER, swa_kv_heads=heads))
 
 
-def test_uneven_per_layer_counts_need_the_dense_backend(monkeypatch):
+def test_uneven_per_layer_counts_stay_in_place_and_the_slot_layout_serves_them(monkeypatch):
     spec = dict(PER_LAYER, swa_kv_heads=[[0], [1, 2]])
-    with pytest.raises(ValueError, match=r"swa_kv_heads\[layer 1\] lists 2 SWA KV heads but layer 0 lists 1: "
-                                         r"FD_ATTENTION_BACKEND=APPEND_ATTN .*FD_ATTENTION_BACKEND=NATIVE_ATTN"):
-        build(monkeypatch, head_wise="0", head_wise_swa_config=spec)
+    paged = build(monkeypatch, head_wise="1", head_wise_swa_config=spec)
+    assert paged.model_config.kv_head_orders is None  # no permutation can line uneven sets up
+    slots = paged.slot_layout  # 3 SWA pairs of 8: one lane of both layers, 3 sliding slots of 8
+    assert (slots.num_lanes, slots.slots_per_rank, len(slots.sliding_slots)) == (1, 8, 3)
     monkeypatch.setenv("FD_ATTENTION_BACKEND", "NATIVE_ATTN")
     model = build(monkeypatch, head_wise="0", head_wise_swa_config=spec).model_config
     assert [model.layer_swa_kv_heads(l) for l in range(2)] == [(0,), (1, 2)]
