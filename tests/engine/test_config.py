@@ -182,3 +182,27 @@ def test_per_layer_spec_round_trips_through_to_dict(heads):
     assert HeadWiseSWAConfig.from_dict(spec.to_dict(), 4, 2) == spec
     assert spec.to_dict()["swa_kv_heads"] == ([sorted(h) for h in heads] if isinstance(heads[0], list)
                                               else sorted(heads))
+
+
+@pytest.mark.parametrize("windows, message", [
+    ([48, 48], r"layer_sliding_window must list a window \(or null\) for each of 6 layers"),
+    ([48, 0, None, None, None, None], r"layer_sliding_window\[1\] must be an integer >= 1 or null, got 0"),
+    ([48, "wide", None, None, None, None], r"layer_sliding_window\[1\] must be an integer >= 1"),
+])
+def test_bad_sliding_layers_are_start_up_errors_naming_the_field(monkeypatch, windows, message):
+    from fastdeploy.model_executor.models import tiny_preset
+
+    preset = tiny_preset.PRESETS["tiny-sliding-layers"]
+    monkeypatch.setitem(tiny_preset.PRESETS, "tiny-sliding-layers", {**preset, "layer_sliding_window": windows})
+    with pytest.raises(ValueError, match=message):
+        build(monkeypatch, model="tiny-sliding-layers")
+
+
+def test_sliding_layers_turn_head_wise_mode_on_without_head_wise_swa_and_are_logged(monkeypatch, caplog):
+    """A model trained with sliding layers has something to recycle: FD_HEAD_WISE_KV_CACHE=1 needs no
+    head_wise_swa section, and start-up logs the lanes it chose."""
+    with caplog.at_level("INFO", logger="fastdeploy.config"):
+        cfg = build(monkeypatch, model="tiny-sliding-layers")
+    assert cfg.swa_recycle_active and cfg.model_config.head_wise_swa is None
+    assert "KV slots: 1 lane(s) of 6 layer(s), 12 slot(s) per block per rank (2 full, 10 window 48 + sink 0)" \
+        in caplog.text
