@@ -120,3 +120,16 @@ def test_gemma3_page_need_at_4096_tokens_is_384_pages_1d_and_109_with_recycling(
     assert off.peak_pages_per_rank(1, 4096, 2048) == [384]
     assert on.peak_pages_per_rank(1, 4096, 2048) == [109]
     assert max(on.pages_per_rank(n, 1)[0] for n in range(4096)) == 64 + 5 * 9
+
+
+@pytest.mark.parametrize("model", [None, "tiny-moe"])
+def test_the_head_wise_presets_keep_the_per_head_layout(make_config, model):
+    """A head-wise-only model is the case k = L: a lane per layer, slot h = KV head h, so its cache
+    tensors, tables and page ids are exactly those of the per-head layout."""
+    cfg = make_config("head_wise_recycle_on", model=model)
+    slots, model_config = cfg.slot_layout, cfg.model_config
+    heads = model_config.num_key_value_heads
+    assert (slots.num_lanes, slots.slots_per_rank) == (model_config.num_hidden_layers, heads)
+    assert slots.lane_of_layer == tuple(range(model_config.num_hidden_layers))
+    assert all(row == tuple(range(heads)) for row in slots.head_slots)
+    assert PageLayout.from_config(cfg).swa_kv_heads == model_config.swa_kv_heads
