@@ -52,9 +52,10 @@ def test_bench_weight_rss_holds_each_weight_once(tmp_path):
 def test_bench_scheduler_prints_both_arms(tmp_path):
     out = tmp_path / "sched.json"
     run("bench_scheduler.py", "--running", "8", "--context", "512", "--decode-steps", "5", "--kv-heads", "4",
-        "--max-num-batched-tokens", "512", "--json", str(out))
-    (row,) = json.loads(out.read_text())
-    assert row["one_d_ms"] > 0 and row["head_wise_ms"] > 0
+        "--max-num-batched-tokens", "512", "--window", "128", "--gemma3", "--json", str(out))
+    row, gemma3 = json.loads(out.read_text())
+    assert row["one_d_ms"] > 0 and row["head_wise_ms"] > 0 and row["slots"] == 4
+    assert (gemma3["lanes"], gemma3["slots"]) == (3, 6) and gemma3["pages_recycled"] > 0
 
 
 def test_bench_prefix_caching_hits_and_keeps_tokens(tmp_path):
