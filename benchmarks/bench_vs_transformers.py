@@ -250,6 +250,17 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    # As the user set them, before Paddle's import writes OMP_NUM_THREADS=1 into the environment.
+    thread_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    capped = {k: v for k, v in thread_env.items() if v is not None and v.isdigit() and int(v) < (os.cpu_count() or 1)}
+    if capped:
+        log(f"warning: {capped} caps the BLAS below the {os.cpu_count()} cores: the GEMM peak is not the machine's")
+    load_before = os.getloadavg()[0]
+    if load_before > 0.5 * (os.cpu_count() or 1):
+        # Measured on 2 shared cores at load ~10: torch on 2 threads took 16 ms for a [1, 576] x [576, 1536]
+        # product that takes 0.5 ms on 1 thread (its OpenMP barrier waits for a descheduled peer).
+        log(f"warning: load average {load_before:.1f} on {os.cpu_count()} cores: multi-threaded code stalls "
+            f"on a busy machine and the comparison means little; run it on a quiet one")
     log("measuring this machine's limits")
     limits = {"gemm_peak_gflops": gemm_peak_gflops(), "read_bandwidth_gbs": read_bandwidth_gbs()}
     log(f"GEMM peak {limits['gemm_peak_gflops']:.1f} GFLOP/s, read bandwidth {limits['read_bandwidth_gbs']:.1f} GB/s")
@@ -287,7 +298,8 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"model": path, "limits": limits, "matmul_parameters": params[0] + params[1],
                        "lm_head_parameters": params[1], "torch_threads": args.torch_threads,
-                       "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count(),
+                       "thread_env": thread_env, "cpu_count": os.cpu_count(),
+                       "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
                        "cases": results, "args": vars(args)}, f, indent=2)
         log(f"wrote {args.json}")
     return 0
