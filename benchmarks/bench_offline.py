@@ -199,6 +199,7 @@ def main(argv=None) -> int:
                   "steps_ratio": steps_ratio, "step_time_ratio": step_time_ratio,
                   "gain_share_of_steps_gain": share,
                   "identical_tokens": identical, "args": vars(args)}
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0 if identical else 1
