@@ -41,6 +41,28 @@ def test_bench_offline_runs_the_moe_miniature(tmp_path):
     assert result["args"]["model"] == "tiny-moe" and result["identical_tokens"] is True
 
 
+def test_bench_offline_swa_config_json_replaces_the_window_flags(tmp_path):
+    out = tmp_path / "json_cfg.json"
+    # --window 4096 alone would make the ceiling 1 (nothing leaves the window); the JSON spec wins.
+    run("bench_offline.py", "--num-prompts", "6", "--input-len", "48", "--output-len", "24", "--window", "4096",
+        "--head-wise-swa-config", '{"sliding_window": 16, "sink_size": 0, "swa_kv_heads": [0, 1]}',
+        "--concurrency-off", "4", "--json", str(out))
+    result = json.loads(out.read_text())
+    # By hand: 71 cached tokens are 5 blocks per head; 4 x 4 x 5 = 80 pages. OFF: 20 pages -> 4 running;
+    # ON: the two SWA heads (W 16) hold 2 blocks each, 2 x 5 + 2 x 2 = 14 pages -> 5 running.
+    assert result["ceiling"] == pytest.approx(5 / 4) and result["identical_tokens"] is True
+    assert result["peak_running_on"] / result["peak_running_off"] == pytest.approx(result["ceiling"])
+    assert "gain_share_of_steps_gain" in result
+
+
+def test_bench_offline_rejects_a_bad_swa_config_without_a_traceback():
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_offline.py"),
+                           "--head-wise-swa-config", "{sliding_window: 16"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--head-wise-swa-config is not valid JSON" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_bench_weight_rss_holds_each_weight_once(tmp_path):
     out = tmp_path / "rss.json"
     run("bench_weight_rss.py", "--json", str(out))
