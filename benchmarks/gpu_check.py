@@ -110,6 +110,7 @@ class SchedulerSide(StepRunner):
         self.fd_config = fd_config
         self.head_wise = fd_config.head_wise_kv_cache
         self.num_kv_heads = fd_config.model_config.num_key_value_heads
+        self.num_slots = fd_config.slot_layout.num_slots  # head-wise table rows, as StepRunner has them
         self.eos_token_id = fd_config.model_config.eos_token_ids
         self._free_slots = list(range(fd_config.scheduler_config.max_num_seqs - 1, -1, -1))
         self._slot_of = {}
@@ -124,7 +125,8 @@ def kernel_params(fd_config, layout: StepBufferLayout, num_tokens: int, dtype: i
                 kv_num_heads=layout.num_kv_heads, head_dim=model.head_dim, block_size=fd_config.cache_config.block_size,
                 num_blocks=fd_config.cache_config.num_gpu_blocks, max_blocks_per_seq=layout.max_blocks_per_seq,
                 head_wise_table=int(layout.head_wise), max_position=model.max_model_len,
-                sliding_window=spec.sliding_window, sink_size=spec.sink_size, visit_all_pages=0, dual_pass=0)
+                sliding_window=spec.sliding_window, sink_size=spec.sink_size, visit_all_pages=0, dual_pass=0,
+                kv_slots=0)  # 0: the per-head cache layout (slot h = head h), what this check's presets use
 
 
 def buffer_addresses(base: int, layout: StepBufferLayout) -> dict:

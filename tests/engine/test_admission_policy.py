@@ -134,8 +134,11 @@ def test_the_closed_form_curve_check_equals_summing_every_step(monkeypatch):
         curves = [(s, x, y, d, min(e, rm.block_size - 1) if d else 0) for s, x, y, d, e in curves]
         peaks = brute_force_peaks(rm, curves)
         assert rm.projection.fit(curves, peaks)  # fits exactly at its peak...
-        rank = data.draw(st.integers(0, len(peaks) - 1))
+        loaded = [i for i, p in enumerate(peaks) if p > 0]  # a free page count is never negative
+        if not loaded:
+            return
+        rank = data.draw(st.sampled_from(loaded))
         tighter = [p - (i == rank) for i, p in enumerate(peaks)]
-        assert not rm.projection.fit(curves, tighter)  # ...and not one unit below it on any rank
+        assert not rm.projection.fit(curves, tighter)  # ...and not one unit below it on any loaded rank
 
     run()
