@@ -117,6 +117,9 @@ class Ernie4_5ForCausalLM:
         self.vocab_start = tp_.vocab_slice(cfg.vocab_size, tp_rank, tp_size)[0] if tp_size > 1 else 0
         self.lm_head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         self.moe = {i: MoEBlock(cfg, i, weights) for i in range(cfg.num_hidden_layers) if is_moe_layer(cfg, i)}
+        # Called as observer(meta, hidden) with the final hidden states of every row of a step, before
+        # the sampled rows are picked: how a tool reads prompt logits off the real path (lm_logits).
+        self.hidden_observer = None
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -189,12 +192,19 @@ class Ernie4_5ForCausalLM:
             moe = self.moe.get(layer_id)
             ffn = moe(x, num_tokens) if moe is not None else self._dense_mlp(x, n)
             hidden = hidden + tp_.all_reduce(ffn, self.tp_size)
+        if self.hidden_observer is not None:
+            self.hidden_observer(meta, hidden[:num_tokens])
         num_sampled = meta.sample_rows.shape[0]
         if num_sampled == 0:
             return paddle.zeros([0, self.config.vocab_size], dtype="float32")
         last = paddle.gather(hidden, _pad_rows(meta.sample_rows, _aligned(num_sampled)))
-        logits = self._linear(self._rms_norm(last, w["model.norm.weight"]), self.lm_head_name)
-        logits = tp_.all_gather_last_axis(logits, self.tp_size)[:num_sampled, :self.config.vocab_size]
+        return self.lm_logits(last)[:num_sampled]
+
+    def lm_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """float32 logits [rows, vocab] of final hidden states (rows a multiple of ROW_ALIGN keep them
+        independent of the batch)."""
+        logits = self._linear(self._rms_norm(hidden, self.weights["model.norm.weight"]), self.lm_head_name)
+        logits = tp_.all_gather_last_axis(logits, self.tp_size)[:, :self.config.vocab_size]
         return logits if logits.dtype == paddle.float32 else logits.astype("float32")
 
     def _embed(self, ids: paddle.Tensor) -> paddle.Tensor:
