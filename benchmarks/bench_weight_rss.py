@@ -45,7 +45,7 @@ def rss_bytes() -> int:
 
 def write_synthetic(path: str) -> None:
     from fastdeploy.engine.args_utils import EngineArgs
-    from fastdeploy.model_executor.models.ernie4_5 import checkpoint_shapes
+    from fastdeploy.model_executor.models.decoder import checkpoint_shapes
 
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({**SYNTHETIC_CONFIG, "fastdeploy_byte_tokenizer": True}, f)
@@ -75,7 +75,7 @@ def write_synthetic(path: str) -> None:
 def child(model: str, empty: bool) -> None:
     from fastdeploy.engine.args_utils import EngineArgs
     from fastdeploy.engine.engine import LLMEngine
-    from fastdeploy.model_executor.models import ernie4_5
+    from fastdeploy.model_executor.models import decoder
 
     if empty:
         class NoWeights:
@@ -83,7 +83,7 @@ def child(model: str, empty: bool) -> None:
             def weight_bytes() -> int:
                 return 0
 
-        ernie4_5.Ernie4_5ForCausalLM.load = classmethod(lambda cls, cfg, *tp_rank_size: NoWeights())
+        decoder.CausalLM.load = classmethod(lambda cls, cfg, *tp_rank_size: NoWeights())
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **ENGINE))
     with open("/proc/self/status") as f:
         peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))

@@ -14,32 +14,12 @@ from typing import Any, Optional
 
 from fastdeploy import envs
 from fastdeploy.model_executor.tensor_parallel import balanced_kv_head_order, check_shardable
+from fastdeploy.model_executor.models.architectures import ACTIVATIONS, ERNIE4_5, Architecture, architecture
+from fastdeploy.model_executor.models.named_models import NAMED_MODELS
 from fastdeploy.model_executor.models.tiny_preset import PRESETS, TINY_PRESET_NAME, default_preset
 
 logger = logging.getLogger("fastdeploy.config")
 
-# architectures -> model_type, both spellings upstream uses for the dense model.
-SUPPORTED_ARCHITECTURES = {
-    "Ernie4_5ForCausalLM": "ernie4_5",
-    "Ernie4_5_ForCausalLM": "ernie4_5",
-    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
-}
-
-# PaddleFormers' defaults for fields a config.json may omit (its save_pretrained writes only the
-# fields that differ from them): Ernie4_5Config and Ernie4_5_MoeConfig of paddleformers 1.2.
-PADDLEFORMERS_DEFAULTS = {
-    "ernie4_5": dict(vocab_size=32000, hidden_size=768, intermediate_size=11008, max_position_embeddings=32768,
-                     num_hidden_layers=2, num_attention_heads=2, head_dim=128, rms_norm_eps=1e-6,
-                     tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2, rope_theta=10000.0,
-                     use_bias=False, hidden_act="silu"),
-    "ernie4_5_moe": dict(vocab_size=103424, hidden_size=2560, intermediate_size=12288, max_position_embeddings=32768,
-                         num_hidden_layers=3, num_attention_heads=2, head_dim=None, rms_norm_eps=1e-6,
-                         tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2, rope_theta=10000.0,
-                         use_bias=False, hidden_act="silu", moe_num_experts=16, moe_intermediate_size=0,
-                         moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_end_index=-1,
-                         moe_layer_interval=1, moe_k=2, moe_norm_min=1e-12, moe_use_aux_free=True,
-                         scoring_func="softmax", moe_group_experts=False),
-}
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024
@@ -173,24 +153,51 @@ class ModelConfig:
     # Load-time KV-head order: slot i holds the checkpoint's KV head kv_head_order[i] (None: identity).
     # head_wise_swa.swa_kv_heads is in this order. Set by --balance-swa-heads.
     kv_head_order: Optional[tuple] = None
+    arch: Architecture = ERNIE4_5  # what the decoder does differently for this architecture (architectures.py)
+    hidden_act: str = "silu"
+    qkv_bias: bool = False
+    attn_scale_ratio: float = 1.0  # query scale / head_dim ** -0.5 (Gemma's query_pre_attn_scalar)
+    # Sliding *layers* (a model trained with them, Gemma 3): the window of each layer, None for a global
+    # one; None for a model without. The model's own semantics: they apply in every memory mode.
+    layer_sliding_window: Optional[tuple] = None
+    layer_rope_theta: Optional[tuple] = None  # per layer, where layers differ (Gemma 3's local base)
+    gguf_file: Optional[str] = None  # the GGUF file the weights, tokenizer and template come from
+    head_wise_swa_source: str = "none"  # where head_wise_swa came from (logged at start-up)
 
     @classmethod
     def create(cls, model: Optional[str], max_model_len: Optional[int], head_wise_swa_override: Any,
                served_model_name: Optional[str] = None, dtype: str = "auto", device: str = "cpu") -> "ModelConfig":
+        named = NAMED_MODELS.get(model) if model is not None else None
         preset = default_preset(device) if model is None else (model if model in PRESETS else None)
+        gguf_file = None
         if preset is not None:
             raw, model = dict(PRESETS[preset]), None
+        elif named is not None:
+            from fastdeploy.model_executor.models.named_models import resolve
+
+            gguf_file = model = resolve(named.name)
+            raw = _read_gguf_config(model)
+        elif _is_gguf_path(model):
+            gguf_file = model
+            raw = _read_gguf_config(model)
         else:
             raw = _read_model_config(model)
-        model_type = _check_architecture(raw, model or preset)
-        raw = {**PADDLEFORMERS_DEFAULTS[model_type], **raw}
+        arch = _check_architecture(raw, model or preset)
+        raw = _normalise_raw(arch, {**arch.defaults, **raw}, model or preset)
         for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
             if not _is_int(raw.get(key)) or raw[key] < 1:
                 raise ValueError(f"model config: {key} must be a positive integer, got {raw.get(key)!r}")
         if raw.get("use_bias"):
             raise ValueError("model config: use_bias=true (linear biases) is not supported")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"model config: hidden_act={raw['hidden_act']!r} is not supported (only silu)")
+        if raw.get("mlp_bias"):
+            raise ValueError("model config: mlp_bias=true (MLP biases) is not supported")
+        hidden_act = ACTIVATIONS.get(raw.get("hidden_act", "silu"))
+        if hidden_act is None or (arch.activation != hidden_act):
+            raise ValueError(f"model config: hidden_act={raw.get('hidden_act')!r} is not supported for "
+                             f"{arch.name} (expected {arch.activation})")
+        for key in ("rope_scaling", "final_logit_softcapping", "attn_logit_softcapping"):
+            if raw.get(key) is not None:
+                raise ValueError(f"model config: {key}={raw[key]!r} is not supported by this engine")
         heads = raw["num_attention_heads"]
         kv_heads = raw.get("num_key_value_heads") or heads
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
@@ -209,10 +216,17 @@ class ModelConfig:
         if max_model_len > max_pos:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_pos}")
-        swa_spec = head_wise_swa_override if head_wise_swa_override is not None else raw.get("head_wise_swa")
+        swa_spec, source = head_wise_swa_override, "--head-wise-swa-config"
+        if swa_spec is None and raw.get("head_wise_swa") is not None:
+            swa_spec, source = raw.get("head_wise_swa"), "config.json"
+        if swa_spec is None and named is not None and envs.FD_HEAD_WISE_KV_CACHE == 1:
+            # A calibrated section trades accuracy: only when the user turned the feature on.
+            swa_spec, source = named.calibrated_head_wise_swa(), f"the calibrated configuration of {named.name}"
         swa = None if swa_spec is None else HeadWiseSWAConfig.from_dict(swa_spec, kv_heads)
-        name = served_model_name or (preset if preset is not None else os.path.basename(os.path.normpath(model)))
-        eos_ids = _eos_token_ids(raw, model)
+        name = served_model_name or (preset if preset is not None else named.name if named is not None
+                                     else os.path.basename(os.path.normpath(model)))
+        eos_ids = _eos_token_ids(raw, None if gguf_file else model)
+        layer_windows = _layer_sliding_windows(arch, raw)
         return cls(
             model=model,
             architectures=list(raw.get("architectures", ["Ernie4_5_ForCausalLM"])),
@@ -227,20 +241,29 @@ class ModelConfig:
             rope_theta=float(raw["rope_theta"]),
             rms_norm_eps=float(raw["rms_norm_eps"]),
             tie_word_embeddings=bool(raw["tie_word_embeddings"]),
-            pad_token_id=int(raw["pad_token_id"]),
-            bos_token_id=int(raw["bos_token_id"]),
+            pad_token_id=int(raw["pad_token_id"] if raw.get("pad_token_id") is not None else eos_ids[0]),
+            bos_token_id=int(raw["bos_token_id"] if raw.get("bos_token_id") is not None else eos_ids[0]),
             eos_token_id=eos_ids[0],
             max_model_len=int(max_model_len),
             head_wise_swa=swa,
             seed=int(raw.get("seed", 0)),
             served_model_name=name,
             raw=raw,
-            model_type=model_type,
-            moe=MoEConfig.from_raw(raw) if model_type == "ernie4_5_moe" else None,
-            dtype=_resolve_dtype(dtype, model, raw.get("torch_dtype"), device),
+            model_type=arch.model_type,
+            moe=MoEConfig.from_raw(raw) if arch.moe else None,
+            dtype=_resolve_dtype(dtype, None if gguf_file else model, raw.get("torch_dtype"), device),
             eos_token_ids=eos_ids,
             preset=preset,
             max_model_len_given=given,
+            arch=arch,
+            hidden_act=hidden_act,
+            qkv_bias=bool(raw.get("attention_bias", False)),
+            attn_scale_ratio=float(head_dim / raw["query_pre_attn_scalar"]) ** 0.5
+            if raw.get("query_pre_attn_scalar") else 1.0,
+            layer_sliding_window=layer_windows,
+            layer_rope_theta=_layer_rope_thetas(raw, layer_windows),
+            gguf_file=gguf_file,
+            head_wise_swa_source=source if swa is not None else "none",
         )
 
     @property
@@ -248,18 +271,79 @@ class ModelConfig:
         return self.head_wise_swa.swa_kv_heads if self.head_wise_swa else ()
 
 
-def _check_architecture(raw: dict, where: str) -> str:
-    """The model_type the config declares; an architecture or model_type we do not serve is an error."""
+def _check_architecture(raw: dict, where: str) -> Architecture:
+    """The architecture the config declares; one we do not serve, or a mismatched model_type, is an error."""
     archs = raw.get("architectures") or []
-    supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"model {where!r}: architectures={archs!r} is not supported; supported: {supported}")
-    model_type = SUPPORTED_ARCHITECTURES[archs[0]]
-    declared = raw.get("model_type", model_type)
-    if declared != model_type:
-        raise ValueError(f"model {where!r}: model_type={declared!r} does not match architecture {archs[0]} "
-                         f"(expected {model_type!r})")
-    return model_type
+    if not isinstance(archs, list) or len(archs) != 1:
+        raise ValueError(f"model {where!r}: architectures={archs!r} must name exactly one architecture")
+    try:
+        arch = architecture(archs[0])
+    except ValueError as exc:
+        raise ValueError(f"model {where!r}: {exc}") from None
+    declared = raw.get("model_type", arch.model_type)
+    if declared not in (arch.model_type, arch.gguf_arch):
+        raise ValueError(f"model {where!r}: model_type={declared!r} does not match architecture {arch.name} "
+                         f"(expected {arch.model_type!r})")
+    return arch
+
+
+def _normalise_raw(arch: Architecture, raw: dict, where: str) -> dict:
+    """Field spellings of other transformers versions mapped onto one: aliases and `rope_parameters`."""
+    for alias, name in arch.config_aliases.items():
+        if alias in raw:
+            raw[name] = raw.pop(alias)
+    rope = raw.get("rope_parameters")
+    if isinstance(rope, dict):
+        per_type = {k: v for k, v in rope.items() if isinstance(v, dict)}
+        for kind, params in (per_type or {"full_attention": rope}).items():
+            if params.get("rope_type", "default") != "default":
+                raise ValueError(f"model {where!r}: rope_type={params['rope_type']!r} is not supported "
+                                 "(only default RoPE)")
+            key = "rope_local_base_freq" if kind == "sliding_attention" else "rope_theta"
+            if "rope_theta" in params:
+                raw[key] = params["rope_theta"]
+    return raw
+
+
+def _layer_sliding_windows(arch: Architecture, raw: dict) -> Optional[tuple]:
+    """Per layer: the window of a sliding layer, None for a global one (config `layer_types`, else Gemma 3's
+    every-Nth-layer-global pattern); None for an architecture without sliding layers."""
+    if arch.model_type != "gemma3_text":
+        return None
+    layers = raw["num_hidden_layers"]
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = int(raw["sliding_window_pattern"])
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"model config: layer_types must list full_attention/sliding_attention for each of the "
+                         f"{layers} layers, got {types!r}")
+    window = raw.get("sliding_window")
+    if not _is_int(window) or window < 1:
+        raise ValueError(f"model config: sliding_window must be an integer >= 1, got {window!r}")
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def _layer_rope_thetas(raw: dict, layer_windows: Optional[tuple]) -> Optional[tuple]:
+    if layer_windows is None:
+        return None
+    local = float(raw.get("rope_local_base_freq", raw["rope_theta"]))
+    return tuple(local if w is not None else float(raw["rope_theta"]) for w in layer_windows)
+
+
+def _is_gguf_path(model: str) -> bool:
+    from fastdeploy.model_executor.gguf_loader import is_gguf
+
+    return not os.path.isdir(model) and is_gguf(model)
+
+
+def _read_gguf_config(path: str) -> dict:
+    from fastdeploy.model_executor.gguf_loader import gguf_config, open_gguf, stop_token_ids
+
+    reader = open_gguf(path)
+    raw = gguf_config(reader, path)
+    raw["eos_token_id"] = stop_token_ids(reader)
+    return raw
 
 
 def _eos_token_ids(raw: dict, model: Optional[str]) -> tuple:
@@ -314,7 +398,8 @@ def _resolve_dtype(requested: str, model: Optional[str], declared: Optional[str]
 def _read_model_config(model: str) -> dict:
     path = os.path.join(model, "config.json")
     if not os.path.isdir(model):
-        raise ValueError(f"model: {model!r} is not a directory")
+        raise ValueError(f"model: {model!r} is neither a model directory, a .gguf file, a preset "
+                         f"({', '.join(sorted(PRESETS))}) nor a named model ({', '.join(sorted(NAMED_MODELS))})")
     if not os.path.isfile(path):
         raise ValueError(f"model: {model!r} has no config.json")
     try:

@@ -125,22 +125,49 @@ def iter_checkpoint(model_dir: str, dtype: str, keep_float32: tuple = ()) -> Ite
 
 def load_checkpoint(model_dir: str, expected_shapes: dict, dtype: str, keep_float32: tuple = (),
                     transform=None) -> dict:
-    """All tensors named in `expected_shapes`, checked: a missing, misshapen or unknown tensor is an error.
-    `transform(name, tensor)`, when given, replaces each checked tensor as it is read (a tensor-parallel
-    rank keeps only its slice, so the whole model is never held at once)."""
+    """All tensors of a checkpoint directory named in `expected_shapes`, checked (check_checkpoint)."""
+    return check_checkpoint(iter_checkpoint(model_dir, dtype, keep_float32), expected_shapes, transform)
+
+
+def check_checkpoint(tensors, expected_shapes: dict, transform=None) -> dict:
+    """`(name, tensor)` pairs checked against `expected_shapes`: a missing, misshapen or unknown tensor is an
+    error. `transform(name, tensor)`, when given, replaces each checked tensor as it is read (a
+    tensor-parallel rank keeps only its slice, so the whole model is never held at once)."""
     weights: dict = {}
-    for name, tensor in iter_checkpoint(model_dir, dtype, keep_float32):
+    for name, tensor in tensors:
         if name not in expected_shapes:
             raise ValueError(f"model: checkpoint tensor {name!r} is not a parameter of this model "
                              f"(architecture/config mismatch?)")
         if tuple(tensor.shape) != tuple(expected_shapes[name]):
             raise ValueError(f"model: checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(expected_shapes[name])} from config.json")
+                             f"expected {tuple(expected_shapes[name])} from the model config")
         weights[name] = tensor if transform is None else transform(name, tensor)
     missing = sorted(set(expected_shapes) - set(weights))
     if missing:
         raise ValueError(f"model: checkpoint is missing {len(missing)} parameter(s), e.g. {missing[:3]}")
     return weights
+
+
+_ROPE_ROWS = ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias")
+_ROPE_VECTORS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # one head_dim vector, shared by heads
+
+
+def to_engine_layout(name: str, tensor, model_config):
+    """The one load-time conversion from a source's layout to the engine's (architectures.py):
+    rotate-half q/k rows (and q/k norm weights) to interleaved pairs, and Gemma's RMSNorm offset
+    folded into the weight, so the forward pass scales by the weight alone."""
+    from fastdeploy.model_executor.models.architectures import ROTATE_HALF
+
+    arch = model_config.arch
+    layout = arch.gguf_rope_layout if model_config.gguf_file else arch.rope_layout
+    if layout == ROTATE_HALF and name.endswith(_ROPE_ROWS + _ROPE_VECTORS):
+        d = model_config.head_dim
+        shape = list(tensor.shape)
+        rows = tensor.reshape([-1, 2, d // 2, int(np.prod(shape[1:])) if len(shape) > 1 else 1])
+        tensor = rows.transpose([0, 2, 1, 3]).reshape(shape)  # row 2i <- i, row 2i+1 <- i + d/2, per head
+    if arch.norm_offset and name.endswith("norm.weight"):
+        tensor = tensor + arch.norm_offset
+    return tensor
 
 
 def device_supports(dtype: str) -> bool:

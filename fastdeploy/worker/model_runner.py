@@ -12,8 +12,8 @@ import paddle
 
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention import get_attention_backend
-from fastdeploy.model_executor.layers.rotary_embedding import rope_tables
-from fastdeploy.model_executor.models.ernie4_5 import Ernie4_5ForCausalLM
+from fastdeploy.model_executor.layers.rotary_embedding import layer_rope_tables
+from fastdeploy.model_executor.models.decoder import CausalLM
 from fastdeploy.model_executor.tensor_parallel import local_kv_heads
 from fastdeploy.worker.device import paddle_device_name
 from fastdeploy.worker.step_buffers import StepBufferLayout, StepBuffers
@@ -29,9 +29,8 @@ class ModelRunner:
         self.tp_rank = tp_rank
         self.tp_size = fd_config.parallel_config.tensor_parallel_size
         self.kv_heads = local_kv_heads(model.num_key_value_heads, tp_rank, self.tp_size)
-        self.model = Ernie4_5ForCausalLM.load(model, tp_rank, self.tp_size)
-        cos, sin = rope_tables(model.head_dim, model.max_model_len, model.rope_theta)
-        self.attn_backend = get_attention_backend(fd_config, cos, sin, tp_rank)
+        self.model = CausalLM.load(model, tp_rank, self.tp_size)
+        self.attn_backend = get_attention_backend(fd_config, layer_rope_tables(model), tp_rank)
         self.buffers = StepBuffers(StepBufferLayout.from_config(fd_config, len(self.kv_heads)))
 
     def build_forward_meta(self, step: StepInput) -> ForwardMeta:

@@ -140,7 +140,7 @@ def test_two_ranks_match_one_on_a_saved_checkpoint_with_tied_embeddings(tmp_path
     from safetensors.numpy import save_file
 
     from fastdeploy.config import ModelConfig
-    from fastdeploy.model_executor.models.ernie4_5 import random_checkpoint
+    from fastdeploy.model_executor.models.decoder import random_checkpoint
     from fastdeploy.model_executor.models.tiny_preset import TINY_PRESET_CONFIG
 
     raw = dict(TINY_PRESET_CONFIG, vocab_size=301, num_key_value_heads=2, tie_word_embeddings=True, seed=7,

@@ -95,7 +95,7 @@ def test_env_flags_are_read_lazily_with_upstream_defaults(monkeypatch):
     ({"max_model_len": 10 ** 9}, "max_position_embeddings"),
     ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override"),
     ({"cache_dtype": "int3"}, "cache_dtype"),
-    ({"model": "/nonexistent/model/dir"}, "not a directory"),
+    ({"model": "/nonexistent/model/dir"}, "neither a model directory, a .gguf file"),
 ])
 def test_bad_engine_args_name_the_flag(monkeypatch, kwargs, message):
     with pytest.raises(ValueError, match=message):

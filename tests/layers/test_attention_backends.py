@@ -20,7 +20,7 @@ def test_paged_backend_matches_dense_backend_step_by_step(make_config, mode):
     runner = StepRunner(cfg)
     paged = runner.attn_backend
     assert isinstance(paged, AppendAttentionBackend)
-    dense = NativeAttentionBackend(cfg, paged.rotary_cos, paged.rotary_sin)
+    dense = NativeAttentionBackend(cfg, paged.rotary)
     rm = ResourceManagerV1(cfg)
     for i, (plen, out) in enumerate([(45, 30), (7, 40), (60, 12)]):
         rm.add_request(Request(f"r{i}", [5] * plen, SamplingParams(max_tokens=out, ignore_eos=True), eos_token_id=2))

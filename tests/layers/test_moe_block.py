@@ -6,7 +6,7 @@ import paddle
 import pytest
 
 from fastdeploy.engine.args_utils import EngineArgs
-from fastdeploy.model_executor.models.ernie4_5 import Ernie4_5ForCausalLM
+from fastdeploy.model_executor.models.decoder import CausalLM
 
 LAYER = 1  # tiny-moe: layer 0 dense, layers 1..3 MoE
 
@@ -16,7 +16,7 @@ def model():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FD_HEAD_WISE_KV_CACHE", "0")
         cfg = EngineArgs(model="tiny-moe", block_size=16, num_gpu_blocks_override=8).create_engine_config()
-    return Ernie4_5ForCausalLM.load(cfg.model_config)
+    return CausalLM.load(cfg.model_config)
 
 
 def reference(model, x: np.ndarray, use_bias: bool = True) -> tuple:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from fastdeploy.model_executor import tensor_parallel as tp_
-from fastdeploy.model_executor.models.ernie4_5 import random_checkpoint
+from fastdeploy.model_executor.models.decoder import random_checkpoint
 
 
 @pytest.fixture

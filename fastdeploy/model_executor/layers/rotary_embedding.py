@@ -14,6 +14,13 @@ def rope_tables(head_dim: int, max_position: int, theta: float) -> tuple:
             paddle.to_tensor(np.sin(angles).astype(np.float32)))
 
 
+def layer_rope_tables(model_config) -> list:
+    """(cos, sin) per layer, one table per distinct base (Gemma 3's sliding layers use a local base)."""
+    thetas = model_config.layer_rope_theta or (model_config.rope_theta,) * model_config.num_hidden_layers
+    tables = {t: rope_tables(model_config.head_dim, model_config.max_model_len, t) for t in set(thetas)}
+    return [tables[t] for t in thetas]
+
+
 def apply_rope(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
     """x [tokens, heads, head_dim]; cos/sin [tokens, head_dim // 2] already gathered at the positions."""
     tokens, heads, dim = x.shape

@@ -20,10 +20,10 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-# Same alignment as the dense path: an expert's GEMM gives a token the same bits whichever other
+# Same alignment as the dense path (rows.py): an expert's GEMM gives a token the same bits whichever other
 # tokens share that expert this step (batch composition differs between memory modes).
 from fastdeploy.model_executor.host_tensor import host_tensor
-from fastdeploy.model_executor.models.ernie4_5 import _aligned, _pad_rows
+from fastdeploy.model_executor.models.rows import aligned as _aligned, pad_rows as _pad_rows
 
 
 def is_moe_layer(cfg, layer_id: int) -> bool:

@@ -1,12 +1,12 @@
 """Attention backends; `get_attention_backend` picks one from FD_ATTENTION_BACKEND (in the config)."""
 
 
-def get_attention_backend(fd_config, rotary_cos, rotary_sin, tp_rank: int = 0):
-    """The backend of one tensor-parallel rank: its KV heads, its cache."""
+def get_attention_backend(fd_config, rotary: list, tp_rank: int = 0):
+    """The backend of one tensor-parallel rank: its KV heads, its cache. `rotary`: (cos, sin) per layer."""
     if fd_config.attention_backend == "NATIVE_ATTN":
         from fastdeploy.model_executor.layers.attention.native_attn_backend import NativeAttentionBackend
 
-        return NativeAttentionBackend(fd_config, rotary_cos, rotary_sin, tp_rank)
+        return NativeAttentionBackend(fd_config, rotary, tp_rank)
     from fastdeploy.model_executor.layers.attention.append_attn_backend import AppendAttentionBackend
 
-    return AppendAttentionBackend(fd_config, rotary_cos, rotary_sin, tp_rank)
+    return AppendAttentionBackend(fd_config, rotary, tp_rank)

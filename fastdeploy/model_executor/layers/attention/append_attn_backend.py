@@ -13,14 +13,14 @@ from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.ops import append_attention
 from fastdeploy.model_executor.layers.attention.ops.append_attention import check_device_errors, new_error_info
 from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import load_cpu_ops
-from fastdeploy.model_executor.layers.attention.swa_spec import swa_attention_args
+from fastdeploy.model_executor.layers.attention.swa_spec import layer_attention_args
 from fastdeploy.model_executor.tensor_parallel import local_kv_heads
 
 
 class AppendAttentionBackend:
     """Owns one rank's paged KV cache: per layer, K and V of shape `[num_blocks, H/tp, block_size, head_dim]`."""
 
-    def __init__(self, fd_config, rotary_cos: paddle.Tensor, rotary_sin: paddle.Tensor, tp_rank: int = 0):
+    def __init__(self, fd_config, rotary: list, tp_rank: int = 0):
         model, cache = fd_config.model_config, fd_config.cache_config
         tp = fd_config.parallel_config.tensor_parallel_size
         self.num_heads, self.kv_num_heads = model.num_attention_heads // tp, model.num_key_value_heads // tp
@@ -28,10 +28,12 @@ class AppendAttentionBackend:
         shape = [cache.num_gpu_blocks, self.kv_num_heads, cache.block_size, model.head_dim]
         self.key_caches = [paddle.zeros(shape, dtype=cache.cache_dtype) for _ in range(model.num_hidden_layers)]
         self.value_caches = [paddle.zeros(shape, dtype=cache.cache_dtype) for _ in range(model.num_hidden_layers)]
-        self.rotary_cos, self.rotary_sin = rotary_cos, rotary_sin
-        mask, self.window, self.sink = swa_attention_args(model)
+        self.rotary = rotary  # (cos, sin) per layer
         heads = local_kv_heads(model.num_key_value_heads, tp_rank, tp)
-        self.swa_head_mask = paddle.to_tensor([mask[h] for h in heads], dtype="int32")
+        self.layer_args = []  # per layer: (swa head mask of this rank's heads, window, sink)
+        for layer in range(model.num_hidden_layers):
+            mask, window, sink = layer_attention_args(model, layer)
+            self.layer_args.append((paddle.to_tensor([mask[h] for h in heads], dtype="int32"), window, sink))
         self.on_gpu = getattr(fd_config, "device", "cpu") == "gpu"
         # FD_HEAD_WISE_ATTN=dual_pass: upstream's two passes over the 1-D table (config checks it is
         # the GPU, 1-D mode); the masked passes read every page, as upstream's do.
@@ -47,11 +49,13 @@ class AppendAttentionBackend:
 
     def forward(self, layer_id: int, qkv: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         table = meta.block_tables_head_wise if meta.block_tables_head_wise is not None else meta.block_tables
+        swa_head_mask, window, sink = self.layer_args[layer_id]
+        cos, sin = self.rotary[layer_id]
         return append_attention(
             qkv, self.key_caches[layer_id], self.value_caches[layer_id], meta.seq_lens_encoder,
-            meta.seq_lens_decoder, meta.seq_lens_this_time, meta.cu_seqlens_q, table, self.rotary_cos,
-            self.rotary_sin, self.swa_head_mask, num_heads=self.num_heads, kv_num_heads=self.kv_num_heads,
-            head_dim=self.head_dim, sliding_window=self.window, sink_size=self.sink,
+            meta.seq_lens_decoder, meta.seq_lens_this_time, meta.cu_seqlens_q, table, cos, sin,
+            swa_head_mask, num_heads=self.num_heads, kv_num_heads=self.kv_num_heads,
+            head_dim=self.head_dim, sliding_window=window, sink_size=sink,
             visit_all_pages=self.dual_pass, dual_pass=self.dual_pass, error_info=self.error_info)
 
     def end_step(self) -> None:

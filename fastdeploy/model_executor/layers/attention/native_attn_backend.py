@@ -16,34 +16,37 @@ import paddle.nn.functional as F
 
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.host_tensor import host_tensor
-from fastdeploy.model_executor.layers.attention.swa_spec import swa_attention_args
+from fastdeploy.model_executor.layers.attention.swa_spec import layer_attention_args
 from fastdeploy.model_executor.layers.rotary_embedding import apply_rope
 from fastdeploy.model_executor.tensor_parallel import local_kv_heads
 
 
 class NativeAttentionBackend:
-    def __init__(self, fd_config, rotary_cos: paddle.Tensor, rotary_sin: paddle.Tensor, tp_rank: int = 0):
+    def __init__(self, fd_config, rotary: list, tp_rank: int = 0):
         model = fd_config.model_config
         tp = fd_config.parallel_config.tensor_parallel_size
         shape = [fd_config.scheduler_config.max_num_seqs, model.max_model_len, model.num_key_value_heads // tp,
                  model.head_dim]
         self.keys = [paddle.zeros(shape, dtype="float32") for _ in range(model.num_hidden_layers)]
         self.values = [paddle.zeros(shape, dtype="float32") for _ in range(model.num_hidden_layers)]
-        self.rotary_cos, self.rotary_sin = rotary_cos, rotary_sin
+        self.rotary = rotary
         self.num_heads, self.kv_num_heads, self.head_dim = (model.num_attention_heads // tp,
                                                             model.num_key_value_heads // tp, model.head_dim)
-        mask, self.window, self.sink = swa_attention_args(model)
-        mask = [mask[h] for h in local_kv_heads(model.num_key_value_heads, tp_rank, tp)]  # this rank's heads
         group = self.num_heads // self.kv_num_heads
-        self.q_head_is_swa = np.repeat(np.array(mask, dtype=bool), group)  # [num_heads]
+        heads = local_kv_heads(model.num_key_value_heads, tp_rank, tp)  # this rank's heads
+        self.layer_masks = []  # per layer: (q_head_is_swa [num_heads], window, sink)
+        for layer in range(model.num_hidden_layers):
+            mask, window, sink = layer_attention_args(model, layer)
+            self.layer_masks.append((np.repeat(np.array([mask[h] for h in heads], dtype=bool), group), window, sink))
 
-    def visibility(self, start: int, num_new: int) -> np.ndarray:
+    def visibility(self, start: int, num_new: int, layer: int = 0) -> np.ndarray:
         """[num_heads, num_new, start + num_new] bool: docs/retention_rule.md, per query head."""
+        q_head_is_swa, window, sink = self.layer_masks[layer]
         t = np.arange(start, start + num_new)[:, None]
         j = np.arange(start + num_new)[None, :]
         causal = j <= t
-        sliding = causal & ((j < self.sink) | (j > t - self.window))
-        return np.where(self.q_head_is_swa[:, None, None], sliding[None], causal[None])
+        sliding = causal & ((j < sink) | (j > t - window))
+        return np.where(q_head_is_swa[:, None, None], sliding[None], causal[None])
 
     def forward(self, layer_id: int, qkv: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         nh, kvh, d = self.num_heads, self.kv_num_heads, self.head_dim
@@ -57,14 +60,14 @@ class NativeAttentionBackend:
             q = x[:, :nh * d].reshape([n, nh, d])
             k = x[:, nh * d:(nh + kvh) * d].reshape([n, kvh, d])
             v = x[:, (nh + kvh) * d:].reshape([n, kvh, d])
-            cos, sin = self.rotary_cos[start:start + n], self.rotary_sin[start:start + n]
+            cos, sin = (table[start:start + n] for table in self.rotary[layer_id])
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             self.keys[layer_id][slot, start:start + n] = k
             self.values[layer_id][slot, start:start + n] = v
             keys = self.keys[layer_id][slot, :start + n].repeat_interleave(group, axis=1)    # [L, nh, d]
             values = self.values[layer_id][slot, :start + n].repeat_interleave(group, axis=1)
             scores = paddle.matmul(q.transpose([1, 0, 2]), keys.transpose([1, 2, 0])) / math.sqrt(d)
-            visible = host_tensor(self.visibility(start, n))
+            visible = host_tensor(self.visibility(start, n, layer_id))
             scores = paddle.where(visible, scores, paddle.full_like(scores, float("-inf")))
             probs = F.softmax(scores, axis=-1)                                              # [nh, n, L]
             out = paddle.matmul(probs, values.transpose([1, 0, 2]))                         # [nh, n, d]

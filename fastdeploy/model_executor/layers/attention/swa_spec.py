@@ -5,6 +5,15 @@ them from the model config, never from the head-wise flags.
 """
 
 
+def layer_attention_args(model_config, layer: int) -> tuple:
+    """(mask, window, sink) of one layer: a sliding layer (Gemma 3) slides every head with its window and
+    no sink; any other layer has the head-wise SWA heads of `head_wise_swa`."""
+    windows = model_config.layer_sliding_window
+    if windows is not None and windows[layer] is not None:
+        return [1] * model_config.num_key_value_heads, windows[layer], 0
+    return swa_attention_args(model_config)
+
+
 def swa_attention_args(model_config) -> tuple:
     """(mask with 1 per SWA KV head, window, sink); a model without SWA heads gets an all-zero mask."""
     spec = model_config.head_wise_swa

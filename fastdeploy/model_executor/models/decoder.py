@@ -1,9 +1,13 @@
-"""ERNIE-4.5 decoder in Paddle: embeddings, RMSNorm, GQA attention (through the attention
-backend, RoPE inside it), SwiGLU MLP or the MoE block (ernie4_5_moe.py), tied or untied LM head.
+"""The one decoder: ERNIE-4.5 (dense and MoE), Llama and Gemma 3, their differences read from the
+architecture table (architectures.py): embeddings (scaled for Gemma), RMSNorm (two or four per layer),
+GQA attention through the attention backend (RoPE inside it; optional q/k bias and per-head q/k
+RMSNorm), SwiGLU or GeGLU MLP or the MoE block (ernie4_5_moe.py), tied or untied LM head.
 
 Weights are held once, under the checkpoint's own names and in its `[out, in]` layout
 (`model.layers.N.self_attn.q_proj.weight`); the projections multiply with `transpose_y`, so a
-loaded tensor is used as it is and can be sliced by name (tensor parallelism).
+loaded tensor is used as it is and can be sliced by name (tensor parallelism). What a source
+stores differently (rotate-half q/k rows, Gemma's norm offset) is converted once at load
+(model_loader.to_engine_layout), never in the forward pass.
 """
 
 from __future__ import annotations
@@ -18,26 +22,10 @@ import paddle.nn.functional as F
 from fastdeploy.model_executor import model_loader
 from fastdeploy.model_executor import tensor_parallel as tp_
 from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.model_executor.models.ernie4_5_moe import MoEBlock, is_moe_layer, moe_shapes
+from fastdeploy.model_executor.models.rows import aligned as _aligned, pad_rows as _pad_rows
 
 WEIGHTS_FILE = "model.safetensors"
-
-# CPU GEMM kernels give a row bit-identical results only when the row count is a multiple of
-# this; otherwise the remainder rows take another code path. Padding every step's rows to it
-# makes a request's tokens independent of which other requests share its batch, so recycling
-# ON and OFF (different batch mixes) produce identical greedy tokens.
-ROW_ALIGN = 8
-
-
-def _aligned(rows: int) -> int:
-    return -(-rows // ROW_ALIGN) * ROW_ALIGN
-
-
-def _pad_rows(x: paddle.Tensor, rows: int) -> paddle.Tensor:
-    extra = rows - x.shape[0]
-    if extra == 0:
-        return x
-    return paddle.concat([x, paddle.zeros([extra] + list(x.shape[1:]), dtype=x.dtype)], axis=0)
-
 
 def _layer_names(i: int) -> dict:
     p = f"model.layers.{i}."
@@ -48,6 +36,13 @@ def _layer_names(i: int) -> dict:
         "v": p + "self_attn.v_proj.weight",
         "o": p + "self_attn.o_proj.weight",
         "post_norm": p + "post_attention_layernorm.weight",
+        "q_bias": p + "self_attn.q_proj.bias",
+        "k_bias": p + "self_attn.k_proj.bias",
+        "v_bias": p + "self_attn.v_proj.bias",
+        "q_norm": p + "self_attn.q_norm.weight",
+        "k_norm": p + "self_attn.k_norm.weight",
+        "pre_ffn_norm": p + "pre_feedforward_layernorm.weight",
+        "post_ffn_norm": p + "post_feedforward_layernorm.weight",
         "gate": p + "mlp.gate_proj.weight",
         "up": p + "mlp.up_proj.weight",
         "down": p + "mlp.down_proj.weight",
@@ -56,8 +51,7 @@ def _layer_names(i: int) -> dict:
 
 def checkpoint_shapes(cfg) -> dict:
     """Every parameter the checkpoint must hold, with its on-disk `[out, in]` shape."""
-    from fastdeploy.model_executor.models.ernie4_5_moe import is_moe_layer, moe_shapes
-
+    arch = cfg.arch
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     for i in range(cfg.num_hidden_layers):
@@ -67,6 +61,13 @@ def checkpoint_shapes(cfg) -> dict:
             n["q"]: (cfg.num_attention_heads * d, h), n["k"]: (cfg.num_key_value_heads * d, h),
             n["v"]: (cfg.num_key_value_heads * d, h), n["o"]: (h, cfg.num_attention_heads * d),
         })
+        if cfg.qkv_bias:
+            shapes.update({n["q_bias"]: (cfg.num_attention_heads * d,), n["k_bias"]: (cfg.num_key_value_heads * d,),
+                           n["v_bias"]: (cfg.num_key_value_heads * d,)})
+        if arch.qk_norm:
+            shapes.update({n["q_norm"]: (d,), n["k_norm"]: (d,)})
+        if arch.sandwich_norms:
+            shapes.update({n["pre_ffn_norm"]: (h,), n["post_ffn_norm"]: (h,)})
         if is_moe_layer(cfg, i):
             shapes.update(moe_shapes(cfg, i))
         else:
@@ -85,7 +86,7 @@ def random_checkpoint(cfg) -> dict:
     rng = np.random.default_rng(cfg.seed)
     weights = {}
     for name, shape in checkpoint_shapes(cfg).items():
-        if name.endswith("e_score_correction_bias"):
+        if name.endswith("e_score_correction_bias") or name.endswith("_proj.bias"):
             weights[name] = rng.normal(0, 0.1, shape).astype(np.float32)
         elif len(shape) == 1:
             weights[name] = np.ones(shape, np.float32) + rng.normal(0, 0.05, shape).astype(np.float32)
@@ -97,7 +98,7 @@ def random_checkpoint(cfg) -> dict:
     return weights
 
 
-class Ernie4_5ForCausalLM:
+class CausalLM:
     # Kept float32 whatever the compute dtype (PaddleFormers' `_keep_in_fp32_modules`): the router.
     KEEP_FLOAT32 = ("mlp.gate.weight", "e_score_correction_bias")
 
@@ -108,8 +109,6 @@ class Ernie4_5ForCausalLM:
         permutes each tensor to the load-time KV-head order and slices it by name as it is read
         (tensor_parallel.py); the row-parallel outputs (o_proj, the MLP or MoE block) are
         all-reduced in forward."""
-        from fastdeploy.model_executor.models.ernie4_5_moe import MoEBlock, is_moe_layer
-
         self.config = cfg = model_config
         self.dtype = cfg.dtype
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -120,21 +119,33 @@ class Ernie4_5ForCausalLM:
         # Called as observer(meta, hidden) with the final hidden states of every row of a step, before
         # the sampled rows are picked: how a tool reads prompt logits off the real path (lm_logits).
         self.hidden_observer = None
+        self.arch = cfg.arch
+        self.local_heads = cfg.num_attention_heads // tp_size
+        self.local_kv_heads = cfg.num_key_value_heads // tp_size
+        # Gemma: embeddings scaled by sqrt(hidden), rounded to the weights' dtype as the reference does.
+        self.embed_scale = float(np.float32(cfg.hidden_size ** 0.5)) if cfg.arch.embed_scale else None
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
-    def load(cls, model_config, tp_rank: int = 0, tp_size: int = 1) -> "Ernie4_5ForCausalLM":
-        """A preset's seeded random weights when `model_config.model` is None, else the directory's checkpoint."""
+    def load(cls, model_config, tp_rank: int = 0, tp_size: int = 1) -> "CausalLM":
+        """A preset's seeded random weights when `model_config.model` is None, else the GGUF file's or the
+        directory's checkpoint, converted to the engine's layout as each tensor arrives."""
         def mine(name: str, tensor: paddle.Tensor) -> paddle.Tensor:  # this rank's part, as each tensor arrives
-            return tp_.rank_tensor(name, tensor, model_config, tp_rank, tp_size)
+            return tp_.rank_tensor(name, model_loader.to_engine_layout(name, tensor, model_config),
+                                   model_config, tp_rank, tp_size)
 
         if model_config.model is None:
             weights = {name: mine(name, paddle.to_tensor(a).astype(
                 "float32" if any(k in name for k in cls.KEEP_FLOAT32) else model_config.dtype))
                 for name, a in random_checkpoint(model_config).items()}
             return cls(model_config, weights, tp_rank, tp_size)
-        return cls(model_config, model_loader.load_checkpoint(model_config.model, checkpoint_shapes(model_config),
-                                                              model_config.dtype, cls.KEEP_FLOAT32, transform=mine),
+        if model_config.gguf_file is not None:
+            from fastdeploy.model_executor.gguf_loader import iter_gguf_checkpoint
+
+            tensors = iter_gguf_checkpoint(model_config, cls.KEEP_FLOAT32)
+        else:
+            tensors = model_loader.iter_checkpoint(model_config.model, model_config.dtype, cls.KEEP_FLOAT32)
+        return cls(model_config, model_loader.check_checkpoint(tensors, checkpoint_shapes(model_config), mine),
                    tp_rank, tp_size)
 
     def weight_bytes(self) -> int:
@@ -173,7 +184,24 @@ class Ernie4_5ForCausalLM:
         return paddle.matmul(x, self.weights[name], transpose_y=True)
 
     def _dense_mlp(self, x: paddle.Tensor, n: dict) -> paddle.Tensor:
-        return self._linear(F.silu(self._linear(x, n["gate"])) * self._linear(x, n["up"]), n["down"])
+        gate = self._linear(x, n["gate"])
+        gate = F.gelu(gate, approximate=True) if self.arch.activation == "gelu_tanh" else F.silu(gate)
+        return self._linear(gate * self._linear(x, n["up"]), n["down"])
+
+    def _qkv(self, x: paddle.Tensor, n: dict) -> paddle.Tensor:
+        """[rows, (heads + 2 kv_heads) * head_dim]: q, k, v side by side, as the attention op reads them
+        (biases added, and Gemma's per-head q/k RMSNorm and query scale applied before its RoPE)."""
+        w, d = self.weights, self.config.head_dim
+        q, k, v = self._linear(x, n["q"]), self._linear(x, n["k"]), self._linear(x, n["v"])
+        if self.config.qkv_bias:
+            q, k, v = q + w[n["q_bias"]], k + w[n["k_bias"]], v + w[n["v_bias"]]
+        if self.arch.qk_norm:
+            rows = q.shape[0]
+            q = self._rms_norm(q.reshape([rows, self.local_heads, d]), w[n["q_norm"]]).reshape([rows, -1])
+            k = self._rms_norm(k.reshape([rows, self.local_kv_heads, d]), w[n["k_norm"]]).reshape([rows, -1])
+        if self.config.attn_scale_ratio != 1.0:  # the op scales by head_dim ** -0.5
+            q = q * self.config.attn_scale_ratio
+        return paddle.concat([q, k, v], axis=-1)
 
     @paddle.no_grad()
     def forward(self, meta: ForwardMeta) -> paddle.Tensor:
@@ -185,13 +213,18 @@ class Ernie4_5ForCausalLM:
         for layer_id in range(self.config.num_hidden_layers):
             n = _layer_names(layer_id)
             x = self._rms_norm(hidden, w[n["input_norm"]])
-            qkv = paddle.concat([self._linear(x, n["q"]), self._linear(x, n["k"]), self._linear(x, n["v"])], axis=-1)
+            qkv = self._qkv(x, n)
             attn = meta.attn_backend.forward(layer_id, qkv[:num_tokens] if rows != num_tokens else qkv, meta)
-            hidden = hidden + tp_.all_reduce(self._linear(_pad_rows(attn, rows), n["o"]), self.tp_size)
-            x = self._rms_norm(hidden, w[n["post_norm"]])
+            attn = tp_.all_reduce(self._linear(_pad_rows(attn, rows), n["o"]), self.tp_size)
+            if self.arch.sandwich_norms:  # Gemma: norm the attention output, then norm again before the MLP
+                hidden = hidden + self._rms_norm(attn, w[n["post_norm"]])
+                x = self._rms_norm(hidden, w[n["pre_ffn_norm"]])
+            else:
+                hidden = hidden + attn
+                x = self._rms_norm(hidden, w[n["post_norm"]])
             moe = self.moe.get(layer_id)
-            ffn = moe(x, num_tokens) if moe is not None else self._dense_mlp(x, n)
-            hidden = hidden + tp_.all_reduce(ffn, self.tp_size)
+            ffn = tp_.all_reduce(moe(x, num_tokens) if moe is not None else self._dense_mlp(x, n), self.tp_size)
+            hidden = hidden + (self._rms_norm(ffn, w[n["post_ffn_norm"]]) if self.arch.sandwich_norms else ffn)
         if self.hidden_observer is not None:
             self.hidden_observer(meta, hidden[:num_tokens])
         num_sampled = meta.sample_rows.shape[0]
@@ -211,9 +244,10 @@ class Ernie4_5ForCausalLM:
         """Vocab-parallel lookup: each rank embeds the ids of its slice (zeros elsewhere), summed."""
         table = self.weights["model.embed_tokens.weight"]
         if self.tp_size == 1:
-            return F.embedding(ids, table)
-        local = ids - self.vocab_start
-        mine = (local >= 0) & (local < table.shape[0])
-        out = F.embedding(paddle.where(mine, local, paddle.zeros_like(local)), table)
-        out = out * mine.astype(out.dtype).unsqueeze(-1)
-        return tp_.all_reduce(out, self.tp_size)
+            out = F.embedding(ids, table)
+        else:
+            local = ids - self.vocab_start
+            mine = (local >= 0) & (local < table.shape[0])
+            out = F.embedding(paddle.where(mine, local, paddle.zeros_like(local)), table)
+            out = tp_.all_reduce(out * mine.astype(out.dtype).unsqueeze(-1), self.tp_size)
+        return out if self.embed_scale is None else out * self.embed_scale

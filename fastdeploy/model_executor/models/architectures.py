@@ -1,0 +1,132 @@
+"""Every architecture the one decoder serves, as data: what differs between them, in one table.
+
+The decoder (decoder.py) reads an `Architecture` and never branches on a model's name. Parameter
+names are the Hugging Face checkpoint names, which ERNIE-4.5 (PaddleFormers), Llama and Gemma 3
+share (`model.layers.N.self_attn.q_proj.weight`, `[out, in]`); a GGUF file's tensors are renamed to
+them at load (GGUF_TENSOR_NAMES). Configuration defaults are the reference implementation's
+(PaddleFormers for ERNIE, transformers for the others), for fields a config.json may omit.
+
+RoPE: the attention op rotates interleaved pairs `(x[2i], x[2i+1])`. Checkpoints that rotate halves
+`(x[i], x[i + d/2])` (Hugging Face Llama and Gemma, and llama.cpp's Gemma 3 GGUF) have their q/k
+rows (and q/k norm weights) permuted once at load; `rope_layout` says which layout a source holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+INTERLEAVED, ROTATE_HALF = "interleaved", "rotate_half"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str                     # the `architectures` entry of config.json
+    model_type: str
+    defaults: dict                # the reference's config defaults
+    activation: str = "silu"      # MLP gate: silu (SwiGLU) or gelu_tanh (GeGLU)
+    norm_offset: float = 0.0      # RMSNorm scales by (norm_offset + weight): Gemma stores weight - 1
+    qk_norm: bool = False         # RMSNorm over head_dim on every q and k head before RoPE
+    sandwich_norms: bool = False  # norms after attention and around the MLP (Gemma 3's four per layer)
+    embed_scale: bool = False     # embeddings times sqrt(hidden_size)
+    rope_layout: str = INTERLEAVED                 # of a Hugging Face directory's q/k rows
+    gguf_rope_layout: Optional[str] = None         # of llama.cpp's GGUF q/k rows (None: no GGUF)
+    gguf_arch: Optional[str] = None
+    moe: bool = False
+    config_aliases: dict = field(default_factory=dict)  # HF field name -> the name used here
+
+
+_ERNIE_DEFAULTS = dict(vocab_size=32000, hidden_size=768, intermediate_size=11008, max_position_embeddings=32768,
+                       num_hidden_layers=2, num_attention_heads=2, head_dim=128, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                       rope_theta=10000.0, use_bias=False, hidden_act="silu")
+
+ERNIE4_5 = Architecture("Ernie4_5ForCausalLM", "ernie4_5", _ERNIE_DEFAULTS)
+ERNIE4_5_MOE = Architecture(
+    "Ernie4_5_MoeForCausalLM", "ernie4_5_moe", moe=True,
+    defaults=dict(_ERNIE_DEFAULTS, vocab_size=103424, hidden_size=2560, intermediate_size=12288, num_hidden_layers=3,
+                  head_dim=None, moe_num_experts=16, moe_intermediate_size=0, moe_num_shared_experts=2,
+                  moe_layer_start_index=1, moe_layer_end_index=-1, moe_layer_interval=1, moe_k=2,
+                  moe_norm_min=1e-12, moe_use_aux_free=True, scoring_func="softmax", moe_group_experts=False))
+LLAMA = Architecture(
+    "LlamaForCausalLM", "llama", rope_layout=ROTATE_HALF, gguf_rope_layout=INTERLEAVED, gguf_arch="llama",
+    defaults=dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=None, head_dim=None, hidden_act="silu",
+                  max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
+                  attention_bias=False, mlp_bias=False, pad_token_id=None, bos_token_id=1, eos_token_id=2))
+GEMMA3 = Architecture(
+    "Gemma3ForCausalLM", "gemma3_text", activation="gelu_tanh", norm_offset=1.0, qk_norm=True, sandwich_norms=True,
+    embed_scale=True, rope_layout=ROTATE_HALF, gguf_rope_layout=ROTATE_HALF, gguf_arch="gemma3",
+    config_aliases={"hidden_activation": "hidden_act"},
+    defaults=dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_act="gelu_pytorch_tanh",
+                  max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1e6,
+                  rope_local_base_freq=10000.0, attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
+                  sliding_window_pattern=6, final_logit_softcapping=None, attn_logit_softcapping=None,
+                  pad_token_id=0, bos_token_id=2, eos_token_id=1))
+
+ARCHITECTURES = {a.name: a for a in (ERNIE4_5, ERNIE4_5_MOE, LLAMA, GEMMA3)}
+ARCHITECTURES["Ernie4_5_ForCausalLM"] = ERNIE4_5  # the spelling upstream also uses for the dense model
+GGUF_ARCHITECTURES = {a.gguf_arch: a for a in ARCHITECTURES.values() if a.gguf_arch}
+# Activation names of config.json -> the decoder's.
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def architecture(name: str) -> Architecture:
+    if name not in ARCHITECTURES:
+        raise ValueError(f"architecture {name!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
+    return ARCHITECTURES[name]
+
+
+# GGUF tensor names (llama.cpp's) -> checkpoint names; {i} is the layer.
+GGUF_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    # Llama: the norm before the MLP is "post attention"; Gemma 3 has both, and a pre-FFN norm.
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+    "rope_freqs.weight": None,  # llama3 rope scaling factors: not supported (config check names it)
+}
+# Gemma 3's GGUF calls the pre-FFN norm ffn_norm and the norm after attention post_attention_norm.
+GGUF_TENSOR_NAMES_GEMMA3 = dict(GGUF_TENSOR_NAMES, **{
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight"})
+
+
+def gguf_tensor_names(arch: Architecture) -> dict:
+    return GGUF_TENSOR_NAMES_GEMMA3 if arch is GEMMA3 else GGUF_TENSOR_NAMES
+
+
+# GGUF metadata key (after "{arch}.") -> config.json field.
+GGUF_CONFIG_KEYS = {
+    "block_count": "num_hidden_layers",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.value_length": "value_head_dim",
+    "rope.freq_base": "rope_theta",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "context_length": "max_position_embeddings",
+    "attention.sliding_window": "sliding_window",
+    "vocab_size": "vocab_size",
+    "rope.dimension_count": "rope_dimension_count",
+}
+# Keys whose presence changes the math in a way the engine does not implement.
+GGUF_UNSUPPORTED_KEYS = ("rope.scaling.type", "rope.scaling.factor", "attention.logit_softcapping",
+                         "final_logit_softcapping", "expert_count")
