@@ -15,18 +15,20 @@ from fastdeploy.model_executor.layers.rotary_embedding import apply_rope
 
 
 class ProbedNativeAttention(NativeAttentionBackend):
-    def __init__(self, fd_config, rotary_cos, rotary_sin, swa_masks: np.ndarray, window: int, sink: int,
-                 probe=None):
-        """swa_masks: bool [num_layers, num_kv_heads] (all False = full attention everywhere)."""
+    def __init__(self, fd_config, rotary: list, swa_masks: np.ndarray, window: int, sink: int, probe=None):
+        """swa_masks: bool [num_layers, num_kv_heads] (all False = full attention everywhere). A model's own
+        sliding layers (Gemma 3) keep their semantics; every other layer takes its row of the masks."""
         if fd_config.parallel_config.tensor_parallel_size != 1:
             raise ValueError("the probed reference backend runs with tensor_parallel_size 1")
-        super().__init__(fd_config, rotary_cos, rotary_sin)
-        self.window, self.sink, self.probe = int(window), int(sink), probe
+        super().__init__(fd_config, rotary)
+        self.probe = probe
         group = self.num_heads // self.kv_num_heads
-        self.layer_q_head_is_swa = np.repeat(np.asarray(swa_masks, bool), group, axis=1)  # [layers, num_heads]
+        windows = fd_config.model_config.layer_sliding_window
+        for layer, mask in enumerate(np.asarray(swa_masks, bool)):
+            if windows is None or windows[layer] is None:
+                self.layer_masks[layer] = (np.repeat(mask, group), int(window), int(sink))
 
     def forward(self, layer_id, qkv, meta):
-        self.q_head_is_swa = self.layer_q_head_is_swa[layer_id]  # read by visibility()
         out = super().forward(layer_id, qkv, meta)
         if self.probe is not None:
             self.probe(self, layer_id, qkv, meta)
@@ -41,7 +43,8 @@ class ProbedNativeAttention(NativeAttentionBackend):
         for start, n, slot in zip(meta.starts, meta.lengths, meta.slot_ids):
             q = qkv[row:row + n, :nh * d].reshape([n, nh, d])
             row += n
-            q = apply_rope(q, self.rotary_cos[start:start + n], self.rotary_sin[start:start + n])
+            cos, sin = (table[start:start + n] for table in self.rotary[layer_id])
+            q = apply_rope(q, cos, sin)
             keys = self.keys[layer_id][slot, :start + n].repeat_interleave(group, axis=1)
             values = self.values[layer_id][slot, :start + n].repeat_interleave(group, axis=1)
             yield start, n, q, keys, values
@@ -54,6 +57,6 @@ def install(llm, swa_masks: np.ndarray, window: int, sink: int, probe=None) -> P
         raise ValueError("build the engine with FD_ATTENTION_BACKEND=NATIVE_ATTN before installing masks")
     runner = llm.engine.runner.ranks
     old = runner.attn_backend
-    backend = ProbedNativeAttention(fd, old.rotary_cos, old.rotary_sin, swa_masks, window, sink, probe)
+    backend = ProbedNativeAttention(fd, old.rotary, swa_masks, window, sink, probe)
     runner.attn_backend = backend
     return backend

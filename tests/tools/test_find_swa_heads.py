@@ -29,7 +29,7 @@ def _write_model(path, plant: bool) -> str:
     from safetensors.numpy import save_file
 
     from fastdeploy.config import ModelConfig
-    from fastdeploy.model_executor.models.ernie4_5 import random_checkpoint
+    from fastdeploy.model_executor.models.decoder import random_checkpoint
 
     raw = {k: v for k, v in TINY_PRESET_CONFIG.items() if k != "head_wise_swa"}
     raw["fastdeploy_byte_tokenizer"] = True
