@@ -20,8 +20,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import paddle
-import paddle.nn.functional as F
 
 ONE_PASS_SCORERS = ("outside_mass", "output_change")
 
@@ -38,48 +36,52 @@ class WindowProbe:
         return {name: s / np.maximum(self.counts, 1)[:, None] for name, s in self.sums.items()}
 
     def __call__(self, backend, layer_id, qkv, meta) -> None:
+        # numpy, float32: Paddle's CPU softmax over long rows is several times slower than this
         nh, kvh, d = backend.num_heads, backend.kv_num_heads, backend.head_dim
         group = nh // kvh
-        o_proj = self.model.weights[f"model.layers.{layer_id}.self_attn.o_proj.weight"].astype("float32")
-        o_heads = o_proj.reshape([o_proj.shape[0], nh, d]).transpose([1, 2, 0])  # [nh, d, hidden]
+        o_proj = self.model.weights[f"model.layers.{layer_id}.self_attn.o_proj.weight"].astype("float32").numpy()
+        o_heads = o_proj.reshape(o_proj.shape[0], nh, d).transpose(1, 2, 0)            # [nh, d, hidden]
         for start, n, q, keys, values in backend.request_tensors(layer_id, qkv, meta):
             first = max(start, self.sink + self.window)
             if first >= start + n:
                 continue
-            q_far = q[first - start:].transpose([1, 0, 2])                       # [nh, m, d]
+            q_far = q[first - start:].numpy().transpose(1, 0, 2)                      # [nh, m, d]
+            k, v = keys.numpy().transpose(1, 2, 0), values.numpy().transpose(1, 0, 2)  # [nh, d, L], [nh, L, d]
             total = start + n
             t = np.arange(first, total)[:, None]
             j = np.arange(total)[None, :]
             causal = j <= t
             keep = causal & ((j < self.sink) | (j > t - self.window))
-            lost = paddle.to_tensor((causal & ~keep).astype(np.float32))
-            scores = paddle.matmul(q_far, keys.transpose([1, 2, 0])) / math.sqrt(d)  # [nh, m, total]
-            neg = paddle.full_like(scores, float("-inf"))
-            probs = F.softmax(paddle.where(paddle.to_tensor(causal), scores, neg), axis=-1)
-            probs_swa = F.softmax(paddle.where(paddle.to_tensor(keep), scores, neg), axis=-1)
-            mass = (probs * lost).sum(axis=-1)                                       # [nh, m]
-            v = values.transpose([1, 0, 2])                                          # [nh, total, d]
-            full_out = paddle.matmul(probs, v)
-            change = paddle.matmul(full_out - paddle.matmul(probs_swa, v), o_heads)  # [nh, m, hidden]
-            change = change.reshape([kvh, group, change.shape[1], change.shape[2]]).sum(axis=1)
-            reference = (paddle.matmul(full_out, o_heads).sum(axis=0) ** 2).sum(axis=-1)  # [m]
-            rel = (change ** 2).sum(axis=-1) / (reference + 1e-20)                   # [kvh, m]
+            scores = np.matmul(q_far, k) / np.float32(math.sqrt(d))                  # [nh, m, L]
+            probs = _softmax(np.where(causal, scores, -np.inf))
+            probs_swa = _softmax(np.where(keep, scores, -np.inf))
+            mass = np.where(causal & ~keep, probs, 0).sum(axis=-1)                    # [nh, m]
+            full_out = np.matmul(probs, v)
+            change = np.matmul(full_out - np.matmul(probs_swa, v), o_heads)           # [nh, m, hidden]
             m = q_far.shape[1]
-            self.sums["outside_mass"][layer_id] += mass.reshape([kvh, group, m]).mean(axis=1).sum(axis=-1).numpy()
-            self.sums["output_change"][layer_id] += rel.sum(axis=-1).numpy()
+            change = change.reshape(kvh, group, m, -1).sum(axis=1)
+            reference = (np.matmul(full_out, o_heads).sum(axis=0) ** 2).sum(axis=-1)  # [m]
+            rel = (change ** 2).sum(axis=-1) / (reference + 1e-20)                    # [kvh, m]
+            self.sums["outside_mass"][layer_id] += mass.reshape(kvh, group, m).mean(axis=1).sum(axis=-1)
+            self.sums["output_change"][layer_id] += rel.sum(axis=-1)
             self.counts[layer_id] += m
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
 
 
 def one_pass_scores(llm, segments: list, window: int, sink: int, log=print) -> dict:
     """Both one-pass scores ([num_layers, num_kv_heads] each) over the calibration segments."""
+    from fastdeploy.engine.request import SamplingParams
     from fastdeploy.tools.probed_attention import install
-    from fastdeploy.tools.prompt_logits import prompt_logprobs
 
     cfg = llm.engine.model_config
     probe = WindowProbe(llm.engine.runner.model, cfg.num_hidden_layers, cfg.num_key_value_heads, window, sink)
     install(llm, np.zeros((cfg.num_hidden_layers, cfg.num_key_value_heads), bool), window, sink, probe)
     for i, seg in enumerate(segments):
-        prompt_logprobs(llm, seg, lambda start, lp: None)
+        llm.generate([list(seg)], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         log(f"[find_swa_heads] one-pass scores: segment {i + 1}/{len(segments)} ({len(seg)} tokens)")
     return probe.scores()
 
