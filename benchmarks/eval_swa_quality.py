@@ -8,7 +8,9 @@ uneven counts too; null = full attention) this runs the engine and reports, agai
   sink + window both must be exactly 0 / 100%, a check of the whole path;
 - perplexity on the same text;
 - synthetic retrieval over context length x depth: a pass key in repeated filler, and several
-  keys in prose (pydoc_data) of which one is asked for; fixed seeds, the model's chat template;
+  keys (door codes) in prose of which one is asked for — in the filler prose written here
+  ("multikey") or in pydoc_data's reference text ("multikey-docs"); fixed seeds, the model's chat
+  template, the answer's first words given after the generation prompt;
 - the page-need ceiling at the evaluated lengths (cache_manager/head_wise.py PageLayout).
 
 Which path runs a configuration: full attention on the 1-D paged path (APPEND_ATTN); a servable
@@ -170,7 +172,7 @@ class RetrievalTask:
             question = self.tok.encode("\n\nWhat is the pass key? Answer with the number only.")
             answer_prefix = self.tok.encode("The pass key is")
             filler, answer = self.plain, key
-        elif variant == "multikey":
+        elif variant in ("multikey", "multikey-docs"):
             colors = rng.choice(len(COLORS), size=3, replace=False)
             keys = [str(rng.integers(10000, 100000)) for _ in colors]
             asked = int(rng.integers(3))
@@ -183,7 +185,8 @@ class RetrievalTask:
             question = self.tok.encode(f"\n\nWhat is the code for the {COLORS[colors[asked]]} door? "
                                        "Answer with the number only.")
             answer_prefix = self.tok.encode(f"The code for the {COLORS[colors[asked]]} door is")
-            filler, answer = self.prose, keys[asked]
+            # plain prose by default; "multikey-docs" hides them in pydoc_data's code-heavy reference text
+            filler, answer = (self.prose if variant == "multikey-docs" else self.plain), keys[asked]
         else:
             raise ValueError(f"unknown retrieval variant {variant!r}")
         fixed = len(self.before) + len(intro) + sum(len(n) for _, n in needles) + len(question) \
@@ -378,7 +381,12 @@ def merged(files: list) -> dict:
     for path in files:
         doc = json.load(open(path))
         for name, row in doc["configs"].items():
-            rows.setdefault(name, {}).update({k: v for k, v in row.items() if v is not None})
+            into = rows.setdefault(name, {})
+            for k, v in row.items():
+                if k == "retrieval" and v:
+                    into.setdefault("retrieval", []).extend(v)
+                elif v is not None:
+                    into[k] = v
     return rows
 
 
