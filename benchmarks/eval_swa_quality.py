@@ -291,7 +291,7 @@ def main(argv=None) -> int:
     configs = standard_configs(args.standard, num_layers, num_kv) if args.standard else json.load(open(args.configs))
     if args.only:
         wanted = set(args.only.split(","))
-        configs = [c for c in configs if c["name"] in wanted or c["head_wise_swa"] is None]
+        configs = [c for c in configs if c["name"] in wanted]
     lengths = [int(x) for x in args.lengths.split(",") if x]
     depths = [float(x) for x in args.depths.split(",") if x]
     variants = [v for v in args.variants.split(",") if v]
