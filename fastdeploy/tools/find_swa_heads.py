@@ -24,7 +24,7 @@ from fastdeploy.tools.head_scores import ONE_PASS_SCORERS, ablation_kl_scores, o
 
 SCORERS = ONE_PASS_SCORERS + ("ablation_kl",)
 # The scorer whose choice the evaluation preferred on SmolLM2-135M-Instruct (docs/swa_quality.md).
-DEFAULT_SCORER = "outside_mass"
+DEFAULT_SCORER = "output_change"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
