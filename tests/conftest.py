@@ -4,6 +4,13 @@ import os
 
 import pytest
 
+try:
+    # PaddleFormers (the ERNIE oracle) puts `sys.modules["torch"] = None` when torch is not imported yet,
+    # hiding torch from transformers (the Llama / Gemma 3 oracle) for the rest of the session.
+    import torch  # noqa: F401
+except ImportError:
+    pass
+
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.paddle_env import CCACHE_WARNING
 

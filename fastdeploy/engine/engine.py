@@ -44,6 +44,12 @@ class LLMEngine:
                     self.model_config.served_model_name, fd_config.cache_config.num_gpu_blocks,
                     self.scheduler.cache_manager.num_total_pages, fd_config.head_wise_kv_cache,
                     fd_config.swa_recycle_active, fd_config.attention_backend)
+        swa = self.model_config.head_wise_swa
+        if swa is not None and swa.layer_kv_heads is not None:
+            model = self.model_config
+            logger.info("per-layer SWA KV heads (load-time order) %s; KV head order per layer %s",
+                        [list(h) for h in swa.layer_kv_heads],
+                        [list(model.layer_kv_head_order(l)) for l in range(model.num_hidden_layers)])
         if self.model_config.preset is not None:
             logger.warning("model %s is a built-in preset with random weights: its generated text is meaningless",
                            self.model_config.preset)
@@ -57,10 +63,11 @@ class LLMEngine:
             return
         half = model.max_model_len // 2
         c = rank_ceilings(fd, half, model.max_model_len - half)
-        order = model.kv_head_order or tuple(range(model.num_key_value_heads))
+        orders = [list(model.layer_kv_head_order(l)) for l in range(model.num_hidden_layers)]
+        order = orders[0] if all(o == orders[0] for o in orders) else f"per layer {orders}"
         logger.info("tensor parallel %d: SWA KV heads per rank %s (KV head order %s); recycling ceiling per rank "
                     "%s for a %d-token request, engine ceiling %.2f (the fullest rank)", tp, c["swa_heads_per_rank"],
-                    list(order), "[" + ", ".join(f"{x:.2f}" for x in c["per_rank"]) + "]", model.max_model_len,
+                    order, "[" + ", ".join(f"{x:.2f}" for x in c["per_rank"]) + "]", model.max_model_len,
                     c["ceiling"])
         counts = c["swa_heads_per_rank"]
         if max(counts) - min(counts) > 1:
@@ -106,7 +113,7 @@ class LLMEngine:
 
     def _tokenize(self, prompt: Union[str, list]) -> list:
         if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
+            token_ids = self.tokenizer.encode_prompt(prompt) if prompt else []
             if not token_ids:
                 raise ValueError("prompt is empty")
             return token_ids

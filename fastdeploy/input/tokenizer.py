@@ -28,6 +28,13 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_t
 
 class _Chat:
     chat_template = PlainChatTemplate()
+    add_bos_token = False  # a raw prompt starts with bos (a GGUF file's tokenizer.ggml.add_bos_token: Gemma)
+    bos_token_id = None
+
+    def encode_prompt(self, text: str) -> list:
+        """Token ids of a raw (completion) prompt: bos first where the model's tokenizer adds it."""
+        ids = self.encode(text)
+        return [self.bos_token_id] + ids if self.add_bos_token and self.bos_token_id is not None else ids
 
     def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> str:
         return self.chat_template.render(messages, add_generation_prompt)
@@ -91,52 +98,23 @@ def _content(token) -> Optional[str]:
     return token if isinstance(token, str) and token else None
 
 
-class HFTokenizer(_Chat):
-    """A `tokenizer.json` (Hugging Face tokenizers) or a sentencepiece `tokenizer.model` (converted to the
-    same `tokenizers` pipeline transformers builds from it)."""
+class TokenizersTokenizer(_Chat):
+    """A built `tokenizers` pipeline behind this engine's tokenizer interface: encode without added
+    specials (templates place them), decode dropping special and end ids, token bytes for logprobs."""
 
-    def __init__(self, model_dir: str, eos_token_id, vocab_size: int):
+    def __init__(self, tok, eos_token_id, vocab_size: int, special_tokens: dict, special: list,
+                 chat_template: Optional[str], byte_level: bool):
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
-        config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
-        special_map = {**config, **_read_json(os.path.join(model_dir, "special_tokens_map.json"))}
-        self.special_tokens = {k: _content(special_map.get(k)) for k in SPECIAL_TOKEN_KEYS
-                               if _content(special_map.get(k))}
-        special = list(dict.fromkeys([*self.special_tokens.values(), *filter(
-            None, map(_content, special_map.get("additional_special_tokens") or ()))]))
-        added = {c: int(i) for c, i in _read_json(os.path.join(model_dir, "added_tokens.json")).items()}
-        for token_id, spec in (config.get("added_tokens_decoder") or {}).items():
-            if _content(spec):
-                added[_content(spec)] = int(token_id)
-                if isinstance(spec, dict) and spec.get("special") and _content(spec) not in special:
-                    special.append(_content(spec))
-
-        json_path = os.path.join(model_dir, "tokenizer.json")
-        try:
-            from tokenizers import AddedToken, Tokenizer
-        except ImportError:
-            raise RuntimeError("the model's tokenizer needs the tokenizers package: pip install tokenizers") from None
-        if os.path.isfile(json_path):
-            tok = Tokenizer.from_file(json_path)
-        else:
-            tok = sentencepiece_as_tokenizer(os.path.join(model_dir, "tokenizer.model"))
-        # Tokens the config names as special/added become whole tokens in text, as in transformers:
-        # those with declared ids first, in id order (a new token takes the next free id), then the rest.
-        for token in sorted(added, key=added.get):
-            if token in special:
-                tok.add_special_tokens([AddedToken(token, special=True, normalized=False)])
-            else:
-                tok.add_tokens([AddedToken(token, normalized=False)])
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special if t not in added])
+        self.special_tokens = dict(special_tokens)
         self.special_ids = {tok.token_to_id(t) for t in special} - {None}
         self._known = tok.get_vocab_size(with_added_tokens=True)
         self._encode = lambda text: tok.encode(text, add_special_tokens=False).ids
         self._decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
         self._piece = tok.id_to_token
-        self._byte_level = os.path.isfile(json_path) and _decoder_is_byte_level(json_path)
-        source = find_chat_template(model_dir, config)
-        if source is not None:
-            self.chat_template = JinjaChatTemplate(source, self.special_tokens)
+        self._byte_level = byte_level
+        if chat_template is not None:
+            self.chat_template = JinjaChatTemplate(chat_template, self.special_tokens)
 
     def encode(self, text: str) -> list:
         return list(self._encode(text))
@@ -180,6 +158,44 @@ class HFTokenizer(_Chat):
     def decode_incremental(self, ids: list, state: list) -> str:
         # Subword decoders are not concatenative (leading spaces, merges): decode everything.
         return self.decode(ids)
+
+
+class HFTokenizer(TokenizersTokenizer):
+    """A `tokenizer.json` (Hugging Face tokenizers) or a sentencepiece `tokenizer.model` (converted to the
+    same `tokenizers` pipeline transformers builds from it)."""
+
+    def __init__(self, model_dir: str, eos_token_id, vocab_size: int):
+        config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+        special_map = {**config, **_read_json(os.path.join(model_dir, "special_tokens_map.json"))}
+        special_tokens = {k: _content(special_map.get(k)) for k in SPECIAL_TOKEN_KEYS if _content(special_map.get(k))}
+        special = list(dict.fromkeys([*special_tokens.values(), *filter(
+            None, map(_content, special_map.get("additional_special_tokens") or ()))]))
+        added = {c: int(i) for c, i in _read_json(os.path.join(model_dir, "added_tokens.json")).items()}
+        for token_id, spec in (config.get("added_tokens_decoder") or {}).items():
+            if _content(spec):
+                added[_content(spec)] = int(token_id)
+                if isinstance(spec, dict) and spec.get("special") and _content(spec) not in special:
+                    special.append(_content(spec))
+
+        json_path = os.path.join(model_dir, "tokenizer.json")
+        try:
+            from tokenizers import AddedToken, Tokenizer
+        except ImportError:
+            raise RuntimeError("the model's tokenizer needs the tokenizers package: pip install tokenizers") from None
+        if os.path.isfile(json_path):
+            tok = Tokenizer.from_file(json_path)
+        else:
+            tok = sentencepiece_as_tokenizer(os.path.join(model_dir, "tokenizer.model"))
+        # Tokens the config names as special/added become whole tokens in text, as in transformers:
+        # those with declared ids first, in id order (a new token takes the next free id), then the rest.
+        for token in sorted(added, key=added.get):
+            if token in special:
+                tok.add_special_tokens([AddedToken(token, special=True, normalized=False)])
+            else:
+                tok.add_tokens([AddedToken(token, normalized=False)])
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special if t not in added])
+        super().__init__(tok, eos_token_id, vocab_size, special_tokens, special, find_chat_template(model_dir, config),
+                         os.path.isfile(json_path) and _decoder_is_byte_level(json_path))
 
 
 def _decoder_is_byte_level(json_path: str) -> bool:
@@ -255,10 +271,23 @@ def sentencepiece_as_tokenizer(path: str):
     return tok
 
 
-def load_tokenizer(model_config) -> "ByteTokenizer | HFTokenizer":
+def is_gguf_file(path: Optional[str]) -> bool:
+    """A file that starts with GGUF's magic (a directory or another file is not one)."""
+    if not path or not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def load_tokenizer(model_config) -> "ByteTokenizer | TokenizersTokenizer":
     """The checkpoint's tokenizer; only the built-in presets use the byte tokenizer, sized to its own
-    vocab (their ids past 258 decode to nothing)."""
+    vocab (their ids past 258 decode to nothing). A GGUF file's comes from its metadata, read through
+    the loader's open reader when the config carries one (`gguf_reader`), so the file is parsed once."""
     model_dir: Optional[str] = model_config.model
+    if is_gguf_file(model_dir):
+        from fastdeploy.input.gguf_tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(getattr(model_config, "gguf_reader", None) or model_dir)[0]
     if model_dir is not None and any(os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
         return HFTokenizer(model_dir, model_config.eos_token_ids, model_config.vocab_size)
     if model_dir is None or model_config.raw.get("fastdeploy_byte_tokenizer"):  # a preset, or one saved

@@ -34,7 +34,6 @@ def is_gguf(path: str) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
-@functools.lru_cache(maxsize=2)  # config, weights and tokenizer read one file: parse its header once
 def open_gguf(path: str):
     """A GGUFReader over the file; a missing, truncated or foreign file is a ValueError naming it."""
     if not os.path.isfile(path):
@@ -43,6 +42,12 @@ def open_gguf(path: str):
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ValueError(f"model: {path!r} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+    stat = os.stat(path)
+    return _reader(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)  # config, weights and tokenizer read one file: parse its header once
+def _reader(path: str, mtime_ns: int, size: int):
     try:
         from gguf import GGUFReader
     except ImportError:
@@ -156,24 +161,6 @@ def iter_gguf_tensors(reader, arch) -> Iterator[tuple]:
         if arch.norm_offset and name.endswith("norm.weight"):
             array = array - arch.norm_offset
         yield name, array
-
-
-# End-of-turn markers of the common chat templates: generation stops at them as at eos.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
-
-
-def stop_token_ids(reader) -> list:
-    """eos first, then eot/eom, then the end-of-turn marker the chat template writes (if in the vocab)."""
-    ids = [field_value(reader, f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
-    template = field_value(reader, "tokenizer.chat_template") or ""
-    tokens_field = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens_field is not None and template:
-        wanted = [t for t in END_OF_TURN_TOKENS if t in template]
-        if wanted:
-            for token_id, part in enumerate(tokens_field.data):  # data: the part index of each token string
-                if bytes(tokens_field.parts[part]).decode("utf-8", "replace") in wanted:
-                    ids.append(token_id)
-    return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 def iter_gguf_checkpoint(model_config, keep_float32: tuple = ()) -> Iterator[tuple]:

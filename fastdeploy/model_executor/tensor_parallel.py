@@ -6,17 +6,22 @@ Parameters are named as in the checkpoint (`[out, in]` storage) and sliced by na
 - row-parallel (input columns split, partial sums all-reduced): o_proj, down_proj;
 - vocab-parallel (rows split, padded to equal slices): embed_tokens, lm_head;
 - everything else (norms, a MoE router) is replicated.
-Rank r holds KV heads [r*H/N, (r+1)*H/N) of the load-time head order, which
-`kv_head_permutation` may change by moving whole KV-head groups (`--balance-swa-heads`).
+Rank r holds KV heads [r*H/N, (r+1)*H/N) of the load-time head order, which moves whole KV-head
+groups, per layer (ModelConfig.layer_kv_head_order, set by swa_head_placement.py: per-layer SWA heads
+into shared slots, `--balance-swa-heads`). A tensor's layer is the number in its name.
 """
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
-COLUMN_HEADS_Q = ("self_attn.q_proj.weight",)
-COLUMN_HEADS_KV = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
-ROW_HEADS = ("self_attn.o_proj.weight",)
+# A q/k/v bias (Qwen-style attention) is one value per output row: it moves and splits with the rows.
+COLUMN_HEADS_Q = ("self_attn.q_proj.weight", "self_attn.q_proj.bias")
+COLUMN_HEADS_KV = ("self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                   "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+ROW_HEADS = ("self_attn.o_proj.weight",)  # an o_proj bias is per hidden unit: neither moved nor split
 COLUMN_FFN = ("gate_proj.weight", "up_proj.weight")
 ROW_FFN = ("down_proj.weight",)
 VOCAB = ("embed_tokens.weight", "lm_head.weight")
@@ -49,8 +54,26 @@ def check_shardable(cfg, tp: int) -> None:
 def permute_kv_heads(weights: dict, cfg, order) -> dict:
     """Reorder whole KV-head groups: K/V rows of head order[i] move to slot i, with the query heads
     of that group and the matching o_proj input columns. Attention is per head and o_proj sums over
-    heads, so outputs are unchanged (up to float summation order). numpy arrays or Paddle tensors."""
-    return {name: _permute_one(name, w, cfg, order) for name, w in weights.items()}
+    heads, so outputs are unchanged (up to float summation order). `order` is one order for every
+    layer, or one per layer (indexed by the layer number in each name). numpy arrays or Paddle tensors."""
+    per_layer = order is not None and len(order) > 0 and isinstance(order[0], (list, tuple))
+
+    def order_of(name: str):
+        if not per_layer:
+            return order
+        layer = layer_of(name)
+        return None if layer is None else order[layer]
+
+    return {name: _permute_one(name, w, cfg, order_of(name)) for name, w in weights.items()}
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_of(name: str):
+    """The decoder layer a checkpoint tensor belongs to (`...layers.N....`), None for the others."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
 
 
 def _permute_one(name: str, w, cfg, order):
@@ -59,7 +82,7 @@ def _permute_one(name: str, w, cfg, order):
     kv, d, h = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
     group = cfg.num_attention_heads // kv * d  # query rows per KV head
     order = list(order)
-    if name.endswith(COLUMN_HEADS_Q):
+    if name.endswith(COLUMN_HEADS_Q):  # [rows, in] or a bias [rows]
         return _reshape(_take(_reshape(w, (kv, group, -1)), order, 0), tuple(w.shape))
     if name.endswith(COLUMN_HEADS_KV):
         return _reshape(_take(_reshape(w, (kv, d, -1)), order, 0), tuple(w.shape))
@@ -69,9 +92,11 @@ def _permute_one(name: str, w, cfg, order):
 
 
 def rank_tensor(name: str, w, cfg, rank: int, tp: int):
-    """What rank `rank` keeps of one checkpoint tensor: permuted to the load-time KV-head order,
-    then sliced. Applied to each tensor as it is read, so a rank never holds the whole model."""
-    return _shard_one(name, _permute_one(name, w, cfg, cfg.kv_head_order), cfg, rank, tp)
+    """What rank `rank` keeps of one checkpoint tensor: permuted to its layer's load-time KV-head
+    order, then sliced. Applied to each tensor as it is read, so a rank never holds the whole model."""
+    layer = layer_of(name)
+    order = None if layer is None or cfg.kv_head_orders is None else cfg.layer_kv_head_order(layer)
+    return _shard_one(name, _permute_one(name, w, cfg, order), cfg, rank, tp)
 
 
 def shard_weights(weights: dict, cfg, rank: int, tp: int) -> dict:

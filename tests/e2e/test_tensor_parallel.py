@@ -34,9 +34,10 @@ def prompts():
     return [[3 + (i * 37 + n * 11 + (i * i) % 23) % 250 for i in range(n)] for n in PROMPT_LENGTHS]
 
 
-def make_engine(mode="head_wise_recycle_on", **engine_args) -> LLMEngine:
+def make_engine(mode="head_wise_recycle_on", backend="APPEND_ATTN", **engine_args) -> LLMEngine:
     head_wise, recycle, prefix = MODES[mode]
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FD_ATTENTION_BACKEND", backend)
         mp.setenv("FD_HEAD_WISE_KV_CACHE", head_wise)
         mp.setenv("FD_HEAD_WISE_SWA_RECYCLE", recycle)
         args = dict(block_size=16, max_model_len=1024, max_num_seqs=8, num_gpu_blocks_override=256,
@@ -172,6 +173,55 @@ def test_balanced_swa_heads_spread_over_the_ranks_and_leave_outputs_unchanged():
         assert engine.scheduler.layout.rank_head_counts() == [(1, 1), (1, 1)]
         assert_same_within_tolerance(unbalanced, run(engine, prompts()))
         assert engine.get_stats()["swa_pages_recycled_total"] > 0
+    finally:
+        engine.close()
+
+
+def unpermuted_oracle(**engine_args) -> list:
+    """TP=1 NATIVE_ATTN: the checkpoint as stored, SWA masked per (layer, head)."""
+    engine = make_engine(backend="NATIVE_ATTN", **engine_args)
+    try:
+        assert engine.model_config.kv_head_orders is None
+        return run(engine, prompts()[:4])
+    finally:
+        engine.close()
+
+
+def test_per_layer_swa_heads_on_two_balanced_ranks_match_the_unpermuted_oracle():
+    """Per-layer placement (layer 1's heads 2, 3 into slots 0, 1) composed with balancing (slots 1 and 2
+    swapped in every layer): each rank holds one SWA head of every layer."""
+    swa = {"sliding_window": 32, "sink_size": 4, "swa_kv_heads": [[0, 1], [2, 3]]}
+    expected = unpermuted_oracle(head_wise_swa_config=swa)
+    engine = make_engine(head_wise_swa_config=swa, tensor_parallel_size=2, balance_swa_heads=True)
+    try:
+        model = engine.model_config
+        assert model.kv_head_orders == ((0, 2, 1, 3), (2, 0, 3, 1)) and model.swa_kv_heads == (0, 2)
+        assert engine.scheduler.layout.rank_head_counts() == [(1, 1), (1, 1)]
+        assert_same_within_tolerance(expected, run(engine, prompts()[:4]))
+        assert engine.get_stats()["swa_pages_recycled_total"] > 0
+    finally:
+        engine.close()
+
+
+def test_per_layer_swa_heads_on_three_ranks_of_a_three_kv_head_model_match_the_unpermuted_oracle(tmp_path):
+    """TP 3, one KV head per rank: layer 1's SWA heads 1, 2 move to slots 0, 1 (order (1, 2, 0))."""
+    from safetensors.numpy import save_file
+
+    from fastdeploy.config import ModelConfig
+    from fastdeploy.model_executor.models.ernie4_5 import random_checkpoint
+    from fastdeploy.model_executor.models.tiny_preset import TINY_PRESET_CONFIG
+
+    raw = dict(TINY_PRESET_CONFIG, num_attention_heads=6, num_key_value_heads=3, intermediate_size=384, seed=11,
+               fastdeploy_byte_tokenizer=True,
+               head_wise_swa={"sliding_window": 32, "sink_size": 4, "swa_kv_heads": [[0, 1], [1, 2]]})
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    save_file(random_checkpoint(ModelConfig.create(str(tmp_path), 1024, None)), str(tmp_path / "model.safetensors"))
+    expected = unpermuted_oracle(model=str(tmp_path))
+    engine = make_engine(model=str(tmp_path), tensor_parallel_size=3, balance_swa_heads=True)
+    try:
+        assert engine.model_config.kv_head_orders == ((0, 1, 2), (1, 2, 0))
+        assert [i["kv_heads"] for i in engine.runner.ranks.rank_info] == [[0], [1], [2]]
+        assert_same_within_tolerance(expected, run(engine, prompts()[:4]))
     finally:
         engine.close()
 

@@ -117,3 +117,67 @@ def test_cli_flags_round_trip_into_engine_args():
     engine_args = EngineArgs.from_cli_args(args)
     assert engine_args.max_num_seqs == 32 and engine_args.block_size == 16
     assert json.loads(engine_args.head_wise_swa_config)["swa_kv_heads"] == [1]
+
+
+# -- per-layer SWA heads (design §13): the tiny preset has 2 layers of 4 KV heads ------------------
+PER_LAYER = {"sliding_window": 8, "sink_size": 2}
+
+
+@pytest.mark.parametrize("heads,message", [
+    ([[0], [4]], r"swa_kv_heads\[layer 1\]: head 4 is out of range \(the model has 4 KV heads\)"),
+    ([[0], [-1]], r"swa_kv_heads\[layer 1\]: head -1 is out of range"),
+    ([[2, 2], [0, 1]], r"swa_kv_heads\[layer 0\] lists a head twice"),
+    ([[0], [1], [2]], "has 3 per-layer lists but the model has 2 layers"),
+    ([[0]], "has 1 per-layer lists but the model has 2 layers"),
+    ([[0], 1], "mixes head indices and per-layer lists"),
+    ([[], []], "no layer lists a SWA head"),
+    ([["0"], [1]], r"swa_kv_heads\[layer 0\]: head '0' is out of range"),
+])
+def test_invalid_per_layer_swa_heads_name_the_layer_and_field(monkeypatch, heads, message):
+    with pytest.raises(ValueError, match=message):
+        build(monkeypatch, head_wise_swa_config=dict(PER_LAYER, swa_kv_heads=heads))
+
+
+def test_uneven_per_layer_counts_need_the_dense_backend(monkeypatch):
+    spec = dict(PER_LAYER, swa_kv_heads=[[0], [1, 2]])
+    with pytest.raises(ValueError, match=r"swa_kv_heads\[layer 1\] lists 2 SWA KV heads but layer 0 lists 1: "
+                                         r"FD_ATTENTION_BACKEND=APPEND_ATTN .*FD_ATTENTION_BACKEND=NATIVE_ATTN"):
+        build(monkeypatch, head_wise="0", head_wise_swa_config=spec)
+    monkeypatch.setenv("FD_ATTENTION_BACKEND", "NATIVE_ATTN")
+    model = build(monkeypatch, head_wise="0", head_wise_swa_config=spec).model_config
+    assert [model.layer_swa_kv_heads(l) for l in range(2)] == [(0,), (1, 2)]
+    assert model.swa_kv_heads == () and model.kv_head_orders is None
+
+
+def test_per_layer_heads_are_moved_to_layer_zeros_slots_for_the_paged_backend(monkeypatch):
+    model = build(monkeypatch, head_wise_swa_config=dict(PER_LAYER, swa_kv_heads=[[3, 1], [2, 0]])).model_config
+    assert model.kv_head_orders == ((0, 1, 2, 3), (1, 0, 3, 2))
+    assert model.swa_kv_heads == (1, 3) and [model.layer_swa_kv_heads(l) for l in range(2)] == [(1, 3), (1, 3)]
+    same = build(monkeypatch, head_wise_swa_config=dict(PER_LAYER, swa_kv_heads=[[2], [2]])).model_config
+    assert same.kv_head_orders is None and same.swa_kv_heads == (2,)  # nothing to move
+
+
+def test_per_layer_placement_composes_with_balancing_and_is_idempotent(monkeypatch):
+    from fastdeploy.config import FDConfig
+
+    cfg = build(monkeypatch, tensor_parallel_size=2, balance_swa_heads=True,
+                head_wise_swa_config=dict(PER_LAYER, swa_kv_heads=[[0, 1], [2, 3]]))
+    model = cfg.model_config
+    # Layer 1 first moves (2, 3) into slots (0, 1), then balancing swaps slots 1 and 2 in every layer.
+    assert model.kv_head_orders == ((0, 2, 1, 3), (2, 0, 3, 1))
+    assert model.swa_kv_heads == (0, 2) and model.head_wise_swa.layer_kv_heads == ((0, 2), (0, 2))
+    with pytest.raises(ValueError, match="permuted differently per layer"):
+        model.kv_head_order
+    again = FDConfig(model_config=model, cache_config=cfg.cache_config, scheduler_config=cfg.scheduler_config,
+                     parallel_config=cfg.parallel_config)
+    assert again.model_config.kv_head_orders == model.kv_head_orders
+
+
+@pytest.mark.parametrize("heads", [[2, 0], [[0, 3], []], [[1], [1]]])
+def test_per_layer_spec_round_trips_through_to_dict(heads):
+    from fastdeploy.config import HeadWiseSWAConfig
+
+    spec = HeadWiseSWAConfig.from_dict(dict(PER_LAYER, swa_kv_heads=heads), 4, 2)
+    assert HeadWiseSWAConfig.from_dict(spec.to_dict(), 4, 2) == spec
+    assert spec.to_dict()["swa_kv_heads"] == ([sorted(h) for h in heads] if isinstance(heads[0], list)
+                                              else sorted(heads))

@@ -109,3 +109,52 @@ def test_the_worker_side_never_imports_the_scheduler():
             "print(sorted(m for m in sys.modules if m.startswith('fastdeploy.engine')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def biased_attention_layer(w: dict, layer: int, x: np.ndarray, cfg, num_q: int, num_kv: int) -> np.ndarray:
+    """attention_layer's per-head mixing for any layer, with q/k/v biases (Qwen-style attention)."""
+    p, d = f"model.layers.{layer}.self_attn.", cfg.head_dim
+    q = (x @ w[p + "q_proj.weight"].T + w[p + "q_proj.bias"]).reshape(-1, num_q, d)
+    k = (x @ w[p + "k_proj.weight"].T + w[p + "k_proj.bias"]).reshape(-1, num_kv, d)
+    v = (x @ w[p + "v_proj.weight"].T + w[p + "v_proj.bias"]).reshape(-1, num_kv, d)
+    k, v = np.repeat(k, num_q // num_kv, axis=1), np.repeat(v, num_q // num_kv, axis=1)
+    att = np.exp(q * k) / np.exp(q * k).sum(-1, keepdims=True) * v
+    return att.reshape(len(x), -1) @ w[p + "o_proj.weight"].T
+
+
+def test_per_layer_orders_move_each_layers_heads_with_their_biases_and_keep_its_output(cfg):
+    rng = np.random.default_rng(2)
+    w = {k: v.astype(np.float64) for k, v in random_checkpoint(cfg).items()}
+    for layer in range(cfg.num_hidden_layers):
+        for proj, rows in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads), ("v", cfg.num_key_value_heads)):
+            w[f"model.layers.{layer}.self_attn.{proj}_proj.bias"] = rng.standard_normal(rows * cfg.head_dim)
+    orders = ((0, 1, 2, 3), (1, 0, 3, 2))
+    permuted = tp_.permute_kv_heads(w, cfg, orders)
+    for name in w:  # layer 0's order is the identity; norms and embeddings never move
+        if tp_.layer_of(name) != 1 or "self_attn" not in name:
+            np.testing.assert_array_equal(permuted[name], w[name])
+    d = cfg.head_dim
+    bias = "model.layers.1.self_attn.k_proj.bias"
+    np.testing.assert_array_equal(permuted[bias][:d], w[bias][d:2 * d])  # slot 0 holds head 1
+    x = rng.standard_normal((3, cfg.hidden_size))
+    for layer in range(cfg.num_hidden_layers):
+        np.testing.assert_allclose(biased_attention_layer(permuted, layer, x, cfg, 8, 4),
+                                   biased_attention_layer(w, layer, x, cfg, 8, 4), rtol=1e-10, atol=1e-10)
+    # Sharded after the permutation, the ranks' partial sums still give the whole layer (biases split by rows).
+    shards = [tp_.shard_weights(permuted, cfg, r, 2) for r in range(2)]
+    np.testing.assert_allclose(sum(biased_attention_layer(s, 1, x, cfg, 4, 2) for s in shards),
+                               biased_attention_layer(w, 1, x, cfg, 8, 4), rtol=1e-10, atol=1e-10)
+
+
+def test_rank_tensor_permutes_by_the_layer_number_in_the_name(make_config):
+    model = make_config(num_gpu_blocks_override=4, head_wise_swa_config={
+        "sliding_window": 8, "sink_size": 0, "swa_kv_heads": [[1], [3]]}).model_config
+    assert model.kv_head_orders == ((0, 1, 2, 3), (0, 3, 1, 2))
+    w = random_checkpoint(model)
+    name = "model.layers.1.self_attn.v_proj.weight"
+    d = model.head_dim
+    got = tp_.rank_tensor(name, w[name], model, 0, 1)
+    np.testing.assert_array_equal(got[d:2 * d], w[name][3 * d:4 * d])  # slot 1 holds layer 1's SWA head 3
+    zero = "model.layers.0.self_attn.v_proj.weight"
+    np.testing.assert_array_equal(tp_.rank_tensor(zero, w[zero], model, 0, 1), w[zero])
+    assert tp_.layer_of("model.layers.12.mlp.up_proj.weight") == 12 and tp_.layer_of("model.norm.weight") is None

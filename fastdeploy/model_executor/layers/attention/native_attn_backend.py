@@ -39,12 +39,12 @@ class NativeAttentionBackend:
             mask, window, sink = layer_attention_args(model, layer)
             self.layer_masks.append((np.repeat(np.array([mask[h] for h in heads], dtype=bool), group), window, sink))
 
-    def visibility(self, start: int, num_new: int, layer: int = 0) -> paddle.Tensor:
+    def visibility(self, start: int, num_new: int, layer_id: int = 0) -> paddle.Tensor:
         """[num_heads, num_new, start + num_new] bool: docs/retention_rule.md, per query head.
 
         Built from aranges in Paddle: handing Paddle a numpy mask this size copies it through a Python
         list (paddle.assign), which took seconds per layer on long prompts."""
-        q_head_is_swa, window, sink = self.layer_masks[layer]
+        q_head_is_swa, window, sink = self.layer_masks[layer_id]
         t = paddle.arange(start, start + num_new, dtype="int64").unsqueeze(1)
         j = paddle.arange(start + num_new, dtype="int64").unsqueeze(0)
         causal = j <= t

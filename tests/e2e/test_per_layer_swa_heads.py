@@ -1,0 +1,71 @@
+"""Per-layer SWA heads (design §13): the paged backend serves a spec that slides different KV heads in
+different layers by permuting each layer's KV heads into shared slots at load; the dense NATIVE_ATTN
+oracle runs the unpermuted checkpoint with one mask per (layer, head). Greedy tokens must agree in
+every memory mode."""
+
+import pytest
+
+from fastdeploy import LLM, SamplingParams
+
+# The tiny preset: 2 layers, 4 KV heads. Layer 0 slides heads 1 and 3, layer 1 heads 0 and 2, so
+# serving must move layer 1's heads 0, 2 into slots 1, 3 (order (1, 0, 3, 2)).
+SPEC = {"sliding_window": 32, "sink_size": 4, "swa_kv_heads": [[1, 3], [0, 2]]}
+PROMPT_LENGTHS = [7, 40, 130, 300]  # past the window of 32 by up to ~9x
+MAX_TOKENS = 16
+MODES = {"1d": ("0", "1"), "head_wise_recycle_off": ("1", "0"), "head_wise_recycle_on": ("1", "1")}
+
+
+def prompts():
+    return [[3 + (i * 37 + n * 11 + (i * i) % 23) % 250 for i in range(n)] for n in PROMPT_LENGTHS]
+
+
+def generate(monkeypatch, backend, head_wise="0", recycle="1", spec=SPEC):
+    monkeypatch.setenv("FD_ATTENTION_BACKEND", backend)
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", head_wise)
+    monkeypatch.setenv("FD_HEAD_WISE_SWA_RECYCLE", recycle)
+    llm = LLM(block_size=16, max_model_len=512, max_num_seqs=4, num_gpu_blocks_override=256,
+              head_wise_swa_config=spec)
+    outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    return [o.outputs.token_ids for o in outs], llm.engine
+
+
+@pytest.fixture(scope="module")
+def unpermuted_oracle():
+    mp = pytest.MonkeyPatch()
+    try:
+        tokens, engine = generate(mp, "NATIVE_ATTN")
+    finally:
+        mp.undo()
+    model = engine.model_config
+    assert model.kv_head_orders is None  # the oracle masks per layer and moves nothing
+    assert [model.layer_swa_kv_heads(l) for l in range(2)] == [(1, 3), (0, 2)]
+    return tokens
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_permuted_paged_model_matches_the_unpermuted_per_layer_oracle(monkeypatch, unpermuted_oracle, mode):
+    tokens, engine = generate(monkeypatch, "APPEND_ATTN", *MODES[mode])
+    model = engine.model_config
+    assert model.kv_head_orders == ((0, 1, 2, 3), (1, 0, 3, 2))
+    assert model.swa_kv_heads == (1, 3) and model.head_wise_swa.layer_kv_heads == ((1, 3), (1, 3))
+    assert tokens == unpermuted_oracle
+    if mode == "head_wise_recycle_on":
+        assert engine.get_stats()["swa_pages_recycled_total"] > 0
+
+
+def test_the_oracle_depends_on_which_heads_slide_in_each_layer(monkeypatch, unpermuted_oracle):
+    """Without the per-layer permutation the paged model would slide layer 0's heads in every layer:
+    that is a different model, so the comparison above can fail."""
+    same_everywhere = dict(SPEC, swa_kv_heads=[1, 3])
+    tokens, _ = generate(monkeypatch, "NATIVE_ATTN", spec=same_everywhere)
+    assert tokens != unpermuted_oracle
+
+
+def test_an_uneven_pattern_runs_on_the_oracle_and_is_refused_by_the_paged_backend(monkeypatch):
+    uneven = dict(SPEC, swa_kv_heads=[[0, 1, 2], []])
+    tokens, engine = generate(monkeypatch, "NATIVE_ATTN", *MODES["head_wise_recycle_on"], spec=uneven)
+    assert all(len(t) == MAX_TOKENS for t in tokens)
+    assert engine.model_config.swa_kv_heads == ()  # no head slides in every layer: no page recycles
+    with pytest.raises(ValueError, match=r"swa_kv_heads\[layer 1\] lists 0 SWA KV heads .*NATIVE_ATTN"):
+        generate(monkeypatch, "APPEND_ATTN", spec=uneven)

@@ -1,0 +1,107 @@
+"""SmolLM2-135M-Instruct from its GGUF file: the engine's greedy tokens equal transformers' (its own GGUF
+loader, torch CPU, float32) in every memory mode, chunked prefill and prefix caching included."""
+
+import numpy as np
+import pytest
+
+from fastdeploy import LLM, SamplingParams
+from fastdeploy import envs
+from transformers_reference import reference_greedy, reference_logits
+
+MAX_TOKENS = 24
+CHATS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is to a child.",
+    "List three prime numbers greater than 10.",
+    "Translate 'good morning' into Spanish.",
+    "What does HTTP stand for?",
+]
+RAW = ["The history of the printing press", "def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
+
+# A window longer than any context here: head-wise tables with recycling must equal full attention exactly.
+LONG_WINDOW = {"sliding_window": 4096, "sink_size": 4, "swa_kv_heads": [0]}
+MODES = {
+    "1d": dict(flags=dict(FD_HEAD_WISE_KV_CACHE=0), args={}),
+    "head_wise_recycle_off": dict(flags=dict(FD_HEAD_WISE_KV_CACHE=1, FD_HEAD_WISE_SWA_RECYCLE=0),
+                                  args=dict(head_wise_swa_config=LONG_WINDOW)),
+    "head_wise_recycle_on": dict(flags=dict(FD_HEAD_WISE_KV_CACHE=1, FD_HEAD_WISE_SWA_RECYCLE=1),
+                                 args=dict(head_wise_swa_config=LONG_WINDOW)),
+    "chunked_prefill": dict(flags=dict(FD_HEAD_WISE_KV_CACHE=0), args=dict(max_num_batched_tokens=16)),
+}
+
+
+def _engine(path, mode):
+    with envs.override(**MODES[mode]["flags"]):
+        return LLM(model=path, max_model_len=1024, max_num_seqs=8, block_size=16, **MODES[mode]["args"])
+
+
+@pytest.fixture(scope="module")
+def chat_ids(smollm2_reference):
+    tokenizer, _ = smollm2_reference
+    return [tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False) for c in CHATS]
+
+
+@pytest.fixture(scope="module")
+def stop_ids(smollm2_path):
+    """The file's own stop tokens (eos, end of turn), which transformers' GGUF config does not all carry."""
+    from fastdeploy.config import ModelConfig
+
+    return ModelConfig.create(smollm2_path, 1024, None).eos_token_ids
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(smollm2_reference, chat_ids, stop_ids):
+    _, model = smollm2_reference
+    return [reference_greedy(model, _as_list(ids), MAX_TOKENS, stop_ids) for ids in chat_ids]
+
+
+def _as_list(ids):
+    return ids if isinstance(ids, list) else list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def test_chat_prompt_ids_equal_transformers_chat_template(smollm2_path, chat_ids):
+    llm = _engine(smollm2_path, "1d")
+    ours = [llm.engine.tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
+    assert ours == [_as_list(i) for i in chat_ids]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_chat_tokens_equal_transformers(smollm2_path, reference_tokens, mode):
+    llm = _engine(smollm2_path, mode)
+    outs = llm.chat([[{"role": "user", "content": c}] for c in CHATS],
+                    SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [list(o.outputs.token_ids) for o in outs] == reference_tokens
+
+
+def test_prefix_cache_hits_keep_transformers_tokens(smollm2_path, reference_tokens):
+    llm = LLM(model=smollm2_path, max_model_len=1024, max_num_seqs=8, block_size=16, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    chats = [[{"role": "user", "content": c}] for c in CHATS]
+    first = llm.chat(chats, params, use_tqdm=False)
+    again = llm.chat(chats, params, use_tqdm=False)  # every prompt's full blocks now come from the cache
+    assert [list(o.outputs.token_ids) for o in first] == reference_tokens
+    assert [list(o.outputs.token_ids) for o in again] == reference_tokens
+
+
+def test_raw_prompt_greedy_tokens_and_prefill_logits_equal_transformers(smollm2_path, smollm2_reference, stop_ids):
+    tokenizer, model = smollm2_reference
+    llm = _engine(smollm2_path, "1d")
+    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in RAW]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5), use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        assert list(out.outputs.token_ids) == reference_greedy(model, ids, MAX_TOKENS, stop_ids)
+        # The first sampled token's top-5 log-probabilities against transformers' last prefill logits.
+        ref = reference_logits(model, ids)[-1].astype(np.float64)
+        ref_logprobs = ref - ref.max() - np.log(np.exp(ref - ref.max()).sum())
+        first = out.outputs.logprobs[0]
+        for token_id, logprob in _top_logprobs(first).items():
+            assert abs(logprob - ref_logprobs[token_id]) < 2e-3, (token_id, logprob, ref_logprobs[token_id])
+
+
+def _top_logprobs(entry) -> dict:
+    """{token id: logprob} from one position's logprobs entry, whatever container the engine uses."""
+    if isinstance(entry, dict):
+        return {int(k): float(getattr(v, "logprob", v)) for k, v in entry.items()}
+    return {int(t): float(lp) for t, lp in entry}
