@@ -139,6 +139,18 @@ def text_metrics(logprobs: list, segments: list, reference: list, exact_below: i
                                        and agree[:, :exact_below].all())}
 
 
+def below_window_check(text: dict, permuted_heads: bool) -> str:
+    """exact: bit for bit as full attention below sink + window. rounding: the engine permuted KV heads
+    at load (per-layer SWA heads moved to shared slots), which reorders o_proj's sum, so log-probs
+    there differ in the last bits (top-1 must still agree everywhere). FAIL: anything else."""
+    if text["exact_below_window"]:
+        return "exact"
+    below = text["buckets"][0]
+    if permuted_heads and below["top1"] == 1.0 and text["max_abs_logprob_diff_below_window"] < 1e-3:
+        return "rounding (permuted heads)"
+    return "FAIL"
+
+
 # -- retrieval ---------------------------------------------------------------------------------
 FILLER_SENTENCES = (
     "The morning train left the valley on time, as it does every day.",
@@ -346,6 +358,8 @@ def main(argv=None) -> int:
             else:
                 lps = [text_logprobs(llm, seg) for seg in segments]
             row["text"] = text_metrics(lps, segments, reference(ran), exact_below)
+            permuted = llm is not None and llm.engine.model_config.kv_head_orders is not None
+            row["text"]["below_window_check"] = below_window_check(row["text"], permuted)
             del lps
         if llm is not None:
             llm.engine.close()
@@ -366,7 +380,7 @@ def main(argv=None) -> int:
             f"ppl {t['perplexity']:.3f} exact-below-window {t['exact_below_window']} "
             f"(max |diff| {t['max_abs_logprob_diff_below_window']:.2e}) retrieval {found}/{total} "
             f"ceiling@{lengths[-1]} {row['page_need_ceiling'][str(lengths[-1])]:.2f} ({row['seconds']} s)")
-        if spec is not None and t["exact_below_window"] is False:
+        if spec is not None and t.get("below_window_check") == "FAIL":
             log(f"WARNING {name}: positions below sink + window differ from full attention")
         if args.json:
             with open(args.json, "w") as f:
@@ -391,13 +405,13 @@ def merged(files: list) -> dict:
 
 
 def print_table(rows: dict, lengths: list) -> None:
-    print("| config | path | KL past window | top-1 past window | ppl | exact below window | retrieval found | "
+    print("| config | path | KL past window | top-1 past window | ppl | below sink + window | retrieval found | "
           + " | ".join(f"ceiling@{n}" for n in lengths) + " |")
     print("|---" * (7 + len(lengths)) + "|")
     for name, r in rows.items():
         t = r.get("text")
         cells = [f"{t['kl_mean_past_window']:.4f}", f"{t['top1_past_window']:.3f}", f"{t['perplexity']:.3f}",
-                 str(t["exact_below_window"])] if t else ["-"] * 4
+                 t.get("below_window_check", "exact" if t["exact_below_window"] else "FAIL")] if t else ["-"] * 4
         ret = r.get("retrieval")
         found = f"{sum(x['found'] for x in ret)}/{sum(x['total'] for x in ret)}" if ret else "-"
         ceil = r.get("page_need_ceiling", {})
