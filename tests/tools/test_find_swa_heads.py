@@ -174,3 +174,28 @@ def test_eval_is_exact_below_sink_plus_window_and_differs_past_it(planted_model,
     below = m["buckets"][0]
     assert below["positions"] == [0, SINK + WINDOW] and below["kl"] == 0.0 and below["top1"] == 1.0
     assert m["kl_mean_past_window"] > 1e-3  # sliding the planted head changes what comes after the window
+
+
+def test_the_shipped_smollm2_configuration_is_one_of_three_heads_per_layer_with_its_memory_gain():
+    """What ships with `smollm2-135m-instruct` (docs/swa_quality.md): a valid section for its 30 layers
+    x 3 KV heads, one sliding head in every layer, W <= 512, page-need ceiling >= 1.3 at 4096 tokens."""
+    from fastdeploy.config import HeadWiseSWAConfig
+    from fastdeploy.model_executor.models.named_models import NAMED_MODELS
+
+    section = NAMED_MODELS["smollm2-135m-instruct"].calibrated_head_wise_swa()
+    spec = HeadWiseSWAConfig.from_dict(section, 3, 30)
+    assert spec.sliding_window <= 512
+    assert [len(spec.heads_of_layer(layer)) for layer in range(30)] == [1] * 30
+    ev = _eval_module()
+    assert ev.page_need_ceiling(section, 30, 3, [4096], 64)["4096"] >= 1.3
+
+
+def test_below_window_check_tolerates_only_the_rounding_a_head_permutation_causes():
+    ev = _eval_module()
+    text = {"exact_below_window": False, "max_abs_logprob_diff_below_window": 1e-4,
+            "buckets": [{"positions": [0, 80], "kl": 1e-9, "top1": 1.0}]}
+    assert ev.below_window_check(text, permuted_heads=True) == "rounding (permuted heads)"
+    assert ev.below_window_check(text, permuted_heads=False) == "FAIL"
+    text["buckets"][0]["top1"] = 0.99
+    assert ev.below_window_check(text, permuted_heads=True) == "FAIL"
+    assert ev.below_window_check({**text, "exact_below_window": True}, permuted_heads=False) == "exact"
