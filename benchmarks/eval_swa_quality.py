@@ -417,6 +417,20 @@ def print_table(rows: dict, lengths: list) -> None:
         ceil = r.get("page_need_ceiling", {})
         print(f"| {name} | {r['path']} | " + " | ".join(cells) + f" | {found} | "
               + " | ".join(f"{ceil[str(n)]:.2f}" if str(n) in ceil else "-" for n in lengths) + " |")
+    cells = sorted({(x["variant"], x["length"]) for r in rows.values() for x in r.get("retrieval", [])})
+    if not cells:
+        return
+    print()
+    print("| retrieval (found/prompts, all depths) | " + " | ".join(f"{v} {n}" for v, n in cells) + " |")
+    print("|---" * (1 + len(cells)) + "|")
+    for name, r in rows.items():
+        if not r.get("retrieval"):
+            continue
+        got = {}
+        for x in r["retrieval"]:
+            f, t = got.get((x["variant"], x["length"]), (0, 0))
+            got[(x["variant"], x["length"])] = (f + x["found"], t + x["total"])
+        print(f"| {name} | " + " | ".join(f"{got[c][0]}/{got[c][1]}" if c in got else "-" for c in cells) + " |")
 
 
 if __name__ == "__main__":
