@@ -47,7 +47,8 @@ setup(
         "gguf",  # llama.cpp's reader for GGUF model files: their metadata, tokenizer and tensors
     ],
     extras_require={
-        "cpu": ["paddlepaddle>=3.0"],
+        # scipy-openblas32: the OpenBLAS the CPU GEMM op links (fastdeploy/model_executor/layers/blas_gemm.py).
+        "cpu": ["paddlepaddle>=3.0", "scipy-openblas32>=0.3.27"],
         "test": ["pytest", "hypothesis", "openai", "aiohttp", "requests", "matplotlib", "pyyaml", "tokenizers",
                  # The oracle for checkpoints, MoE routing and chat templates. 1.2.0: no numpy/tokenizers
                  # upper pins (0.4.x pins numpy<=1.26.4, tokenizers<0.22) and runs on paddlepaddle 3.3.

@@ -285,6 +285,7 @@ def summarize(off: ArmResult, on: ArmResult, prediction: dict, server: dict, wor
         # what the bigger batch costs per step on this machine.
         "steps_ratio": None,
         "step_time_ratio": None,
+        "gain_share_of_steps_gain": None,
         "server": server,
         # JSON has no infinity; "inf" keeps the file readable by strict parsers.
         "workload": {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in workload.items()},
@@ -314,6 +315,9 @@ def summarize(off: ArmResult, on: ArmResult, prediction: dict, server: dict, wor
         summary["steps_ratio"] = off.engine_steps / on.engine_steps
         summary["step_time_ratio"] = ((on.result["duration"] / on.engine_steps)
                                       / (off.result["duration"] / off.engine_steps))
+        # How much of what recycling saves in steps reaches output tok/s.
+        if summary["steps_ratio"] > 1:
+            summary["gain_share_of_steps_gain"] = (gain - 1) / (summary["steps_ratio"] - 1)
     return summary
 
 
@@ -344,6 +348,8 @@ def print_table(s: dict) -> None:
         print(f"Gain = steps ratio OFF/ON {s['steps_ratio']:.3f} / mean step time ratio ON/OFF "
               f"{s['step_time_ratio']:.3f} (the second factor is ~1 only where a step's cost does not "
               f"grow with the batch)")
+    if s["gain_share_of_steps_gain"] is not None:
+        print(f"tok/s gain is {s['gain_share_of_steps_gain']:.0%} of the engine-steps gain")
 
 
 def write_plot(path: str, off: ArmResult, on: ArmResult) -> None:

@@ -1,7 +1,7 @@
 """Offline A/B: head-wise SWA recycling OFF vs ON at the same KV memory, through the real engine.
 
-Both arms use the same model (the dense tiny preset, `--model tiny-moe`, or a checkpoint
-directory) with identical settings and the same fixed-length prompts; the page
+Both arms use the same model (the dense tiny preset, `--model tiny-moe`, a named real model such
+as `--model smollm2-135m-instruct`, a .gguf file or a checkpoint directory) with identical settings and the same fixed-length prompts; the page
 budget is sized so memory, not max_num_seqs, limits concurrency. Prints output tokens/s, peak
 running requests, peak pages in use, the gain next to the ceiling predicted by the page-need
 function, and checks that both arms produced identical tokens.
@@ -9,6 +9,9 @@ function, and checks that both arms produced identical tokens.
     python benchmarks/bench_offline.py
     python benchmarks/bench_offline.py --model tiny-moe --num-prompts 32 --output-len 128
     python benchmarks/bench_offline.py --num-prompts 64 --input-len 2048 --output-len 256 --window 256
+    python benchmarks/bench_offline.py --model smollm2-135m-instruct \
+        --head-wise-swa-config '{"sliding_window": 256, "sink_size": 16, "swa_kv_heads": [0]}' \
+        --num-prompts 48 --input-len 128 --output-len 512 --concurrency-off 16
 """
 
 from __future__ import annotations
@@ -26,14 +29,19 @@ import numpy as np
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=str, default=None,
-                   help="preset name (tiny-moe) or model directory; default: the dense tiny preset")
+                   help="preset (tiny-moe), named real model (smollm2-135m-instruct), .gguf file or model "
+                        "directory; default: the dense tiny preset")
     p.add_argument("--num-prompts", type=int, default=160,
                    help="several waves of both arms, so the steady state dominates")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--sink", type=int, default=16)
-    p.add_argument("--swa-heads", type=int, nargs="+", default=[0], help="SWA KV heads (the presets have 4)")
+    p.add_argument("--swa-heads", type=int, nargs="+", default=[0],
+                   help="SWA KV heads (the presets have 4, smollm2-135m-instruct 3)")
+    p.add_argument("--head-wise-swa-config", type=str, default=None,
+                   help='JSON {"sliding_window": W, "sink_size": S, "swa_kv_heads": [..]}, as the engine flag '
+                        "takes it; replaces --window, --sink and --swa-heads")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--concurrency-off", type=int, default=32,
                    help="size the KV cache so the recycle-OFF arm fits this many requests")
@@ -47,7 +55,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--admission-policy", choices=["reserve", "on_demand", "projected"], default=None,
                    help="admission policy of both arms (default: FD_ADMISSION_POLICY, else the engine's default)")
     p.add_argument("--json", type=str, default=None, help="write the results (docs/benchmarks.md keys) here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.head_wise_swa_config is not None:
+        try:
+            args.head_wise_swa_config = json.loads(args.head_wise_swa_config)
+        except json.JSONDecodeError as exc:
+            p.error(f"--head-wise-swa-config is not valid JSON: {exc}")
+        if not isinstance(args.head_wise_swa_config, dict):
+            p.error("--head-wise-swa-config must be a JSON object")
+    return args
+
+
+def swa_config(args) -> dict:
+    if args.head_wise_swa_config is not None:
+        return args.head_wise_swa_config
+    return {"sliding_window": args.window, "sink_size": args.sink, "swa_kv_heads": args.swa_heads}
 
 
 def engine_args(args) -> dict:
@@ -58,8 +80,7 @@ def engine_args(args) -> dict:
                 cache_dtype=args.cache_dtype, device=args.device, admission_policy=args.admission_policy,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.input_len + args.output_len + args.block_size,
-                head_wise_swa_config={"sliding_window": args.window, "sink_size": args.sink,
-                                      "swa_kv_heads": args.swa_heads})
+                head_wise_swa_config=swa_config(args))
 
 
 def run_arm(name: str, recycle: bool, args, prompts) -> dict:
@@ -108,6 +129,11 @@ def run_arm(name: str, recycle: bool, args, prompts) -> dict:
             "tokens": [tokens[f"{name}-{i}"] for i in range(len(prompts))], "timeline": timeline}
 
 
+def steps_gain_share(gain: float, steps_ratio: float):
+    """How much of what recycling saves in engine steps reaches output tok/s (None: no steps saved)."""
+    return (gain - 1) / (steps_ratio - 1) if steps_ratio > 1 else None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from fastdeploy.cache_manager.head_wise import predicted_concurrency
@@ -115,12 +141,18 @@ def main(argv=None) -> int:
 
     os.environ["FD_HEAD_WISE_KV_CACHE"] = "1"
     os.environ["FD_HEAD_WISE_SWA_RECYCLE"] = "1"
-    cfg = EngineArgs(**engine_args(args)).create_engine_config()
+    try:
+        cfg = EngineArgs(**engine_args(args)).create_engine_config()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     pred = predicted_concurrency(cfg, args.input_len, args.output_len)
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(3, cfg.model_config.vocab_size, args.input_len).tolist() for _ in range(args.num_prompts)]
+    swa = swa_config(args)
     print(f"workload: {args.num_prompts} prompts x (in {args.input_len}, out {args.output_len}); SWA heads "
-          f"{args.swa_heads}/4 W={args.window} S={args.sink}; {cfg.cache_config.num_gpu_blocks} blocks "
+          f"{swa.get('swa_kv_heads')} of {cfg.model_config.num_key_value_heads} W={swa.get('sliding_window')} "
+          f"S={swa.get('sink_size')}; {cfg.cache_config.num_gpu_blocks} blocks "
           f"({pred['pages_per_rank']} pages); predicted running off={pred['running_off']} on={pred['running_on']}",
           file=sys.stderr, flush=True)
 
@@ -151,6 +183,9 @@ def main(argv=None) -> int:
     print(f"gain = steps ratio OFF/ON {steps_ratio:.3f} / mean step time ratio ON/OFF {step_time_ratio:.3f} "
           f"({(on['elapsed_s'] / on['steps']) * 1e3:.1f} vs {(off['elapsed_s'] / off['steps']) * 1e3:.1f} ms); "
           f"the step-time factor is ~1 only where a step's cost does not grow with the batch")
+    share = steps_gain_share(gain, steps_ratio)
+    if share is not None:
+        print(f"tok/s gain is {share:.0%} of the engine-steps gain ((gain - 1) / (steps ratio - 1))")
 
     if args.json:
         result = {"throughput_off": off["throughput"], "throughput_on": on["throughput"], "gain": gain,
@@ -162,7 +197,9 @@ def main(argv=None) -> int:
                   "preemptions_off": off["preemptions"], "preemptions_on": on["preemptions"],
                   "recomputed_tokens_off": off["recomputed_tokens"], "recomputed_tokens_on": on["recomputed_tokens"],
                   "steps_ratio": steps_ratio, "step_time_ratio": step_time_ratio,
+                  "gain_share_of_steps_gain": share,
                   "identical_tokens": identical, "args": vars(args)}
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0 if identical else 1

@@ -125,6 +125,29 @@ def _in_every_layer(layers: tuple) -> tuple:
     return tuple(sorted(set(layers[0]).intersection(*layers[1:])))
 
 
+def layer_sliding_windows(raw: dict, num_layers: int) -> Optional[tuple]:
+    """Per-layer sliding windows of a model config: `layer_sliding_window` (a window or null per
+    layer), or Hugging Face's `layer_types` ("sliding_attention" / "full_attention") with
+    `sliding_window`. None when no layer slides."""
+    windows = raw.get("layer_sliding_window")
+    if windows is None and raw.get("layer_types") is not None:
+        kinds = raw["layer_types"]
+        if not isinstance(kinds, (list, tuple)) or any(k not in ("sliding_attention", "full_attention") for k in kinds):
+            raise ValueError(f"model config: layer_types must list 'sliding_attention' or 'full_attention' per "
+                             f"layer, got {kinds!r}")
+        windows = [raw.get("sliding_window") if k == "sliding_attention" else None for k in kinds]
+    if windows is None:
+        return None
+    if not isinstance(windows, (list, tuple)) or len(windows) != num_layers:
+        raise ValueError(f"model config: layer_sliding_window must list a window (or null) for each of "
+                         f"{num_layers} layers, got {windows!r}")
+    for layer, w in enumerate(windows):
+        if w is not None and (not _is_int(w) or w < 1):
+            raise ValueError(f"model config: layer_sliding_window[{layer}] must be an integer >= 1 or null, "
+                             f"got {w!r}")
+    return tuple(windows) if any(w is not None for w in windows) else None
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -380,7 +403,7 @@ def _layer_sliding_windows(arch: Architecture, raw: dict) -> Optional[tuple]:
     """Per layer: the window of a sliding layer, None for a global one (config `layer_types`, else Gemma 3's
     every-Nth-layer-global pattern); None for an architecture without sliding layers."""
     if arch.model_type != "gemma3_text":
-        return None
+        return layer_sliding_windows(raw, int(raw["num_hidden_layers"]))
     layers = raw["num_hidden_layers"]
     types = raw.get("layer_types")
     if types is None:
@@ -495,7 +518,8 @@ class CacheConfig:
     num_gpu_blocks: int = 0  # resolved by FDConfig
 
     def block_bytes(self, model: ModelConfig, tensor_parallel_size: int) -> int:
-        """Bytes one block takes on one rank: K and V, every layer, this rank's KV heads."""
+        """Bytes one block takes on one rank: K and V, every layer, this rank's KV heads (the same for
+        any slot layout: k lanes x G slots = layers x heads)."""
         heads = model.num_key_value_heads // tensor_parallel_size
         return (2 * model.num_hidden_layers * heads * self.block_size * model.head_dim
                 * CACHE_DTYPE_BYTES[self.cache_dtype])
@@ -531,6 +555,7 @@ class FDConfig:
 
     def __post_init__(self) -> None:
         self._validate()
+        self._resolve_slots()
         self._resolve_num_blocks()
         self._fit_max_model_len()
 
@@ -585,13 +610,32 @@ class FDConfig:
         if self.enc_dec_block_num < 0:
             raise ValueError(f"FD_ENC_DEC_BLOCK_NUM must be >= 0, got {self.enc_dec_block_num}")
         if self.head_wise_kv_cache:
-            if model.head_wise_swa is None:
-                raise ValueError("FD_HEAD_WISE_KV_CACHE=1 but the model declares no SWA KV heads: add a "
-                                 "head_wise_swa section to config.json or pass --head-wise-swa-config")
+            if model.head_wise_swa is None and model.layer_sliding_window is None:
+                raise ValueError("FD_HEAD_WISE_KV_CACHE=1 but the model declares no SWA KV heads and no sliding "
+                                 "layers: add a head_wise_swa section to config.json or pass "
+                                 "--head-wise-swa-config")
         elif not self.swa_recycle:
             raise ValueError("FD_HEAD_WISE_SWA_RECYCLE=0 has no effect without FD_HEAD_WISE_KV_CACHE=1")
         self._resolve_prefix_caching()
         self._check_device()
+
+    def _resolve_slots(self) -> None:
+        """The slot layout (cache_manager/slots.py) of the model's per-(layer, KV head) attention types,
+        chosen once here and logged: every memory mode addresses the cache through it."""
+        from fastdeploy.cache_manager.slots import assign_slots
+        from fastdeploy.model_executor.layers.attention.swa_spec import attention_type_table
+
+        types = attention_type_table(self.model_config)
+        self.slot_layout = assign_slots(types, self.parallel_config.tensor_parallel_size)
+        sliding = self.slot_layout.sliding_types
+        if self.head_wise_kv_cache and self.swa_recycle and len(sliding) > 1:
+            kept = [str(t) for t in sliding if t != self.slot_layout.recycled_type]
+            logger.warning("KV slots: %d sliding attention types; the slots of %s recycle, those of %s keep every "
+                           "page (recycling follows one window and sink per model)", len(sliding),
+                           self.slot_layout.recycled_type, ", ".join(kept))
+        if self.model_config.layer_sliding_window is not None or self.slot_layout.num_lanes != \
+                self.model_config.num_hidden_layers:
+            logger.info("KV slots: %s", self.slot_layout.describe())
 
     def _check_device(self) -> None:
         from fastdeploy.worker.device import check_gpu_attention_dtypes, check_gpu_attention_shapes
@@ -691,7 +735,7 @@ class FDConfig:
     @property
     def swa_recycle_active(self) -> bool:
         """True when SWA pages really are returned early: head-wise tables, SWA heads, recycle on."""
-        return self.head_wise_kv_cache and self.swa_recycle and self.model_config.head_wise_swa is not None
+        return self.head_wise_kv_cache and self.swa_recycle and bool(self.slot_layout.sliding_slots)
 
 
 def _bool_flag(name: str, value: int) -> bool:

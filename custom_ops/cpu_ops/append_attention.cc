@@ -1,7 +1,9 @@
 // CPU AppendAttention: one layer's attention step for a mixed batch of
 // prefill chunks and decodes over a paged KV cache, addressed through either a
 // 1-D block table [bsz, max_blocks] or a head-wise page table
-// [bsz, kv_heads, max_blocks] (page p = cache[p / H, p % H]).
+// [bsz, G, max_blocks] (page p = cache[p / G, p % G]). The cache is one lane of
+// the slot layout [num_blocks, G, block_size, head_dim] (G >= kv_heads slots);
+// kv_head_slots[h] is the slot (table row) of KV head h in this layer.
 //
 // The step runs in three passes:
 //   1. validate every shape and every table entry the step will touch, so a
@@ -202,16 +204,18 @@ std::vector<paddle::Tensor> AppendAttentionCpu(
     const paddle::Tensor& seq_lens_this_time,
     const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& block_tables,
     const paddle::Tensor& rotary_cos, const paddle::Tensor& rotary_sin,
-    const paddle::Tensor& swa_head_mask, int num_heads, int kv_num_heads,
-    int head_dim, int sliding_window, int sink_size, bool visit_all_pages) {
+    const paddle::Tensor& swa_head_mask, const paddle::Tensor& kv_head_slots,
+    int num_heads, int kv_num_heads, int head_dim, int sliding_window, int sink_size,
+    bool visit_all_pages) {
   using fd_cpu::bf16_bits;
   const fd_attn::DeviceRules rules = fd_attn::cpu_rules();
   const fd_cpu::Geometry g = fd_attn::check_inputs(
       rules, qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
-      cu_seqlens_q, block_tables, rotary_cos, rotary_sin, swa_head_mask, num_heads, kv_num_heads,
-      head_dim, sliding_window, sink_size, visit_all_pages);
+      cu_seqlens_q, block_tables, rotary_cos, rotary_sin, swa_head_mask, kv_head_slots, num_heads,
+      kv_num_heads, head_dim, sliding_window, sink_size, visit_all_pages);
   const fd_attn::HostBatch host = fd_attn::host_batch(g, seq_lens_decoder, seq_lens_this_time,
-                                                      cu_seqlens_q, block_tables, swa_head_mask);
+                                                      cu_seqlens_q, block_tables, swa_head_mask,
+                                                      kv_head_slots);
   const fd_cpu::Batch& b = host.batch;
   fd_attn::check_batch(rules, g, b);
 
@@ -238,8 +242,8 @@ std::vector<std::vector<int64_t>> AppendAttentionCpuInferShape(
     const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, int num_heads, int, int head_dim, int, int,
-    bool) {
+    const std::vector<int64_t>&, const std::vector<int64_t>&, int num_heads, int,
+    int head_dim, int, int, bool) {
   return {{qkv_shape[0], int64_t(num_heads) * head_dim}};
 }
 
@@ -247,14 +251,16 @@ std::vector<paddle::DataType> AppendAttentionCpuInferDtype(
     const paddle::DataType& qkv_dtype, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
-    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
+    const paddle::DataType&) {
   return {qkv_dtype};
 }
 
 PD_BUILD_OP(append_attention_cpu)
     .Inputs({"qkv", "key_cache", "value_cache", "seq_lens_encoder",
              "seq_lens_decoder", "seq_lens_this_time", "cu_seqlens_q",
-             "block_tables", "rotary_cos", "rotary_sin", "swa_head_mask"})
+             "block_tables", "rotary_cos", "rotary_sin", "swa_head_mask",
+             "kv_head_slots"})
     .Outputs({"out", "key_cache_out", "value_cache_out"})
     .SetInplaceMap({{"key_cache", "key_cache_out"},
                     {"value_cache", "value_cache_out"}})
@@ -274,17 +280,18 @@ std::vector<paddle::Tensor> AppendAttentionValidate(
     const paddle::Tensor& seq_lens_this_time,
     const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& block_tables,
     const paddle::Tensor& rotary_cos, const paddle::Tensor& rotary_sin,
-    const paddle::Tensor& swa_head_mask, int num_heads, int kv_num_heads,
-    int head_dim, int sliding_window, int sink_size, bool visit_all_pages,
-    bool gpu_rules, bool check_place) {
+    const paddle::Tensor& swa_head_mask, const paddle::Tensor& kv_head_slots,
+    int num_heads, int kv_num_heads, int head_dim, int sliding_window, int sink_size,
+    bool visit_all_pages, bool gpu_rules, bool check_place) {
   fd_attn::DeviceRules rules = gpu_rules ? fd_attn::gpu_rules() : fd_attn::cpu_rules();
   rules.check_place = check_place;
   const fd_attn::Geometry g = fd_attn::check_inputs(
       rules, qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
-      cu_seqlens_q, block_tables, rotary_cos, rotary_sin, swa_head_mask, num_heads, kv_num_heads,
-      head_dim, sliding_window, sink_size, visit_all_pages);
+      cu_seqlens_q, block_tables, rotary_cos, rotary_sin, swa_head_mask, kv_head_slots, num_heads,
+      kv_num_heads, head_dim, sliding_window, sink_size, visit_all_pages);
   const fd_attn::HostBatch host = fd_attn::host_batch(g, seq_lens_decoder, seq_lens_this_time,
-                                                      cu_seqlens_q, block_tables, swa_head_mask);
+                                                      cu_seqlens_q, block_tables, swa_head_mask,
+                                                      kv_head_slots);
   fd_attn::check_batch(rules, g, host.batch);
   paddle::Tensor rows = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
   rows.data<int64_t>()[0] = g.token_num;
@@ -297,7 +304,8 @@ std::vector<std::vector<int64_t>> AppendAttentionValidateInferShape(
     const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, int, int, int, int, int, bool, bool, bool) {
+    const std::vector<int64_t>&, const std::vector<int64_t>&, int, int, int, int, int, bool,
+    bool, bool) {
   return {{1}};
 }
 
@@ -305,14 +313,15 @@ std::vector<paddle::DataType> AppendAttentionValidateInferDtype(
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
-    const paddle::DataType&, const paddle::DataType&) {
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
   return {paddle::DataType::INT64};
 }
 
 PD_BUILD_OP(append_attention_validate)
     .Inputs({"qkv", "key_cache", "value_cache", "seq_lens_encoder",
              "seq_lens_decoder", "seq_lens_this_time", "cu_seqlens_q",
-             "block_tables", "rotary_cos", "rotary_sin", "swa_head_mask"})
+             "block_tables", "rotary_cos", "rotary_sin", "swa_head_mask",
+             "kv_head_slots"})
     .Outputs({"token_num"})
     .Attrs({"num_heads: int", "kv_num_heads: int", "head_dim: int",
             "sliding_window: int", "sink_size: int", "visit_all_pages: bool",

@@ -4,12 +4,15 @@
 //
 // Both wrappers call, before anything is written:
 //   1. check_inputs(): place, contiguity and dtype of every input, the op's
-//      integer attributes, the qkv width, the cache shape, the lengths of the
-//      int32 vectors, the table rank and dims against [bsz, kv_heads,
-//      max_blocks] (or [bsz, max_blocks] in 1-D mode), the rotary tables;
+//      integer attributes, the qkv width, the cache shape [num_blocks, slots,
+//      block_size, head_dim] (slots >= kv_heads: a lane of the slot layout,
+//      docs/memory_model.md), the lengths of the int32 vectors, the table rank
+//      and dims against [bsz, slots, max_blocks] (or [bsz, max_blocks] in 1-D
+//      mode), the rotary tables;
 //   2. check_batch() on host copies of the small int32 inputs: cu_seqlens_q
 //      is the prefix sum of seq_lens_this_time and fits the rows of qkv,
-//      positions fit the rotary tables, and every table entry the step reads
+//      positions fit the rotary tables, kv_head_slots maps the KV heads to
+//      distinct slots of the cache, and every table entry the step reads
 //      or writes is a valid page (-1 where a page is needed is a scheduler
 //      bug, reported with request, head and block index).
 // The only differences between devices are in DeviceRules (which place and
@@ -32,11 +35,12 @@ namespace fd_attn {
 struct Geometry {
   int num_heads = 0;
   int kv_heads = 0;
+  int slots = 0;  // dim 1 of the caches and of a head-wise table (G); >= kv_heads
   int group = 0;  // q heads per KV head
   int head_dim = 0;
   int block_size = 0;
   int64_t num_blocks = 0;
-  int64_t num_pages = 0;  // num_blocks * kv_heads
+  int64_t num_pages = 0;  // num_blocks * slots
   int max_blocks = 0;     // table columns
   bool head_wise = false;
   int64_t window = 0;
@@ -55,17 +59,20 @@ struct Batch {
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* table = nullptr;
   const int32_t* swa = nullptr;
+  const int32_t* head_slot = nullptr;  // [kv_heads]: slot (table row, cache slot) of each KV head
 };
 
-// Page id of block `i` of KV head `h` of request `r`; a 1-D block b is page
-// b * H + h, so both table kinds share every line of the attention code (this
-// is what makes the two paths bit-identical on the same pages).
+// Page id of block `i` of KV head `h` of request `r`: the head reads table row
+// head_slot[h] (slot s holds page lane[p / G, p % G]); a 1-D block b is page
+// b * G + head_slot[h], so both table kinds share every line of the attention
+// code (this is what makes the two paths bit-identical on the same pages).
 inline int64_t page_of(const Geometry& g, const Batch& b, int r, int h, int i) {
+  const int slot = b.head_slot[h];
   if (g.head_wise) {
-    return b.table[(int64_t(r) * g.kv_heads + h) * g.max_blocks + i];
+    return b.table[(int64_t(r) * g.slots + slot) * g.max_blocks + i];
   }
   const int32_t block = b.table[int64_t(r) * g.max_blocks + i];
-  return block < 0 ? int64_t(block) : int64_t(block) * g.kv_heads + h;
+  return block < 0 ? int64_t(block) : int64_t(block) * g.slots + slot;
 }
 
 // Keys [lo, hi) a query reads, as at most two disjoint runs (sink, window).
@@ -150,7 +157,8 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
                              const paddle::Tensor& cu_seqlens_q,
                              const paddle::Tensor& block_tables,
                              const paddle::Tensor& rotary_cos, const paddle::Tensor& rotary_sin,
-                             const paddle::Tensor& swa_head_mask, int num_heads,
+                             const paddle::Tensor& swa_head_mask,
+                             const paddle::Tensor& kv_head_slots, int num_heads,
                              int kv_num_heads, int head_dim, int sliding_window, int sink_size,
                              bool visit_all_pages) {
   const std::pair<const paddle::Tensor*, const char*> inputs[] = {
@@ -164,7 +172,8 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
       {&block_tables, "block_tables"},
       {&rotary_cos, "rotary_cos"},
       {&rotary_sin, "rotary_sin"},
-      {&swa_head_mask, "swa_head_mask"}};
+      {&swa_head_mask, "swa_head_mask"},
+      {&kv_head_slots, "kv_head_slots"}};
   for (const auto& [t, name] : inputs) {
     PD_CHECK(t->initialized(), rules.op, ": ", name, " is not initialized");
     if (rules.check_place) {
@@ -191,8 +200,8 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
            qs.size() == 2 ? std::to_string(qs[1]) : "");
 
   const auto& cs = key_cache.shape();
-  PD_CHECK(cs.size() == 4 && cs[1] == kv_num_heads && cs[3] == head_dim && cs[2] > 0, rules.op,
-           ": key_cache must be [num_blocks, kv_num_heads=", kv_num_heads,
+  PD_CHECK(cs.size() == 4 && cs[1] >= kv_num_heads && cs[3] == head_dim && cs[2] > 0, rules.op,
+           ": key_cache must be [num_blocks, slots >= kv_num_heads=", kv_num_heads,
            ", block_size, head_dim=", head_dim, "]");
   PD_CHECK(value_cache.shape() == cs && value_cache.dtype() == key_cache.dtype(), rules.op,
            ": value_cache must match key_cache in shape and dtype");
@@ -211,16 +220,17 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
   check_int32_vector(rules, seq_lens_decoder, "seq_lens_decoder", bsz);
   check_int32_vector(rules, cu_seqlens_q, "cu_seqlens_q", bsz + 1);
   check_int32_vector(rules, swa_head_mask, "swa_head_mask", kv_num_heads);
+  check_int32_vector(rules, kv_head_slots, "kv_head_slots", kv_num_heads);
 
   const auto& ts = block_tables.shape();
   PD_CHECK(block_tables.dtype() == paddle::DataType::INT32, rules.op,
            ": block_tables must be int32");
   PD_CHECK((ts.size() == 2 && ts[0] == bsz) ||
-               (ts.size() == 3 && ts[0] == bsz && ts[1] == kv_num_heads),
+               (ts.size() == 3 && ts[0] == bsz && ts[1] == cs[1]),
            rules.op,
-           ": block_tables must be [bsz, max_blocks] (1-D) or [bsz, kv_num_heads, max_blocks] "
+           ": block_tables must be [bsz, max_blocks] (1-D) or [bsz, slots, max_blocks] "
            "(head-wise) with bsz=",
-           bsz, ", kv_num_heads=", kv_num_heads, ", got rank ", ts.size());
+           bsz, ", slots=", cs[1], " (dim 1 of the caches), got rank ", ts.size());
   PD_CHECK(ts.back() > 0 || bsz == 0, rules.op, ": block_tables has no columns");
 
   for (const paddle::Tensor* t : {&rotary_cos, &rotary_sin}) {
@@ -235,11 +245,12 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
   Geometry g;
   g.num_heads = num_heads;
   g.kv_heads = kv_num_heads;
+  g.slots = int(cs[1]);
   g.group = num_heads / kv_num_heads;
   g.head_dim = head_dim;
   g.block_size = int(cs[2]);
   g.num_blocks = cs[0];
-  g.num_pages = cs[0] * kv_num_heads;
+  g.num_pages = cs[0] * cs[1];
   g.head_wise = ts.size() == 3;
   g.max_blocks = int(ts.back());
   g.window = sliding_window;
@@ -261,10 +272,11 @@ struct HostBatch {
 inline HostBatch host_batch(const Geometry& g, const paddle::Tensor& seq_lens_decoder,
                             const paddle::Tensor& seq_lens_this_time,
                             const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& block_tables,
-                            const paddle::Tensor& swa_head_mask) {
+                            const paddle::Tensor& swa_head_mask,
+                            const paddle::Tensor& kv_head_slots) {
   HostBatch h;
-  for (const paddle::Tensor* t :
-       {&seq_lens_decoder, &seq_lens_this_time, &cu_seqlens_q, &block_tables, &swa_head_mask}) {
+  for (const paddle::Tensor* t : {&seq_lens_decoder, &seq_lens_this_time, &cu_seqlens_q,
+                                  &block_tables, &swa_head_mask, &kv_head_slots}) {
     h.keep.push_back(t->is_cpu() ? *t : t->copy_to(paddle::CPUPlace(), true));
   }
   h.batch.bsz = g.bsz;
@@ -273,6 +285,7 @@ inline HostBatch host_batch(const Geometry& g, const paddle::Tensor& seq_lens_de
   h.batch.cu_seqlens_q = h.keep[2].data<int32_t>();
   h.batch.table = h.keep[3].data<int32_t>();
   h.batch.swa = h.keep[4].data<int32_t>();
+  h.batch.head_slot = h.keep[5].data<int32_t>();
   return h;
 }
 
@@ -309,7 +322,7 @@ inline void check_pages(const DeviceRules& rules, const Geometry& g, const Batch
           PD_CHECK(page < g.num_pages, rules.op, ": page id ", page, " at ", where(r, h, i),
                    " is out of range (the cache has ", g.num_pages,
                    g.head_wise ? " pages)" : " pages; 1-D block ",
-                   g.head_wise ? "" : std::to_string(page / g.kv_heads),
+                   g.head_wise ? "" : std::to_string(page / g.slots),
                    g.head_wise ? "" : " >= num_blocks)");
         }
       }
@@ -324,6 +337,13 @@ inline void check_batch(const DeviceRules& rules, const Geometry& g, const Batch
   for (int h = 0; h < g.kv_heads; ++h) {
     PD_CHECK(b.swa[h] == 0 || b.swa[h] == 1, rules.op, ": swa_head_mask[", h,
              "] must be 0 or 1, got ", b.swa[h]);
+    PD_CHECK(b.head_slot[h] >= 0 && b.head_slot[h] < g.slots, rules.op, ": kv_head_slots[", h,
+             "] = ", b.head_slot[h], " is not a slot of the cache (0..", g.slots - 1, ")");
+    for (int other = 0; other < h; ++other) {
+      PD_CHECK(b.head_slot[other] != b.head_slot[h], rules.op, ": kv_head_slots maps KV heads ",
+               other, " and ", h, " to the same slot ", b.head_slot[h],
+               " (they would overwrite each other's cache)");
+    }
   }
   for (int r = 0; r < b.bsz; ++r) {
     const int64_t c = b.seq_lens_this_time[r];

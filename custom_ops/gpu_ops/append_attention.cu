@@ -28,18 +28,20 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
     const paddle::Tensor& seq_lens_encoder, const paddle::Tensor& seq_lens_decoder,
     const paddle::Tensor& seq_lens_this_time, const paddle::Tensor& cu_seqlens_q,
     const paddle::Tensor& block_tables, const paddle::Tensor& rotary_cos,
-    const paddle::Tensor& rotary_sin, const paddle::Tensor& swa_head_mask, paddle::Tensor& error_info,
+    const paddle::Tensor& rotary_sin, const paddle::Tensor& swa_head_mask,
+    const paddle::Tensor& kv_head_slots, paddle::Tensor& error_info,
     int num_heads, int kv_num_heads, int head_dim, int sliding_window, int sink_size,
     bool visit_all_pages, bool dual_pass) {
   // The CPU op's metadata checks (one header); the value checks run on the device (error_info).
   fd_attn::check_inputs(fd_attn::gpu_rules(), qkv, key_cache, value_cache, seq_lens_encoder,
                         seq_lens_decoder, seq_lens_this_time, cu_seqlens_q, block_tables, rotary_cos,
-                        rotary_sin, swa_head_mask, num_heads, kv_num_heads, head_dim, sliding_window,
+                        rotary_sin, swa_head_mask, kv_head_slots, num_heads, kv_num_heads, head_dim,
+                        sliding_window,
                         sink_size, visit_all_pages);
   PD_CHECK(error_info.is_gpu() && error_info.dtype() == paddle::DataType::INT32 &&
                error_info.numel() == 4,
            "append_attention_gpu: error_info must be 4 int32 on the GPU");
-  const auto& cache_shape = key_cache.shape();  // [num_blocks, kv_heads, block_size, head_dim]
+  const auto& cache_shape = key_cache.shape();  // [num_blocks, kv_slots, block_size, head_dim]
   const auto& table_shape = block_tables.shape();
 
   AppendAttnParams p;
@@ -48,6 +50,7 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
   p.bsz = static_cast<int>(seq_lens_this_time.shape()[0]);
   p.num_heads = num_heads;
   p.kv_num_heads = kv_num_heads;
+  p.kv_slots = static_cast<int>(cache_shape[1]);
   p.head_dim = head_dim;
   p.block_size = static_cast<int>(cache_shape[2]);
   p.num_blocks = static_cast<int>(cache_shape[0]);
@@ -72,6 +75,7 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
   b.rotary_cos = rotary_cos.data<float>();
   b.rotary_sin = rotary_sin.data<float>();
   b.swa_head_mask = swa_head_mask.data<int>();
+  b.kv_head_slots = kv_head_slots.data<int>();
   b.out = out.data();
 
   const size_t ws_bytes = append_attention_workspace_bytes(&p);
@@ -89,8 +93,8 @@ std::vector<std::vector<int64_t>> AppendAttentionGpuInferShape(
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, int num_heads, int kv_num_heads, int head_dim, int, int, bool,
-    bool) {
+    const std::vector<int64_t>&, const std::vector<int64_t>&, int num_heads, int kv_num_heads,
+    int head_dim, int, int, bool, bool) {
   return {{qkv_shape[0], static_cast<int64_t>(num_heads) * head_dim}};
 }
 
@@ -98,14 +102,15 @@ std::vector<paddle::DataType> AppendAttentionGpuInferDtype(
     const paddle::DataType& qkv_dtype, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
-    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
+    const paddle::DataType&) {
   return {qkv_dtype};
 }
 
 PD_BUILD_OP(append_attention_gpu)
     .Inputs({"qkv", "key_cache", "value_cache", "seq_lens_encoder", "seq_lens_decoder",
              "seq_lens_this_time", "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin",
-             "swa_head_mask", "error_info"})
+             "swa_head_mask", "kv_head_slots", "error_info"})
     .Outputs({"out", "key_cache_out", "value_cache_out", "error_info_out"})
     .SetInplaceMap({{"key_cache", "key_cache_out"},
                     {"value_cache", "value_cache_out"},

@@ -1,8 +1,11 @@
 """The head-wise page model: page ids, the SWA retention rule and the page-need arithmetic.
 
-A page is one KV head's `block_size` tokens. Block `b` of the cache tensor
-`[num_blocks, H, block_size, head_dim]` holds pages `b*H .. b*H + H-1`; page `p` lives at
-`cache[p // H, p % H]` and its *home* head is `p % H` (H = KV heads on the rank).
+A page is one slot's `block_size` tokens (cache_manager/slots.py: a slot is k (layer, KV head)
+pairs of one attention type; for a model whose layers all look alike, slot h = KV head h in every
+layer). Block `b` of a lane tensor `[num_blocks, G, block_size, head_dim]` holds pages
+`b*G .. b*G + G-1`; page `p` lives at `lane[p // G, p % G]` and its *home* slot is `p % G`
+(G = slots per block on the rank; H, the KV heads, for the per-head layout). Below, "head" in
+`PageLayout` means slot: the free lists, tables and page counts are per slot.
 
 Retention (docs/retention_rule.md): with `n` tokens processed, block `i` of a SWA head (window W, sink S) is dead
 iff `i >= ceil(S / bs)` and `(i + 1) * bs <= n - W + 1`. Dead blocks therefore form one contiguous
@@ -65,6 +68,8 @@ class PageLayout:
 
     `recycle` is False for 1-D mode and for head-wise mode with FD_HEAD_WISE_SWA_RECYCLE=0:
     then SWA heads keep every page like full heads (the attention semantics do not change).
+    `num_kv_heads` counts slots (all ranks) and `swa_kv_heads` the sliding slots (from_config reads
+    the slot layout); with one lane per layer these are the KV heads and the SWA heads.
     """
 
     block_size: int
@@ -77,15 +82,15 @@ class PageLayout:
 
     @classmethod
     def from_config(cls, fd_config) -> "PageLayout":
-        model = fd_config.model_config
-        swa = model.head_wise_swa
+        slots = fd_config.slot_layout
+        kind = slots.recycled_type
         return cls(
             block_size=fd_config.cache_config.block_size,
-            num_kv_heads=model.num_key_value_heads,
+            num_kv_heads=slots.num_slots,
             tensor_parallel_size=fd_config.parallel_config.tensor_parallel_size,
-            swa_kv_heads=swa.swa_kv_heads if swa else (),
-            window=swa.sliding_window if swa else 0,
-            sink=swa.sink_size if swa else 0,
+            swa_kv_heads=slots.slots_of(kind) if kind else (),
+            window=kind.window if kind else 0,
+            sink=kind.sink if kind else 0,
             recycle=fd_config.swa_recycle_active,
         )
 

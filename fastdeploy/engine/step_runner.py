@@ -19,7 +19,7 @@ class StepRunner:
     def __init__(self, fd_config):
         self.fd_config = fd_config
         self.head_wise = fd_config.head_wise_kv_cache
-        self.num_kv_heads = fd_config.model_config.num_key_value_heads
+        self.num_slots = fd_config.slot_layout.num_slots  # head-wise table rows, all ranks
         self.eos_token_id = fd_config.model_config.eos_token_ids  # one id or several
         if fd_config.parallel_config.tensor_parallel_size == 1:
             from fastdeploy.worker.model_runner import ModelRunner  # imports Paddle
@@ -82,7 +82,7 @@ class StepRunner:
         tables_1d = tables_hw = None
         if self.head_wise:
             width = max(len(s.request.block_tables_head_wise[0]) for s in scheduled)
-            tables_hw = np.full((bsz, self.num_kv_heads, width), -1, np.int32)
+            tables_hw = np.full((bsz, self.num_slots, width), -1, np.int32)
             for i, s in enumerate(scheduled):
                 for h, row in enumerate(s.request.block_tables_head_wise):
                     tables_hw[i, h, :len(row)] = row

@@ -11,6 +11,10 @@ ranks share the SWA heads. Both steps compose into one order per layer (ModelCon
 NATIVE_ATTN, the dense oracle, masks per (layer, head) and needs no shared slots: there the
 per-layer heads stay where the checkpoint has them, any pattern (uneven counts too) is evaluable,
 and only balancing permutes.
+
+Uneven counts (layers sliding different numbers of heads) cannot share slots by permutation; they
+stay where the checkpoint has them and the slot layout serves them (cache_manager/slots.py: fewer
+lanes, several layers per lane, each head in a slot of its own type).
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ def place_swa_heads(model, attention_backend: str, tp: int, balance: bool):
     """The model config with the load-time KV-head orders this backend serves (the same object when
     nothing moves). Idempotent: a placed config places to itself."""
     spec = model.head_wise_swa
-    if spec is not None and attention_backend != DENSE_BACKEND and not spec.same_in_every_layer:
-        _check_equal_counts(spec.layer_kv_heads, attention_backend)
+    if (spec is not None and attention_backend != DENSE_BACKEND and not spec.same_in_every_layer
+            and len({len(heads) for heads in spec.layer_kv_heads}) == 1):
         model = reorder_kv_heads(model, aligning_orders(spec.layer_kv_heads, model.num_key_value_heads))
     if balance:
         if spec is None:
@@ -38,15 +42,6 @@ def place_swa_heads(model, attention_backend: str, tp: int, balance: bool):
         order = balanced_kv_head_order(model.num_key_value_heads, model.swa_kv_heads, tp)
         model = reorder_kv_heads(model, [order] * model.num_hidden_layers)
     return model
-
-
-def _check_equal_counts(layers: tuple, attention_backend: str) -> None:
-    for i, heads in enumerate(layers):
-        if len(heads) != len(layers[0]):
-            raise ValueError(
-                f"head_wise_swa.swa_kv_heads[layer {i}] lists {len(heads)} SWA KV heads but layer 0 lists "
-                f"{len(layers[0])}: FD_ATTENTION_BACKEND={attention_backend} serves the same number of SWA heads in "
-                f"every layer; evaluate an uneven pattern with FD_ATTENTION_BACKEND=NATIVE_ATTN")
 
 
 def aligning_orders(layers: tuple, num_kv_heads: int) -> list:

@@ -31,14 +31,15 @@ class ModelRunner:
         self.kv_heads = local_kv_heads(model.num_key_value_heads, tp_rank, self.tp_size)
         self.model = CausalLM.load(model, tp_rank, self.tp_size)
         self.attn_backend = get_attention_backend(fd_config, layer_rope_tables(model), tp_rank)
-        self.buffers = StepBuffers(StepBufferLayout.from_config(fd_config, len(self.kv_heads)))
+        self.num_slots = fd_config.slot_layout.slots_per_rank  # table rows of this rank (slots.py)
+        self.buffers = StepBuffers(StepBufferLayout.from_config(fd_config, self.num_slots))
 
     def build_forward_meta(self, step: StepInput) -> ForwardMeta:
-        """One host-to-device copy into the fixed buffers. A head-wise table holds this rank's heads
+        """One host-to-device copy into the fixed buffers. A head-wise table holds this rank's slots
         only (StepInput.for_rank), with rank-local page ids."""
-        if step.block_tables_head_wise is not None and step.block_tables_head_wise.shape[1] != len(self.kv_heads):
-            raise ValueError(f"rank {self.tp_rank}: step table has {step.block_tables_head_wise.shape[1]} KV "
-                             f"heads, this rank holds {len(self.kv_heads)}")
+        if step.block_tables_head_wise is not None and step.block_tables_head_wise.shape[1] != self.num_slots:
+            raise ValueError(f"rank {self.tp_rank}: step table has {step.block_tables_head_wise.shape[1]} "
+                             f"rows, this rank holds {self.num_slots} KV slots")
         t = self.buffers.fill(step)
         head_wise = self.buffers.host.layout.head_wise
         return ForwardMeta(

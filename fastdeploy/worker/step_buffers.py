@@ -30,7 +30,7 @@ class StepBufferLayout:
     max_num_seqs: int
     max_num_tokens: int        # max_num_batched_tokens: rows of the biggest step
     max_blocks_per_seq: int    # ceil(max_model_len / block_size)
-    num_kv_heads: int          # this rank's KV heads (head-wise rows)
+    num_kv_heads: int          # this rank's head-wise table rows: its KV slots (cache_manager/slots.py)
     head_wise: bool
 
     @classmethod

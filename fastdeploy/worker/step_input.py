@@ -3,8 +3,8 @@
 Plain numpy arrays and ints, so it pickles small and both sides import it without importing each
 other: the engine builds it from a scheduled batch, a worker (in-process for TP=1, one process per
 rank otherwise) turns it into a ForwardMeta. Page ids in the head-wise table are rank-local and
-rows are indexed by KV head: the engine builds the table for every head, and `for_rank` gives
-each rank the rows of its own heads (docs/memory_model.md).
+rows are indexed by slot (KV head h for the per-head layout): the engine builds the table for every
+slot, and `for_rank` gives each rank the rows of its own slots (docs/memory_model.md).
 """
 
 from __future__ import annotations

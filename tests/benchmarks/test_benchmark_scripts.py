@@ -41,6 +41,28 @@ def test_bench_offline_runs_the_moe_miniature(tmp_path):
     assert result["args"]["model"] == "tiny-moe" and result["identical_tokens"] is True
 
 
+def test_bench_offline_swa_config_json_replaces_the_window_flags(tmp_path):
+    out = tmp_path / "json_cfg.json"
+    # --window 4096 alone would make the ceiling 1 (nothing leaves the window); the JSON spec wins.
+    run("bench_offline.py", "--num-prompts", "6", "--input-len", "48", "--output-len", "24", "--window", "4096",
+        "--head-wise-swa-config", '{"sliding_window": 16, "sink_size": 0, "swa_kv_heads": [0, 1]}',
+        "--concurrency-off", "4", "--json", str(out))
+    result = json.loads(out.read_text())
+    # By hand: 71 cached tokens are 5 blocks per head; 4 x 4 x 5 = 80 pages. OFF: 20 pages -> 4 running;
+    # ON: the two SWA heads (W 16) hold 2 blocks each, 2 x 5 + 2 x 2 = 14 pages -> 5 running.
+    assert result["ceiling"] == pytest.approx(5 / 4) and result["identical_tokens"] is True
+    assert result["peak_running_on"] / result["peak_running_off"] == pytest.approx(result["ceiling"])
+    assert "gain_share_of_steps_gain" in result
+
+
+def test_bench_offline_rejects_a_bad_swa_config_without_a_traceback():
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_offline.py"),
+                           "--head-wise-swa-config", "{sliding_window: 16"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--head-wise-swa-config is not valid JSON" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_bench_weight_rss_holds_each_weight_once(tmp_path):
     out = tmp_path / "rss.json"
     run("bench_weight_rss.py", "--json", str(out))
@@ -52,9 +74,10 @@ def test_bench_weight_rss_holds_each_weight_once(tmp_path):
 def test_bench_scheduler_prints_both_arms(tmp_path):
     out = tmp_path / "sched.json"
     run("bench_scheduler.py", "--running", "8", "--context", "512", "--decode-steps", "5", "--kv-heads", "4",
-        "--max-num-batched-tokens", "512", "--json", str(out))
-    (row,) = json.loads(out.read_text())
-    assert row["one_d_ms"] > 0 and row["head_wise_ms"] > 0
+        "--max-num-batched-tokens", "512", "--window", "128", "--gemma3", "--json", str(out))
+    row, gemma3 = json.loads(out.read_text())
+    assert row["one_d_ms"] > 0 and row["head_wise_ms"] > 0 and row["slots"] == 4
+    assert (gemma3["lanes"], gemma3["slots"]) == (3, 6) and gemma3["pages_recycled"] > 0
 
 
 def test_bench_prefix_caching_hits_and_keeps_tokens(tmp_path):
@@ -91,3 +114,22 @@ def test_bench_head_wise_swa_runs_both_servers_and_splits_the_gain(tmp_path):
     # on a loaded machine, so the exact step counters carry this assertion).
     assert result["engine_steps_off"] >= 144 and 96 <= result["engine_steps_on"] < 144
     assert "Engine steps" in stdout and plot.stat().st_size > 0
+
+
+def test_bench_linear_cpu_prints_every_gemm_next_to_the_peak(tmp_path):
+    out = tmp_path / "gemm.json"
+    text = run("bench_linear_cpu.py", "--rows", "1", "3", "--shapes", "qkv fused", "--seconds", "0.01",
+               "--json", str(out))
+    result = json.loads(out.read_text())
+    assert result["peak_gflops"] > 0 and "GEMM peak" in text
+    assert [c["m"] for c in result["cells"]] == [1, 3]
+    assert all(c[k] > 0 for c in result["cells"] for k in ("paddle", "packed", "sgemm", "numpy"))
+
+
+def test_bench_decode_cpu_reports_tokens_per_second(tmp_path):
+    out = tmp_path / "decode.json"
+    run("bench_decode_cpu.py", "--model", "tiny-moe", "--concurrency", "1", "2", "--input-len", "8",
+        "--output-len", "4", "--json", str(out))
+    result = json.loads(out.read_text())
+    assert [r["concurrency"] for r in result] == [1, 2]
+    assert [r["output_tokens"] for r in result] == [4, 8] and all(r["tok_per_s"] > 0 for r in result)

@@ -50,6 +50,7 @@ PARAM_FIELDS = (
     "sink_size",
     "visit_all_pages",
     "dual_pass",
+    "kv_slots",
 )
 BUFFER_FIELDS = (
     "qkv",
@@ -64,6 +65,7 @@ BUFFER_FIELDS = (
     "rotary_sin",
     "swa_head_mask",
     "out",
+    "kv_head_slots",
 )
 
 # Device-side error codes (AppendAttnDeviceError).
@@ -238,6 +240,7 @@ class Case:
     rotary_sin: np.ndarray
     swa_head_mask: np.ndarray
     out: np.ndarray
+    kv_head_slots: np.ndarray | None = None  # None: KV head h in slot h (params kv_slots 0)
 
     def with_params(self, **changes) -> "Case":
         return dataclasses.replace(self, params={**self.params, **changes})
@@ -304,6 +307,7 @@ class Harness:
             rotary_sin=ptr(case.rotary_sin, np.float32),
             swa_head_mask=ptr(case.swa_head_mask, np.int32),
             out=ptr(out, np.uint16),
+            kv_head_slots=ptr(case.kv_head_slots, np.int32),
         )
         avg_ms = ctypes.c_float(0.0)
         info = (ctypes.c_int * 4)()

@@ -348,3 +348,52 @@ def test_build_cache_key_follows_sources_and_flags(tmp_path):
     assert key != cpu_op_loader._build_key([src], ["-O3", "-mavx2"])
     src.write_text("int y;")
     assert key != cpu_op_loader._build_key([src], ["-O3"])
+
+
+# -- lanes of the slot layout: a layer's heads in some of a wider cache's slots ---------------------
+def _into_lane(case: Case, arrays, head_slots, lane_slots):
+    """The same step on a lane [num_blocks, G, bs, D] where KV head slot j of `arrays` sits in lane slot
+    head_slots[j]; the other slots are NaN (belonging to other layers: never read or written)."""
+    H = case.kv_heads
+    kc, vc = arrays["key_cache"], arrays["value_cache"]
+    shape = (kc.shape[0], lane_slots) + kc.shape[2:]
+    lk, lv = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
+    lk[:, list(head_slots)], lv[:, list(head_slots)] = kc, vc
+    lane = dict(arrays, key_cache=lk, value_cache=lv, kv_head_slots=np.array(head_slots, np.int32))
+    table = arrays["block_tables"]
+    if table.ndim == 3:  # page p = cache[p // H, p % H] -> lane page (p // H) * G + head_slots[p % H]
+        mapped = np.where(table < 0, -1, (table // H) * lane_slots + np.array(head_slots)[table % H])
+        rows = np.full((table.shape[0], lane_slots, table.shape[2]), -1, np.int32)
+        rows[:, list(head_slots)] = mapped
+        lane["block_tables"] = rows.astype(np.int32)
+    return lane
+
+
+@pytest.mark.parametrize("table", ["headwise", "1d"])
+def test_kv_head_slots_address_a_lane_exactly_like_the_per_head_cache(table):
+    case = Case(seed=71, requests=[(40, 1), (0, 23), (19, 6)], kv_heads=2, group=2, table=table,
+                poison_invisible_rows=False)
+    arrays = build_inputs(case)
+    out, kc, vc = run_op(case, arrays)
+    head_slots, lane_slots = (3, 1), 5
+    lane_out, lk, lv = run_op(case, _into_lane(case, arrays, head_slots, lane_slots))
+    np.testing.assert_array_equal(lane_out, out)
+    np.testing.assert_array_equal(lk[:, list(head_slots)], kc)
+    np.testing.assert_array_equal(lv[:, list(head_slots)], vc)
+    other = [s for s in range(lane_slots) if s not in head_slots]
+    assert np.isnan(lk[:, other]).all() and np.isnan(lv[:, other]).all()  # other layers' slots untouched
+
+
+@pytest.mark.parametrize("head_slots, message", [((1, 1), "same slot 1"), ((0, 3), r"kv_head_slots\[1\] = 3 is not a slot"),
+                                                 ((0, -1), r"kv_head_slots\[1\] = -1 is not a slot")])
+def test_bad_kv_head_slots_are_refused_before_anything_is_written(head_slots, message):
+    case = Case(seed=72, requests=[(0, 5)], kv_heads=2)
+    arrays = build_inputs(case)
+    lane = _into_lane(case, arrays, (0, 1), 3)
+    lane["kv_head_slots"] = np.array(head_slots, np.int32)
+    before = lane["key_cache"].copy()
+    t = to_paddle(lane, case)
+    with pytest.raises(ValueError, match=message):
+        append_attention(**t, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
+                         sliding_window=case.window, sink_size=case.sink)
+    np.testing.assert_array_equal(t["key_cache"].numpy(), before)

@@ -7,6 +7,7 @@ so a kernel that reads what it must not, or leaves an output element unwritten, 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -241,3 +242,42 @@ def test_an_entry_beyond_the_cache_is_reported(harness, rng):
     result = harness.run(case)
     assert result.status == 2
     assert result.error_info == (gpu_harness.ERR_OUT_OF_RANGE, 1, 1, 2)
+
+
+@pytest.mark.parametrize("head_wise", [True, False])
+def test_a_lane_with_a_head_slot_map_is_bit_identical_to_the_per_head_cache(harness, rng, head_wise):
+    """The slot layout's lane [num_blocks, G, bs, d] with KV head h in slot kv_head_slots[h]: the same
+    output bits as the per-head cache, the heads' rows written in their slots, the other slots (other
+    layers') untouched."""
+    case = build_case(rng, [(0, 37), (300, 1), (90, 5)], num_heads=8, kv_num_heads=2, head_dim=64,
+                      block_size=16, sliding_window=32, sink_size=4, head_wise=head_wise)
+    kvh, lane_slots, head_slots = 2, 5, np.array([3, 1], np.int32)
+    kc, vc = case.key_cache, case.value_cache
+    shape = (kc.shape[0], lane_slots) + kc.shape[2:]
+    poison = np.uint16(0x7FC1)
+    lk, lv = np.full(shape, poison, np.uint16), np.full(shape, poison, np.uint16)
+    lk[:, head_slots], lv[:, head_slots] = kc, vc
+    table = case.block_tables
+    if head_wise:  # page p = cache[p // H, p % H] -> lane page (p // H) * G + head_slots[p % H]
+        mapped = np.where(table < 0, -1, (table // kvh) * lane_slots + head_slots[table % kvh])
+        rows = np.full((table.shape[0], lane_slots, table.shape[2]), -1, np.int32)
+        rows[:, head_slots] = mapped
+        table = rows
+    lane = gpu_harness.Case(**{**case.__dict__, "key_cache": lk, "value_cache": lv,
+                               "block_tables": table.astype(np.int32), "kv_head_slots": head_slots}
+                            ).with_params(kv_slots=lane_slots)
+    a = check(harness, case, rng)
+    b = harness.run(lane)
+    assert b.status == 0, b.message
+    np.testing.assert_array_equal(b.out, a.out, err_msg=f"seed {rng.seed_value}")
+    np.testing.assert_array_equal(b.key_cache.reshape(shape)[:, head_slots], a.key_cache.reshape(kc.shape))
+    others = [s for s in range(lane_slots) if s not in head_slots]
+    assert (b.key_cache.reshape(shape)[:, others] == poison).all() and \
+        (b.value_cache.reshape(shape)[:, others] == poison).all()
+
+
+def test_a_head_slot_outside_the_lane_is_reported(harness, rng):
+    case = build_case(rng, [(0, 9)], num_heads=8, kv_num_heads=2, head_dim=64, block_size=16)
+    bad = dataclasses.replace(case, kv_head_slots=np.array([0, 2], np.int32))  # the cache has 2 slots
+    result = harness.run(bad)
+    assert result.status == 2 and result.error_info[0] == gpu_harness.ERR_OUT_OF_RANGE, result

@@ -208,7 +208,7 @@ def test_per_layer_swa_heads_on_three_ranks_of_a_three_kv_head_model_match_the_u
     from safetensors.numpy import save_file
 
     from fastdeploy.config import ModelConfig
-    from fastdeploy.model_executor.models.ernie4_5 import random_checkpoint
+    from fastdeploy.model_executor.models.decoder import random_checkpoint
     from fastdeploy.model_executor.models.tiny_preset import TINY_PRESET_CONFIG
 
     raw = dict(TINY_PRESET_CONFIG, num_attention_heads=6, num_key_value_heads=3, intermediate_size=384, seed=11,

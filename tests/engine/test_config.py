@@ -138,11 +138,12 @@ def test_invalid_per_layer_swa_heads_name_the_layer_and_field(monkeypatch, heads
         build(monkeypatch, head_wise_swa_config=dict(PER_LAYER, swa_kv_heads=heads))
 
 
-def test_uneven_per_layer_counts_need_the_dense_backend(monkeypatch):
+def test_uneven_per_layer_counts_stay_in_place_and_the_slot_layout_serves_them(monkeypatch):
     spec = dict(PER_LAYER, swa_kv_heads=[[0], [1, 2]])
-    with pytest.raises(ValueError, match=r"swa_kv_heads\[layer 1\] lists 2 SWA KV heads but layer 0 lists 1: "
-                                         r"FD_ATTENTION_BACKEND=APPEND_ATTN .*FD_ATTENTION_BACKEND=NATIVE_ATTN"):
-        build(monkeypatch, head_wise="0", head_wise_swa_config=spec)
+    paged = build(monkeypatch, head_wise="1", head_wise_swa_config=spec)
+    assert paged.model_config.kv_head_orders is None  # no permutation can line uneven sets up
+    slots = paged.slot_layout  # 3 SWA pairs of 8: one lane of both layers, 3 sliding slots of 8
+    assert (slots.num_lanes, slots.slots_per_rank, len(slots.sliding_slots)) == (1, 8, 3)
     monkeypatch.setenv("FD_ATTENTION_BACKEND", "NATIVE_ATTN")
     model = build(monkeypatch, head_wise="0", head_wise_swa_config=spec).model_config
     assert [model.layer_swa_kv_heads(l) for l in range(2)] == [(0,), (1, 2)]
@@ -181,3 +182,27 @@ def test_per_layer_spec_round_trips_through_to_dict(heads):
     assert HeadWiseSWAConfig.from_dict(spec.to_dict(), 4, 2) == spec
     assert spec.to_dict()["swa_kv_heads"] == ([sorted(h) for h in heads] if isinstance(heads[0], list)
                                               else sorted(heads))
+
+
+@pytest.mark.parametrize("windows, message", [
+    ([48, 48], r"layer_sliding_window must list a window \(or null\) for each of 6 layers"),
+    ([48, 0, None, None, None, None], r"layer_sliding_window\[1\] must be an integer >= 1 or null, got 0"),
+    ([48, "wide", None, None, None, None], r"layer_sliding_window\[1\] must be an integer >= 1"),
+])
+def test_bad_sliding_layers_are_start_up_errors_naming_the_field(monkeypatch, windows, message):
+    from fastdeploy.model_executor.models import tiny_preset
+
+    preset = tiny_preset.PRESETS["tiny-sliding-layers"]
+    monkeypatch.setitem(tiny_preset.PRESETS, "tiny-sliding-layers", {**preset, "layer_sliding_window": windows})
+    with pytest.raises(ValueError, match=message):
+        build(monkeypatch, model="tiny-sliding-layers")
+
+
+def test_sliding_layers_turn_head_wise_mode_on_without_head_wise_swa_and_are_logged(monkeypatch, caplog):
+    """A model trained with sliding layers has something to recycle: FD_HEAD_WISE_KV_CACHE=1 needs no
+    head_wise_swa section, and start-up logs the lanes it chose."""
+    with caplog.at_level("INFO", logger="fastdeploy.config"):
+        cfg = build(monkeypatch, model="tiny-sliding-layers")
+    assert cfg.swa_recycle_active and cfg.model_config.head_wise_swa is None
+    assert "KV slots: 1 lane(s) of 6 layer(s), 12 slot(s) per block per rank (2 full, 10 window 48 + sink 0)" \
+        in caplog.text

@@ -70,6 +70,7 @@ class ShadowMemory:
         self.swa = set(swa_heads)
         self.head_wise = head_wise
         self.heads_per_rank = rm.layout.heads_per_rank
+        self.rows = rm.layout.num_kv_heads  # table rows: KV heads, or the slots of a slot layout
         self.cells: dict = {}
 
     def page(self, request, head, block):
@@ -86,7 +87,7 @@ class ShadowMemory:
         for s in scheduled:
             r = s.request
             tokens = tokens_of[r.request_id] = r.token_ids(0, s.start + s.num_tokens)
-            for h in range(HEADS):
+            for h in range(self.rows):
                 for pos in range(s.start, s.start + s.num_tokens):
                     addr = self.page(r, h, pos // self.bs)
                     assert addr is not None, f"{r.request_id} head {h}: no page for position {pos}"
@@ -94,7 +95,7 @@ class ShadowMemory:
         for s in scheduled:  # reads after every write of the step, as attention runs after append
             r, end = s.request, s.start + s.num_tokens
             tokens = tokens_of[r.request_id]
-            for h in range(HEADS):
+            for h in range(self.rows):
                 for j in visible_keys(s.start, end, self.window, self.sink, h in self.swa):
                     addr = self.page(r, h, j // self.bs)
                     assert addr is not None, f"{r.request_id} head {h}: key {j} is visible but its entry is -1"
@@ -103,16 +104,16 @@ class ShadowMemory:
                         f"{r.request_id} head {h}: key {j} at {addr} holds another request's KV"
 
 
-def run_workload(make_config, mode, reserve, geometry, jobs, blocks, seen):
+def run_workload(make_config, mode, reserve, geometry, jobs, blocks, seen, **model_args):
     bs, window, sink, swa, tp = geometry
     if mode == "1d":
         tp = 1
+    swa_config = {"sliding_window": window, "sink_size": sink, "swa_kv_heads": swa} if swa else None
     cfg = make_config(mode, reserve=reserve, block_size=bs, num_gpu_blocks_override=blocks, tensor_parallel_size=tp,
                       max_num_batched_tokens=max(8, 2 * bs), max_num_seqs=4, max_model_len=64,
-                      enable_prefix_caching=True,
-                      head_wise_swa_config={"sliding_window": window, "sink_size": sink, "swa_kv_heads": swa})
+                      enable_prefix_caching=True, head_wise_swa_config=swa_config, **model_args)
     rm = ResourceManagerV1(cfg)
-    shadow = ShadowMemory(rm, bs, window, sink, swa if rm.layout.recycling_heads else (), rm.head_wise)
+    shadow = ShadowMemory(rm, bs, window, sink, rm.layout.recycling_heads, rm.head_wise)
     pending = list(enumerate(jobs))
     eos_at = {}
     for t in itertools.count():
@@ -150,6 +151,7 @@ def run_workload(make_config, mode, reserve, geometry, jobs, blocks, seen):
     seen["prefix_hit_tokens"] += rm.prefix_cache_hit_tokens_total
     seen["evictions"] += cm.prefix_cache_stats()["prefix_cache_evictions_total"]
     seen["swa_recycled"] += rm.swa_pages_recycled_total
+    return rm
 
 
 # Every geometry edge at least once, whatever the draws: bs 1, W = 1 mod bs, W = 1, S > bs.
@@ -183,5 +185,63 @@ def test_random_workloads_read_back_exactly_what_they_wrote(make_config, mode, r
 
     run()
     print(f"\n{mode} reserve={reserve}: {dict(seen)}")
+    missing = {k for k in expected if seen[k] == 0}
+    assert not missing, f"never exercised: {missing} ({dict(seen)})"
+
+
+# -- slot layouts: sliding layers, head-wise SWA heads, or both ---------------------------------------
+SLOT_PRESET = "tiny-sliding-layers"
+
+
+@st.composite
+def slot_geometries(draw):
+    """A model of 2..6 layers and 2 KV heads: some layers slide (window W, sink 0), and head-wise SWA
+    of the same type may slide some heads of the other layers; at least one pair slides."""
+    bs = draw(st.sampled_from([1, 2, 4, 16]))
+    window = draw(st.one_of(st.just(1), st.just(bs + 1), st.integers(1, 3 * bs + 2)))
+    layers = draw(st.integers(2, 6))
+    sliding = draw(st.lists(st.booleans(), min_size=layers, max_size=layers))
+    swa = draw(st.lists(st.integers(0, 1), max_size=2, unique=True))
+    if not any(sliding) and not swa:
+        sliding[0] = True
+    if all(sliding):
+        swa = []  # head-wise SWA applies to global layers only: there are none
+    tp = draw(st.sampled_from([1, 2]))
+    return (bs, window, 0, sorted(swa), tp), [window if s else None for s in sliding]
+
+
+@pytest.mark.parametrize("mode,reserve,expected", [
+    ("1d", False, {"preemptions", "prefix_hit_tokens", "evictions", "layers_sharing_a_lane"}),
+    ("head_wise_recycle_off", False, {"preemptions", "prefix_hit_tokens", "evictions", "layers_sharing_a_lane"}),
+    ("head_wise_recycle_on", False, {"preemptions", "prefix_hit_tokens", "evictions", "swa_recycled",
+                                     "layers_sharing_a_lane", "lane_per_layer"}),
+    ("head_wise_recycle_on", True, {"prefix_hit_tokens", "evictions", "swa_recycled", "layers_sharing_a_lane"}),
+])
+def test_random_workloads_on_slot_layouts_read_back_exactly_what_they_wrote(make_config, monkeypatch, mode,
+                                                                            reserve, expected):
+    """The same shadow-memory check, one table row per slot: a slot's pages serve every (layer, KV
+    head) pair of the slot, so reading each slot with its own type covers every pair."""
+    from fastdeploy.model_executor.models import tiny_preset
+
+    seen = collections.Counter()
+    base = tiny_preset.PRESETS[SLOT_PRESET]
+
+    @settings(max_examples=25, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(drawn=slot_geometries(), jobs=workloads(), capacity=st.integers(32, 96))
+    @example(drawn=((4, 6, 0, [], 1), [6, 6, None]), jobs=EDGE_JOBS, capacity=40)
+    @example(drawn=((2, 3, 0, [1], 2), [3, None, 3, None]), jobs=EDGE_JOBS, capacity=48)
+    def run(drawn, jobs, capacity):
+        geometry, windows = drawn
+        monkeypatch.setitem(tiny_preset.PRESETS, SLOT_PRESET,
+                            {**base, "num_hidden_layers": len(windows), "layer_sliding_window": windows})
+        rm = run_workload(make_config, mode, reserve, geometry, jobs, -(-capacity // geometry[0]), seen,
+                          model=SLOT_PRESET)
+        lanes = rm.fd_config.slot_layout
+        seen["layers_sharing_a_lane"] += lanes.num_lanes < lanes.num_layers
+        seen["lane_per_layer"] += lanes.num_lanes == lanes.num_layers
+
+    run()
+    print(f"\nslots {mode} reserve={reserve}: {dict(seen)}")
     missing = {k for k in expected if seen[k] == 0}
     assert not missing, f"never exercised: {missing} ({dict(seen)})"

@@ -28,10 +28,19 @@ def reference_tokens(gemma3_reference, prompts):
     return [reference_greedy(model, ids, MAX_TOKENS, [-1]) for ids in prompts]
 
 
-def test_gemma3_gguf_greedy_tokens_equal_transformers(gemma3_path, prompts, reference_tokens):
+@pytest.mark.parametrize("head_wise", ["0", "1"], ids=["1d", "slots_recycle_on"])
+def test_gemma3_gguf_greedy_tokens_equal_transformers(monkeypatch, gemma3_path, prompts, reference_tokens, head_wise):
+    """1-D tables (sliding layers masked) and slots + recycling (3 lanes of 6 layers, 5 sliding slots
+    and 1 full per block: the sliding layers' out-of-window pages are recycled) give the same tokens."""
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", head_wise)
+    monkeypatch.setenv("FD_HEAD_WISE_SWA_RECYCLE", "1")
     llm = LLM(model=gemma3_path, max_model_len=2048, block_size=16)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                         use_tqdm=False)
     got = [list(o.outputs.token_ids) for o in outs]
+    slots = llm.engine.fd_config.slot_layout
+    assert (slots.num_lanes, slots.slots_per_rank, len(slots.sliding_slots)) == (3, 6, 5)
+    if head_wise == "1":
+        assert llm.engine.get_stats()["swa_pages_recycled_total"] > 0
     assert [g[0] for g in got] == [r[0] for r in reference_tokens]
     assert got == reference_tokens

@@ -3,7 +3,8 @@
 // One call = one layer's attention step for a mixed batch of prefill chunks and decodes, with the
 // semantics and argument layout of the CPU op (docs/op_contract.md): RoPE on q and
 // k, new K/V written into the paged cache, then attention over each request's cached keys through
-// a 1-D ([bsz, max_blocks]) or head-wise ([bsz, kv_heads, max_blocks]) table. All pointers are
+// a 1-D ([bsz, max_blocks]) or head-wise ([bsz, kv_slots, max_blocks]) table; KV head h lives in
+// slot kv_head_slots[h] of the cache (a lane of the slot layout, docs/memory_model.md). All pointers are
 // device pointers. The same entry serves the Paddle op wrapper and the ctypes test harness, so it
 // carries no framework types.
 #pragma once
@@ -51,11 +52,13 @@ typedef struct AppendAttnParams {
   int visit_all_pages;     // baseline arm: visit every page of [0, t], mask instead of skip
   int dual_pass;           // baseline arm (upstream): an all-SWA pass and an all-full pass,
                            // stitched per head by swa_head_mask
+  int kv_slots;            // dim 1 of the caches and of a head-wise table (a lane's G slots,
+                           // >= kv_num_heads); 0 means kv_num_heads
 } AppendAttnParams;
 
 typedef struct AppendAttnBuffers {
   const void* qkv;                // [token_num, (num_heads + 2 * kv_num_heads) * head_dim]
-  void* key_cache;                // [num_blocks, kv_num_heads, block_size, head_dim], updated
+  void* key_cache;                // [num_blocks, kv_slots, block_size, head_dim], updated
   void* value_cache;              // same shape, updated
   const int* seq_lens_encoder;    // [bsz], informational, may be NULL
   const int* seq_lens_decoder;    // [bsz], cached tokens = position of the first new token
@@ -66,6 +69,8 @@ typedef struct AppendAttnBuffers {
   const float* rotary_sin;        // [max_position, head_dim / 2]
   const int* swa_head_mask;       // [kv_num_heads], 1 = sliding-window head
   void* out;                      // [token_num, num_heads * head_dim]
+  const int* kv_head_slots;       // [kv_num_heads]: slot (table row, cache slot) of each KV head,
+                                  // distinct, < kv_slots; NULL means head h in slot h
 } AppendAttnBuffers;
 
 // Bytes of device workspace append_attention_launch needs for these parameters (on the current

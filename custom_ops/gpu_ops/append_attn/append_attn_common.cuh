@@ -24,11 +24,12 @@ struct Args {
   const float* rotary_cos;
   const float* rotary_sin;
   const int* swa_head_mask;
+  const int* kv_head_slots;  // [kv_num_heads] or NULL (identity)
   float* q_rot;      // workspace [token_num, num_heads, head_dim]: rotated q * 1/sqrt(head_dim)
   int* tile_prefix;  // workspace [bsz + 1]: exclusive prefix of prefill tiles per request
   float* partial;    // workspace: decode split results, see decode_attention.cu
   int* error_info;   // 4 device ints
-  int token_num, bsz, num_heads, kv_num_heads, head_dim, block_size, num_blocks;
+  int token_num, bsz, num_heads, kv_num_heads, kv_slots, head_dim, block_size, num_blocks;
   int max_blocks_per_seq, head_wise_table, max_position;
   int sliding_window, sink_size, visit_all_pages;
   int decode_max_splits, decode_pages_per_split;
@@ -82,7 +83,8 @@ __device__ __forceinline__ void record_error(int* info, int code, int req, int h
 }
 
 // Element offset of row 0 of (request, kv head, block index) in the cache viewed as pages
-// [num_blocks * kv_heads, block_size, head_dim], or -1 when the entry must not be dereferenced
+// [num_blocks * kv_slots, block_size, head_dim] (the head's slot = its table row and its place in
+// a block), or -1 when the entry must not be dereferenced
 // (a -1 entry is recorded with `dead_code`, an id beyond the cache as out of range).
 __device__ __forceinline__ long long page_offset(const Args& a, int req, int head, int block,
                                                  int dead_code) {
@@ -91,15 +93,20 @@ __device__ __forceinline__ long long page_offset(const Args& a, int req, int hea
     return -1;
   }
   long long page;
+  const int slot = a.kv_head_slots != nullptr ? a.kv_head_slots[head] : head;
+  if (slot < 0 || slot >= a.kv_slots) {  // a head mapped outside the lane's slots
+    record_error(a.error_info, APPEND_ATTN_ERR_OUT_OF_RANGE, req, head, block);
+    return -1;
+  }
   if (a.head_wise_table) {
     const int e =
-        a.block_tables[((long long)req * a.kv_num_heads + head) * a.max_blocks_per_seq + block];
+        a.block_tables[((long long)req * a.kv_slots + slot) * a.max_blocks_per_seq + block];
     if (e < 0) {
       record_error(a.error_info, dead_code, req, head, block);
       return -1;
     }
     page = e;
-    if (page >= (long long)a.num_blocks * a.kv_num_heads) {
+    if (page >= (long long)a.num_blocks * a.kv_slots) {
       record_error(a.error_info, APPEND_ATTN_ERR_OUT_OF_RANGE, req, head, block);
       return -1;
     }
@@ -113,7 +120,7 @@ __device__ __forceinline__ long long page_offset(const Args& a, int req, int hea
       record_error(a.error_info, APPEND_ATTN_ERR_OUT_OF_RANGE, req, head, block);
       return -1;
     }
-    page = (long long)e * a.kv_num_heads + head;
+    page = (long long)e * a.kv_slots + slot;
   }
   return page * a.block_size * a.head_dim;
 }

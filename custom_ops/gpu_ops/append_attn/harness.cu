@@ -121,14 +121,15 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   const size_t elt = 2;
   const size_t tokens = p->token_num > 0 ? (size_t)p->token_num : 0;
   const size_t qkv_elems = tokens * (size_t)(p->num_heads + 2 * p->kv_num_heads) * p->head_dim;
-  const size_t cache_elems =
-      (size_t)p->num_blocks * p->kv_num_heads * p->block_size * p->head_dim;
+  const int slots = p->kv_slots > 0 ? p->kv_slots : p->kv_num_heads;
+  const size_t cache_elems = (size_t)p->num_blocks * slots * p->block_size * p->head_dim;
   const size_t out_elems = tokens * (size_t)p->num_heads * p->head_dim;
-  const size_t table_elems = (size_t)p->bsz * (p->head_wise_table ? p->kv_num_heads : 1) *
+  const size_t table_elems = (size_t)p->bsz * (p->head_wise_table ? slots : 1) *
                              p->max_blocks_per_seq;
   const size_t rot_elems = (size_t)p->max_position * (p->head_dim / 2);
 
-  DeviceBuffer qkv, kc, vc, enc, dec, this_time, cu, tables, cos_t, sin_t, mask, out, ws, err;
+  DeviceBuffer qkv, kc, vc, enc, dec, this_time, cu, tables, cos_t, sin_t, mask, head_slots, out, ws,
+      err;
   HARNESS_CUDA(qkv.alloc(qkv_elems * elt));
   HARNESS_CUDA(kc.alloc(cache_elems * elt));
   HARNESS_CUDA(vc.alloc(cache_elems * elt));
@@ -140,6 +141,7 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   HARNESS_CUDA(cos_t.alloc(sizeof(float) * rot_elems));
   HARNESS_CUDA(sin_t.alloc(sizeof(float) * rot_elems));
   HARNESS_CUDA(mask.alloc(sizeof(int) * p->kv_num_heads));
+  HARNESS_CUDA(head_slots.alloc(sizeof(int) * p->kv_num_heads));
   HARNESS_CUDA(out.alloc(out_elems * elt));
   HARNESS_CUDA(err.alloc(4 * sizeof(int)));
   const size_t ws_bytes = append_attention_workspace_bytes(p);
@@ -167,6 +169,7 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   HARNESS_CUDA(cos_t.upload(host->rotary_cos));
   HARNESS_CUDA(sin_t.upload(host->rotary_sin));
   HARNESS_CUDA(mask.upload(host->swa_head_mask));
+  if (host->kv_head_slots != nullptr) HARNESS_CUDA(head_slots.upload(host->kv_head_slots));
 
   AppendAttnBuffers d;
   d.qkv = qkv.get();
@@ -180,6 +183,7 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   d.rotary_cos = cos_t.as<const float>();
   d.rotary_sin = sin_t.as<const float>();
   d.swa_head_mask = mask.as<const int>();
+  d.kv_head_slots = host->kv_head_slots != nullptr ? head_slots.as<const int>() : nullptr;
   d.out = out.get();
 
   const cudaStream_t stream = 0;

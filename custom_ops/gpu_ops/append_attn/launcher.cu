@@ -83,6 +83,11 @@ std::string validate(const AppendAttnParams& p) {
              p.kv_num_heads, kMaxGroup);
     return buf;
   }
+  if (p.kv_slots != 0 && (p.kv_slots < p.kv_num_heads || p.kv_slots > 65535)) {
+    snprintf(buf, sizeof(buf), "kv_slots %d must be 0 or in kv_num_heads (%d)..65535", p.kv_slots,
+             p.kv_num_heads);
+    return buf;
+  }
   if (p.sliding_window < 1 || p.sink_size < 0) {
     snprintf(buf, sizeof(buf), "sliding_window %d must be >= 1 and sink_size %d >= 0",
              p.sliding_window, p.sink_size);
@@ -182,6 +187,7 @@ extern "C" int append_attention_launch(const AppendAttnParams* params,
   a.rotary_cos = b.rotary_cos;
   a.rotary_sin = b.rotary_sin;
   a.swa_head_mask = b.swa_head_mask;
+  a.kv_head_slots = b.kv_head_slots;
   a.q_rot = reinterpret_cast<float*>(ws + layout.q_rot);
   a.tile_prefix = reinterpret_cast<int*>(ws + layout.tile_prefix);
   a.partial = reinterpret_cast<float*>(ws + layout.partial);
@@ -190,6 +196,7 @@ extern "C" int append_attention_launch(const AppendAttnParams* params,
   a.bsz = p.bsz;
   a.num_heads = p.num_heads;
   a.kv_num_heads = p.kv_num_heads;
+  a.kv_slots = p.kv_slots > 0 ? p.kv_slots : p.kv_num_heads;
   a.head_dim = p.head_dim;
   a.block_size = p.block_size;
   a.num_blocks = p.num_blocks;

@@ -4,8 +4,10 @@ GQA attention through the attention backend (RoPE inside it; optional q/k bias a
 RMSNorm), SwiGLU or GeGLU MLP or the MoE block (ernie4_5_moe.py), tied or untied LM head.
 
 Weights are held once, under the checkpoint's own names and in its `[out, in]` layout
-(`model.layers.N.self_attn.q_proj.weight`); the projections multiply with `transpose_y`, so a
-loaded tensor is used as it is and can be sliced by name (tensor parallelism). What a source
+(`model.layers.N.self_attn.q_proj.weight`), so a loaded tensor can be sliced by name (tensor
+parallelism); then, at construction, the projections are packed once into `Linear`s for the
+device's GEMM (layers/linear.py), q/k/v and gate/up fused into one GEMM each, their names kept
+in the dict as views. That GEMM is row-invariant, so rows need no padding. What a source
 stores differently (rotate-half q/k rows, Gemma's norm offset) is converted once at load
 (model_loader.to_engine_layout), never in the forward pass.
 """
@@ -22,8 +24,9 @@ import paddle.nn.functional as F
 from fastdeploy.model_executor import model_loader
 from fastdeploy.model_executor import tensor_parallel as tp_
 from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.model_executor.layers.rms_norm import rms_norm
 from fastdeploy.model_executor.models.ernie4_5_moe import MoEBlock, is_moe_layer, moe_shapes
-from fastdeploy.model_executor.models.rows import aligned as _aligned, pad_rows as _pad_rows
+from fastdeploy.model_executor.layers.linear import fuse_named
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -124,6 +127,12 @@ class CausalLM:
         self.local_kv_heads = cfg.num_key_value_heads // tp_size
         # Gemma: embeddings scaled by sqrt(hidden), rounded to the weights' dtype as the reference does.
         self.embed_scale = float(np.float32(cfg.hidden_size ** 0.5)) if cfg.arch.embed_scale else None
+        names = [_layer_names(i) for i in range(cfg.num_hidden_layers)]
+        self.qkv = [fuse_named(weights, [n["q"], n["k"], n["v"]]) for n in names]
+        self.o = [fuse_named(weights, [n["o"]]) for n in names]
+        self.gate_up = {i: fuse_named(weights, [n["gate"], n["up"]]) for i, n in enumerate(names) if i not in self.moe}
+        self.down = {i: fuse_named(weights, [n["down"]]) for i, n in enumerate(names) if i not in self.moe}
+        self.lm_head = fuse_named(weights, [self.lm_head_name])  # tied: the embedding reads its rows
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -174,25 +183,23 @@ class CausalLM:
 
     # -- compute -------------------------------------------------------------------------------
     def _rms_norm(self, x: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
-        # PaddleFormers normalises in float32 and scales in the weight's dtype.
-        x32 = x if x.dtype == paddle.float32 else x.astype("float32")
-        variance = (x32 * x32).mean(axis=-1, keepdim=True)
-        normed = x32 * paddle.rsqrt(variance + self.config.rms_norm_eps)
-        return (normed if normed.dtype == weight.dtype else normed.astype(weight.dtype)) * weight
+        return rms_norm(x, weight, self.config.rms_norm_eps)
 
-    def _linear(self, x: paddle.Tensor, name: str) -> paddle.Tensor:
-        return paddle.matmul(x, self.weights[name], transpose_y=True)
-
-    def _dense_mlp(self, x: paddle.Tensor, n: dict) -> paddle.Tensor:
-        gate = self._linear(x, n["gate"])
+    def _dense_mlp(self, x: paddle.Tensor, layer_id: int) -> paddle.Tensor:
+        gate_up = self.gate_up[layer_id]
+        gate, up = gate_up.split(gate_up(x))
         gate = F.gelu(gate, approximate=True) if self.arch.activation == "gelu_tanh" else F.silu(gate)
-        return self._linear(gate * self._linear(x, n["up"]), n["down"])
+        return self.down[layer_id](gate * up)
 
-    def _qkv(self, x: paddle.Tensor, n: dict) -> paddle.Tensor:
+    def _qkv(self, x: paddle.Tensor, layer_id: int, n: dict) -> paddle.Tensor:
         """[rows, (heads + 2 kv_heads) * head_dim]: q, k, v side by side, as the attention op reads them
         (biases added, and Gemma's per-head q/k RMSNorm and query scale applied before its RoPE)."""
         w, d = self.weights, self.config.head_dim
-        q, k, v = self._linear(x, n["q"]), self._linear(x, n["k"]), self._linear(x, n["v"])
+        fused = self.qkv[layer_id]
+        qkv = fused(x)
+        if not (self.config.qkv_bias or self.arch.qk_norm or self.config.attn_scale_ratio != 1.0):
+            return qkv
+        q, k, v = fused.split(qkv)
         if self.config.qkv_bias:
             q, k, v = q + w[n["q_bias"]], k + w[n["k_bias"]], v + w[n["v_bias"]]
         if self.arch.qk_norm:
@@ -208,14 +215,12 @@ class CausalLM:
         """Logits [num_sampled, vocab] for the last token of every request that samples this step."""
         w = self.weights
         num_tokens = meta.input_ids.shape[0]
-        rows = _aligned(num_tokens)
-        hidden = self._embed(_pad_rows(meta.input_ids, rows))
+        hidden = self._embed(meta.input_ids)
         for layer_id in range(self.config.num_hidden_layers):
             n = _layer_names(layer_id)
             x = self._rms_norm(hidden, w[n["input_norm"]])
-            qkv = self._qkv(x, n)
-            attn = meta.attn_backend.forward(layer_id, qkv[:num_tokens] if rows != num_tokens else qkv, meta)
-            attn = tp_.all_reduce(self._linear(_pad_rows(attn, rows), n["o"]), self.tp_size)
+            attn = meta.attn_backend.forward(layer_id, self._qkv(x, layer_id, n), meta)
+            attn = tp_.all_reduce(self.o[layer_id](attn), self.tp_size)
             if self.arch.sandwich_norms:  # Gemma: norm the attention output, then norm again before the MLP
                 hidden = hidden + self._rms_norm(attn, w[n["post_norm"]])
                 x = self._rms_norm(hidden, w[n["pre_ffn_norm"]])
@@ -223,31 +228,32 @@ class CausalLM:
                 hidden = hidden + attn
                 x = self._rms_norm(hidden, w[n["post_norm"]])
             moe = self.moe.get(layer_id)
-            ffn = tp_.all_reduce(moe(x, num_tokens) if moe is not None else self._dense_mlp(x, n), self.tp_size)
+            ffn = tp_.all_reduce(moe(x, num_tokens) if moe is not None else self._dense_mlp(x, layer_id), self.tp_size)
             hidden = hidden + (self._rms_norm(ffn, w[n["post_ffn_norm"]]) if self.arch.sandwich_norms else ffn)
         if self.hidden_observer is not None:
             self.hidden_observer(meta, hidden[:num_tokens])
         num_sampled = meta.sample_rows.shape[0]
         if num_sampled == 0:
             return paddle.zeros([0, self.config.vocab_size], dtype="float32")
-        last = paddle.gather(hidden, _pad_rows(meta.sample_rows, _aligned(num_sampled)))
-        return self.lm_logits(last)[:num_sampled]
+        return self.lm_logits(paddle.gather(hidden, meta.sample_rows))
 
     def lm_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        """float32 logits [rows, vocab] of final hidden states (rows a multiple of ROW_ALIGN keep them
-        independent of the batch)."""
-        logits = self._linear(self._rms_norm(hidden, self.weights["model.norm.weight"]), self.lm_head_name)
-        logits = tp_.all_gather_last_axis(logits, self.tp_size)[:, :self.config.vocab_size]
+        """float32 logits [rows, vocab] of final hidden states."""
+        logits = self.lm_head(self._rms_norm(hidden, self.weights["model.norm.weight"]))
+        logits = tp_.all_gather_last_axis(logits, self.tp_size)
+        if logits.shape[-1] != self.config.vocab_size:  # vocab-parallel shards are padded
+            logits = logits[:, :self.config.vocab_size]
         return logits if logits.dtype == paddle.float32 else logits.astype("float32")
 
     def _embed(self, ids: paddle.Tensor) -> paddle.Tensor:
         """Vocab-parallel lookup: each rank embeds the ids of its slice (zeros elsewhere), summed."""
         table = self.weights["model.embed_tokens.weight"]
+        lookup = self.lm_head.rows if self.config.tie_word_embeddings else (lambda i: F.embedding(i, table))
         if self.tp_size == 1:
-            out = F.embedding(ids, table)
+            out = lookup(ids)
         else:
             local = ids - self.vocab_start
             mine = (local >= 0) & (local < table.shape[0])
-            out = F.embedding(paddle.where(mine, local, paddle.zeros_like(local)), table)
+            out = lookup(paddle.where(mine, local, paddle.zeros_like(local)))
             out = tp_.all_reduce(out * mine.astype(out.dtype).unsqueeze(-1), self.tp_size)
         return out if self.embed_scale is None else out * self.embed_scale

@@ -20,10 +20,10 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-# Same alignment as the dense path (rows.py): an expert's GEMM gives a token the same bits whichever other
-# tokens share that expert this step (batch composition differs between memory modes).
 from fastdeploy.model_executor.host_tensor import host_tensor
-from fastdeploy.model_executor.models.rows import aligned as _aligned, pad_rows as _pad_rows
+# Row-invariant GEMM (layers/linear.py): an expert's GEMM gives a token the same bits whichever
+# other tokens share that expert this step (batch composition differs between memory modes).
+from fastdeploy.model_executor.layers.linear import linear
 
 
 def is_moe_layer(cfg, layer_id: int) -> bool:
@@ -83,14 +83,12 @@ class MoEBlock:
 
     def _mlp(self, x: paddle.Tensor, names: dict) -> paddle.Tensor:
         w = self.weights
-        gate = paddle.matmul(x, w[names["gate"]], transpose_y=True)
-        up = paddle.matmul(x, w[names["up"]], transpose_y=True)
-        return paddle.matmul(F.silu(gate) * up, w[names["down"]], transpose_y=True)
+        return linear(F.silu(linear(x, w[names["gate"]])) * linear(x, w[names["up"]]), w[names["down"]])
 
     def route(self, x: paddle.Tensor) -> tuple:
         """(expert ids [T, k] int64, combine weights [T, k] float32) for the tokens `x` [T, h]."""
         x32 = x if x.dtype == paddle.float32 else x.astype("float32")
-        probs = F.softmax(paddle.matmul(x32, self.weights[self.router_name], transpose_y=True), axis=-1)  # [T, E]
+        probs = F.softmax(linear(x32, self.weights[self.router_name]), axis=-1)  # [T, E]
         bias = None if self.bias_name is None else self.weights[self.bias_name].reshape([-1])
         scores = probs if bias is None else probs + bias
         _, ids = paddle.topk(scores, k=self.top_k, axis=-1)
@@ -112,11 +110,12 @@ class MoEBlock:
             slots = np.nonzero(flat == expert)[0]
             tokens = slots // self.top_k
             xe = paddle.gather(real, host_tensor(tokens))
-            ye = self._mlp(_pad_rows(xe, _aligned(len(tokens))), self.expert_names[int(expert)])[:len(tokens)]
+            ye = self._mlp(xe, self.expert_names[int(expert)])
             picked = paddle.scatter(picked, host_tensor(slots), ye, overwrite=True)
         combine = weights if weights.dtype == x.dtype else weights.astype(x.dtype)
         out = (picked.reshape([num_tokens, self.top_k, hidden]) * combine.unsqueeze(-1)).sum(axis=1)
-        out = _pad_rows(out, rows)
+        if rows != num_tokens:  # callers may append rows that are not tokens
+            out = paddle.concat([out, paddle.zeros([rows - num_tokens, hidden], dtype=out.dtype)], axis=0)
         if self.shared_names is not None:
             out = out + self._mlp(x, self.shared_names)
         return out

@@ -63,6 +63,23 @@ TINY_MOE_PRESET_CONFIG = {
     "seed": 2025,
 }
 
+TINY_SLIDING_PRESET_NAME = "tiny-sliding-layers"
+
+# A model trained with sliding *layers* in miniature (Gemma 3's pattern: five sliding layers to one
+# global), two KV heads, a window shorter than the test prompts. Its sliding layers are the model's
+# semantics in every memory mode; with FD_HEAD_WISE_KV_CACHE=1 their slots recycle.
+TINY_SLIDING_PRESET_CONFIG = {
+    **{k: v for k, v in TINY_PRESET_CONFIG.items() if k != "head_wise_swa"},
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "layer_sliding_window": [48, 48, 48, 48, 48, None],
+    "seed": 2026,
+}
+
 # The CUDA AppendAttention op has kernels for head_dim 64 and 128 only (worker/device.py), so the
 # GPU runs twins of the presets with head_dim 64: same layers, heads, SWA spec and seed, wider
 # heads (different random weights). Without --model the GPU serves the dense twin; the GPU-vs-CPU
@@ -74,6 +91,7 @@ TINY_MOE_GPU_PRESET_NAME = TINY_MOE_PRESET_NAME + "-hd64"
 PRESETS = {
     TINY_PRESET_NAME: TINY_PRESET_CONFIG,
     TINY_MOE_PRESET_NAME: TINY_MOE_PRESET_CONFIG,
+    TINY_SLIDING_PRESET_NAME: TINY_SLIDING_PRESET_CONFIG,
     TINY_GPU_PRESET_NAME: {**TINY_PRESET_CONFIG, "head_dim": GPU_PRESET_HEAD_DIM},
     TINY_MOE_GPU_PRESET_NAME: {**TINY_MOE_PRESET_CONFIG, "head_dim": GPU_PRESET_HEAD_DIM},
 }

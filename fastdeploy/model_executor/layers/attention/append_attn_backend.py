@@ -2,7 +2,11 @@
 
 Under tensor parallelism this is one rank's backend, in that rank's worker process: it owns the
 rank's `H / tp` KV heads (and their query heads, which arrive as the rank's qkv columns) and the
-cache `[num_blocks, H / tp, block_size, head_dim]` for them, addressed by rank-local page ids.
+cache for them, addressed by rank-local page ids. The cache is the slot layout's k lanes
+(cache_manager/slots.py), each `[num_blocks, G, block_size, head_dim]` for K and for V; a layer
+reads and writes its lane through its head -> slot map (one lane per layer, G = H / tp and slot h
+= head h for a model whose layers all look alike). Every layer passes its own sliding heads,
+window and sink (sliding layers of the model as much as head-wise SWA heads).
 """
 
 from __future__ import annotations
@@ -13,27 +17,34 @@ from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.ops import append_attention
 from fastdeploy.model_executor.layers.attention.ops.append_attention import check_device_errors, new_error_info
 from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import load_cpu_ops
-from fastdeploy.model_executor.layers.attention.swa_spec import layer_attention_args
+from fastdeploy.model_executor.layers.attention.swa_spec import attention_type_table, row_attention_args
 from fastdeploy.model_executor.tensor_parallel import local_kv_heads
 
 
 class AppendAttentionBackend:
-    """Owns one rank's paged KV cache: per layer, K and V of shape `[num_blocks, H/tp, block_size, head_dim]`."""
+    """Owns one rank's paged KV cache: per lane, K and V of shape `[num_blocks, G, block_size, head_dim]`."""
 
     def __init__(self, fd_config, rotary: list, tp_rank: int = 0):
         model, cache = fd_config.model_config, fd_config.cache_config
         tp = fd_config.parallel_config.tensor_parallel_size
         self.num_heads, self.kv_num_heads = model.num_attention_heads // tp, model.num_key_value_heads // tp
         self.head_dim = model.head_dim
-        shape = [cache.num_gpu_blocks, self.kv_num_heads, cache.block_size, model.head_dim]
-        self.key_caches = [paddle.zeros(shape, dtype=cache.cache_dtype) for _ in range(model.num_hidden_layers)]
-        self.value_caches = [paddle.zeros(shape, dtype=cache.cache_dtype) for _ in range(model.num_hidden_layers)]
+        slots = fd_config.slot_layout
+        shape = [cache.num_gpu_blocks, slots.slots_per_rank, cache.block_size, model.head_dim]
+        self.lane_keys = [paddle.zeros(shape, dtype=cache.cache_dtype) for _ in range(slots.num_lanes)]
+        self.lane_values = [paddle.zeros(shape, dtype=cache.cache_dtype) for _ in range(slots.num_lanes)]
+        # Per layer: its lane (layers of one lane share the tensors, in disjoint slots).
+        self.key_caches = [self.lane_keys[lane] for lane in slots.lane_of_layer]
+        self.value_caches = [self.lane_values[lane] for lane in slots.lane_of_layer]
         self.rotary = rotary  # (cos, sin) per layer
         heads = local_kv_heads(model.num_key_value_heads, tp_rank, tp)
-        self.layer_args = []  # per layer: (swa head mask of this rank's heads, window, sink)
+        types = attention_type_table(model)
+        # Per layer: (swa head mask of this rank's heads, window, sink, each head's slot in the lane).
+        self.layer_args = []
         for layer in range(model.num_hidden_layers):
-            mask, window, sink = layer_attention_args(model, layer)
-            self.layer_args.append((paddle.to_tensor([mask[h] for h in heads], dtype="int32"), window, sink))
+            mask, window, sink = row_attention_args([types[layer][h] for h in heads])
+            self.layer_args.append((paddle.to_tensor(mask, dtype="int32"), window, sink,
+                                    paddle.to_tensor(slots.layer_head_slots(layer, heads), dtype="int32")))
         self.on_gpu = getattr(fd_config, "device", "cpu") == "gpu"
         # FD_HEAD_WISE_ATTN=dual_pass: upstream's two passes over the 1-D table (config checks it is
         # the GPU, 1-D mode); the masked passes read every page, as upstream's do.
@@ -49,12 +60,12 @@ class AppendAttentionBackend:
 
     def forward(self, layer_id: int, qkv: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         table = meta.block_tables_head_wise if meta.block_tables_head_wise is not None else meta.block_tables
-        swa_head_mask, window, sink = self.layer_args[layer_id]
+        swa_head_mask, window, sink, head_slots = self.layer_args[layer_id]
         cos, sin = self.rotary[layer_id]
         return append_attention(
             qkv, self.key_caches[layer_id], self.value_caches[layer_id], meta.seq_lens_encoder,
             meta.seq_lens_decoder, meta.seq_lens_this_time, meta.cu_seqlens_q, table, cos, sin,
-            swa_head_mask, num_heads=self.num_heads, kv_num_heads=self.kv_num_heads,
+            swa_head_mask, head_slots, num_heads=self.num_heads, kv_num_heads=self.kv_num_heads,
             head_dim=self.head_dim, sliding_window=window, sink_size=sink,
             visit_all_pages=self.dual_pass, dual_pass=self.dual_pass, error_info=self.error_info)
 

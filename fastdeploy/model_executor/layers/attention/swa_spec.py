@@ -1,40 +1,51 @@
-"""The model's attention semantics as kernel arguments: which KV heads slide, window, sink.
+"""The model's attention semantics: which (layer, KV head) pairs slide, with which window and sink.
 
-These are a *model* property (docs/architecture.md): identical in every memory mode, so both backends read
-them from the model config, never from the head-wise flags. Head indices are in the load-time order.
+These are a *model* property (docs/architecture.md): identical in every memory mode, so both backends
+and the slot layout read them from the model config, never from the head-wise flags. Head indices are
+in the load-time order. Two sources:
+- sliding *layers* (`ModelConfig.layer_sliding_window`, one window or None per layer: Gemma 3 and
+  other models trained with sliding layers): every KV head of such a layer slides, sink 0;
+- head-wise SWA (`head_wise_swa`: window, sink and the KV heads that slide, in every layer or one
+  list per layer): it applies to the heads of the layers that do not slide as a whole.
 """
+
+from __future__ import annotations
+
+from fastdeploy.cache_manager.slots import FULL, AttentionType
+
+
+def attention_type_table(model_config) -> tuple:
+    """types[layer][kv_head] of the whole model (global KV heads, load-time order): the input of the
+    slot layout (cache_manager/slots.py) and of both backends' per-layer kernel arguments."""
+    num_layers, num_heads = model_config.num_hidden_layers, model_config.num_key_value_heads
+    windows = model_config.layer_sliding_window or (None,) * num_layers
+    spec = model_config.head_wise_swa
+    table = []
+    for layer in range(num_layers):
+        if windows[layer] is not None:
+            table.append((AttentionType(int(windows[layer]), 0),) * num_heads)
+            continue
+        row = [FULL] * num_heads
+        for h in model_config.layer_swa_kv_heads(layer):
+            row[h] = AttentionType(spec.sliding_window, spec.sink_size)
+        table.append(tuple(row))
+    return tuple(table)
 
 
 def layer_attention_args(model_config, layer: int) -> tuple:
-    """(mask, window, sink) of one layer: a sliding layer (Gemma 3) slides every head with its window and
-    no sink; any other layer has its head-wise SWA heads of `head_wise_swa` (any per-layer pattern)."""
-    windows = model_config.layer_sliding_window
-    if windows is not None and windows[layer] is not None:
-        return [1] * model_config.num_key_value_heads, windows[layer], 0
-    masks, window, sink = swa_layer_masks(model_config)
-    return masks[layer], window, sink
+    """(mask with 1 per sliding KV head, window, sink) of one layer, every KV head of the model."""
+    return row_attention_args(attention_type_table(model_config)[layer])
 
 
-def swa_attention_args(model_config) -> tuple:
-    """(mask with 1 per SWA KV head, window, sink) for a model whose layers share one SWA head set
-    (the paged backend's kernel takes one mask); a model without SWA heads gets an all-zero mask."""
-    spec = model_config.head_wise_swa
-    if spec is not None and not spec.same_in_every_layer:
-        raise ValueError("head_wise_swa: the paged attention backend needs the same SWA KV heads in every layer "
-                         "(start-up permutes per-layer heads into shared slots; see swa_head_placement.py)")
-    masks, window, sink = swa_layer_masks(model_config)
-    return masks[0], window, sink
-
-
-def swa_layer_masks(model_config) -> tuple:
-    """([per layer: mask with 1 per SWA KV head], window, sink): any (layer, head) pattern."""
-    spec = model_config.head_wise_swa
-    masks = []
-    for layer in range(model_config.num_hidden_layers):
-        mask = [0] * model_config.num_key_value_heads
-        for h in model_config.layer_swa_kv_heads(layer):
-            mask[h] = 1
-        masks.append(mask)
-    if spec is None:
-        return masks, 1, 0
-    return masks, spec.sliding_window, spec.sink_size
+def row_attention_args(row) -> tuple:
+    """(mask, window, sink) of one layer's row of the type table (or some of its heads). The op takes
+    one window and sink per layer call, so a row mixes full heads with one sliding type at most; a
+    layer without sliding heads gets an all-zero mask (window 1, sink 0: never read)."""
+    sliding = sorted({t for t in row if t.sliding})
+    if len(sliding) > 1:
+        raise ValueError(f"a layer mixes sliding windows {[str(t) for t in sliding]}; one layer may hold full "
+                         f"heads and one sliding type only")
+    mask = [1 if t.sliding else 0 for t in row]
+    if not sliding:
+        return mask, 1, 0
+    return mask, sliding[0].window, sliding[0].sink

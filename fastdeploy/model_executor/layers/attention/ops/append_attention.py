@@ -2,11 +2,14 @@
 
 The argument layout is the op contract (docs/op_contract.md): ``qkv`` rows are the new
 tokens of a mixed prefill/decode batch; ``key_cache``/``value_cache``
-(``[num_blocks, kv_num_heads, block_size, head_dim]``) are updated in place
-with the rotated K and the V of those tokens; ``block_tables`` is either the
-1-D table ``[bsz, max_blocks]`` or the head-wise page table
-``[bsz, kv_num_heads, max_blocks]`` (told apart by rank). Returns
-``[token_num, num_heads * head_dim]`` in the dtype of ``qkv``.
+(``[num_blocks, G, block_size, head_dim]``, one lane of the slot layout with
+G >= kv_num_heads slots) are updated in place with the rotated K and the V of
+those tokens; ``block_tables`` is either the 1-D table ``[bsz, max_blocks]``
+or the head-wise page table ``[bsz, G, max_blocks]`` (told apart by rank);
+``kv_head_slots`` (int32 ``[kv_num_heads]``, distinct slots < G; None = head h
+in slot h) says which slot, i.e. which table row and which place in a block,
+holds each KV head of this layer. Returns ``[token_num, num_heads * head_dim]``
+in the dtype of ``qkv``.
 
 One entry for both devices (docs/architecture.md): the place of ``qkv`` picks the CPU op
 (custom_ops/cpu_ops) or the CUDA op (custom_ops/gpu_ops); both receive the tensors
@@ -23,14 +26,17 @@ import paddle
 from .cpu_op_loader import load_cpu_ops
 
 TENSOR_ARGS = ("qkv", "key_cache", "value_cache", "seq_lens_encoder", "seq_lens_decoder", "seq_lens_this_time",
-               "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin", "swa_head_mask")
+               "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin", "swa_head_mask", "kv_head_slots")
 # The attributes of both ops, in order; the CPU op takes all but the last (it has one pass only).
 ATTR_ARGS = ("num_heads", "kv_num_heads", "head_dim", "sliding_window", "sink_size", "visit_all_pages", "dual_pass")
 
 
 def op_arguments(tensors: dict, *, num_heads: int, kv_num_heads: int, head_dim: int, sliding_window: int,
                  sink_size: int, visit_all_pages: bool = False, dual_pass: bool = False) -> tuple:
-    """(tensors in op order, attributes in op order): the argument contract of both ops."""
+    """(tensors in op order, attributes in op order): the argument contract of both ops. Without
+    ``kv_head_slots`` head h uses slot h (the per-head layout)."""
+    if tensors.get("kv_head_slots") is None and tensors.get("qkv") is not None:
+        tensors = {**tensors, "kv_head_slots": identity_head_slots(int(kv_num_heads), tensors["qkv"].place)}
     missing = [name for name in TENSOR_ARGS if tensors.get(name) is None]
     if missing:
         raise ValueError(f"append_attention: missing tensor argument(s) {', '.join(missing)}")
@@ -72,6 +78,11 @@ def select_op(place, dual_pass: bool = False):
     raise ValueError(f"append_attention: no op for tensors on {place} (CPU and CUDA GPUs only)")
 
 
+def identity_head_slots(kv_num_heads: int, place) -> paddle.Tensor:
+    """kv_head_slots of the per-head layout: KV head h in slot (table row) h."""
+    return paddle.to_tensor(np.arange(kv_num_heads, dtype=np.int32), place=place)
+
+
 def new_error_info(place) -> paddle.Tensor:
     """The CUDA op's 4 device ints (code, request, kv head, block index); one per engine, reused."""
     return paddle.to_tensor(np.zeros(4, np.int32), place=place)
@@ -97,6 +108,7 @@ def append_attention(
     rotary_cos: paddle.Tensor,
     rotary_sin: paddle.Tensor,
     swa_head_mask: paddle.Tensor,
+    kv_head_slots: Optional[paddle.Tensor] = None,
     *,
     num_heads: int,
     kv_num_heads: int,
@@ -123,7 +135,8 @@ def append_attention(
     tensors, attrs = op_arguments(
         dict(qkv=qkv, key_cache=key_cache, value_cache=value_cache, seq_lens_encoder=seq_lens_encoder,
              seq_lens_decoder=seq_lens_decoder, seq_lens_this_time=seq_lens_this_time, cu_seqlens_q=cu_seqlens_q,
-             block_tables=block_tables, rotary_cos=rotary_cos, rotary_sin=rotary_sin, swa_head_mask=swa_head_mask),
+             block_tables=block_tables, rotary_cos=rotary_cos, rotary_sin=rotary_sin, swa_head_mask=swa_head_mask,
+             kv_head_slots=kv_head_slots),
         num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim, sliding_window=sliding_window,
         sink_size=sink_size, visit_all_pages=visit_all_pages, dual_pass=dual_pass)
     op, on_gpu = select_op(qkv.place, dual_pass)
@@ -144,6 +157,8 @@ def validate_append_attention_inputs(*tensors: paddle.Tensor, rules: str, check_
     (custom_ops/cpu_ops/append_attention_checks.h) on CPU tensors, with the
     ``rules`` of the ``"cpu"`` op or the ``"gpu"`` wrapper (its dtypes; its place
     rule too unless ``check_place=False``). Raises ``ValueError`` like the op."""
+    if len(tensors) == len(TENSOR_ARGS) - 1:  # no kv_head_slots: the per-head layout
+        tensors = (*tensors, identity_head_slots(int(kv_num_heads), tensors[0].place))
     if rules not in ("cpu", "gpu"):
         raise ValueError(f"rules must be 'cpu' or 'gpu', got {rules!r}")
     attrs = (int(num_heads), int(kv_num_heads), int(head_dim), int(sliding_window), int(sink_size),

@@ -1,11 +1,11 @@
 """Build-once, load-fast loader for the C++ CPU custom ops (custom_ops/cpu_ops).
 
-The op is compiled on first use with ``paddle.utils.cpp_extension`` into
-``$FD_CUSTOM_OP_DIR/<key>`` (default ``~/.cache/fastdeploy/custom_ops/<key>``),
-where ``key`` hashes the sources, the compile flags, and the Paddle/Python
-versions, so an edited source or a different machine never picks up a stale
-build. A file lock serialises builds across processes (several workers may
-start at once); later imports only load the finished shared library.
+Each op library (`CpuOpLibrary`: the attention op, the BLAS-backed GEMM) is compiled on first use
+with ``paddle.utils.cpp_extension`` into ``$FD_CUSTOM_OP_DIR/<prefix><key>`` (default
+``~/.cache/fastdeploy/custom_ops/...``), where ``key`` hashes the sources, the compile and link
+flags, and the Paddle/Python versions, so an edited source or a different machine never picks up
+a stale build. A file lock serialises builds across processes (several workers may start at
+once); later imports only load the finished shared library.
 """
 
 from __future__ import annotations
@@ -19,19 +19,37 @@ import shutil
 import sys
 import sysconfig
 import warnings
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 from fastdeploy.paddle_env import CCACHE_WARNING
 
-MODULE_NAME = "fd_cpu_ops"
+MODULE_NAME = "fd_cpu_ops"  # the attention op's module
 _REPO_ROOT = Path(__file__).resolve().parents[5]
 # A source checkout (pip install -e) keeps the sources at custom_ops/cpu_ops, upstream's path; a
 # regular install carries a copy inside the package (setup.py's build_py puts it there).
 _CANDIDATES = (_REPO_ROOT / "custom_ops" / "cpu_ops", Path(__file__).resolve().parents[4] / "_custom_ops" / "cpu_ops")
 SOURCE_DIR = next((p for p in _CANDIDATES if p.is_dir()), _CANDIDATES[0])
 _BUILT_MARKER = "BUILD_OK"
+
+
+@dataclass(frozen=True)
+class CpuOpLibrary:
+    """One compiled module: its .cc files in SOURCE_DIR (every header there is hashed too) and
+    what it links against. `link` is called at build time (it may import the library's package)
+    and returns (include dirs, linker flags, a version string that enters the cache key)."""
+
+    module_name: str
+    sources: tuple
+    what: str  # for messages: "the CPU attention op"
+    dir_prefix: str = ""  # build folder name = prefix + key (empty: the attention op's folders as before)
+    link: Callable[[], tuple] = field(default=lambda: ([], [], ""), compare=False)
+
+
+ATTENTION_OPS = CpuOpLibrary(MODULE_NAME, ("append_attention.cc",), "the CPU attention op")
 
 
 def _cpu_flags() -> set[str]:
@@ -61,13 +79,13 @@ def compile_flags() -> list[str]:
     return flags
 
 
-def _sources() -> list[Path]:
+def _sources(lib: CpuOpLibrary = ATTENTION_OPS) -> list[Path]:
     if not SOURCE_DIR.is_dir():
         raise RuntimeError(
             f"FastDeploy CPU custom-op sources not found (looked in {', '.join(map(str, _CANDIDATES))}); "
             "reinstall the package (the ops are compiled on first use)."
         )
-    return sorted(SOURCE_DIR.glob("*.cc")) + sorted(SOURCE_DIR.glob("*.h"))
+    return [SOURCE_DIR / name for name in lib.sources] + sorted(SOURCE_DIR.glob("*.h"))
 
 
 def _build_key(sources: list[Path], flags: list[str]) -> str:
@@ -83,14 +101,15 @@ def _build_key(sources: list[Path], flags: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def build_dir() -> Path:
+def build_dir(lib: CpuOpLibrary = ATTENTION_OPS) -> Path:
     root = os.environ.get("FD_CUSTOM_OP_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "fastdeploy", "custom_ops"
     )
-    return Path(root) / _build_key(_sources(), compile_flags())
+    includes, ldflags, version = lib.link()
+    return Path(root) / (lib.dir_prefix + _build_key(_sources(lib), [*compile_flags(), *includes, *ldflags, version]))
 
 
-def _check_compiler() -> None:
+def _check_compiler(what: str = ATTENTION_OPS.what) -> None:
     # setuptools compiles .cc files with CC and links with CXX.
     missing = []
     for var in ("CC", "CXX"):
@@ -100,7 +119,7 @@ def _check_compiler() -> None:
             missing.append(f"{var}={exe!r}")
     if missing:
         raise RuntimeError(
-            "Building the FastDeploy CPU attention op needs a C++ compiler "
+            f"Building {what} needs a C++ compiler "
             f"(GCC >= 8), but {', '.join(missing)} was not found. Install one "
             "(e.g. `apt-get install g++`) or point CC/CXX at it."
         )
@@ -117,12 +136,13 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build(out_dir: Path) -> ModuleType:
+def _build(out_dir: Path, lib: CpuOpLibrary) -> ModuleType:
     from paddle.utils.cpp_extension import load
 
-    _check_compiler()
+    _check_compiler(lib.what)
+    includes, ldflags, _ = lib.link()
     print(
-        f"[fastdeploy] compiling the CPU attention op into {out_dir} (first use only, about 15 s)...",
+        f"[fastdeploy] compiling {lib.what} into {out_dir} (first use only, about 15 s)...",
         file=sys.stderr,
         flush=True,
     )
@@ -132,16 +152,16 @@ def _build(out_dir: Path) -> ModuleType:
     with contextlib.redirect_stdout(sys.stderr):
         try:
             module = load(
-                name=MODULE_NAME,
-                sources=[str(s) for s in _sources() if s.suffix == ".cc"],
+                name=lib.module_name,
+                sources=[str(s) for s in _sources(lib) if s.suffix == ".cc"],
                 extra_cxx_cflags=compile_flags(),
-                extra_ldflags=["-pthread"],
-                extra_include_paths=[str(SOURCE_DIR)],
+                extra_ldflags=["-pthread", *ldflags],
+                extra_include_paths=[str(SOURCE_DIR), *includes],
                 build_directory=str(out_dir),
             )
         except Exception as e:  # the compiler's own messages are already on stderr
             raise RuntimeError(
-                f"Building the FastDeploy CPU attention op in {out_dir} failed; see the compiler output above."
+                f"Building {lib.what} in {out_dir} failed; see the compiler output above."
             ) from e
     (out_dir / _BUILT_MARKER).write_text(" ".join(compile_flags()) + "\n")
     return module
@@ -170,15 +190,20 @@ def _quiet_paddle_extension_logs():
 
 
 @lru_cache(maxsize=None)
-def load_cpu_ops() -> ModuleType:
-    """The compiled module; builds it first if this machine has no copy yet."""
+def load_library(lib: CpuOpLibrary) -> ModuleType:
+    """The compiled module of `lib`; builds it first if this machine has no copy yet."""
     with _quiet_paddle_extension_logs():
         from paddle.utils.cpp_extension.extension_utils import _import_module_from_library
 
-        out_dir = build_dir()
+        out_dir = build_dir(lib)
         # The lock also covers the import: Paddle writes a small generated .py
         # next to the library while loading it.
         with _locked(out_dir.with_suffix(".lock")):
             if not (out_dir / _BUILT_MARKER).exists():
-                return _build(out_dir)
-            return _import_module_from_library(MODULE_NAME, str(out_dir / MODULE_NAME))
+                return _build(out_dir, lib)
+            return _import_module_from_library(lib.module_name, str(out_dir / lib.module_name))
+
+
+def load_cpu_ops() -> ModuleType:
+    """The attention op's module (append_attention_cpu, append_attention_validate)."""
+    return load_library(ATTENTION_OPS)

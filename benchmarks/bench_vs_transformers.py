@@ -1,0 +1,309 @@
+"""This engine next to transformers' `generate` on the same model file, in one run, and both next to
+this machine's limits measured in the same run.
+
+Both sides read the same GGUF file (default: the named model smollm2-135m-instruct) at float32 and
+get the same random prompts. The engine runs `LLM.generate` with greedy sampling and `ignore_eos`;
+transformers runs one `generate` call per case: the whole batch at once, left padding with an
+attention mask, `min_new_tokens = max_new_tokens`, `do_sample=False`, torch on `--torch-threads`
+threads. Cases: N concurrent requests of `--input-len` random prompt tokens and `--output-len`
+output tokens for each N of `--concurrency`, then a prefill-heavy case (`--prefill-prompts`
+prompts of `--prefill-len` tokens, `--prefill-output-len` output tokens).
+
+The machine's limits, measured before the cases run:
+  - GEMM peak: numpy float32 2048 x 2048 x 2048 matmul, GFLOP/s (best of a few);
+  - memory read bandwidth: numpy sum over a 512 MiB float32 array, GB/s (best of a few, one
+    thread per core, each summing its share).
+Fractions reached:
+  - every case: model FLOPs / time / GEMM peak, where model FLOPs = processed tokens x 2 x the
+    decoder's matmul parameters + output tokens x 2 x the lm_head's (attention scores excluded);
+  - N = 1: weight bytes read per output token (every matmul weight once, float32) x output tok/s /
+    bandwidth (the time includes the prompt's prefill, so this slightly understates decode).
+llama.cpp is not a column: llama-cpp-python has no wheel for this platform on the package index
+(it builds llama.cpp from source).
+
+    python benchmarks/bench_vs_transformers.py --json results/vs_transformers.json
+    python benchmarks/bench_vs_transformers.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+# Random prompt ids start here: the special tokens of the models served sit below it.
+FIRST_PROMPT_ID = 256
+
+
+def log(message: str) -> None:
+    print(f"[bench_vs_transformers {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a named model or a .gguf path")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="requests at once, per case")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--prefill-prompts", type=int, default=4, help="0 skips the prefill-heavy case")
+    p.add_argument("--prefill-len", type=int, default=2048)
+    p.add_argument("--prefill-output-len", type=int, default=4)
+    p.add_argument("--torch-threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true",
+                   help="a short run that proves the script works: N = 1, 4; 32 in / 8 out; prefill 2 x 256")
+    p.add_argument("--json", default=None, help="write machine limits, parameters and every case here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.input_len, args.output_len = [1, 4], 32, 8
+        args.prefill_prompts, args.prefill_len, args.prefill_output_len = 2, 256, 2
+    bad = [f"--{k.replace('_', '-')}" for k in ("input_len", "output_len", "prefill_len", "prefill_output_len",
+                                                  "torch_threads") if getattr(args, k) < 1]
+    bad += ["--concurrency"] if min(args.concurrency) < 1 else []
+    bad += ["--prefill-prompts"] if args.prefill_prompts < 0 else []
+    if bad:
+        p.error(f"{', '.join(bad)} must be positive")
+    return args
+
+
+# ----------------------------------------------------------------------------- machine limits
+
+
+def gemm_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
+    a @ b  # first call: thread pool start-up and page faults of the output
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n ** 3 / best / 1e9
+
+
+def read_bandwidth_gbs(nbytes: int = 512 * 2 ** 20, repeats: int = 5) -> float:
+    """Read bandwidth: the array summed by one thread per core (numpy's sum releases the GIL)."""
+    data = np.ones(nbytes // 4, dtype=np.float32)
+    parts = np.array_split(data, os.cpu_count() or 1)
+
+    def read_all():
+        threads = [threading.Thread(target=np.sum, args=(part,)) for part in parts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    read_all()
+    best = min(_timed(read_all) for _ in range(repeats))
+    return data.nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------- the two engines
+
+
+def gguf_path(model: str) -> str:
+    from fastdeploy.model_executor.models.named_models import NAMED_MODELS, resolve
+
+    if model in NAMED_MODELS:
+        return resolve(model)
+    if not os.path.isfile(model):
+        raise ValueError(f"--model {model!r} is neither a named model ({', '.join(NAMED_MODELS)}) nor a file")
+    return model
+
+
+def load_transformers(path: str, threads: int):
+    """transformers' own GGUF loader, float32, on `threads` torch threads."""
+    import importlib.metadata
+
+    import torch
+    import transformers
+
+    try:
+        importlib.metadata.version("torchcodec")
+    except importlib.metadata.PackageNotFoundError:
+        # PaddleFormers' paddlecodec installs a `torchcodec` import package without torchcodec's
+        # metadata, which transformers then fails to read; nothing here decodes audio or video.
+        import transformers.utils
+        import transformers.utils.import_utils as import_utils
+
+        import_utils.is_torchcodec_available = transformers.utils.is_torchcodec_available = lambda: False
+    torch.set_num_threads(threads)
+    folder, name = os.path.split(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval()
+
+
+def matmul_parameters(model) -> tuple:
+    """(decoder matmul parameters, lm_head parameters) of a transformers model."""
+    import torch
+
+    head = model.get_output_embeddings()
+    body = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    return body, head.weight.numel()
+
+
+def run_transformers(model, prompts: list, output_len: int) -> tuple:
+    """One batched greedy `generate` (left padding + mask); (seconds, output ids per prompt)."""
+    import torch
+
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        eos = model.generation_config.eos_token_id
+        pad = eos[0] if isinstance(eos, (list, tuple)) else (eos if eos is not None else 0)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                             min_new_tokens=output_len, do_sample=False, pad_token_id=pad,
+                             temperature=None, top_p=None, top_k=None)
+        elapsed = time.perf_counter() - start
+    return elapsed, out[:, width:].tolist()
+
+
+def run_engine(llm, prompts: list, output_len: int) -> tuple:
+    from fastdeploy import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return elapsed, [list(o.outputs.token_ids) for o in outs]
+
+
+def engine_kwargs(args, cases: list) -> dict:
+    """Room for the largest case at once: memory, not the KV budget, must never hold a case back."""
+    block_size = 64
+    longest = max(c["input_len"] + c["output_len"] for c in cases)
+    blocks = max(c["requests"] * -(-(c["input_len"] + c["output_len"]) // block_size) for c in cases)
+    # Prefix caching off: every case's prompts are fresh, and a cache hit would skip real prefill work.
+    return dict(max_num_seqs=max(c["requests"] for c in cases), max_model_len=longest + block_size,
+                block_size=block_size, num_gpu_blocks_override=blocks + 1, enable_prefix_caching=False)
+
+
+# ----------------------------------------------------------------------------- cases and report
+
+
+def make_cases(args, vocab_size: int) -> list:
+    rng = np.random.default_rng(args.seed)
+    shapes = [(f"decode N={n}", n, args.input_len, args.output_len) for n in args.concurrency]
+    if args.prefill_prompts:
+        shapes.append((f"prefill {args.prefill_prompts}x{args.prefill_len}", args.prefill_prompts,
+                       args.prefill_len, args.prefill_output_len))
+    return [{"name": name, "requests": n, "input_len": i, "output_len": o,
+             "prompts": rng.integers(FIRST_PROMPT_ID, vocab_size, (n, i)).tolist()} for name, n, i, o in shapes]
+
+
+def side_metrics(seconds: float, outputs: list, case: dict, limits: dict, params: tuple) -> dict:
+    body, head = params
+    out_tokens = sum(len(o) for o in outputs)
+    in_tokens = case["requests"] * case["input_len"]
+    flops = (in_tokens + out_tokens) * 2 * body + out_tokens * 2 * head
+    m = {"seconds": seconds, "output_tokens": out_tokens, "output_tok_s": out_tokens / seconds,
+         "total_tok_s": (in_tokens + out_tokens) / seconds,
+         "gemm_fraction": flops / seconds / (limits["gemm_peak_gflops"] * 1e9)}
+    if case["requests"] == 1:
+        weight_bytes = 4 * (body + head)
+        m["bandwidth_fraction"] = weight_bytes * m["output_tok_s"] / (limits["read_bandwidth_gbs"] * 1e9)
+    return m
+
+
+def agreement(a: list, b: list) -> float:
+    """Share of requests whose greedy tokens are identical on both sides."""
+    return sum(x == y for x, y in zip(a, b)) / len(a)
+
+
+def print_table(results: list, limits: dict) -> None:
+    print(f"\nmachine: float32 GEMM 2048^3 {limits['gemm_peak_gflops']:.1f} GFLOP/s, memory read "
+          f"{limits['read_bandwidth_gbs']:.1f} GB/s; engine vs transformers "
+          f"(decode rows: output tok/s; prefill row: prompt + output tok/s)")
+    header = (f"{'case':<20}{'engine tok/s':>14}{'transformers':>14}{'ratio':>8}{'eng %GEMM':>11}"
+              f"{'hf %GEMM':>10}{'eng %BW':>9}{'hf %BW':>8}{'same tokens':>13}")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        key = "total_tok_s" if r["name"].startswith("prefill") else "output_tok_s"
+        e, t = r["engine"], r["transformers"]
+        bw = [f"{s['bandwidth_fraction']:.1%}" if "bandwidth_fraction" in s else "-" for s in (e, t)]
+        print(f"{r['name']:<20}{e[key]:>14.1f}{t[key]:>14.1f}{e[key] / t[key]:>7.2f}x{e['gemm_fraction']:>11.1%}"
+              f"{t['gemm_fraction']:>10.1%}{bw[0]:>9}{bw[1]:>8}{r['same_tokens']:>13.0%}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # torch (and transformers with it) before anything imports PaddleFormers, which can hide torch.
+    import torch  # noqa: F401
+
+    try:
+        path = gguf_path(args.model)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    # As the user set them, before Paddle's import writes OMP_NUM_THREADS=1 into the environment.
+    thread_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    capped = {k: v for k, v in thread_env.items() if v is not None and v.isdigit() and int(v) < (os.cpu_count() or 1)}
+    if capped:
+        log(f"warning: {capped} caps the BLAS below the {os.cpu_count()} cores: the GEMM peak is not the machine's")
+    load_before = os.getloadavg()[0]
+    if load_before > 0.5 * (os.cpu_count() or 1):
+        # Measured on 2 shared cores at load ~10: torch on 2 threads took 16 ms for a [1, 576] x [576, 1536]
+        # product that takes 0.5 ms on 1 thread (its OpenMP barrier waits for a descheduled peer).
+        log(f"warning: load average {load_before:.1f} on {os.cpu_count()} cores: multi-threaded code stalls "
+            f"on a busy machine and the comparison means little; run it on a quiet one")
+    log("measuring this machine's limits")
+    limits = {"gemm_peak_gflops": gemm_peak_gflops(), "read_bandwidth_gbs": read_bandwidth_gbs()}
+    log(f"GEMM peak {limits['gemm_peak_gflops']:.1f} GFLOP/s, read bandwidth {limits['read_bandwidth_gbs']:.1f} GB/s")
+
+    log(f"loading transformers' reference from {path}")
+    hf = load_transformers(path, args.torch_threads)
+    params = matmul_parameters(hf)
+    cases = make_cases(args, hf.config.vocab_size)
+
+    from fastdeploy import LLM
+
+    log("loading the engine")
+    llm = LLM(model=path, **engine_kwargs(args, cases))
+    warm = [cases[0]["prompts"][0][:8]]
+    run_engine(llm, warm, 2)  # op build/load and first-call costs stay out of the timed cases
+    run_transformers(hf, warm, 2)
+
+    results = []
+    for case in cases:
+        sides = {}
+        for side, runner, model in (("engine", run_engine, llm), ("transformers", run_transformers, hf)):
+            log(f"{case['name']}: {side} ({case['requests']} x {case['input_len']} in / {case['output_len']} out)")
+            seconds, outputs = runner(model, case["prompts"], case["output_len"])
+            sides[side] = (outputs, side_metrics(seconds, outputs, case, limits, params))
+            log(f"{case['name']}: {side} {sides[side][1]['output_tokens']} output tokens in {seconds:.1f} s")
+        results.append({"name": case["name"], "requests": case["requests"], "input_len": case["input_len"],
+                        "output_len": case["output_len"], "engine": sides["engine"][1],
+                        "transformers": sides["transformers"][1],
+                        "ratio_output_tok_s": sides["engine"][1]["output_tok_s"] /
+                        sides["transformers"][1]["output_tok_s"],
+                        "same_tokens": agreement(sides["engine"][0], sides["transformers"][0])})
+    print_table(results, limits)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"model": path, "limits": limits, "matmul_parameters": params[0] + params[1],
+                       "lm_head_parameters": params[1], "torch_threads": args.torch_threads,
+                       "thread_env": thread_env, "cpu_count": os.cpu_count(),
+                       "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
+                       "cases": results, "args": vars(args)}, f, indent=2)
+        log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

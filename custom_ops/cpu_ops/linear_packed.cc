@@ -1,0 +1,213 @@
+// CPU dense layer on a weight packed once at load: y[M, N] = x[M, K] . W[N, K]^T.
+//
+// Packed layout: [P, K, 32] float32, P = ceil(N / 32); panel p holds output
+// columns [32p, 32p + 32) (zero past N), k-major, so a step streams each panel
+// once and 32 outputs of a row take two 16-wide FMAs per k.
+//
+// Why not a BLAS here (measured in benchmarks/bench_linear_cpu.py): OpenBLAS's
+// sgemm packs the weight again on every call and is 3-5x slower than this for
+// the 1-8 rows of a decode step, and no BLAS promises a row the same bits
+// whatever the row count. This kernel does by construction: every output is
+// one chain of fused multiply-adds over k = 0..K-1 from 0.0f, whichever row
+// tile, thread or instruction set (AVX-512, AVX2, scalar std::fma — all
+// correctly rounded, so all give the same bits) computes it. A request's
+// tokens therefore cannot depend on its batch mates, with no row padding.
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "paddle/extension.h"
+#include "work_pool.h"
+
+namespace {
+
+constexpr int kPanel = 32;    // output columns per panel
+constexpr int kRowBlock = 48;  // rows of x kept hot while a thread walks its panels
+constexpr int kPanelGroup = 4;  // panels per work item
+
+// rows x 32 outputs of one panel. R is a compile-time row count so the
+// accumulators live in registers.
+template <int R>
+__attribute__((target("avx512f"))) void tile_avx512(const float* x, int64_t k_dim,
+                                                   const float* panel, float* y,
+                                                   int64_t ldy, int cols) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(panel + k * kPanel);
+    const __m512 b1 = _mm512_loadu_ps(panel + k * kPanel + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * k_dim + k]);
+      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+    }
+  }
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : __mmask16((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : __mmask16((1u << (cols - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);
+  }
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t k_dim,
+                                                 const float* panel, float* y,
+                                                 int64_t ldy, int cols) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k_dim; ++k) {
+    __m256 b[4];
+    for (int j = 0; j < 4; ++j) b[j] = _mm256_loadu_ps(panel + k * kPanel + 8 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_set1_ps(x[r * k_dim + k]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_ps(a, b[j], acc[r][j]);
+    }
+  }
+  alignas(32) float out[kPanel];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) _mm256_store_ps(out + 8 * j, acc[r][j]);
+    std::memcpy(y + r * ldy, out, sizeof(float) * size_t(cols));
+  }
+}
+
+void tile_scalar(const float* x, int rows, int64_t k_dim, const float* panel,
+                 float* y, int64_t ldy, int cols) {
+  for (int r = 0; r < rows; ++r) {
+    float acc[kPanel] = {0.0f};
+    for (int64_t k = 0; k < k_dim; ++k)
+      for (int j = 0; j < kPanel; ++j)
+        acc[j] = std::fma(x[r * k_dim + k], panel[k * kPanel + j], acc[j]);
+    std::memcpy(y + r * ldy, acc, sizeof(float) * size_t(cols));
+  }
+}
+
+// The last `rows` (< 12) rows: one tile of exactly that many.
+template <int R>
+void avx512_tail(int rows, const float* x, int64_t k_dim, const float* panel, float* y,
+                 int64_t ldy, int cols) {
+  if constexpr (R > 0) {
+    if (rows == R) return tile_avx512<R>(x, k_dim, panel, y, ldy, cols);
+    avx512_tail<R - 1>(rows, x, k_dim, panel, y, ldy, cols);
+  }
+}
+
+enum class Isa { kAvx512, kAvx2, kScalar };
+
+Isa detect_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+  return Isa::kScalar;
+}
+
+// rows [0, rows) of x against one panel, in register tiles.
+void rows_times_panel(Isa isa, const float* x, int rows, int64_t k_dim,
+                      const float* panel, float* y, int64_t ldy, int cols) {
+  int r = 0;
+  if (isa == Isa::kAvx512) {
+    for (; r + 12 <= rows; r += 12) tile_avx512<12>(x + r * k_dim, k_dim, panel, y + r * ldy, ldy, cols);
+    avx512_tail<11>(rows - r, x + r * k_dim, k_dim, panel, y + r * ldy, ldy, cols);
+  } else if (isa == Isa::kAvx2) {
+    for (; r + 3 <= rows; r += 3) tile_avx2<3>(x + r * k_dim, k_dim, panel, y + r * ldy, ldy, cols);
+    if (rows - r == 2) tile_avx2<2>(x + r * k_dim, k_dim, panel, y + r * ldy, ldy, cols);
+    if (rows - r == 1) tile_avx2<1>(x + r * k_dim, k_dim, panel, y + r * ldy, ldy, cols);
+  } else {
+    tile_scalar(x, rows, k_dim, panel, y, ldy, cols);
+  }
+}
+
+std::vector<paddle::Tensor> LinearPacked(const paddle::Tensor& x_in,
+                                         const paddle::Tensor& packed,
+                                         int64_t n) {
+  const paddle::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 &&
+               packed.dtype() == paddle::DataType::FLOAT32,
+           "linear_packed: x and the packed weight must be float32");
+  PD_CHECK(x.is_cpu() && packed.is_cpu(), "linear_packed: CPU tensors only");
+  PD_CHECK(packed.is_contiguous() && packed.shape().size() == 3 &&
+               packed.shape()[2] == kPanel,
+           "linear_packed: the weight must be packed [panels, in, 32]");
+  const auto& xs = x.shape();
+  PD_CHECK(!xs.empty(), "linear_packed: x must have at least one dimension");
+  const int64_t k_dim = xs.back(), panels = packed.shape()[0];
+  PD_CHECK(packed.shape()[1] == k_dim, "linear_packed: x's last dimension (",
+           k_dim, ") must equal the weight's in-features (", packed.shape()[1], ")");
+  PD_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel,
+           "linear_packed: out-features ", n, " do not match ", panels, " panels");
+  const int64_t m = k_dim == 0 ? 0 : x.numel() / k_dim;
+  std::vector<int64_t> out_shape(xs.begin(), xs.end());
+  out_shape.back() = n;
+  paddle::Tensor y = paddle::empty(out_shape, paddle::DataType::FLOAT32, x.place());
+  if (m == 0 || n == 0) return {y};
+  float* yp = y.data<float>();
+  if (k_dim == 0) {
+    std::memset(yp, 0, sizeof(float) * size_t(m * n));
+    return {y};
+  }
+  static const Isa isa = detect_isa();
+  const float* xp = x.data<float>();
+  const float* wp = packed.data<float>();
+  const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t groups = (panels + kPanelGroup - 1) / kPanelGroup;
+  // Small products are not worth waking a helper (a few microseconds each way).
+  const bool parallel = double(m) * double(n) * double(k_dim) > double(1 << 20);
+  const int workers = parallel ? fd_cpu::usable_cpus() : 1;
+  fd_cpu::WorkPool::instance().run(row_blocks * groups, workers, [&](int64_t item, int) {
+    const int64_t rb = item / groups, g = item % groups;
+    const int64_t r0 = rb * kRowBlock;
+    const int rows = int(std::min<int64_t>(kRowBlock, m - r0));
+    for (int64_t p = g * kPanelGroup; p < std::min<int64_t>(panels, (g + 1) * kPanelGroup); ++p) {
+      const int cols = int(std::min<int64_t>(kPanel, n - p * kPanel));
+      rows_times_panel(isa, xp + r0 * k_dim, rows, k_dim, wp + p * k_dim * kPanel,
+                       yp + r0 * n + p * kPanel, n, cols);
+    }
+  });
+  return {y};
+}
+
+template <typename Id>
+void gather_packed_rows(const float* wp, int64_t k_dim, const Id* id, int64_t t,
+                        int64_t n, float* op) {
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t v = int64_t(id[i]);
+    PD_CHECK(v >= 0 && v < n, "packed_rows: id ", v, " out of range [0, ", n, ")");
+    const float* src = wp + (v / kPanel) * k_dim * kPanel + v % kPanel;
+    for (int64_t k = 0; k < k_dim; ++k) op[i * k_dim + k] = src[k * kPanel];
+  }
+}
+
+// Rows `ids` of the unpacked weight (an embedding lookup on a packed tied table).
+std::vector<paddle::Tensor> PackedRows(const paddle::Tensor& packed,
+                                       const paddle::Tensor& ids_in, int64_t n) {
+  const paddle::Tensor ids = ids_in.is_contiguous() ? ids_in : ids_in.contiguous();
+  PD_CHECK(ids.dtype() == paddle::DataType::INT64 || ids.dtype() == paddle::DataType::INT32,
+           "packed_rows: ids must be int32 or int64");
+  PD_CHECK(packed.is_contiguous() && packed.shape().size() == 3 && packed.shape()[2] == kPanel,
+           "packed_rows: the weight must be packed [panels, in, 32]");
+  const int64_t k_dim = packed.shape()[1], t = ids.numel();
+  paddle::Tensor out = paddle::empty({t, k_dim}, paddle::DataType::FLOAT32, packed.place());
+  if (ids.dtype() == paddle::DataType::INT64)
+    gather_packed_rows(packed.data<float>(), k_dim, ids.data<int64_t>(), t, n, out.data<float>());
+  else
+    gather_packed_rows(packed.data<float>(), k_dim, ids.data<int32_t>(), t, n, out.data<float>());
+  return {out};
+}
+
+}  // namespace
+
+PD_BUILD_OP(linear_packed)
+    .Inputs({"x", "packed"})
+    .Outputs({"out"})
+    .Attrs({"n: int64_t"})
+    .SetKernelFn(PD_KERNEL(LinearPacked));
+
+PD_BUILD_OP(packed_rows)
+    .Inputs({"packed", "ids"})
+    .Outputs({"out"})
+    .Attrs({"n: int64_t"})
+    .SetKernelFn(PD_KERNEL(PackedRows));

@@ -1,0 +1,60 @@
+// CPU RMSNorm over the last axis: y[r] = (x[r] * rsqrt(mean(x[r]^2) + eps)) * w, float32.
+//
+// Why an op and not Paddle's mean/rsqrt/multiply: Paddle's CPU reduction over the last axis
+// gives the tail rows of a batch (past the largest multiple of its vector tile) other bits than
+// the rest, so a request's hidden state - and its tokens - would depend on how many rows its
+// batch mates bring. Here every row runs the same code: a sum of squares in one fixed order.
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "paddle/extension.h"
+#include "work_pool.h"
+
+namespace {
+
+constexpr int kLanes = 8;  // partial sums, combined in a fixed order: same bits for every row
+
+void norm_row(const float* x, const float* w, int64_t d, float eps, float* y) {
+  float part[kLanes] = {0.f};
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) part[l] += x[i + l] * x[i + l];
+  for (int l = 0; i < d; ++i, ++l) part[l] += x[i] * x[i];
+  float sum = 0.f;
+  for (int l = 0; l < kLanes; ++l) sum += part[l];
+  const float inv = 1.0f / std::sqrt(sum / float(d) + eps);
+  for (int64_t j = 0; j < d; ++j) y[j] = (x[j] * inv) * w[j];
+}
+
+std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x_in, const paddle::Tensor& w_in, float eps) {
+  const paddle::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
+  const paddle::Tensor w = w_in.is_contiguous() ? w_in : w_in.contiguous();
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && w.dtype() == paddle::DataType::FLOAT32,
+           "rms_norm: x and weight must be float32");
+  PD_CHECK(!x.shape().empty(), "rms_norm: x must have at least one axis");
+  const int64_t d = x.shape().back();
+  PD_CHECK(w.numel() == d, "rms_norm: weight has ", w.numel(), " elements, x's last axis ", d);
+  const int64_t rows = d == 0 ? 0 : x.numel() / d;
+  paddle::Tensor y = paddle::empty(x.shape(), paddle::DataType::FLOAT32, x.place());
+  const float* xp = x.data<float>();
+  const float* wp = w.data<float>();
+  float* yp = y.data<float>();
+  constexpr int64_t kRowsPerItem = 64;
+  const int64_t items = (rows + kRowsPerItem - 1) / kRowsPerItem;
+  const int workers = rows * d > (1 << 18) ? fd_cpu::usable_cpus() : 1;
+  fd_cpu::WorkPool::instance().run(items, workers, [&](int64_t item, int) {
+    for (int64_t r = item * kRowsPerItem; r < std::min(rows, (item + 1) * kRowsPerItem); ++r)
+      norm_row(xp + r * d, wp, d, eps, yp + r * d);
+  });
+  return {y};
+}
+
+}  // namespace
+
+PD_BUILD_OP(rms_norm_rows)
+    .Inputs({"x", "weight"})
+    .Outputs({"out"})
+    .Attrs({"eps: float"})
+    .SetKernelFn(PD_KERNEL(RmsNorm));

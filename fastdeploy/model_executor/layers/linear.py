@@ -1,0 +1,122 @@
+"""Dense layers: `y = x . W^T` with W in the checkpoint's `[out, in]` layout, one entry for every
+device.
+
+- CPU float32 -> the packed kernel (a `Linear`) or OpenBLAS sgemm (`linear()`, blas_gemm.py): both
+  row-invariant: a row's output has the same bits whatever the other rows of the batch are and
+  however many there are, so no row padding is needed for batch invariance.
+- anything else (GPU tensors, bf16/fp16) -> `paddle.matmul(x, W, transpose_y=True)` (cuBLAS on the
+  GPU), its rows padded to a multiple of ROW_ALIGN: Paddle's GEMM gives a row the same bits only
+  when the row count is such a multiple (remainder rows take another code path).
+
+`Linear` holds a model's weight packed once at load for the CPU kernel (custom_ops/cpu_ops/
+linear_packed.cc: faster than a BLAS for decode-sized batches, row-invariant by construction),
+and fuses several weights that read the same input (q/k/v; gate/up) into one GEMM. `linear()`
+serves weights used as they are (MoE experts, the router): OpenBLAS on the CPU, also row-invariant.
+"""
+
+from __future__ import annotations
+
+import paddle
+
+from fastdeploy.model_executor.layers.blas_gemm import linear_packed, linear_sgemm, pack, packed_rows
+
+
+def uses_cpu_gemm(x: paddle.Tensor, weight: paddle.Tensor) -> bool:
+    return x.place.is_cpu_place() and x.dtype == paddle.float32 and weight.dtype == paddle.float32
+
+
+ROW_ALIGN = 8
+
+
+def linear(x: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
+    """`x [rows, in] . weight[out, in]^T -> [rows, out]`."""
+    if uses_cpu_gemm(x, weight):
+        return linear_sgemm()(x, weight)
+    rows = x.shape[0]
+    extra = -rows % ROW_ALIGN
+    if extra == 0:
+        return paddle.matmul(x, weight, transpose_y=True)
+    padded = paddle.concat([x, paddle.zeros([extra] + list(x.shape[1:]), dtype=x.dtype)], axis=0)
+    return paddle.matmul(padded, weight, transpose_y=True)[:rows]
+
+
+class Linear:
+    """Weights `[out_i, in]` that read the same input, concatenated along out and held as this
+    device's GEMM wants them: packed once (blas_gemm.pack) for the CPU float32 kernel, else one
+    dense `[sum out, in]` tensor for Paddle's matmul. `__call__` is one GEMM giving the parts'
+    outputs side by side; `split` separates them (views, no copy)."""
+
+    def __init__(self, parts: list):
+        if not parts:
+            raise ValueError("Linear needs at least one weight")
+        if len({int(p.shape[1]) for p in parts}) != 1 or len({p.dtype for p in parts}) != 1:
+            raise ValueError(f"Linear: fused weights must share in-features and dtype, got shapes "
+                             f"{[list(p.shape) for p in parts]} and dtypes {[str(p.dtype) for p in parts]}")
+        self.sizes = [int(p.shape[0]) for p in parts]
+        self.out_features, self.in_features = sum(self.sizes), int(parts[0].shape[1])
+        self.dtype = parts[0].dtype
+        dense = parts[0] if len(parts) == 1 else paddle.concat(parts, axis=0)
+        if uses_cpu_gemm(dense, dense):
+            self.packed, self.dense = pack(dense), None
+        else:
+            self.packed, self.dense = None, dense if dense.is_contiguous() else dense.contiguous()
+
+    def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
+        if self.packed is not None:
+            return linear_packed()(x, self.packed, self.out_features)
+        return linear(x, self.dense)
+
+    def split(self, y: paddle.Tensor) -> list:
+        """The parts of a fused output `[.., sum out]`, in the order the weights were given."""
+        outs, start = [], 0
+        for size in self.sizes:
+            outs.append(y[..., start:start + size])
+            start += size
+        return outs
+
+    def rows(self, ids: paddle.Tensor) -> paddle.Tensor:
+        """Rows `ids` of the fused weight: the embedding lookup of a tied LM head."""
+        if self.packed is not None:
+            return packed_rows()(self.packed, ids, self.out_features)
+        return paddle.nn.functional.embedding(ids, self.dense)
+
+    def unpack(self, start: int = 0, size: int | None = None) -> paddle.Tensor:
+        """Rows [start, start + size) of the fused `[out, in]` weight as a dense tensor."""
+        size = self.out_features - start if size is None else size
+        if self.packed is None:
+            return self.dense[start:start + size]
+        ids = paddle.arange(start, start + size, dtype="int64")
+        return packed_rows()(self.packed, ids, self.out_features)
+
+
+class WeightView:
+    """One part of a `Linear`, standing in for the checkpoint tensor under its own name (the
+    model's name -> tensor dict: saving, byte counts, tests), without a second copy in memory."""
+
+    def __init__(self, owner: Linear, start: int, size: int):
+        self.owner, self.start, self.size = owner, start, size
+        self.shape = [size, owner.in_features]
+        self.dtype = owner.dtype
+
+    def element_size(self) -> int:
+        return paddle.zeros([1], dtype=self.dtype).element_size()
+
+    def tensor(self) -> paddle.Tensor:
+        return self.owner.unpack(self.start, self.size)
+
+    def numpy(self):
+        return self.tensor().numpy()
+
+    def astype(self, dtype) -> paddle.Tensor:
+        return self.tensor().astype(dtype)
+
+
+def fuse_named(weights: dict, names: list) -> Linear:
+    """One `Linear` of `weights[name]` for `names`; each name then points at its `WeightView`,
+    so the model's name -> tensor dict keeps working and the separate copies are freed."""
+    fused = Linear([weights[n] for n in names])
+    start = 0
+    for name, size in zip(names, fused.sizes):
+        weights[name] = WeightView(fused, start, size)
+        start += size
+    return fused

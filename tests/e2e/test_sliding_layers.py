@@ -1,0 +1,102 @@
+"""A model with sliding *layers* (tiny-sliding-layers: five sliding layers of window 48 to one global,
+2 KV heads) gives the NATIVE_ATTN oracle's greedy tokens in every memory mode: 1-D tables with the
+sliding layers masked, and slots + lanes (one lane of 6 layers, 12 slots: 10 sliding, 2 full) with
+recycling off and on; prompts far longer than the window, chunked prefill and preemption included.
+The same holds with head-wise SWA added on the global layer (11 sliding slots, 1 full), of the
+layers' window or of another one (two sliding types: the layers' slots recycle)."""
+
+import pytest
+
+from fastdeploy import LLM, SamplingParams
+
+PRESET = "tiny-sliding-layers"
+PROMPT_LENGTHS = [1, 7, 16, 60, 130, 210]  # up to ~4x the window
+MAX_TOKENS = 20
+BOTH = {"sliding_window": 48, "sink_size": 0, "swa_kv_heads": [0]}  # the global layer's head 0 slides too
+TWO_WINDOWS = {"sliding_window": 32, "sink_size": 4, "swa_kv_heads": [0]}  # ... with a window of its own
+
+
+def prompts():
+    return [[3 + (i * 41 + n * 13 + (i * i) % 29) % 250 for i in range(n)] for n in PROMPT_LENGTHS]
+
+
+def generate(monkeypatch, backend, head_wise, recycle, reserve="1", **engine_args):
+    monkeypatch.setenv("FD_ATTENTION_BACKEND", backend)
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", head_wise)
+    monkeypatch.setenv("FD_HEAD_WISE_SWA_RECYCLE", recycle)
+    monkeypatch.setenv("FD_RESERVE_OUTPUT_PAGES", reserve)
+    engine_args.setdefault("block_size", 16)
+    engine_args.setdefault("max_model_len", 512)
+    engine_args.setdefault("max_num_seqs", 8)
+    llm = LLM(model=PRESET, **engine_args)
+    outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    return [o.outputs.token_ids for o in outs], llm.engine
+
+
+def _oracle(**engine_args):
+    mp = pytest.MonkeyPatch()
+    try:
+        tokens, _ = generate(mp, "NATIVE_ATTN", "0", "1", num_gpu_blocks_override=256, **engine_args)
+    finally:
+        mp.undo()
+    assert all(len(t) == MAX_TOKENS for t in tokens)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return _oracle()
+
+
+MODES = {"1d": ("0", "1"), "slots_recycle_off": ("1", "0"), "slots_recycle_on": ("1", "1")}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sliding_layers_match_the_oracle_in_every_mode(monkeypatch, oracle, mode):
+    tokens, engine = generate(monkeypatch, "APPEND_ATTN", *MODES[mode], num_gpu_blocks_override=256)
+    assert tokens == oracle
+    layout = engine.fd_config.slot_layout
+    assert (layout.num_lanes, layout.slots_per_rank, len(layout.sliding_slots)) == (1, 12, 10)
+    if mode == "slots_recycle_on":
+        assert engine.get_stats()["swa_pages_recycled_total"] > 0
+
+
+# Blocks too few for all six requests at once (recycling on needs far fewer pages per request).
+TIGHT_BLOCKS = {"1d": 20, "slots_recycle_off": 20, "slots_recycle_on": 10}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sliding_layers_chunked_prefill_and_preemption_match_the_oracle(monkeypatch, oracle, mode):
+    tokens, engine = generate(monkeypatch, "APPEND_ATTN", *MODES[mode], reserve="0",
+                              num_gpu_blocks_override=TIGHT_BLOCKS[mode], max_num_batched_tokens=40)
+    assert engine.get_stats()["num_preemptions_total"] > 0
+    assert tokens == oracle
+    stats = engine.get_stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_the_sliding_layers_change_what_the_model_says(monkeypatch, oracle):
+    """The oracle honours the layer windows: with every layer global the tokens differ (prompts are
+    longer than the window), so the equalities above compare sliding attention, not full."""
+    from fastdeploy.model_executor.models import tiny_preset
+
+    monkeypatch.setitem(tiny_preset.PRESETS, PRESET, {**tiny_preset.PRESETS[PRESET], "layer_sliding_window": None})
+    tokens, _ = generate(monkeypatch, "NATIVE_ATTN", "0", "1", num_gpu_blocks_override=256)
+    assert tokens[:3] == oracle[:3]  # prompts within the window see the same keys
+    assert tokens[3:] != oracle[3:]
+
+
+@pytest.mark.parametrize("mode", ["1d", "slots_recycle_on"])
+@pytest.mark.parametrize("swa, sliding_types", [(BOTH, 1), (TWO_WINDOWS, 2)], ids=["one_window", "two_windows"])
+def test_sliding_layers_with_head_wise_swa_match_the_oracle(monkeypatch, mode, swa, sliding_types):
+    oracle = _oracle(head_wise_swa_config=swa)
+    tokens, engine = generate(monkeypatch, "APPEND_ATTN", *MODES[mode], num_gpu_blocks_override=40, reserve="0",
+                              max_num_batched_tokens=40, head_wise_swa_config=swa)
+    assert tokens == oracle
+    layout = engine.fd_config.slot_layout
+    assert len(layout.sliding_slots) == 11 and len(layout.sliding_types) == sliding_types
+    if mode == "slots_recycle_on":  # the layer window's 10 slots recycle
+        assert engine.scheduler.layout.swa_kv_heads == layout.slots_of(layout.recycled_type)
+        assert len(engine.scheduler.layout.swa_kv_heads) == 10 + (sliding_types == 1)
+        assert engine.get_stats()["swa_pages_recycled_total"] > 0
