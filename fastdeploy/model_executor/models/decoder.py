@@ -119,6 +119,9 @@ class CausalLM:
         self.vocab_start = tp_.vocab_slice(cfg.vocab_size, tp_rank, tp_size)[0] if tp_size > 1 else 0
         self.lm_head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         self.moe = {i: MoEBlock(cfg, i, weights) for i in range(cfg.num_hidden_layers) if is_moe_layer(cfg, i)}
+        # Called as observer(meta, hidden) with the final hidden states of every row of a step, before
+        # the sampled rows are picked: how a tool reads prompt logits off the real path (lm_logits).
+        self.hidden_observer = None
         self.arch = cfg.arch
         self.local_heads = cfg.num_attention_heads // tp_size
         self.local_kv_heads = cfg.num_key_value_heads // tp_size
@@ -227,11 +230,16 @@ class CausalLM:
             moe = self.moe.get(layer_id)
             ffn = tp_.all_reduce(moe(x, num_tokens) if moe is not None else self._dense_mlp(x, layer_id), self.tp_size)
             hidden = hidden + (self._rms_norm(ffn, w[n["post_ffn_norm"]]) if self.arch.sandwich_norms else ffn)
+        if self.hidden_observer is not None:
+            self.hidden_observer(meta, hidden[:num_tokens])
         num_sampled = meta.sample_rows.shape[0]
         if num_sampled == 0:
             return paddle.zeros([0, self.config.vocab_size], dtype="float32")
-        last = paddle.gather(hidden, meta.sample_rows)
-        logits = self.lm_head(self._rms_norm(last, w["model.norm.weight"]))
+        return self.lm_logits(paddle.gather(hidden, meta.sample_rows))
+
+    def lm_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """float32 logits [rows, vocab] of final hidden states."""
+        logits = self.lm_head(self._rms_norm(hidden, self.weights["model.norm.weight"]))
         logits = tp_.all_gather_last_axis(logits, self.tp_size)
         if logits.shape[-1] != self.config.vocab_size:  # vocab-parallel shards are padded
             logits = logits[:, :self.config.vocab_size]

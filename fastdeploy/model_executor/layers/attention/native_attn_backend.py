@@ -39,14 +39,18 @@ class NativeAttentionBackend:
             mask, window, sink = layer_attention_args(model, layer)
             self.layer_masks.append((np.repeat(np.array([mask[h] for h in heads], dtype=bool), group), window, sink))
 
-    def visibility(self, start: int, num_new: int, layer_id: int = 0) -> np.ndarray:
-        """[num_heads, num_new, start + num_new] bool: docs/retention_rule.md, per query head."""
+    def visibility(self, start: int, num_new: int, layer_id: int = 0) -> paddle.Tensor:
+        """[num_heads, num_new, start + num_new] bool: docs/retention_rule.md, per query head.
+
+        Built from aranges in Paddle: handing Paddle a numpy mask this size copies it through a Python
+        list (paddle.assign), which took seconds per layer on long prompts."""
         q_head_is_swa, window, sink = self.layer_masks[layer_id]
-        t = np.arange(start, start + num_new)[:, None]
-        j = np.arange(start + num_new)[None, :]
+        t = paddle.arange(start, start + num_new, dtype="int64").unsqueeze(1)
+        j = paddle.arange(start + num_new, dtype="int64").unsqueeze(0)
         causal = j <= t
         sliding = causal & ((j < sink) | (j > t - window))
-        return np.where(q_head_is_swa[:, None, None], sliding[None], causal[None])
+        swa = host_tensor(q_head_is_swa.reshape(-1, 1, 1))
+        return paddle.where(swa, sliding.unsqueeze(0), causal.unsqueeze(0))
 
     def forward(self, layer_id: int, qkv: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         nh, kvh, d = self.num_heads, self.kv_num_heads, self.head_dim
@@ -67,7 +71,7 @@ class NativeAttentionBackend:
             keys = self.keys[layer_id][slot, :start + n].repeat_interleave(group, axis=1)    # [L, nh, d]
             values = self.values[layer_id][slot, :start + n].repeat_interleave(group, axis=1)
             scores = paddle.matmul(q.transpose([1, 0, 2]), keys.transpose([1, 2, 0])) / math.sqrt(d)
-            visible = host_tensor(self.visibility(start, n, layer_id))
+            visible = self.visibility(start, n, layer_id)
             scores = paddle.where(visible, scores, paddle.full_like(scores, float("-inf")))
             probs = F.softmax(scores, axis=-1)                                              # [nh, n, L]
             out = paddle.matmul(probs, values.transpose([1, 0, 2]))                         # [nh, n, d]

@@ -1,0 +1,437 @@
+"""How much accuracy sliding KV heads cost: `python benchmarks/eval_swa_quality.py --model M --configs FILE`.
+
+For every SWA configuration (a `head_wise_swa` section: one list of KV heads, one list per layer,
+uneven counts too; null = full attention) this runs the engine and reports, against full attention:
+
+- KL(full || config) and top-1 agreement of the next-token distributions on held-out text
+  (pydoc_data.topics, the part the head finder never saw), bucketed by position — below
+  sink + window both must be exactly 0 / 100%, a check of the whole path;
+- perplexity on the same text;
+- synthetic retrieval over context length x depth: a pass key in repeated filler, and several
+  keys (door codes) in prose of which one is asked for — in the filler prose written here
+  ("multikey") or in pydoc_data's reference text ("multikey-docs"); fixed seeds, the model's chat
+  template, the answer's first words given after the generation prompt;
+- the page-need ceiling at the evaluated lengths (cache_manager/head_wise.py PageLayout).
+
+Which path runs a configuration: full attention on the 1-D paged path (APPEND_ATTN); a servable
+configuration (the same count in every layer) on the head-wise paged path with recycling ON
+(FD_HEAD_WISE_KV_CACHE=1, APPEND_ATTN); one the engine cannot serve (uneven counts) on the dense
+reference with per-(layer, head) masks (NATIVE_ATTN), compared with a full-attention run on that same
+backend. Results are written to --json after every configuration; a rerun skips the finished ones.
+
+The configs file is a JSON list of {"name": ..., "head_wise_swa": {...} or null}, or `--standard
+FINDER_JSON` builds the table of docs/swa_quality.md from a find_swa_heads output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fastdeploy.tools import swa_patterns  # noqa: E402
+from fastdeploy.tools.calibration_text import held_out_text, token_segments  # noqa: E402
+
+CHUNK = 512  # prefill chunk: bounds the per-step logits matrix (chunk x vocab float32)
+
+
+def log(msg: str) -> None:
+    print(f"[eval_swa_quality {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# -- configurations ----------------------------------------------------------------------------
+def standard_configs(finder_json: str, num_layers: int, num_kv: int, random_seeds=(0, 1, 2)) -> list:
+    """none, the fixture (head 0 everywhere), each single head, random per-layer choices, the finder's
+    choice at 1 and 2 heads per layer (every scorer), and the global-ranking variants."""
+    doc = json.load(open(finder_json))
+    w, s = doc["window"], doc["sink"]
+
+    def cfg(name, layers):
+        return {"name": name, "head_wise_swa": swa_patterns.section(layers, w, s)}
+
+    out = [{"name": "full", "head_wise_swa": None}]
+    out += [cfg(f"head {h} everywhere" + (" (fixture)" if h == 0 else ""), [[h]] * num_layers) for h in range(num_kv)]
+    out += [cfg(f"random seed {seed}", swa_patterns.random_per_layer(num_layers, num_kv, 1, seed))
+            for seed in random_seeds]
+    for k in (1, 2):
+        for name, scores in doc["scores"].items():
+            scores = np.array(scores)
+            out.append(cfg(f"finder {name} k={k}", swa_patterns.lowest_per_layer(scores, k)))
+            out.append(cfg(f"global {name} k={k}", swa_patterns.lowest_global(scores, k * num_layers)))
+    out += [cfg(f"random seed {seed} k=2", swa_patterns.random_per_layer(num_layers, num_kv, 2, seed))
+            for seed in random_seeds]
+    return out
+
+
+def path_of(spec, num_layers: int) -> str:
+    if spec is None:
+        return "full"
+    return "paged" if swa_patterns.is_even(swa_patterns.per_layer(spec["swa_kv_heads"], num_layers)) else "native"
+
+
+def build_llm(model: str, spec, path: str, max_model_len: int, prefix_caching: bool, max_num_seqs: int = 1):
+    """The engine for one configuration. A servable per-layer spec the engine does not accept yet
+    falls back to the masked dense reference (returned path says which ran)."""
+    from fastdeploy import LLM
+    from fastdeploy.tools.probed_attention import install
+
+    common = dict(model=model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=CHUNK, enable_prefix_caching=prefix_caching)
+    if path == "paged":
+        os.environ.update(FD_HEAD_WISE_KV_CACHE="1", FD_HEAD_WISE_SWA_RECYCLE="1", FD_ATTENTION_BACKEND="APPEND_ATTN")
+        try:
+            return LLM(head_wise_swa_config=spec, **common), "paged"
+        except ValueError as exc:
+            log(f"the engine cannot serve this spec ({exc}); evaluating it with NATIVE_ATTN masks")
+            path = "native"
+    native = path in ("native", "native-full")
+    os.environ.update(FD_HEAD_WISE_KV_CACHE="0", FD_HEAD_WISE_SWA_RECYCLE="1",
+                      FD_ATTENTION_BACKEND="NATIVE_ATTN" if native else "APPEND_ATTN")
+    if native:
+        common["enable_prefix_caching"] = False  # the dense reference keeps K/V per request
+    llm = LLM(**common)
+    if path in ("native", "native-full"):
+        cfg = llm.engine.model_config
+        layers = swa_patterns.per_layer(spec["swa_kv_heads"], cfg.num_hidden_layers) if spec else \
+            [[] for _ in range(cfg.num_hidden_layers)]
+        install(llm, swa_patterns.masks(layers, cfg.num_key_value_heads),
+                spec["sliding_window"] if spec else 1, spec["sink_size"] if spec else 0)
+    return llm, path
+
+
+# -- held-out text -----------------------------------------------------------------------------
+def buckets_for(num_tokens: int, exact_below: int) -> list:
+    edges = sorted({0, exact_below, *[e for e in (1024, 2048, 4096, 8192) if e < num_tokens], num_tokens})
+    return [(a, b) for a, b in zip(edges, edges[1:]) if a < b]
+
+
+def text_logprobs(llm, segment: list) -> np.ndarray:
+    from fastdeploy.tools.prompt_logits import full_prompt_logprobs
+
+    return full_prompt_logprobs(llm, segment)
+
+
+def text_metrics(logprobs: list, segments: list, reference: list, exact_below: int) -> dict:
+    """Per bucket: mean KL(ref || this) and top-1 agreement; perplexity over all positions; and the check
+    that below `exact_below` the log-probs equal the reference's bit for bit."""
+    from fastdeploy.tools.head_scores import kl_rows
+
+    kl = np.stack([kl_rows(r, lp) for r, lp in zip(reference, logprobs)])
+    agree = np.stack([lp.argmax(-1) == r.argmax(-1) for r, lp in zip(reference, logprobs)])
+    nll = np.stack([-lp[np.arange(len(seg) - 1), np.asarray(seg[1:])] for seg, lp in zip(segments, logprobs)])
+    n = kl.shape[1]
+    diff_below = max(float(np.abs(lp[:exact_below] - r[:exact_below]).max()) for r, lp in zip(reference, logprobs))
+    buckets = [{"positions": [a, b], "kl": float(kl[:, a:b].mean()), "top1": float(agree[:, a:b].mean())}
+               for a, b in buckets_for(n, exact_below)]
+    past = slice(min(exact_below, n - 1), None)
+    return {"buckets": buckets, "kl_mean_past_window": float(kl[:, past].mean()),
+            "top1_past_window": float(agree[:, past].mean()),
+            "perplexity": float(np.exp(nll.mean())), "perplexity_past_window": float(np.exp(nll[:, past].mean())),
+            "max_abs_logprob_diff_below_window": diff_below,
+            "exact_below_window": bool(diff_below == 0.0 and kl[:, :exact_below].max() == 0.0
+                                       and agree[:, :exact_below].all())}
+
+
+def below_window_check(text: dict, permuted_heads: bool) -> str:
+    """exact: bit for bit as full attention below sink + window. rounding: the engine permuted KV heads
+    at load (per-layer SWA heads moved to shared slots), which reorders o_proj's sum, so log-probs
+    there differ in the last bits (top-1 must still agree everywhere). FAIL: anything else."""
+    if text["exact_below_window"]:
+        return "exact"
+    below = text["buckets"][0]
+    if permuted_heads and below["top1"] == 1.0 and text["max_abs_logprob_diff_below_window"] < 1e-3:
+        return "rounding (permuted heads)"
+    return "FAIL"
+
+
+# -- retrieval ---------------------------------------------------------------------------------
+FILLER_SENTENCES = (
+    "The morning train left the valley on time, as it does every day.",
+    "A baker on the corner sold warm bread to the people walking past.",
+    "Clouds drifted over the fields and the wind moved the tall grass.",
+    "Children played by the river while their parents talked on the bank.",
+    "The library closed at six, and the last readers went home slowly.",
+)
+COLORS = ("red", "green", "blue", "yellow", "white", "black", "orange", "purple")
+
+
+class RetrievalTask:
+    """Prompts of about `length` tokens with a fact at `depth`, in the model's chat template."""
+
+    def __init__(self, tokenizer, prose: str):
+        self.tok = tokenizer
+        before, after = tokenizer.apply_chat_template([{"role": "user", "content": "@@DOC@@"}]).split("@@DOC@@")
+        self.before, self.after = tokenizer.encode(before), tokenizer.encode(after)
+        self.plain = tokenizer.encode(" ".join(FILLER_SENTENCES * 400))
+        self.prose = tokenizer.encode(prose[:200_000])
+
+    def _fill(self, filler: list, count: int, offset: int) -> list:
+        return [filler[(offset + i) % len(filler)] for i in range(count)]
+
+    def prompt(self, variant: str, length: int, depth: float, rng: np.random.Generator) -> tuple:
+        """(token ids, expected answer)."""
+        if variant == "passkey":
+            key = str(rng.integers(10000, 100000))
+            intro = self.tok.encode("There is a pass key hidden in the text below. Find it and remember it.\n\n")
+            needles = [(depth, self.tok.encode(f" The pass key is {key}. Remember it: {key} is the pass key. "))]
+            question = self.tok.encode("\n\nWhat is the pass key? Answer with the number only.")
+            answer_prefix = self.tok.encode("The pass key is")
+            filler, answer = self.plain, key
+        elif variant in ("multikey", "multikey-docs"):
+            colors = rng.choice(len(COLORS), size=3, replace=False)
+            keys = [str(rng.integers(10000, 100000)) for _ in colors]
+            asked = int(rng.integers(3))
+            # The asked key sits at `depth`; the two distractors at other depths of the text.
+            spots = [depth, (depth + 0.33) % 1.0, (depth + 0.66) % 1.0]
+            order = [asked] + [i for i in range(3) if i != asked]
+            intro = self.tok.encode("Read the document below. It contains codes for several doors.\n\n")
+            needles = [(spots[n], self.tok.encode(f"\nThe code for the {COLORS[colors[i]]} door is {keys[i]}.\n"))
+                       for n, i in enumerate(order)]
+            question = self.tok.encode(f"\n\nWhat is the code for the {COLORS[colors[asked]]} door? "
+                                       "Answer with the number only.")
+            answer_prefix = self.tok.encode(f"The code for the {COLORS[colors[asked]]} door is")
+            # plain prose by default; "multikey-docs" hides them in pydoc_data's code-heavy reference text
+            filler, answer = (self.prose if variant == "multikey-docs" else self.plain), keys[asked]
+        else:
+            raise ValueError(f"unknown retrieval variant {variant!r}")
+        fixed = len(self.before) + len(intro) + sum(len(n) for _, n in needles) + len(question) \
+            + len(self.after) + len(answer_prefix)
+        body = length - fixed
+        if body < 16:
+            raise ValueError(f"context length {length} is too short for the {variant} prompt")
+        doc = self._fill(filler, body, int(rng.integers(len(filler))))
+        for spot, needle in sorted(needles, key=lambda x: -x[0]):  # insert from the back: spots stay put
+            at = int(round(spot * body))
+            doc = doc[:at] + needle + doc[at:]
+        return self.before + intro + doc + question + self.after + answer_prefix, answer
+
+
+def retrieval_prompts(task: RetrievalTask, variants, lengths, depths, trials: int, seed: int) -> list:
+    prompts = []
+    for variant in variants:
+        for length in lengths:
+            for depth in depths:
+                for trial in range(trials):
+                    key = f"{variant}|{length}|{depth}|{trial}|{seed}"
+                    rng = np.random.default_rng(int(hashlib.sha256(key.encode()).hexdigest()[:12], 16))
+                    ids, answer = task.prompt(variant, length, depth, rng)
+                    prompts.append({"variant": variant, "length": length, "depth": depth, "ids": ids, "answer": answer})
+    return prompts
+
+
+def retrieval_metrics(llm, prompts: list) -> list:
+    from fastdeploy import SamplingParams
+
+    outs = llm.generate([p["ids"] for p in prompts], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    cells: dict = {}
+    for p, out in zip(prompts, outs):
+        found = p["answer"] in out.outputs.text.replace(" ", "")
+        cell = cells.setdefault((p["variant"], p["length"], p["depth"]), {"found": 0, "total": 0, "texts": []})
+        cell["found"] += int(found)
+        cell["total"] += 1
+        cell["texts"].append(out.outputs.text.strip()[:40])
+    return [{"variant": v, "length": n, "depth": d, **c} for (v, n, d), c in cells.items()]
+
+
+# -- memory ------------------------------------------------------------------------------------
+def page_need_ceiling(spec, num_layers: int, num_kv: int, lengths, block_size: int) -> dict:
+    """Peak pages of one request with full attention / with this config's recycling, per length.
+    Servable configs: the engine's own layout (heads slide in shared slots). Uneven ones: the same
+    page-need function per (layer, head) pair, as a pair-granular page pool would hold them."""
+    from fastdeploy.cache_manager.head_wise import PageLayout
+
+    out = {}
+    if spec is None:
+        return {str(n): 1.0 for n in lengths}
+    layers = swa_patterns.per_layer(spec["swa_kv_heads"], num_layers)
+    w, s = spec["sliding_window"], spec["sink_size"]
+    for n in lengths:
+        if swa_patterns.is_even(layers):
+            on = PageLayout(block_size, num_kv, 1, tuple(range(len(layers[0]))), w, s, recycle=True)
+            off = PageLayout(block_size, num_kv, 1, tuple(range(len(layers[0]))), w, s, recycle=False)
+            out[str(n)] = off.peak_pages_per_rank(n, 1, CHUNK)[0] / on.peak_pages_per_rank(n, 1, CHUNK)[0]
+        else:
+            full = PageLayout(block_size, 1, 1, (), w, s, recycle=False).peak_pages_per_rank(n, 1, CHUNK)[0]
+            slide = PageLayout(block_size, 1, 1, (0,), w, s, recycle=True).peak_pages_per_rank(n, 1, CHUNK)[0]
+            pairs_swa = sum(len(h) for h in layers)
+            pairs = num_layers * num_kv
+            out[str(n)] = pairs * full / ((pairs - pairs_swa) * full + pairs_swa * slide)
+    return out
+
+
+# -- driver ------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model directory or name (default: the tiny preset)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--configs", help="JSON list of {name, head_wise_swa}")
+    g.add_argument("--standard", metavar="FINDER_JSON", help="the standard table from a find_swa_heads output")
+    g.add_argument("--table", nargs="+", metavar="RESULTS_JSON", help="only print the table of result files")
+    p.add_argument("--only", default=None, help="comma-separated config names to run (default: all)")
+    p.add_argument("--json", default=None, help="results file (rewritten after each config; reruns resume)")
+    p.add_argument("--text-segments", type=int, default=2)
+    p.add_argument("--segment-tokens", type=int, default=2048)
+    p.add_argument("--lengths", default="1024,2048,4096", help="retrieval context lengths")
+    p.add_argument("--depths", default="0.2,0.5,0.8")
+    p.add_argument("--variants", default="passkey,multikey")
+    p.add_argument("--trials", type=int, default=1, help="prompts per retrieval cell")
+    p.add_argument("--retrieval", default=None,
+                   help="comma-separated config names that also run retrieval (default: all)")
+    p.add_argument("--parts", default="text,retrieval", help="what to measure: text, retrieval or both")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=4, help="retrieval prompts in flight at once")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.table:
+        print_table(merged(args.table), [int(x) for x in args.lengths.split(",") if x])
+        return 0
+    from fastdeploy.config import ModelConfig
+
+    mc = ModelConfig.create(args.model, None, None)
+    num_layers, num_kv = mc.num_hidden_layers, mc.num_key_value_heads
+    configs = standard_configs(args.standard, num_layers, num_kv) if args.standard else json.load(open(args.configs))
+    if args.only:
+        wanted = set(args.only.split(","))
+        configs = [c for c in configs if c["name"] in wanted]
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    depths = [float(x) for x in args.depths.split(",") if x]
+    variants = [v for v in args.variants.split(",") if v]
+    parts = set(args.parts.split(","))
+    with_retrieval = None if args.retrieval is None else set(args.retrieval.split(",")) | {"full"}
+    results = json.load(open(args.json)) if args.json and os.path.exists(args.json) else {}
+    settings = {"parts": sorted(parts), "segments": args.text_segments, "segment_tokens": args.segment_tokens, "lengths": lengths,
+                "depths": depths, "variants": variants, "trials": args.trials, "seed": args.seed}
+    if results.get("settings", settings) != settings:
+        log(f"{args.json} holds results of other settings; starting it afresh")
+        results = {}
+    results["settings"], results["model"] = settings, args.model
+    done = results.setdefault("configs", {})
+    max_len = max(lengths + [args.segment_tokens]) + 16
+
+    from fastdeploy.input.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(mc)
+    segments = token_segments(tokenizer, held_out_text(), args.segment_tokens, args.text_segments)
+    prompts = retrieval_prompts(RetrievalTask(tokenizer, held_out_text()[50_000:]), variants, lengths, depths,
+                                args.trials, args.seed)
+    log(f"{len(configs)} configs; {args.text_segments} x {args.segment_tokens} held-out tokens; "
+        f"{len(prompts)} retrieval prompts ({sum(len(p['ids']) for p in prompts)} tokens)")
+    references: dict = {}
+
+    def reference(path: str) -> list:
+        """Full-attention log-probs of the held-out segments on the backend `path` compares with."""
+        key = "native-full" if path == "native" else "full"
+        if key not in references:
+            t0 = time.time()
+            llm, _ = build_llm(args.model, None, key, max_len, prefix_caching=False)
+            references[key] = [text_logprobs(llm, seg) for seg in segments]
+            llm.engine.close()
+            log(f"reference ({key}) log-probs in {time.time() - t0:.0f} s")
+        return references[key]
+
+    for c in configs:
+        name, spec = c["name"], c["head_wise_swa"]
+        if name in done and done[name].get("head_wise_swa") == spec:
+            log(f"{name}: done already")
+            continue
+        t0 = time.time()
+        path = path_of(spec, num_layers)
+        exact_below = spec["sink_size"] + spec["sliding_window"] if spec else args.segment_tokens
+        row = {"head_wise_swa": spec, "path": path}
+        llm, ran = build_llm(args.model, spec, path, max_len, prefix_caching=False) \
+            if spec is not None and "text" in parts else (None, path)
+        row["path"] = ran
+        if "text" in parts:
+            if spec is None:  # the reference itself
+                lps = reference("full")
+            else:
+                lps = [text_logprobs(llm, seg) for seg in segments]
+            row["text"] = text_metrics(lps, segments, reference(ran), exact_below)
+            permuted = llm is not None and llm.engine.model_config.kv_head_orders is not None
+            row["text"]["below_window_check"] = below_window_check(row["text"], permuted)
+            del lps
+        if llm is not None:
+            llm.engine.close()
+        if "retrieval" in parts and (with_retrieval is None or name in with_retrieval):
+            llm, ran = build_llm(args.model, spec, ran, max_len, prefix_caching=True, max_num_seqs=args.max_num_seqs)
+            row["path"] = ran
+            row["retrieval"] = retrieval_metrics(llm, prompts)
+            llm.engine.close()
+        row["page_need_ceiling"] = page_need_ceiling(spec, num_layers, num_kv, lengths, args.block_size)
+        row["seconds"] = round(time.time() - t0, 1)
+        done[name] = row
+        t = row.get("text") or {"kl_mean_past_window": float("nan"), "top1_past_window": float("nan"),
+                                "perplexity": float("nan"), "exact_below_window": None,
+                                "max_abs_logprob_diff_below_window": float("nan")}
+        found = sum(r["found"] for r in row.get("retrieval", []))
+        total = sum(r["total"] for r in row.get("retrieval", []))
+        log(f"{name} [{ran}]: KL {t['kl_mean_past_window']:.4f} top1 {t['top1_past_window']:.3f} "
+            f"ppl {t['perplexity']:.3f} exact-below-window {t['exact_below_window']} "
+            f"(max |diff| {t['max_abs_logprob_diff_below_window']:.2e}) retrieval {found}/{total} "
+            f"ceiling@{lengths[-1]} {row['page_need_ceiling'][str(lengths[-1])]:.2f} ({row['seconds']} s)")
+        if spec is not None and t.get("below_window_check") == "FAIL":
+            log(f"WARNING {name}: positions below sink + window differ from full attention")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    print_table(results["configs"], lengths)
+    return 0
+
+
+def merged(files: list) -> dict:
+    """Rows of several result files (e.g. text and retrieval run in parallel), joined by config name."""
+    rows: dict = {}
+    for path in files:
+        doc = json.load(open(path))
+        for name, row in doc["configs"].items():
+            into = rows.setdefault(name, {})
+            for k, v in row.items():
+                if k == "retrieval" and v:
+                    into.setdefault("retrieval", []).extend(v)
+                elif v is not None:
+                    into[k] = v
+    return rows
+
+
+def print_table(rows: dict, lengths: list) -> None:
+    print("| config | path | KL past window | top-1 past window | ppl | below sink + window | retrieval found | "
+          + " | ".join(f"ceiling@{n}" for n in lengths) + " |")
+    print("|---" * (7 + len(lengths)) + "|")
+    for name, r in rows.items():
+        t = r.get("text")
+        cells = [f"{t['kl_mean_past_window']:.4f}", f"{t['top1_past_window']:.3f}", f"{t['perplexity']:.3f}",
+                 t.get("below_window_check", "exact" if t["exact_below_window"] else "FAIL")] if t else ["-"] * 4
+        ret = r.get("retrieval")
+        found = f"{sum(x['found'] for x in ret)}/{sum(x['total'] for x in ret)}" if ret else "-"
+        ceil = r.get("page_need_ceiling", {})
+        print(f"| {name} | {r['path']} | " + " | ".join(cells) + f" | {found} | "
+              + " | ".join(f"{ceil[str(n)]:.2f}" if str(n) in ceil else "-" for n in lengths) + " |")
+    cells = sorted({(x["variant"], x["length"]) for r in rows.values() for x in r.get("retrieval", [])})
+    if not cells:
+        return
+    print()
+    print("| retrieval (found/prompts, all depths) | " + " | ".join(f"{v} {n}" for v, n in cells) + " |")
+    print("|---" * (1 + len(cells)) + "|")
+    for name, r in rows.items():
+        if not r.get("retrieval"):
+            continue
+        got = {}
+        for x in r["retrieval"]:
+            f, t = got.get((x["variant"], x["length"]), (0, 0))
+            got[(x["variant"], x["length"])] = (f + x["found"], t + x["total"])
+        print(f"| {name} | " + " | ".join(f"{got[c][0]}/{got[c][1]}" if c in got else "-" for c in cells) + " |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
