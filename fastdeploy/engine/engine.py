@@ -45,6 +45,9 @@ class LLMEngine:
                     self.scheduler.cache_manager.num_total_pages, fd_config.head_wise_kv_cache,
                     fd_config.swa_recycle_active, fd_config.attention_backend)
         swa = self.model_config.head_wise_swa
+        if swa is not None:
+            logger.info("head_wise_swa from %s: window %d, sink %d", self.model_config.head_wise_swa_source,
+                        swa.sliding_window, swa.sink_size)
         if swa is not None and swa.layer_kv_heads is not None:
             model = self.model_config
             logger.info("per-layer SWA KV heads (load-time order) %s; KV head order per layer %s",
