@@ -271,23 +271,15 @@ def sentencepiece_as_tokenizer(path: str):
     return tok
 
 
-def is_gguf_file(path: Optional[str]) -> bool:
-    """A file that starts with GGUF's magic (a directory or another file is not one)."""
-    if not path or not os.path.isfile(path):
-        return False
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
-
-
 def load_tokenizer(model_config) -> "ByteTokenizer | TokenizersTokenizer":
     """The checkpoint's tokenizer; only the built-in presets use the byte tokenizer, sized to its own
-    vocab (their ids past 258 decode to nothing). A GGUF file's comes from its metadata, read through
-    the loader's open reader when the config carries one (`gguf_reader`), so the file is parsed once."""
+    vocab (their ids past 258 decode to nothing). A GGUF model's comes from its file's metadata, through
+    the loader's cached reader (gguf_loader.open_gguf), so the file is parsed once."""
     model_dir: Optional[str] = model_config.model
-    if is_gguf_file(model_dir):
+    if model_config.gguf_file is not None:
         from fastdeploy.input.gguf_tokenizer import gguf_tokenizer
 
-        return gguf_tokenizer(getattr(model_config, "gguf_reader", None) or model_dir)[0]
+        return gguf_tokenizer(model_config.gguf_file)[0]
     if model_dir is not None and any(os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
         return HFTokenizer(model_dir, model_config.eos_token_ids, model_config.vocab_size)
     if model_dir is None or model_config.raw.get("fastdeploy_byte_tokenizer"):  # a preset, or one saved

@@ -327,8 +327,8 @@ def test_load_tokenizer_serves_a_gguf_file(tmp_path):
     path = _write_gguf(tmp_path / "t.gguf", **{"tokenizer.chat_template": "{% for m in messages %}"
                                                 "{{ m['content'] }}<|end|>{% endfor %}"})
 
-    class Config:  # what load_tokenizer reads of a model config
-        model = path
+    class Config:  # what load_tokenizer reads of a model config (ModelConfig needs model tensors too)
+        model = gguf_file = path
 
     tok = load_tokenizer(Config())
     assert isinstance(tok, TokenizersTokenizer)

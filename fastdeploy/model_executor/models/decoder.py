@@ -127,7 +127,7 @@ class CausalLM:
         self.local_kv_heads = cfg.num_key_value_heads // tp_size
         # Gemma: embeddings scaled by sqrt(hidden), rounded to the weights' dtype as the reference does.
         self.embed_scale = float(np.float32(cfg.hidden_size ** 0.5)) if cfg.arch.embed_scale else None
-        names = [_layer_names(i) for i in range(cfg.num_hidden_layers)]
+        self.layer_names = names = [_layer_names(i) for i in range(cfg.num_hidden_layers)]  # built once, not per step
         self.qkv = [fuse_named(weights, [n["q"], n["k"], n["v"]]) for n in names]
         self.o = [fuse_named(weights, [n["o"]]) for n in names]
         self.gate_up = {i: fuse_named(weights, [n["gate"], n["up"]]) for i, n in enumerate(names) if i not in self.moe}
@@ -217,7 +217,7 @@ class CausalLM:
         num_tokens = meta.input_ids.shape[0]
         hidden = self._embed(meta.input_ids)
         for layer_id in range(self.config.num_hidden_layers):
-            n = _layer_names(layer_id)
+            n = self.layer_names[layer_id]
             x = self._rms_norm(hidden, w[n["input_norm"]])
             attn = meta.attn_backend.forward(layer_id, self._qkv(x, layer_id, n), meta)
             attn = tp_.all_reduce(self.o[layer_id](attn), self.tp_size)
