@@ -7,7 +7,8 @@ request) over the same cache:
                  masked (visit_all_pages=True), as upstream does with a 1-D table
   k SWA headwise k SWA heads, head-wise table whose dead pages (retention
                  rule, docs/retention_rule.md) are -1 and skipped
-Reported: median time per step over --reps runs, and speed-up vs "full".
+Reported: median time per step over --reps runs, and speed-up vs "full"; then one request
+prefilling --prefill-lens tokens in one step (the tiled path), in ms and attention GFLOP/s.
 The issue's target: all-SWA head-wise at 64k <= 0.1x the full arm.
 A second table compares 1 vs 2 threads (FD_CPU_ATTN_NUM_THREADS).
 
@@ -89,6 +90,33 @@ class DecodeStep:
         return lambda: append_attention(**tensors, **attrs)
 
 
+def prefill_step(args, tokens: int, swa_heads: int):
+    """A zero-argument callable: one request prefilling `tokens` tokens in one step (the tiled path),
+    its first `swa_heads` KV heads sliding; and the step's attention FLOPs (scores + weighted values
+    over the keys each query sees)."""
+    H, bs, D = args.kv_heads, args.block_size, args.head_dim
+    blocks = math.ceil(tokens / bs)
+    shape = [blocks, H, bs, D]
+    i32 = lambda a: paddle.to_tensor(np.asarray(a, np.int32))  # noqa: E731
+    inv_freq = 10000.0 ** (-np.arange(0, D, 2) / D)
+    angle = np.arange(tokens)[:, None] * inv_freq[None, :]
+    swa = np.zeros(H, np.int32)
+    swa[:swa_heads] = 1
+    tensors = dict(
+        qkv=paddle.uniform([tokens, (args.num_heads + 2 * H) * D], min=-1, max=1),
+        key_cache=paddle.zeros(shape, args.dtype), value_cache=paddle.zeros(shape, args.dtype),
+        seq_lens_encoder=i32([tokens]), seq_lens_decoder=i32([0]), seq_lens_this_time=i32([tokens]),
+        cu_seqlens_q=i32([0, tokens]), block_tables=paddle.to_tensor(np.arange(blocks, dtype=np.int32)[None]),
+        rotary_cos=paddle.to_tensor(np.cos(angle).astype(np.float32)),
+        rotary_sin=paddle.to_tensor(np.sin(angle).astype(np.float32)), swa_head_mask=paddle.to_tensor(swa))
+    attrs = dict(num_heads=args.num_heads, kv_num_heads=H, head_dim=D, sliding_window=args.window,
+                 sink_size=args.sink, visit_all_pages=False)
+    seen = np.arange(1, tokens + 1)
+    keys = sum(np.minimum(seen, args.window + args.sink).sum() if h < swa_heads else seen.sum() for h in range(H))
+    flops = 4.0 * keys * (args.num_heads // H) * D
+    return (lambda: append_attention(**tensors, **attrs)), flops
+
+
 def time_arms(fns: dict, reps: int) -> dict:
     """{name: (median, best)} wall ms. Arms take turns within every rep, so load
     from other processes on a shared machine spreads evenly over all arms."""
@@ -123,6 +151,8 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="cache dtype")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=2, help="threads for the main table")
+    p.add_argument("--prefill-lens", type=int, nargs="*", default=[2048],
+                   help="also time one request prefilling this many tokens in one step")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
     os.environ["FD_CPU_ATTN_NUM_THREADS"] = str(args.threads)
@@ -168,6 +198,18 @@ def main() -> None:
     for r in thread_rows:
         print(f"{r['context']:>8}  {r['arm']:<18} {r['ms_1_thread']:>10.2f} {r['ms_2_threads']:>10.2f} "
               f"{r['scaling']:>7.2f}x")
+    prefill_rows = []
+    for tokens in args.prefill_lens:
+        arms_ = {k: prefill_step(args, tokens, k) for k in (0, args.kv_heads)}
+        times = time_arms({k: fn for k, (fn, _) in arms_.items()}, args.reps)
+        for k, (_, flops) in arms_.items():
+            ms = times[k][0]
+            prefill_rows.append(dict(tokens=tokens, swa_heads=k, ms=ms, gflops=flops / (ms / 1e3) / 1e9))
+    if prefill_rows:
+        print(f"\none request prefilling in one step (the tiled path), {args.threads} threads")
+        print(f"{'tokens':>8}  {'SWA heads':>9} {'ms/step':>10} {'GFLOP/s':>9}")
+        for r in prefill_rows:
+            print(f"{r['tokens']:>8}  {r['swa_heads']:>9} {r['ms']:>10.2f} {r['gflops']:>9.1f}")
     last = max(args.contexts)
     target = next(r for r in rows if r["context"] == last and r["mode"] == "headwise"
                   and r["swa_heads"] == args.kv_heads)
@@ -175,7 +217,7 @@ def main() -> None:
     print(f"\ntarget (all-SWA head-wise at {last} <= 0.1x full): {target['vs_full']:.3f}x -> {verdict}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(config=vars(args), compile_flags=compile_flags(), steps=rows, threads=thread_rows,
+            json.dump(dict(config=vars(args), compile_flags=compile_flags(), steps=rows, threads=thread_rows, prefill=prefill_rows,
                            target_ratio=target["vs_full"], target_met=target["vs_full"] <= 0.1), f, indent=2)
 
 

@@ -10,9 +10,10 @@
 //      scheduler bug (-1 where a page is needed) is a clear error raised
 //      before anything is written, never a wild read;
 //   2. rotate q/k (interleaved RoPE) and write the new K/V rows in place;
-//   3. attention per (token, KV head): the query heads of the group share each
-//      K/V row; a SWA head visits only the sink pages and the pages that
-//      overlap its window, so its cost is O(window + sink), not O(sequence).
+//   3. attention per (tile of a request's tokens, KV head): the tile's query
+//      heads and tokens share each K/V page; a SWA head visits only the sink
+//      pages and the pages that overlap its window, so its cost is
+//      O(window + sink), not O(sequence).
 // The argument layout is pinned in docs/op_contract.md.
 
 #include <algorithm>
@@ -99,15 +100,57 @@ int pick_threads(int64_t key_rows, int64_t items) {
   return int(std::max<int64_t>(1, std::min<int64_t>(want, items)));
 }
 
-// Pass 3: one work item per (token, KV head); the group's q heads share every
-// K/V row the item reads. Items write disjoint output rows and each has a fixed
-// summation order, so results do not depend on the thread count.
+// Pass 3 works on tiles: up to kTileTokens consecutive query tokens of one
+// request with one KV head, so every K/V page the tile reads is loaded once
+// for all its query heads and tokens (a decode token is a tile of one). Each
+// query keeps its own softmax state and takes its keys in the same pieces and
+// order as it would alone (attention_tiles.h fixes the arithmetic), so tiling
+// changes the speed, never the bits.
+constexpr int kTileTokens = 16;
+
+struct QueryTile {
+  int request;
+  int64_t row;  // qkv row of the first token
+  int64_t pos;  // position of the first token
+  int tokens;
+};
+
+std::vector<QueryTile> list_tiles(const Batch& b) {
+  std::vector<QueryTile> tiles;
+  for (int r = 0; r < b.bsz; ++r) {
+    for (int j = 0; j < b.seq_lens_this_time[r]; j += kTileTokens) {
+      tiles.push_back({r, int64_t(b.cu_seqlens_q[r]) + j, int64_t(b.seq_lens_decoder[r]) + j,
+                       std::min(kTileTokens, b.seq_lens_this_time[r] - j)});
+    }
+  }
+  return tiles;
+}
+
+// The part of key run [lo, hi) on page [page_lo, page_lo + block_size).
+inline bool on_page(int64_t lo, int64_t hi, int64_t page_lo, int block_size, int64_t* a, int64_t* b) {
+  *a = std::max(lo, page_lo);
+  *b = std::min(hi, page_lo + block_size);
+  return *a < *b;
+}
+
+// One query of a tile that reads a page: its keys there, in at most two
+// pieces (the sink run's part and the window run's part), in position order.
+struct PageReader {
+  int token;  // in the tile
+  int pieces;
+  int64_t lo[2], hi[2];
+  bool live[2];  // the piece has a visible key
+  int query;     // token * group + head of the group
+};
+
+// Items write disjoint output rows and each query's arithmetic is fixed, so
+// results depend neither on the thread count nor on the tiling.
 template <typename OutT, typename CacheT>
-void attend(const Geometry& g, const Batch& b,
-            const std::vector<TokenRef>& tokens, const float* q_rot,
-            const CacheT* key_cache, const CacheT* value_cache, OutT* out) {
+void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& tokens,
+            const float* q_rot, const CacheT* key_cache, const CacheT* value_cache, OutT* out) {
   const int d = g.head_dim;
-  const int64_t items = int64_t(tokens.size()) * g.kv_heads;
+  const std::vector<QueryTile> tiles = list_tiles(b);
+  const int64_t items = int64_t(tiles.size()) * g.kv_heads;
   int64_t key_rows = 0;
   for (const TokenRef& tok : tokens) {
     for (int h = 0; h < g.kv_heads; ++h) {
@@ -117,55 +160,130 @@ void attend(const Geometry& g, const Batch& b,
   }
   const float scale = 1.f / std::sqrt(float(d));
   const int threads = pick_threads(key_rows * g.group, items);
+  const int max_queries = kTileTokens * g.group;
 
   // Per-worker scratch, sized once per step.
   struct Scratch {
     std::vector<float> scores, ktile, vtile, max, denom, acc;
+    std::vector<KeyRuns> runs;
+    std::vector<PageReader> readers;
+    std::vector<const float*> q, w;
+    std::vector<float*> accs;
   };
   std::vector<Scratch> scratch(threads);
   for (Scratch& sc : scratch) {
-    sc.scores.resize(size_t(g.group) * g.block_size);
+    sc.scores.resize(size_t(max_queries) * g.block_size);
     sc.ktile.resize(size_t(g.block_size) * d);
     sc.vtile.resize(size_t(g.block_size) * d);
-    sc.max.resize(g.group);
-    sc.denom.resize(g.group);
-    sc.acc.resize(size_t(g.group) * d);
+    sc.max.resize(max_queries);
+    sc.denom.resize(max_queries);
+    sc.acc.resize(size_t(max_queries) * d);
+    sc.runs.resize(kTileTokens);
+    sc.readers.resize(max_queries);
+    sc.q.resize(max_queries);
+    sc.w.resize(kLanes);
+    sc.accs.resize(kLanes);
   }
 
   WorkPool::instance().run(items, threads, [&](int64_t item, int worker) {
     Scratch& sc = scratch[worker];
-    const TokenRef& tok = tokens[item / g.kv_heads];
+    const QueryTile& tile = tiles[item / g.kv_heads];
     const int h = int(item % g.kv_heads);
     const bool swa = b.swa[h] != 0;
-    std::fill(sc.max.begin(), sc.max.end(), -std::numeric_limits<float>::infinity());
-    std::fill(sc.denom.begin(), sc.denom.end(), 0.f);
-    std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
-    const SoftmaxState st{sc.max.data(), sc.denom.data(), sc.acc.data()};
+    const int queries = tile.tokens * g.group;  // query q = token t * group + head j of the group
+    std::fill(sc.max.begin(), sc.max.begin() + queries, -std::numeric_limits<float>::infinity());
+    std::fill(sc.denom.begin(), sc.denom.begin() + queries, 0.f);
+    std::fill(sc.acc.begin(), sc.acc.begin() + int64_t(queries) * d, 0.f);
+    const auto q_of = [&](int t, int j) {
+      return q_rot + ((tile.row + t) * g.num_heads + int64_t(h) * g.group + j) * d;
+    };
+    int64_t first_key = std::numeric_limits<int64_t>::max(), last_key = 0;
+    for (int t = 0; t < tile.tokens; ++t) {
+      sc.runs[t] = visible_runs(g, swa, tile.pos + t, tile.pos + t);
+      first_key = std::min(first_key, sc.runs[t].lo[0]);
+      last_key = std::max(last_key, sc.runs[t].hi[sc.runs[t].n - 1]);
+    }
     RowMask mask;
     mask.active = swa && g.visit_all;
-    mask.query_pos = tok.pos;
     mask.window = g.window;
     mask.sink = g.sink;
-    const float* q = q_rot + (tok.row * g.num_heads + int64_t(h) * g.group) * d;
 
-    const KeyRuns runs = visible_runs(g, swa, tok.pos, tok.pos);
-    for (int k = 0; k < runs.n; ++k) {
-      for (int64_t lo = runs.lo[k]; lo < runs.hi[k];) {
-        const int i = int(lo / g.block_size);
-        const int64_t page_start = int64_t(i) * g.block_size;
-        const int64_t hi = std::min(runs.hi[k], page_start + g.block_size);
-        const int64_t page = page_of(g, b, tok.request, h, i);
-        const int64_t row0 = (page * g.block_size + (lo - page_start)) * d;
-        attend_rows(q, g.group, d, scale, key_cache + row0, value_cache + row0,
-                    int(hi - lo), lo, mask, sc.scores.data(), sc.ktile.data(),
-                    sc.vtile.data(), st);
-        lo = hi;
+    for (int i = int(first_key / g.block_size); int64_t(i) * g.block_size < last_key; ++i) {
+      const int64_t page_lo = int64_t(i) * g.block_size;
+      // Keys of this page that some query of the tile reads; pages no query
+      // reads (recycled ones among them) are never touched.
+      int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0, a, e;
+      for (int t = 0; t < tile.tokens; ++t)
+        for (int k = 0; k < sc.runs[t].n; ++k)
+          if (on_page(sc.runs[t].lo[k], sc.runs[t].hi[k], page_lo, g.block_size, &a, &e))
+            lo = std::min(lo, a), hi = std::max(hi, e);
+      if (lo >= hi) continue;
+      const int64_t row0 = (page_of(g, b, tile.request, h, i) * g.block_size + (lo - page_lo)) * d;
+      const float* kf = rows_as_float(key_cache + row0, sc.ktile.data(), (hi - lo) * d);
+      const float* vf = rows_as_float(value_cache + row0, sc.vtile.data(), (hi - lo) * d);
+      // The queries that read this page and their pieces of it (sink part, window part).
+      int readers = 0;
+      for (int t = 0; t < tile.tokens; ++t) {
+        PageReader rd{t, 0, {0, 0}, {0, 0}, {false, false}, 0};
+        for (int k = 0; k < sc.runs[t].n; ++k)
+          if (on_page(sc.runs[t].lo[k], sc.runs[t].hi[k], page_lo, g.block_size, &a, &e))
+            rd.lo[rd.pieces] = a, rd.hi[rd.pieces] = e, ++rd.pieces;
+        if (rd.pieces == 0) continue;
+        for (int j = 0; j < g.group; ++j) {
+          rd.query = t * g.group + j;
+          sc.readers[readers] = rd;
+          sc.q[readers++] = q_of(t, j);
+        }
+      }
+      // Scores of every reader over [lo, hi) (keys a reader does not see are never folded).
+      scores_rows(sc.q.data(), readers, kf, int(hi - lo), d, sc.scores.data(), g.block_size);
+      for (int piece = 0; piece < 2; ++piece) {
+        for (int r = 0; r < readers; ++r) {
+          PageReader& rd = sc.readers[r];
+          if (piece >= rd.pieces) continue;
+          mask.query_pos = tile.pos + rd.token;
+          const int qi = rd.query;
+          rd.live[piece] = softmax_step(sc.scores.data() + int64_t(r) * g.block_size + (rd.lo[piece] - lo),
+                                        int(rd.hi[piece] - rd.lo[piece]), d, scale, rd.lo[piece], mask,
+                                        sc.max[qi], sc.denom[qi], sc.acc.data() + int64_t(qi) * d);
+        }
+        // Weighted values 16 keys at a time for all readers, so those rows stay in L1; each
+        // query still takes its keys in order.
+        // Readers that take the whole group go `width` at a time (one load of a row for all).
+        const int width = shared_values_width(d);
+        for (int64_t k0 = lo; k0 < hi; k0 += kLanes) {
+          const int64_t k1 = std::min(k0 + kLanes, hi);
+          int batched = 0;
+          const auto flush = [&] {
+            weighted_values_many(sc.w.data(), sc.accs.data(), batched, vf + (k0 - lo) * d, int(k1 - k0), d);
+            batched = 0;
+          };
+          for (int r = 0; r < readers; ++r) {
+            const PageReader& rd = sc.readers[r];
+            if (piece >= rd.pieces || !rd.live[piece]) continue;
+            const int64_t ka = std::max(k0, rd.lo[piece]), ke = std::min(k1, rd.hi[piece]);
+            if (ka >= ke) continue;
+            float* w = sc.scores.data() + int64_t(r) * g.block_size + (ka - lo);
+            float* acc = sc.acc.data() + int64_t(rd.query) * d;
+            if (ka == k0 && ke == k1 && width > 1) {
+              sc.w[batched] = w;
+              sc.accs[batched++] = acc;
+              if (batched == width) flush();
+            } else {
+              weighted_values(w, vf + (ka - lo) * d, int(ke - ka), d, acc);
+            }
+          }
+          if (batched > 0) flush();
+        }
       }
     }
-    OutT* o = out + (tok.row * g.num_heads + int64_t(h) * g.group) * d;
-    for (int qg = 0; qg < g.group; ++qg) {
-      const float inv = 1.f / sc.denom[qg];
-      for (int i = 0; i < d; ++i) store(o + qg * d + i, sc.acc[qg * d + i] * inv);
+    for (int t = 0; t < tile.tokens; ++t) {
+      OutT* o = out + ((tile.row + t) * g.num_heads + int64_t(h) * g.group) * d;
+      for (int j = 0; j < g.group; ++j) {
+        const int qi = t * g.group + j;
+        const float inv = 1.f / sc.denom[qi];
+        for (int i = 0; i < d; ++i) store(o + j * d + i, sc.acc[int64_t(qi) * d + i] * inv);
+      }
     }
   });
 }

@@ -72,7 +72,10 @@ def compile_flags() -> list[str]:
     """
     # -fopenmp-simd: honour `#pragma omp simd` (vectorised reductions) without
     # linking an OpenMP runtime; threads come from the op's own pool.
-    flags = ["-O3", "-fopenmp-simd", "-std=c++17", "-Wall"]
+    # -ffp-contract=off: a multiply-add the source does not write as an FMA is two roundings in
+    # every copy of a loop (vector body and scalar tail alike), so an element's bits never depend on
+    # where in a vector it landed — the ops' batch-invariance rests on that.
+    flags = ["-O3", "-fopenmp-simd", "-ffp-contract=off", "-std=c++17", "-Wall"]
     cpu = _cpu_flags()
     if {"avx2", "fma"} <= cpu:
         flags += ["-mavx2", "-mfma"]

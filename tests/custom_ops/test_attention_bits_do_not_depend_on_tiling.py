@@ -1,0 +1,142 @@
+"""A query's attention output from the CPU op is the same bits however the step around it is cut.
+
+The op folds a prefill chunk in tiles of consecutive tokens sharing each K/V page (the fast path)
+and a decode token as a tile of one; preemption recomputes generated tokens as prefill, chunked
+prefill cuts prompts where the token budget ends, and batch mates change the tiles' neighbours. The
+engine's promise that a request's tokens never depend on its batch mates (and so that recycling ON
+and OFF can be compared token for token) needs every one of those cuts to give identical bits, and
+the AVX-512 kernels to agree with the portable ones.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy.model_executor.layers.attention.ops import append_attention
+
+BLOCK, HEAD_DIM, KV_HEADS, GROUP = 16, 64, 2, 3
+WINDOW, SINK = 40, 8  # head 0 slides, head 1 is full
+TOKENS = 150
+
+
+def _rotary(max_pos: int, head_dim: int):
+    inv_freq = 10000.0 ** (-np.arange(0, head_dim, 2) / head_dim)
+    angle = np.arange(max_pos)[:, None] * inv_freq[None, :]
+    return (paddle.to_tensor(np.cos(angle).astype(np.float32)),
+            paddle.to_tensor(np.sin(angle).astype(np.float32)))
+
+
+class Run:
+    """Requests prefilled and decoded through a cache of their own, step by step."""
+
+    def __init__(self, qkv_rows: list, head_dim: int = HEAD_DIM):
+        self.qkv = qkv_rows  # per request: [tokens, width] float32, the rows every step reads from
+        self.d = head_dim
+        blocks = [math.ceil(len(q) / BLOCK) for q in qkv_rows]
+        self.table = np.full((len(qkv_rows), max(blocks)), -1, np.int32)
+        start = 0
+        for r, n in enumerate(blocks):
+            self.table[r, :n] = np.arange(start, start + n)
+            start += n
+        shape = [start, KV_HEADS, BLOCK, head_dim]
+        self.key_cache = paddle.zeros(shape, "float32")
+        self.value_cache = paddle.zeros(shape, "float32")
+        self.done = [0] * len(qkv_rows)
+        self.cos, self.sin = _rotary(max(len(q) for q in qkv_rows) + 1, head_dim)
+        self.out = [[] for _ in qkv_rows]
+
+    def step(self, counts: list) -> None:
+        """One op call: request r advances by counts[r] tokens (0: idle in this step)."""
+        i32 = lambda a: paddle.to_tensor(np.asarray(a, np.int32))  # noqa: E731
+        rows = [self.qkv[r][self.done[r]:self.done[r] + c] for r, c in enumerate(counts)]
+        encoder = [c if c > 1 or (c == 1 and self.done[r] == 0) else 0 for r, c in enumerate(counts)]
+        out = append_attention(
+            qkv=paddle.to_tensor(np.concatenate(rows)), key_cache=self.key_cache, value_cache=self.value_cache,
+            seq_lens_encoder=i32(encoder), seq_lens_decoder=i32(self.done), seq_lens_this_time=i32(counts),
+            cu_seqlens_q=i32(np.concatenate([[0], np.cumsum(counts)])), block_tables=paddle.to_tensor(self.table),
+            rotary_cos=self.cos, rotary_sin=self.sin, swa_head_mask=i32([1, 0]),
+            num_heads=KV_HEADS * GROUP, kv_num_heads=KV_HEADS, head_dim=self.d,
+            sliding_window=WINDOW, sink_size=SINK, visit_all_pages=False,
+        ).numpy()
+        at = 0
+        for r, c in enumerate(counts):
+            self.out[r].append(out[at:at + c])
+            at += c
+            self.done[r] += c
+
+    def outputs(self, r: int) -> np.ndarray:
+        return np.concatenate(self.out[r])
+
+
+def _qkv(seed: int, tokens: int, head_dim: int = HEAD_DIM) -> np.ndarray:
+    width = (KV_HEADS * GROUP + 2 * KV_HEADS) * head_dim
+    return np.random.default_rng(seed).standard_normal((tokens, width)).astype(np.float32)
+
+
+def _cut(run: Run, r: int, pieces: list, others: int) -> None:
+    for c in pieces:
+        run.step([c if i == r else 0 for i in range(others)])
+
+
+def _one_request_cut(pieces: list, head_dim: int = HEAD_DIM) -> np.ndarray:
+    run = Run([_qkv(0, TOKENS, head_dim)], head_dim)
+    _cut(run, 0, pieces, 1)
+    return run.outputs(0)
+
+
+def test_one_prefill_step_chunks_and_token_by_token_give_the_same_bits():
+    whole = _one_request_cut([TOKENS])
+    assert np.isfinite(whole).all()
+    # Chunks that split tiles (16 tokens) and pages (16 rows) anywhere, then decode one at a time.
+    chunked = _one_request_cut([5, 16, 1, 30, 33, 7] + [1] * (TOKENS - 92))
+    assert np.array_equal(whole, chunked)
+    assert np.array_equal(whole, _one_request_cut([1] * TOKENS))
+
+
+def test_batch_mates_do_not_change_a_requests_bits():
+    alone = _one_request_cut([TOKENS])
+    # The same request next to two others, in a mixed prefill + decode schedule.
+    run = Run([_qkv(7, 70), _qkv(0, TOKENS), _qkv(8, 90)])
+    run.step([70, 0, 0])
+    run.step([0, 60, 90])
+    for _ in range(TOKENS - 60):
+        run.step([0, 1, 0])
+    assert np.array_equal(alone, run.outputs(1))
+
+
+def test_head_dim_256_tiles_match_token_by_token():
+    # Gemma 3's head_dim: its own kernel variant (q blocks in two passes).
+    whole = _one_request_cut([TOKENS], head_dim=256)
+    assert np.array_equal(whole, _one_request_cut([3, 29] + [1] * (TOKENS - 32), head_dim=256))
+
+
+_GENERIC_RUN = """
+import json, sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from test_attention_bits_do_not_depend_on_tiling import _one_request_cut
+np.save({path!r}, _one_request_cut(json.loads({pieces!r})))
+"""
+
+
+def test_portable_kernels_give_the_avx512_bits(tmp_path):
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        flags = ""
+    if " avx512f" not in flags:
+        pytest.skip("this CPU runs the portable kernels only")
+    pieces = [20, 1, 40] + [1] * (TOKENS - 61)
+    path = str(tmp_path / "generic.npy")
+    script = _GENERIC_RUN.format(tests=os.path.dirname(__file__), path=path, pieces=json.dumps(pieces))
+    env = {**os.environ, "FD_CPU_ATTN_ISA": "generic"}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=600)
+    assert np.array_equal(np.load(path), _one_request_cut(pieces))
