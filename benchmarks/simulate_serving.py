@@ -9,6 +9,7 @@ head-wise cache with identical settings: recycle OFF (FD_HEAD_WISE_SWA_RECYCLE=0
         --json out.json --plot out.png                         # one scenario
     python benchmarks/simulate_serving.py --scenario seed-t53 --windows 1024,4096,8192 --decision \\
         --json cells.json                    # the Hackathon PR1 table: fit on one cell, predict the rest
+    python benchmarks/simulate_serving.py --scenario sliding-layers   # Gemma-3-27B and gpt-oss-20b shapes
 """
 
 from __future__ import annotations
@@ -61,11 +62,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--bw-efficiency", type=float, help="fraction of peak HBM bandwidth kernels reach (1.0)")
     s.add_argument("--flops-efficiency", type=float, help="fraction of peak bf16 FLOP/s kernels reach (1.0)")
     t = p.add_argument_group("--scenario seed-t53: the Hackathon No.53 PR1 measurement, fitted on one cell")
-    t.add_argument("--scenario", choices=["seed-t53"],
+    t.add_argument("--scenario", choices=["seed-t53", "sliding-layers"],
                    help="seed-t53: A800, ERNIE-4.5-21B-A3B, 10.6k/4k tokens, 8 req/s, seed 42, 4/4 SWA, S 0, "
                         "max_num_batched_tokens 32768, on-demand admission, masked attention; fit one parameter on "
                         "recycle OFF at 128 prompts, predict OFF/ON at 128 and 1024 and the TTFT change; --json "
-                        "writes one row per measured cell")
+                        "writes one row per measured cell. sliding-layers: the shape rows of models trained with "
+                        "sliding layers (Gemma-3-27B, gpt-oss-20b) on A800 and H200, OFF = 1-D, ON = slots + "
+                        "recycling, the table's workload (--admission, default projected)")
     t.add_argument("--windows", default="4096", type=lambda text: tuple(int(w) for w in text.split(",")),
                    help="comma-separated windows to calibrate and predict at (the submission's is not stated)")
     t.add_argument("--fit", choices=seed_t53.FIT_PARAMETERS, default="efficiency",
@@ -209,6 +212,21 @@ def run_seed_t53(args) -> int:
     return 0
 
 
+def run_sliding_layers(args) -> int:
+    scenarios = report.sliding_layer_scenarios(args.overhead_ms, args.max_sim_prompts,
+                                               args.admission or ("projected",), attention=args.attention)
+    t0 = time.perf_counter()
+    results = run_scenarios(scenarios, args.jobs)
+    rows = [row for row, _, _ in results]
+    print(report.markdown_sliding_layers(rows))
+    print(f"\n[simulate_serving] sliding layers: {len(scenarios)} scenario(s) in {time.perf_counter() - t0:.1f} s "
+          f"({args.jobs} job(s))", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.calibrate_offline:
@@ -219,6 +237,8 @@ def main(argv=None) -> int:
         except ValueError as exc:
             print(f"simulate_serving: {exc}", file=sys.stderr)
             return 2
+    if args.scenario == "sliding-layers":
+        return run_sliding_layers(args)
     try:
         scenarios, table = scenarios_from(args)
     except ValueError as exc:
