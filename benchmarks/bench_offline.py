@@ -44,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="several waves of both arms, so the steady state dominates")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=512)
-    p.add_argument("--window", type=int, default=None, help=f"head-wise SWA window (default {DEFAULT_SWA['sliding_window']})")
+    p.add_argument("--window", type=int, default=None,
+                   help=f"head-wise SWA window (default {DEFAULT_SWA['sliding_window']})")
     p.add_argument("--sink", type=int, default=None, help=f"head-wise SWA sink (default {DEFAULT_SWA['sink_size']})")
     p.add_argument("--swa-heads", type=int, nargs="+", default=None,
                    help="SWA KV heads (the presets have 4, smollm2-135m-instruct 3; default 0)")
