@@ -200,6 +200,8 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(3, cfg.model_config.vocab_size, args.input_len).tolist() for _ in range(args.num_prompts)]
     swa = swa_config(args)
+    if swa is not None:  # the JSON's args say what ran (simulate_serving.py --calibrate-offline reads them)
+        args.window, args.sink, args.swa_heads = swa["sliding_window"], swa["sink_size"], swa["swa_kv_heads"]
     if args.sliding_layers:
         what = (f"the model's sliding layers, OFF = 1-D, ON = slots + recycling ({cfg.slot_layout.describe()})")
     else:
