@@ -50,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--output-len", type=int)
     s.add_argument("--range-ratio", type=float, help="sample lengths uniformly in len*(1 +- ratio); 0 = fixed")
     s.add_argument("--seed", type=int)
-    s.add_argument("--swa-heads", type=int, help="how many KV heads slide (the first N)")
+    s.add_argument("--swa-heads", type=int, help="how many KV heads slide (the first N); default 4, or none for a "
+                                                 "model with its own sliding layers (then OFF = 1-D)")
     s.add_argument("--window", type=int)
     s.add_argument("--sink", type=int)
     s.add_argument("--block-size", type=int)
@@ -127,13 +128,16 @@ def scenarios_from(args: argparse.Namespace) -> tuple:
                                       attention=args.attention), True
     admissions = args.admission or ("reserve",)
     v = {k: (d if getattr(args, k) is None else getattr(args, k)) for k, d in SCENARIO_DEFAULTS.items()}
+    if args.swa_heads is None and model_slides_layers(v["model_config"]):
+        v["swa_heads"] = None  # its own sliding layers: OFF = 1-D, ON = slots + recycling
     hw = get_hardware(v["hardware"]).scaled(v["bw_efficiency"], v["flops_efficiency"])
     workload = Workload(v["num_prompts"], v["input_len"], v["output_len"], v["request_rate"], v["range_ratio"],
                         v["seed"])
     out = []
     for admission in admissions:
         out.append(Scenario(
-            name=f"{hw.name} swa{v['swa_heads']} W{v['window']} S{v['sink']} n{v['num_prompts']} {admission}"
+            name=(f"{hw.name} swa{v['swa_heads']} W{v['window']} S{v['sink']}" if v["swa_heads"] is not None
+                  else f"{hw.name} sliding layers") + f" n{v['num_prompts']} {admission}"
                  + ("" if args.attention == "skip" else f" {args.attention}")
                  + (f" tp{v['tensor_parallel_size']}{' balanced' if v['balance_swa_heads'] else ''}"
                     if v["tensor_parallel_size"] > 1 else ""),
@@ -146,6 +150,14 @@ def scenarios_from(args: argparse.Namespace) -> tuple:
             max_sim_prompts=args.max_sim_prompts, tensor_parallel_size=v["tensor_parallel_size"],
             balance_swa_heads=v["balance_swa_heads"]))
     return out, False
+
+
+def model_slides_layers(model_config: str) -> bool:
+    """The model config declares sliding layers of its own (Gemma 3's pattern, layer_types)."""
+    from fastdeploy.config import ModelConfig
+    from serving_sim.simulator import model_dir_for
+
+    return ModelConfig.create(model_dir_for(model_config), None, None).layer_sliding_window is not None
 
 
 def calibrate(args) -> int:
@@ -258,7 +270,10 @@ def main(argv=None) -> int:
             print(report.arm_summary("recycle ON", arm_metrics(on)))
             print(f"gain (ON/OFF output throughput): {row['gain']:.3f}   ceiling: {row['ceiling']:.3f}   "
                   f"predicted running OFF/ON: {row['predicted_running_off']}/{row['predicted_running_on']}")
-        print("\n" + report.markdown_table(rows))
+        layers = [r for r in rows if r["swa_heads"] is None]
+        heads = [r for r in rows if r["swa_heads"] is not None]
+        print("\n" + "\n\n".join(([report.markdown_table(heads)] if heads else [])
+                                  + ([report.markdown_sliding_layers(layers)] if layers else [])))
     print(f"\n[simulate_serving] {len(scenarios)} scenario(s), {2 * len(scenarios)} arms in {elapsed:.1f} s "
           f"({args.jobs} job(s))", file=sys.stderr)
     if args.json:

@@ -74,9 +74,9 @@ def sliding_layer_scenarios(overhead_ms: float = 3.0, max_sim_prompts: int = DEF
 
 def model_name(row: dict) -> str:
     for model, path in SLIDING_LAYER_MODELS.items():
-        if row["name"].startswith(model + " "):
+        if os.path.abspath(row["model_config"]) == os.path.abspath(path):
             return model
-    return row["name"]
+    return os.path.splitext(os.path.basename(os.path.normpath(row["model_config"])))[0]
 
 
 def markdown_sliding_layers(rows: list) -> str:
@@ -98,7 +98,8 @@ def markdown_sliding_layers(rows: list) -> str:
     r = rows[0]
     lines.append("")
     lines.append(f"Input {r['input_len']} / output {r['output_len']} tokens, Poisson {r['request_rate']} req/s, "
-                 f"block 64, bf16, KV pool = 90% of HBM - weights, {r['overhead_ms']:g} ms per-step overhead; OFF = "
+                 f"bf16, KV blocks of the pool as listed (default 90% of HBM - weights), {r['overhead_ms']:g} ms "
+                 "per-step overhead; OFF = "
                  "1-D (FD_HEAD_WISE_KV_CACHE=0), ON = slots + recycling. Pages per request: the most one request "
                  "holds at any step (the page-need function, prefill chunks included); ceiling = running ON / OFF "
                  "by the reservation rule.")

@@ -509,6 +509,7 @@ def ab_row(scenario: Scenario, off: ArmOutcome, on: ArmOutcome, predicted: dict)
         _, window, sink = sliding_pairs(fd_on)
     row = {
         "name": scenario.name,
+        "model_config": scenario.model_config,
         "hardware": scenario.hardware.name,
         "swa_heads": scenario.swa_heads,
         "num_kv_heads": shape.num_kv_heads,

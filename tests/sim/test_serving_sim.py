@@ -380,3 +380,17 @@ def test_sliding_layer_rows_report_the_page_need_and_run_more_requests_on():
     assert (row["predicted_running_off"], row["predicted_running_on"]) == (2, 3)
     assert off.result.peak_running <= 2 < on.result.peak_running
     assert off.result.swa_pages_recycled == 0 < on.result.swa_pages_recycled
+
+
+def test_one_scenario_of_a_sliding_layer_model_uses_its_layers_unless_heads_are_asked(tmp_path, capsys):
+    gemma = os.path.join(REPO_ROOT, "benchmarks", "models", "gemma-3-27b.json")
+    common = ["--model-config", gemma, "--num-prompts", "3", "--input-len", "1500", "--output-len", "16",
+              "--num-gpu-blocks-override", "120", "--jobs", "1"]
+    out = tmp_path / "rows.json"
+    assert simulate_serving.main(common + ["--json", str(out)]) == 0
+    row, = json.loads(out.read_text())
+    assert row["swa_heads"] is None and (row["sliding_layers"], row["window"], row["sink"]) == (52, 1024, 0)
+    assert "| Gemma-3-27B |" in capsys.readouterr().out
+    assert simulate_serving.main(common + ["--swa-heads", "1", "--json", str(out)]) == 0
+    row, = json.loads(out.read_text())
+    assert row["swa_heads"] == 1 and row["sliding_layers"] is None
