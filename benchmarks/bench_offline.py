@@ -3,7 +3,8 @@
 Both arms use the same model (the dense tiny preset, `--model tiny-moe`, a named real model such
 as `--model smollm2-135m-instruct`, a .gguf file or a checkpoint directory) with identical settings and the same fixed-length prompts; the page
 budget is sized so memory, not max_num_seqs, limits concurrency. Prints output tokens/s, peak
-running requests, peak pages in use, the gain next to the ceiling predicted by the page-need
+running requests, peak pages in use, the most pages one request held (any step, and once decoding),
+engine steps, the gain next to the ceiling predicted by the page-need
 function, and checks that both arms produced identical tokens.
 
     python benchmarks/bench_offline.py
@@ -12,6 +13,13 @@ function, and checks that both arms produced identical tokens.
     python benchmarks/bench_offline.py --model smollm2-135m-instruct \
         --head-wise-swa-config '{"sliding_window": 256, "sink_size": 16, "swa_kv_heads": [0]}' \
         --num-prompts 48 --input-len 128 --output-len 512 --concurrency-off 16
+    python benchmarks/bench_offline.py --model gemma-3-270m --block-size 64 --input-len 3968 --output-len 128 \
+        --num-prompts 12 --concurrency-off 4 --max-num-batched-tokens 1024
+
+A model trained with sliding layers (Gemma 3) slides by itself: without --window / --sink / --swa-heads /
+--head-wise-swa-config no head-wise section is added, and the arms are the issue's A/B: OFF = 1-D
+(FD_HEAD_WISE_KV_CACHE=0, every layer keeps every token, sliding layers masked), ON = slots + recycling.
+Every other model runs head-wise tables in both arms, recycling off vs on.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import math
 import os
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -35,10 +44,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="several waves of both arms, so the steady state dominates")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=512)
-    p.add_argument("--window", type=int, default=64)
-    p.add_argument("--sink", type=int, default=16)
-    p.add_argument("--swa-heads", type=int, nargs="+", default=[0],
-                   help="SWA KV heads (the presets have 4, smollm2-135m-instruct 3)")
+    p.add_argument("--window", type=int, default=None,
+                   help=f"head-wise SWA window (default {DEFAULT_SWA['sliding_window']})")
+    p.add_argument("--sink", type=int, default=None, help=f"head-wise SWA sink (default {DEFAULT_SWA['sink_size']})")
+    p.add_argument("--swa-heads", type=int, nargs="+", default=None,
+                   help="SWA KV heads (the presets have 4, smollm2-135m-instruct 3; default 0)")
     p.add_argument("--head-wise-swa-config", type=str, default=None,
                    help='JSON {"sliding_window": W, "sink_size": S, "swa_kv_heads": [..]}, as the engine flag '
                         "takes it; replaces --window, --sink and --swa-heads")
@@ -66,10 +76,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def swa_config(args) -> dict:
+DEFAULT_SWA = {"sliding_window": 64, "sink_size": 16, "swa_kv_heads": [0]}
+
+
+def model_slides_layers(args) -> bool:
+    """The model has sliding layers of its own (Gemma 3's layer pattern, a config's layer_types)."""
+    from fastdeploy.config import ModelConfig
+
+    return ModelConfig.create(args.model, None, None).layer_sliding_window is not None
+
+
+def sliding_layers_ab(args) -> bool:
+    """The A/B of a model with its own sliding layers and no head-wise SWA asked for: OFF is 1-D."""
+    asked = (args.head_wise_swa_config, args.window, args.sink, args.swa_heads)
+    return all(a is None for a in asked) and model_slides_layers(args)
+
+
+def swa_config(args) -> Optional[dict]:
     if args.head_wise_swa_config is not None:
         return args.head_wise_swa_config
-    return {"sliding_window": args.window, "sink_size": args.sink, "swa_kv_heads": args.swa_heads}
+    if args.sliding_layers:
+        return None
+    given = {"sliding_window": args.window, "sink_size": args.sink, "swa_kv_heads": args.swa_heads}
+    return {k: DEFAULT_SWA[k] if v is None else v for k, v in given.items()}
+
+
+def arm_flags(args, recycle: bool) -> dict:
+    """FD_HEAD_WISE_KV_CACHE / FD_HEAD_WISE_SWA_RECYCLE of one arm."""
+    if args.sliding_layers:
+        return {"FD_HEAD_WISE_KV_CACHE": "1" if recycle else "0", "FD_HEAD_WISE_SWA_RECYCLE": "1"}
+    return {"FD_HEAD_WISE_KV_CACHE": "1", "FD_HEAD_WISE_SWA_RECYCLE": "1" if recycle else "0"}
 
 
 def engine_args(args) -> dict:
@@ -88,8 +124,7 @@ def run_arm(name: str, recycle: bool, args, prompts) -> dict:
     from fastdeploy.engine.engine import LLMEngine
     from fastdeploy.engine.request import SamplingParams
 
-    os.environ["FD_HEAD_WISE_KV_CACHE"] = "1"
-    os.environ["FD_HEAD_WISE_SWA_RECYCLE"] = "1" if recycle else "0"
+    os.environ.update(arm_flags(args, recycle))
     engine = LLMEngine.from_engine_args(EngineArgs(**engine_args(args)))
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     engine.add_request("warmup", prompts[0][:8], SamplingParams(temperature=0, max_tokens=2))
@@ -100,6 +135,7 @@ def run_arm(name: str, recycle: bool, args, prompts) -> dict:
         engine.add_request(f"{name}-{i}", prompt, params)
     total = engine.get_stats()["kv_pages_total"]
     tokens, peak_running, peak_pages, steps = {}, 0, 0, 0
+    peak_per_request, peak_per_decoding, counting_s = 0, 0, 0.0
     timeline = []
     start = time.perf_counter()
     last_print = start
@@ -107,16 +143,21 @@ def run_arm(name: str, recycle: bool, args, prompts) -> dict:
         for out in engine.step():
             if out.finished:
                 tokens[out.request_id] = out.outputs.token_ids
+        t0 = time.perf_counter()  # the count is bookkeeping of this script: kept out of the timed region
+        held = [(pages_held(engine, r), r.num_computed_tokens > r.num_prompt_tokens) for r in engine.scheduler.running]
+        peak_per_request = max([peak_per_request] + [n for n, _ in held])
+        peak_per_decoding = max([peak_per_decoding] + [n for n, decoding in held if decoding])
+        counting_s += time.perf_counter() - t0
         s = engine.get_stats()
         used = total - s["kv_pages_free"]
         peak_running, peak_pages, steps = max(peak_running, s["num_requests_running"]), max(peak_pages, used), steps + 1
         now = time.perf_counter()
-        timeline.append((now - start, s["num_requests_running"], used))
+        timeline.append((now - start - counting_s, s["num_requests_running"], used))
         if now - last_print > 5:
             print(f"  [{name}] {len(tokens)}/{len(prompts)} done, running={s['num_requests_running']} "
                   f"pages_used={used}/{total}", file=sys.stderr, flush=True)
             last_print = now
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - start - counting_s
     out_tokens = sum(len(t) for t in tokens.values())
     stats = engine.get_stats()
     # Time-averaged pages in use: each step's pages weighted by how long that step took.
@@ -125,8 +166,17 @@ def run_arm(name: str, recycle: bool, args, prompts) -> dict:
     return {"avg_pages": avg_pages, "recomputed_tokens": stats["recomputed_tokens_total"],
             "throughput": out_tokens / elapsed, "elapsed_s": elapsed, "output_tokens": out_tokens,
             "peak_running": peak_running, "peak_pages": peak_pages, "pages_total": total, "steps": steps,
+            "peak_pages_per_request": peak_per_request, "peak_pages_per_decoding_request": peak_per_decoding,
             "swa_pages_recycled": stats["swa_pages_recycled_total"], "preemptions": stats["num_preemptions_total"],
             "tokens": [tokens[f"{name}-{i}"] for i in range(len(prompts))], "timeline": timeline}
+
+
+def pages_held(engine, request) -> int:
+    """Live pages a running request holds: its table entries that are not recycled (-1), one page per slot
+    and block; in 1-D mode a block is a page of every slot."""
+    if request.block_tables_head_wise is not None:
+        return sum(len(row) - row.count(-1) for row in request.block_tables_head_wise)
+    return len(request.block_tables) * engine.scheduler.layout.num_kv_heads
 
 
 def steps_gain_share(gain: float, steps_ratio: float):
@@ -139,9 +189,9 @@ def main(argv=None) -> int:
     from fastdeploy.cache_manager.head_wise import predicted_concurrency
     from fastdeploy.engine.args_utils import EngineArgs
 
-    os.environ["FD_HEAD_WISE_KV_CACHE"] = "1"
-    os.environ["FD_HEAD_WISE_SWA_RECYCLE"] = "1"
     try:
+        args.sliding_layers = sliding_layers_ab(args)
+        os.environ.update(arm_flags(args, True))
         cfg = EngineArgs(**engine_args(args)).create_engine_config()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -150,11 +200,17 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(3, cfg.model_config.vocab_size, args.input_len).tolist() for _ in range(args.num_prompts)]
     swa = swa_config(args)
-    print(f"workload: {args.num_prompts} prompts x (in {args.input_len}, out {args.output_len}); SWA heads "
-          f"{swa.get('swa_kv_heads')} of {cfg.model_config.num_key_value_heads} W={swa.get('sliding_window')} "
-          f"S={swa.get('sink_size')}; {cfg.cache_config.num_gpu_blocks} blocks "
-          f"({pred['pages_per_rank']} pages); predicted running off={pred['running_off']} on={pred['running_on']}",
-          file=sys.stderr, flush=True)
+    if swa is not None:  # the JSON's args say what ran (simulate_serving.py --calibrate-offline reads them)
+        args.window, args.sink, args.swa_heads = swa["sliding_window"], swa["sink_size"], swa["swa_kv_heads"]
+    if args.sliding_layers:
+        what = (f"the model's sliding layers, OFF = 1-D, ON = slots + recycling ({cfg.slot_layout.describe()})")
+    else:
+        what = (f"SWA heads {swa.get('swa_kv_heads')} of {cfg.model_config.num_key_value_heads} "
+                f"W={swa.get('sliding_window')} S={swa.get('sink_size')}; slots {cfg.slot_layout.describe()}")
+    print(f"workload: {args.num_prompts} prompts x (in {args.input_len}, out {args.output_len}); {what}; "
+          f"{cfg.cache_config.num_gpu_blocks} blocks ({pred['pages_per_rank']} pages); predicted running "
+          f"off={pred['running_off']} on={pred['running_on']}, pages per request at the peak (page-need function) "
+          f"off={pred['peak_pages_off']} on={pred['peak_pages_on']}", file=sys.stderr, flush=True)
 
     off = run_arm("off", False, args, prompts)
     on = run_arm("on", True, args, prompts)
@@ -166,12 +222,21 @@ def main(argv=None) -> int:
     print(f"\nadmission policy: {cfg.admission_policy}; pages in use: peak and time-averaged, "
           f"% of {off['pages_total']}")
     print(f"{'arm':<14}{'out tok/s':>11}{'elapsed s':>11}{'peak running':>14}{'peak pages':>12}{'avg pages':>11}"
-          f"{'steps':>8}{'preemptions':>13}{'recomputed':>12}")
+          f"{'pages/req':>11}{'decoding':>10}{'steps':>8}{'preemptions':>13}{'recomputed':>12}")
     for name, r in (("recycle OFF", off), ("recycle ON", on)):
         total = r["pages_total"]
         print(f"{name:<14}{r['throughput']:>11.1f}{r['elapsed_s']:>11.2f}{r['peak_running']:>14}"
-              f"{r['peak_pages'] / total:>12.1%}{r['avg_pages'] / total:>11.1%}{r['steps']:>8}"
-              f"{r['preemptions']:>13}{r['recomputed_tokens']:>12}")
+              f"{r['peak_pages'] / total:>12.1%}{r['avg_pages'] / total:>11.1%}{r['peak_pages_per_request']:>11}"
+              f"{r['peak_pages_per_decoding_request']:>10}{r['steps']:>8}{r['preemptions']:>13}"
+              f"{r['recomputed_tokens']:>12}")
+
+    def share(key):
+        return on[key] / off[key] if off[key] else 0.0
+
+    print(f"pages/req: the most pages one running request held after a step, any step (ON/OFF "
+          f"{share('peak_pages_per_request'):.1%}; page-need function {pred['peak_pages_on']}/{pred['peak_pages_off']}) "
+          f"and once its prompt is in (decoding: ON/OFF {share('peak_pages_per_decoding_request'):.1%})"
+          + ("; OFF = 1-D (FD_HEAD_WISE_KV_CACHE=0), ON = slots + recycling" if args.sliding_layers else ""))
     print(f"\ngain ON/OFF = {gain:.3f}   ceiling = {ceiling:.3f}   target (1 + 0.9 x (ceiling - 1)) = {target:.3f}"
           f"   -> {'met' if gain >= target else 'NOT met'}")
     print(f"peak running ratio = {on['peak_running'] / off['peak_running']:.3f} (predicted "
@@ -192,6 +257,14 @@ def main(argv=None) -> int:
                   "ceiling": ceiling, "target": target, "peak_running_off": off["peak_running"],
                   "peak_running_on": on["peak_running"], "peak_pages_off": off["peak_pages"],
                   "peak_pages_on": on["peak_pages"], "steps_off": off["steps"], "steps_on": on["steps"],
+                  "peak_pages_per_request_off": off["peak_pages_per_request"],
+                  "peak_pages_per_request_on": on["peak_pages_per_request"],
+                  "peak_pages_per_decoding_request_off": off["peak_pages_per_decoding_request"],
+                  "peak_pages_per_decoding_request_on": on["peak_pages_per_decoding_request"],
+                  "predicted_pages_per_request_off": pred["peak_pages_off"],
+                  "predicted_pages_per_request_on": pred["peak_pages_on"],
+                  "off_arm": "1-D" if args.sliding_layers else "head-wise, recycle off",
+                  "slot_layout": cfg.slot_layout.describe(),
                   "admission_policy": cfg.admission_policy, "pages_total": off["pages_total"],
                   "avg_pages_off": off["avg_pages"], "avg_pages_on": on["avg_pages"],
                   "preemptions_off": off["preemptions"], "preemptions_on": on["preemptions"],

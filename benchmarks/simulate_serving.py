@@ -9,6 +9,7 @@ head-wise cache with identical settings: recycle OFF (FD_HEAD_WISE_SWA_RECYCLE=0
         --json out.json --plot out.png                         # one scenario
     python benchmarks/simulate_serving.py --scenario seed-t53 --windows 1024,4096,8192 --decision \\
         --json cells.json                    # the Hackathon PR1 table: fit on one cell, predict the rest
+    python benchmarks/simulate_serving.py --scenario sliding-layers   # Gemma-3-27B and gpt-oss-20b shapes
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--output-len", type=int)
     s.add_argument("--range-ratio", type=float, help="sample lengths uniformly in len*(1 +- ratio); 0 = fixed")
     s.add_argument("--seed", type=int)
-    s.add_argument("--swa-heads", type=int, help="how many KV heads slide (the first N)")
+    s.add_argument("--swa-heads", type=int, help="how many KV heads slide (the first N); default 4, or none for a "
+                                                 "model with its own sliding layers (then OFF = 1-D)")
     s.add_argument("--window", type=int)
     s.add_argument("--sink", type=int)
     s.add_argument("--block-size", type=int)
@@ -61,11 +63,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--bw-efficiency", type=float, help="fraction of peak HBM bandwidth kernels reach (1.0)")
     s.add_argument("--flops-efficiency", type=float, help="fraction of peak bf16 FLOP/s kernels reach (1.0)")
     t = p.add_argument_group("--scenario seed-t53: the Hackathon No.53 PR1 measurement, fitted on one cell")
-    t.add_argument("--scenario", choices=["seed-t53"],
+    t.add_argument("--scenario", choices=["seed-t53", "sliding-layers"],
                    help="seed-t53: A800, ERNIE-4.5-21B-A3B, 10.6k/4k tokens, 8 req/s, seed 42, 4/4 SWA, S 0, "
                         "max_num_batched_tokens 32768, on-demand admission, masked attention; fit one parameter on "
                         "recycle OFF at 128 prompts, predict OFF/ON at 128 and 1024 and the TTFT change; --json "
-                        "writes one row per measured cell")
+                        "writes one row per measured cell. sliding-layers: the shape rows of models trained with "
+                        "sliding layers (Gemma-3-27B, gpt-oss-20b) on A800 and H200, OFF = 1-D, ON = slots + "
+                        "recycling, the table's workload (--admission, default projected)")
     t.add_argument("--windows", default="4096", type=lambda text: tuple(int(w) for w in text.split(",")),
                    help="comma-separated windows to calibrate and predict at (the submission's is not stated)")
     t.add_argument("--fit", choices=seed_t53.FIT_PARAMETERS, default="efficiency",
@@ -124,13 +128,16 @@ def scenarios_from(args: argparse.Namespace) -> tuple:
                                       attention=args.attention), True
     admissions = args.admission or ("reserve",)
     v = {k: (d if getattr(args, k) is None else getattr(args, k)) for k, d in SCENARIO_DEFAULTS.items()}
+    if args.swa_heads is None and model_slides_layers(v["model_config"]):
+        v["swa_heads"] = None  # its own sliding layers: OFF = 1-D, ON = slots + recycling
     hw = get_hardware(v["hardware"]).scaled(v["bw_efficiency"], v["flops_efficiency"])
     workload = Workload(v["num_prompts"], v["input_len"], v["output_len"], v["request_rate"], v["range_ratio"],
                         v["seed"])
     out = []
     for admission in admissions:
         out.append(Scenario(
-            name=f"{hw.name} swa{v['swa_heads']} W{v['window']} S{v['sink']} n{v['num_prompts']} {admission}"
+            name=(f"{hw.name} swa{v['swa_heads']} W{v['window']} S{v['sink']}" if v["swa_heads"] is not None
+                  else f"{hw.name} sliding layers") + f" n{v['num_prompts']} {admission}"
                  + ("" if args.attention == "skip" else f" {args.attention}")
                  + (f" tp{v['tensor_parallel_size']}{' balanced' if v['balance_swa_heads'] else ''}"
                     if v["tensor_parallel_size"] > 1 else ""),
@@ -143,6 +150,14 @@ def scenarios_from(args: argparse.Namespace) -> tuple:
             max_sim_prompts=args.max_sim_prompts, tensor_parallel_size=v["tensor_parallel_size"],
             balance_swa_heads=v["balance_swa_heads"]))
     return out, False
+
+
+def model_slides_layers(model_config: str) -> bool:
+    """The model config declares sliding layers of its own (Gemma 3's pattern, layer_types)."""
+    from fastdeploy.config import ModelConfig
+    from serving_sim.simulator import model_dir_for
+
+    return ModelConfig.create(model_dir_for(model_config), None, None).layer_sliding_window is not None
 
 
 def calibrate(args) -> int:
@@ -209,6 +224,21 @@ def run_seed_t53(args) -> int:
     return 0
 
 
+def run_sliding_layers(args) -> int:
+    scenarios = report.sliding_layer_scenarios(args.overhead_ms, args.max_sim_prompts,
+                                               args.admission or ("projected",), attention=args.attention)
+    t0 = time.perf_counter()
+    results = run_scenarios(scenarios, args.jobs)
+    rows = [row for row, _, _ in results]
+    print(report.markdown_sliding_layers(rows))
+    print(f"\n[simulate_serving] sliding layers: {len(scenarios)} scenario(s) in {time.perf_counter() - t0:.1f} s "
+          f"({args.jobs} job(s))", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.calibrate_offline:
@@ -219,6 +249,8 @@ def main(argv=None) -> int:
         except ValueError as exc:
             print(f"simulate_serving: {exc}", file=sys.stderr)
             return 2
+    if args.scenario == "sliding-layers":
+        return run_sliding_layers(args)
     try:
         scenarios, table = scenarios_from(args)
     except ValueError as exc:
@@ -238,7 +270,10 @@ def main(argv=None) -> int:
             print(report.arm_summary("recycle ON", arm_metrics(on)))
             print(f"gain (ON/OFF output throughput): {row['gain']:.3f}   ceiling: {row['ceiling']:.3f}   "
                   f"predicted running OFF/ON: {row['predicted_running_off']}/{row['predicted_running_on']}")
-        print("\n" + report.markdown_table(rows))
+        layers = [r for r in rows if r["swa_heads"] is None]
+        heads = [r for r in rows if r["swa_heads"] is not None]
+        print("\n" + "\n\n".join(([report.markdown_table(heads)] if heads else [])
+                                  + ([report.markdown_sliding_layers(layers)] if layers else [])))
     print(f"\n[simulate_serving] {len(scenarios)} scenario(s), {2 * len(scenarios)} arms in {elapsed:.1f} s "
           f"({args.jobs} job(s))", file=sys.stderr)
     if args.json:

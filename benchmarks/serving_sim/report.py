@@ -24,6 +24,12 @@ TASK_TARGET = 0.30  # acceptance: first KV-head group SWA
 # prefill chunk (max_num_batched_tokens 2048); bf16 cache in 90% of HBM minus bf16 weights.
 MAX_NUM_SEQS = 512
 DEFAULT_MAX_SIM_PROMPTS = 100
+MODELS_DIR = os.path.dirname(MODEL_CONFIG)
+# Models trained with sliding *layers*, served through the slot layout (cache_manager/slots.py): OFF is
+# the 1-D cache (every layer keeps every token), ON slots + recycling. Their window and sink are the
+# model's own (benchmarks/models/*.json say where each number comes from).
+SLIDING_LAYER_MODELS = {"Gemma-3-27B": os.path.join(MODELS_DIR, "gemma-3-27b.json"),
+                        "gpt-oss-20b": os.path.join(MODELS_DIR, "gpt-oss-20b.json")}
 
 
 def table_scenarios(overhead_ms: float = 3.0, max_sim_prompts: int = DEFAULT_MAX_SIM_PROMPTS,
@@ -47,6 +53,57 @@ def table_scenarios(overhead_ms: float = 3.0, max_sim_prompts: int = DEFAULT_MAX
                             overhead_ms=overhead_ms, admission=admission, attention=attention,
                             max_sim_prompts=max_sim_prompts))
     return out
+
+
+def sliding_layer_scenarios(overhead_ms: float = 3.0, max_sim_prompts: int = DEFAULT_MAX_SIM_PROMPTS,
+                            admissions: tuple = ("projected",), num_prompts: tuple = (128,), seed: int = 0,
+                            attention: str = "skip") -> list:
+    """The shape rows: each sliding-layer model on A800 and H200, the table's workload."""
+    out = []
+    for model, path in SLIDING_LAYER_MODELS.items():
+        for hw in ("A800-80GB", "H200"):
+            for n in num_prompts:
+                for admission in admissions:
+                    out.append(Scenario(
+                        name=f"{model} {hw} n{n} {admission}", model_config=path, hardware=get_hardware(hw),
+                        workload=Workload(n, INPUT_LEN, OUTPUT_LEN, REQUEST_RATE, seed=seed),
+                        swa_heads=None, window=0, sink=0, max_num_seqs=MAX_NUM_SEQS, overhead_ms=overhead_ms,
+                        admission=admission, attention=attention, max_sim_prompts=max_sim_prompts))
+    return out
+
+
+def model_name(row: dict) -> str:
+    for model, path in SLIDING_LAYER_MODELS.items():
+        if os.path.abspath(row["model_config"]) == os.path.abspath(path):
+            return model
+    return os.path.splitext(os.path.basename(os.path.normpath(row["model_config"])))[0]
+
+
+def markdown_sliding_layers(rows: list) -> str:
+    """The shape rows: slot layout, pages one request holds at its peak (page-need function), OFF / ON."""
+    head = ("| model | GPU | sliding layers (W + S) | slot layout (ON) | prompts | admission | KV blocks | "
+            "pages per request OFF→ON (peak) | running OFF→ON | pages in use OFF/ON (peak, mean) | "
+            "preemptions OFF/ON | out tok/s OFF | out tok/s ON | predicted gain | ceiling |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        sim = f" ({r['simulated_prompts_off']}/{r['simulated_prompts_on']} sim.)" if r["extrapolated"] else ""
+        off, on = r["peak_pages_per_request_off"], r["peak_pages_per_request_on"]
+        lines.append(
+            f"| {model_name(r)} | {r['hardware']} | {r['sliding_layers']}/{r['num_layers']} "
+            f"({r['window']} + {r['sink']}) | {r['slot_layout']} | {r['num_prompts']}{sim} | {r['admission']} | "
+            f"{r['num_gpu_blocks']} | {off:,.0f}→{on:,.0f} ({on / off:.0%}) | "
+            f"{r['peak_running_off']}→{r['peak_running_on']} | {pages_cell(r)} | "
+            f"{r['preemptions_off']} / {r['preemptions_on']} | {r['throughput_off']:.0f} | {r['throughput_on']:.0f} | "
+            f"**{_pct(r['gain'])}** | {_pct(r['ceiling'])} |")
+    r = rows[0]
+    lines.append("")
+    lines.append(f"Input {r['input_len']} / output {r['output_len']} tokens, Poisson {r['request_rate']} req/s, "
+                 f"bf16, KV blocks of the pool as listed (default 90% of HBM - weights), {r['overhead_ms']:g} ms "
+                 "per-step overhead; OFF = "
+                 "1-D (FD_HEAD_WISE_KV_CACHE=0), ON = slots + recycling. Pages per request: the most one request "
+                 "holds at any step (the page-need function, prefill chunks included); ceiling = running ON / OFF "
+                 "by the reservation rule.")
+    return "\n".join(lines)
 
 
 def target_for(row: dict) -> str:

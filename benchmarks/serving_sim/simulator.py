@@ -56,7 +56,7 @@ class EngineSettings:
     num_gpu_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: Optional[int]
-    swa_heads: int  # the first `swa_heads` KV heads slide
+    swa_heads: Optional[int]  # the first `swa_heads` KV heads slide; None: the model's own sliding layers
     window: int
     sink: int
     admission: str = "reserve"  # a key of ADMISSION_ENV
@@ -64,7 +64,14 @@ class EngineSettings:
     balance_swa_heads: bool = False  # --balance-swa-heads: spread the SWA heads over the ranks
 
     @property
-    def swa_spec(self) -> dict:
+    def sliding_layers(self) -> bool:
+        """The model slides whole layers itself (Gemma 3, gpt-oss): no head-wise section is added."""
+        return self.swa_heads is None
+
+    @property
+    def swa_spec(self) -> Optional[dict]:
+        if self.sliding_layers:
+            return None
         return {"sliding_window": self.window, "sink_size": self.sink,
                 "swa_kv_heads": list(range(self.swa_heads))}
 
@@ -125,8 +132,13 @@ def admission_env(admission: str) -> dict:
 
 
 def make_fd_config(settings: EngineSettings, recycle: bool):
-    """The engine config of one arm: head-wise tables in both, recycling on or off."""
-    with envs.override(FD_HEAD_WISE_KV_CACHE=1, FD_HEAD_WISE_SWA_RECYCLE=int(recycle), **admission_env(settings.admission)):
+    """The engine config of one arm: head-wise tables in both, recycling on or off. A model with its own
+    sliding layers runs OFF as 1-D (FD_HEAD_WISE_KV_CACHE=0: every layer keeps every token, the issue's
+    A/B baseline) and ON with slots and recycling."""
+    flags = dict(FD_HEAD_WISE_KV_CACHE=1, FD_HEAD_WISE_SWA_RECYCLE=int(recycle))
+    if settings.sliding_layers:
+        flags = dict(FD_HEAD_WISE_KV_CACHE=int(recycle), FD_HEAD_WISE_SWA_RECYCLE=1)
+    with envs.override(**flags, **admission_env(settings.admission)):
         return EngineArgs(
             model=settings.model_dir, max_model_len=settings.max_model_len, block_size=settings.block_size,
             num_gpu_blocks_override=settings.num_gpu_blocks, cache_dtype="bfloat16",
@@ -153,12 +165,27 @@ def ceiling(settings: EngineSettings, workload: Workload) -> dict:
     chunk, pages = fd.scheduler_config.max_num_batched_tokens, fd.cache_config.num_gpu_blocks * on.heads_per_rank
     reqs = workload.requests()
 
+    def mean_peak(layout):
+        return statistics.fmean(max(_peak(layout, r.input_len, r.output_len, chunk)) for r in reqs)
+
     def running(layout):
-        mean_peak = statistics.fmean(max(_peak(layout, r.input_len, r.output_len, chunk)) for r in reqs)
-        return min(fd.scheduler_config.max_num_seqs, pages / mean_peak)
+        return min(fd.scheduler_config.max_num_seqs, pages / mean_peak(layout))
 
     run_off, run_on = running(off), running(on)
-    return {"running_off": run_off, "running_on": run_on, "ceiling": run_on / run_off, "pages_per_rank": pages}
+    return {"running_off": run_off, "running_on": run_on, "ceiling": run_on / run_off, "pages_per_rank": pages,
+            "peak_pages_off": mean_peak(off), "peak_pages_on": mean_peak(on)}
+
+
+def sliding_pairs(fd_config) -> tuple:
+    """(sliding (layer, KV head) pairs, their one window, their sink) of a model with sliding layers."""
+    from fastdeploy.model_executor.layers.attention.swa_spec import attention_type_table
+
+    table = attention_type_table(fd_config.model_config)
+    kinds = {t for row in table for t in row if t.sliding}
+    if len(kinds) != 1:
+        raise ValueError(f"the step model follows one sliding window; this model has {len(kinds)} sliding types")
+    kind = kinds.pop()
+    return sum(t.sliding for row in table for t in row), kind.window, kind.sink
 
 
 # -- the scheduler's peak-page computation, memoized -------------------------------------------
@@ -363,7 +390,7 @@ class Scenario:
     model_config: str
     hardware: Hardware
     workload: Workload
-    swa_heads: int
+    swa_heads: Optional[int]  # None: the model's own sliding layers (window and sink then come from it)
     window: int
     sink: int
     block_size: int = 64
@@ -393,6 +420,12 @@ class Scenario:
 
     def step_model(self, settings: EngineSettings) -> StepModel:
         shape = ModelShape.from_config(read_raw_config(settings.model_dir))
+        if settings.sliding_layers:
+            if settings.tensor_parallel_size > 1:
+                raise ValueError("the simulator models sliding layers on one GPU only (tensor_parallel_size 1)")
+            pairs, window, sink = sliding_pairs(make_fd_config(settings, recycle=True))
+            return StepModel(shape, self.hardware, self.overhead_ms / 1e3, 0, window, sink, self.dtype_bytes,
+                             self.attention, num_swa_pairs=pairs)
         if settings.tensor_parallel_size > 1:
             from .tensor_parallel import TensorParallelStepModel
 
@@ -469,13 +502,25 @@ def ab_row(scenario: Scenario, off: ArmOutcome, on: ArmOutcome, predicted: dict)
     """One result row: docs/benchmarks.md A/B keys plus the per-arm serving metrics."""
     settings = scenario.settings()
     m_off, m_on = arm_metrics(off), arm_metrics(on)
+    fd_on = make_fd_config(settings, True)
+    shape = ModelShape.from_config(read_raw_config(settings.model_dir))
+    window, sink = scenario.window, scenario.sink
+    if settings.sliding_layers:
+        _, window, sink = sliding_pairs(fd_on)
     row = {
         "name": scenario.name,
+        "model_config": scenario.model_config,
         "hardware": scenario.hardware.name,
         "swa_heads": scenario.swa_heads,
-        "num_kv_heads": ModelShape.from_config(read_raw_config(settings.model_dir)).num_kv_heads,
-        "window": scenario.window,
-        "sink": scenario.sink,
+        "num_kv_heads": shape.num_kv_heads,
+        "sliding_layers": (sum(w is not None for w in fd_on.model_config.layer_sliding_window)
+                           if settings.sliding_layers else None),
+        "num_layers": shape.num_layers,
+        "slot_layout": fd_on.slot_layout.describe(),
+        "peak_pages_per_request_off": predicted.get("peak_pages_off"),
+        "peak_pages_per_request_on": predicted.get("peak_pages_on"),
+        "window": window,
+        "sink": sink,
         "num_prompts": scenario.workload.num_prompts,
         "input_len": scenario.workload.input_len,
         "output_len": scenario.workload.output_len,
@@ -485,7 +530,7 @@ def ab_row(scenario: Scenario, off: ArmOutcome, on: ArmOutcome, predicted: dict)
         "attention": scenario.attention,
         "num_gpu_blocks": settings.num_gpu_blocks,
         "max_num_seqs": settings.max_num_seqs,
-        "max_num_batched_tokens": make_fd_config(settings, True).scheduler_config.max_num_batched_tokens,
+        "max_num_batched_tokens": fd_on.scheduler_config.max_num_batched_tokens,
         "gpu_memory_utilization": scenario.gpu_memory_utilization,
         "overhead_ms": scenario.overhead_ms,
         "throughput_off": off.output_throughput,

@@ -176,24 +176,33 @@ class StepModel:
     """Per-step time of a batch of (start, num_tokens, samples) chunks on one accelerator."""
 
     def __init__(self, shape: ModelShape, hardware: Hardware, overhead_s: float, num_swa_heads: int,
-                 window: int, sink: int, dtype_bytes: int = BF16_BYTES, attention: str = "skip"):
-        if not 0 <= num_swa_heads <= shape.num_kv_heads:
-            raise ValueError(f"num_swa_heads={num_swa_heads} must be within 0..{shape.num_kv_heads}")
+                 window: int, sink: int, dtype_bytes: int = BF16_BYTES, attention: str = "skip",
+                 num_swa_pairs: Optional[int] = None):
+        """`num_swa_heads` KV heads slide in every layer; or, for sliding *layers* (Gemma 3, gpt-oss),
+        `num_swa_pairs` (layer, KV head) pairs slide (num_swa_heads is then ignored)."""
+        pairs = shape.num_layers * shape.num_kv_heads
+        if num_swa_pairs is None:
+            if not 0 <= num_swa_heads <= shape.num_kv_heads:
+                raise ValueError(f"num_swa_heads={num_swa_heads} must be within 0..{shape.num_kv_heads}")
+            num_swa_pairs = num_swa_heads * shape.num_layers
+        elif not 0 <= num_swa_pairs <= pairs:
+            raise ValueError(f"num_swa_pairs={num_swa_pairs} must be within 0..{pairs}")
         if attention not in ATTENTION_READS:
             raise ValueError(f"attention={attention!r} must be one of {', '.join(ATTENTION_READS)}")
         if overhead_s < 0:
             raise ValueError(f"per-step overhead must be >= 0, got {overhead_s}")
         self.shape, self.hardware, self.overhead_s = shape, hardware, overhead_s
         self.window, self.sink, self.attention = window, sink, attention
-        # Heads by the keys their kernel reads: a masked kernel reads a SWA head like a full one.
-        self.num_swa = num_swa_heads if attention == "skip" else 0
-        self.num_full = shape.num_kv_heads - self.num_swa
-        # Per token, per KV head, summed over layers: K and V of head_dim elements.
-        self.kv_bytes_per_token_head = shape.num_layers * 2 * shape.head_dim * dtype_bytes
-        # Per query-key pair, per KV head, over layers and the query heads that share it:
+        # (layer, KV head) pairs by the keys their kernel reads: a masked kernel reads a SWA pair like a
+        # full one. (A head sliding in every layer is num_layers pairs.)
+        self.num_swa_pairs = num_swa_pairs if attention == "skip" else 0
+        self.num_full_pairs = pairs - self.num_swa_pairs
+        # Per token, per (layer, KV head) pair: K and V of head_dim elements.
+        self.kv_bytes_per_token_pair = 2 * shape.head_dim * dtype_bytes
+        # Per query-key pair, per (layer, KV head) pair, over the query heads that share it:
         # QK^T and PV are 2 * head_dim FLOPs each.
         q_per_kv = shape.num_q_heads // shape.num_kv_heads
-        self.flops_per_pair_head = shape.num_layers * q_per_kv * 4 * shape.head_dim
+        self.flops_per_pair_head = q_per_kv * 4 * shape.head_dim
         # Weights and KV share one dtype: bf16 on the GPUs; float32 for the CPU tiny preset.
         self._always_bytes = shape.always_read_params * dtype_bytes
         self._expert_bytes = shape.moe_layers * shape.expert_params * dtype_bytes
@@ -203,7 +212,7 @@ class StepModel:
 
     def cost(self, chunks: Iterable[tuple]) -> StepCost:
         """`chunks`: (start, num_tokens, samples) of every request scheduled this step."""
-        window, sink, has_swa, steady = self.window, self.sink, self.num_swa > 0, self._swa_steady_from
+        window, sink, has_swa, steady = self.window, self.sink, self.num_swa_pairs > 0, self._swa_steady_from
         tokens = sampled = 0
         full_keys = swa_keys = 0  # keys loaded, per head of each kind
         full_pairs = swa_pairs = 0  # query-key pairs of multi-token chunks (a decode's pairs == its keys)
@@ -227,13 +236,13 @@ class StepModel:
         full_pairs += full_keys
         swa_pairs += swa_keys
         shape = self.shape
-        kv_read = (self.num_full * full_keys + self.num_swa * swa_keys) * self.kv_bytes_per_token_head
-        kv_written = tokens * shape.num_kv_heads * self.kv_bytes_per_token_head
+        kv_read = (self.num_full_pairs * full_keys + self.num_swa_pairs * swa_keys) * self.kv_bytes_per_token_pair
+        kv_written = tokens * shape.num_layers * shape.num_kv_heads * self.kv_bytes_per_token_pair
         weights = (self._always_bytes + self._expert_bytes * shape.expected_distinct_experts(tokens)
                    + (self._lm_head_bytes if sampled else 0))
         nbytes = weights + kv_read + kv_written
         flops = (2.0 * (shape.active_params_per_token * tokens + shape.lm_head_params * sampled)
-                 + self.flops_per_pair_head * (self.num_full * full_pairs + self.num_swa * swa_pairs))
+                 + self.flops_per_pair_head * (self.num_full_pairs * full_pairs + self.num_swa_pairs * swa_pairs))
         busy = max(flops / self.hardware.bf16_flops_per_s, nbytes / self.hardware.hbm_bytes_per_s)
         return StepCost(flops, nbytes, busy + self.overhead_s)
 

@@ -55,6 +55,23 @@ def test_bench_offline_swa_config_json_replaces_the_window_flags(tmp_path):
     assert "gain_share_of_steps_gain" in result
 
 
+def test_bench_offline_on_a_model_with_sliding_layers_runs_1d_against_slots(tmp_path):
+    out = tmp_path / "sliding.json"
+    run("bench_offline.py", "--model", "tiny-sliding-layers", "--num-prompts", "6", "--input-len", "96",
+        "--output-len", "24", "--concurrency-off", "2", "--max-num-batched-tokens", "32", "--json", str(out))
+    result = json.loads(out.read_text())
+    # No head-wise section is added: the model's own layers slide (5 of 6, W 48, 2 KV heads -> one lane of
+    # 12 slots, 10 sliding), OFF is the 1-D cache.
+    assert result["off_arm"] == "1-D" and result["identical_tokens"] is True
+    assert result["slot_layout"].startswith("1 lane(s) of 6 layer(s), 12 slot(s)")
+    # By hand, once decoding (positions 96..118, block 16): OFF keeps ceil(119 / 16) = 8 blocks of all 12
+    # slots; ON keeps 8 blocks of the 2 full slots and, of each sliding slot, the 4 blocks a 48-token window
+    # reaches back into (position 112: blocks 4..7).
+    assert (result["peak_pages_per_decoding_request_off"], result["peak_pages_per_decoding_request_on"]) == (96, 56)
+    assert result["peak_running_on"] > result["peak_running_off"] == 2
+    assert result["steps_on"] < result["steps_off"]
+
+
 def test_bench_offline_rejects_a_bad_swa_config_without_a_traceback():
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_offline.py"),
                            "--head-wise-swa-config", "{sliding_window: 16"], cwd=REPO, capture_output=True,

@@ -76,7 +76,7 @@ def test_swa_heads_read_fewer_bytes_only_past_the_window():
     assert swa.cost(short).bytes == full.cost(short).bytes
     saved = full.cost(long).bytes - swa.cost(long).bytes
     # 8 requests x 4 heads x (12001 - 4096 - 64) keys no longer read.
-    assert saved == 8 * 4 * (12001 - 4096 - 64) * swa.kv_bytes_per_token_head
+    assert saved == 8 * 4 * shape.num_layers * (12001 - 4096 - 64) * swa.kv_bytes_per_token_pair
 
 
 def test_moe_weights_read_grow_with_the_distinct_experts_a_batch_touches():
@@ -325,3 +325,72 @@ def test_seed_t53_is_the_submissions_configuration():
     assert (sc.max_model_len, sc.max_num_seqs, sc.max_num_batched_tokens) == (32768, 512, 32768)
     fd = make_fd_config(sc.settings(), recycle=True)
     assert fd.reserve_output_pages is False and fd.scheduler_config.max_num_batched_tokens == 32768
+
+
+# -- models trained with sliding layers (Gemma-3-27B, gpt-oss-20b shapes) -------------------------
+# (slots per block, full slots, sliding slots, lanes, sliding (layer, KV head) pairs, window): by hand.
+# Gemma 3 27B: 62 layers of 16 KV heads, every sixth global (10 global, 52 sliding): 62 = 2 x 31 and both
+# counts are even, so 2 lanes of 31 layers (5 global + 26 sliding each) x 16 heads = 496 slots.
+# gpt-oss-20b: 24 layers of 8 KV heads alternating sliding / full: 12 lanes of one pair of layers.
+SLIDING_SHAPES = {"Gemma-3-27B": (496, 80, 416, 2, 52 * 16, 1024), "gpt-oss-20b": (16, 8, 8, 12, 12 * 8, 128)}
+
+
+def sliding_scenario(model: str, **kw) -> Scenario:
+    from serving_sim.report import sliding_layer_scenarios
+
+    sc = next(s for s in sliding_layer_scenarios() if s.name.startswith(model + " A800"))
+    return dataclasses.replace(sc, **kw)
+
+
+@pytest.mark.parametrize("model", sorted(SLIDING_SHAPES))
+def test_sliding_layer_shapes_get_their_slot_layout_and_page_need(model):
+    from fastdeploy.cache_manager.head_wise import PageLayout
+    from fastdeploy.cache_manager.slots import AttentionType
+
+    slots, full, sliding, lanes, pairs, window = SLIDING_SHAPES[model]
+    sc = sliding_scenario(model, num_gpu_blocks_override=1000, max_model_len=4096 + 64)
+    settings = sc.settings()
+    on, off = make_fd_config(settings, True), make_fd_config(settings, False)
+    assert settings.sliding_layers and not off.head_wise_kv_cache and on.swa_recycle_active
+    layout = on.slot_layout
+    assert (layout.slots_per_rank, layout.num_lanes) == (slots, lanes)
+    assert layout.slots_of(AttentionType(window, 0)) == layout.sliding_slots and len(layout.sliding_slots) == sliding
+    assert off.slot_layout == layout  # 1-D addresses the same pages; it only never recycles them
+    # One-token steps to position 4094 (3968 + 128 - 1 cached): a full slot holds 64 blocks, a sliding one
+    # the window's W / 64 blocks plus the one it straddles.
+    need_on = PageLayout.from_config(on).peak_pages_per_rank(3968, 128, 1)
+    need_off = PageLayout.from_config(off).peak_pages_per_rank(3968, 128, 1)
+    assert need_off == [slots * 64]
+    assert need_on == [full * 64 + sliding * (window // 64 + 1)]
+    # The step model reads the window only for the sliding pairs, in both arms alike.
+    assert sc.step_model(settings).num_swa_pairs == pairs
+
+
+def test_sliding_layer_rows_report_the_page_need_and_run_more_requests_on():
+    sc = sliding_scenario("gpt-oss-20b", workload=Workload(6, 1500, 40, math.inf), num_gpu_blocks_override=50,
+                          max_num_batched_tokens=256)
+    (row, off, on), = run_scenarios([sc])
+    # 1500 + 39 cached tokens: 25 blocks per slot OFF. ON: 8 full slots x 25, and a sliding slot's need
+    # peaks in a 256-token prefill chunk (a decode step needs 3 blocks): chunk starts s are multiples of 256,
+    # so its keys [s - 127, s + 255] lie in blocks s/64 - 2 .. s/64 + 3, i.e. 6 blocks.
+    assert row["peak_pages_per_request_off"] == 16 * 25
+    assert row["peak_pages_per_request_on"] == 8 * 25 + 8 * 6
+    assert row["sliding_layers"] == 12 and (row["window"], row["sink"]) == (128, 0)
+    # 50 blocks x 16 slots = 800 pages: 2 requests fit OFF, 3 ON.
+    assert (row["predicted_running_off"], row["predicted_running_on"]) == (2, 3)
+    assert off.result.peak_running <= 2 < on.result.peak_running
+    assert off.result.swa_pages_recycled == 0 < on.result.swa_pages_recycled
+
+
+def test_one_scenario_of_a_sliding_layer_model_uses_its_layers_unless_heads_are_asked(tmp_path, capsys):
+    gemma = os.path.join(REPO_ROOT, "benchmarks", "models", "gemma-3-27b.json")
+    common = ["--model-config", gemma, "--num-prompts", "3", "--input-len", "1500", "--output-len", "16",
+              "--num-gpu-blocks-override", "120", "--jobs", "1"]
+    out = tmp_path / "rows.json"
+    assert simulate_serving.main(common + ["--json", str(out)]) == 0
+    row, = json.loads(out.read_text())
+    assert row["swa_heads"] is None and (row["sliding_layers"], row["window"], row["sink"]) == (52, 1024, 0)
+    assert "| Gemma-3-27B |" in capsys.readouterr().out
+    assert simulate_serving.main(common + ["--swa-heads", "1", "--json", str(out)]) == 0
+    row, = json.loads(out.read_text())
+    assert row["swa_heads"] == 1 and row["sliding_layers"] is None

@@ -55,4 +55,4 @@ def test_two_swa_heads_on_one_rank_buy_nothing_until_balanced():
     # Each rank's GPU holds half the weights and half the KV heads: more blocks than one GPU alone.
     assert settings[True].num_gpu_blocks > scenario(1, False).settings().num_gpu_blocks
     model = scenario(2, True).step_model(settings[True])
-    assert isinstance(model, TensorParallelStepModel) and [r.num_swa for r in model.ranks] == [1, 1]
+    assert isinstance(model, TensorParallelStepModel) and [r.num_swa_pairs for r in model.ranks] == [model.shape.num_layers] * 2
