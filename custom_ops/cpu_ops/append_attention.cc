@@ -247,33 +247,26 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
                                         int(rd.hi[piece] - rd.lo[piece]), d, scale, rd.lo[piece], mask,
                                         sc.max[qi], sc.denom[qi], sc.acc.data() + int64_t(qi) * d);
         }
-        // Weighted values 16 keys at a time for all readers, so those rows stay in L1; each
-        // query still takes its keys in order.
-        // Readers that take the whole group go `width` at a time (one load of a row for all).
+        // Weighted values: readers with the same keys (a token's query heads always; a prefill
+        // tile's tokens on the pages below their diagonal) go `width` at a time, each value row
+        // loaded once for all of them; each query still takes its keys in order.
         const int width = shared_values_width(d);
-        for (int64_t k0 = lo; k0 < hi; k0 += kLanes) {
-          const int64_t k1 = std::min(k0 + kLanes, hi);
-          int batched = 0;
-          const auto flush = [&] {
-            weighted_values_many(sc.w.data(), sc.accs.data(), batched, vf + (k0 - lo) * d, int(k1 - k0), d);
-            batched = 0;
-          };
-          for (int r = 0; r < readers; ++r) {
-            const PageReader& rd = sc.readers[r];
-            if (piece >= rd.pieces || !rd.live[piece]) continue;
-            const int64_t ka = std::max(k0, rd.lo[piece]), ke = std::min(k1, rd.hi[piece]);
-            if (ka >= ke) continue;
-            float* w = sc.scores.data() + int64_t(r) * g.block_size + (ka - lo);
-            float* acc = sc.acc.data() + int64_t(rd.query) * d;
-            if (ka == k0 && ke == k1 && width > 1) {
-              sc.w[batched] = w;
-              sc.accs[batched++] = acc;
-              if (batched == width) flush();
-            } else {
-              weighted_values(w, vf + (ka - lo) * d, int(ke - ka), d, acc);
-            }
+        for (int r = 0; r < readers;) {
+          const PageReader& rd = sc.readers[r];
+          if (piece >= rd.pieces || !rd.live[piece]) {
+            ++r;
+            continue;
           }
-          if (batched > 0) flush();
+          const int64_t ka = rd.lo[piece], ke = rd.hi[piece];
+          int batched = 0;
+          for (; r < readers && batched < width; ++r) {
+            const PageReader& other = sc.readers[r];
+            if (piece >= other.pieces || !other.live[piece]) continue;
+            if (other.lo[piece] != ka || other.hi[piece] != ke) break;
+            sc.w[batched] = sc.scores.data() + int64_t(r) * g.block_size + (ka - lo);
+            sc.accs[batched++] = sc.acc.data() + int64_t(other.query) * d;
+          }
+          weighted_values_many(sc.w.data(), sc.accs.data(), batched, vf + (ka - lo) * d, int(ke - ka), d);
         }
       }
     }

@@ -327,8 +327,15 @@ inline int shared_values_width(int d) {
 // weighted_values(ws[r], v, n, d, accs[r]) for r < nr (nr <= shared_values_width(d)): same bits.
 inline void weighted_values_many(const float* const* ws, float* const* accs, int nr, const float* v, int n,
                                  int d) {
-  if (nr == 4 && d == 64 && attention_uses_avx512()) return weighted_values_shared<4, 4>(ws, accs, v, n);
-  if (nr == 2 && d == 128 && attention_uses_avx512()) return weighted_values_shared<8, 2>(ws, accs, v, n);
+  if (attention_uses_avx512() && d == 64) {
+    switch (nr) {
+      case 4: return weighted_values_shared<4, 4>(ws, accs, v, n);
+      case 3: return weighted_values_shared<4, 3>(ws, accs, v, n);
+      case 2: return weighted_values_shared<4, 2>(ws, accs, v, n);
+      default: break;
+    }
+  }
+  if (attention_uses_avx512() && d == 128 && nr == 2) return weighted_values_shared<8, 2>(ws, accs, v, n);
   for (int r = 0; r < nr; ++r) weighted_values(ws[r], v, n, d, accs[r]);
 }
 

@@ -3,6 +3,7 @@
 import pytest
 
 from fastdeploy import LLM, SamplingParams
+from greedy_run import MODES, greedy_tokens
 
 # The tiny preset: 4 KV heads, head 0 SWA with window 128 and sink 16.
 PROMPT_LENGTHS = [1, 7, 16, 130, 300, 520]  # up to ~4x the window
@@ -15,17 +16,8 @@ def prompts():
 
 
 def generate(monkeypatch, backend, head_wise, recycle, reserve="1", **engine_args):
-    monkeypatch.setenv("FD_ATTENTION_BACKEND", backend)
-    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", head_wise)
-    monkeypatch.setenv("FD_HEAD_WISE_SWA_RECYCLE", recycle)
-    monkeypatch.setenv("FD_RESERVE_OUTPUT_PAGES", reserve)
-    engine_args.setdefault("block_size", 16)
-    engine_args.setdefault("max_model_len", 1024)
-    engine_args.setdefault("max_num_seqs", 8)
-    llm = LLM(**engine_args)
-    outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False)
-    return [o.outputs.token_ids for o in outs], llm.engine
+    engine_args = {"block_size": 16, "max_model_len": 1024, "max_num_seqs": 8, **engine_args}
+    return greedy_tokens(monkeypatch, prompts(), MAX_TOKENS, backend, head_wise, recycle, reserve, **engine_args)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +31,6 @@ def oracle():
     return tokens
 
 
-MODES = {"1d": ("0", "1"), "head_wise_recycle_off": ("1", "0"), "head_wise_recycle_on": ("1", "1")}
 
 
 @pytest.mark.parametrize("mode", MODES)

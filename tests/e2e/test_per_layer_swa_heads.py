@@ -5,14 +5,13 @@ every memory mode."""
 
 import pytest
 
-from fastdeploy import LLM, SamplingParams
+from greedy_run import MODES, greedy_tokens
 
 # The tiny preset: 2 layers, 4 KV heads. Layer 0 slides heads 1 and 3, layer 1 heads 0 and 2, so
 # serving must move layer 1's heads 0, 2 into slots 1, 3 (order (1, 0, 3, 2)).
 SPEC = {"sliding_window": 32, "sink_size": 4, "swa_kv_heads": [[1, 3], [0, 2]]}
 PROMPT_LENGTHS = [7, 40, 130, 300]  # past the window of 32 by up to ~9x
 MAX_TOKENS = 16
-MODES = {"1d": ("0", "1"), "head_wise_recycle_off": ("1", "0"), "head_wise_recycle_on": ("1", "1")}
 
 
 def prompts():
@@ -20,14 +19,9 @@ def prompts():
 
 
 def generate(monkeypatch, backend, head_wise="0", recycle="1", spec=SPEC):
-    monkeypatch.setenv("FD_ATTENTION_BACKEND", backend)
-    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", head_wise)
-    monkeypatch.setenv("FD_HEAD_WISE_SWA_RECYCLE", recycle)
-    llm = LLM(block_size=16, max_model_len=512, max_num_seqs=4, num_gpu_blocks_override=256,
-              head_wise_swa_config=spec)
-    outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False)
-    return [o.outputs.token_ids for o in outs], llm.engine
+    return greedy_tokens(monkeypatch, prompts(), MAX_TOKENS, backend, head_wise, recycle, block_size=16,
+                         max_model_len=512, max_num_seqs=4, num_gpu_blocks_override=256,
+                         head_wise_swa_config=spec)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ layers' window or of another one (two sliding types: the layers' slots recycle).
 
 import pytest
 
-from fastdeploy import LLM, SamplingParams
+from greedy_run import greedy_tokens
 
 PRESET = "tiny-sliding-layers"
 PROMPT_LENGTHS = [1, 7, 16, 60, 130, 210]  # up to ~4x the window
@@ -21,17 +21,8 @@ def prompts():
 
 
 def generate(monkeypatch, backend, head_wise, recycle, reserve="1", **engine_args):
-    monkeypatch.setenv("FD_ATTENTION_BACKEND", backend)
-    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", head_wise)
-    monkeypatch.setenv("FD_HEAD_WISE_SWA_RECYCLE", recycle)
-    monkeypatch.setenv("FD_RESERVE_OUTPUT_PAGES", reserve)
-    engine_args.setdefault("block_size", 16)
-    engine_args.setdefault("max_model_len", 512)
-    engine_args.setdefault("max_num_seqs", 8)
-    llm = LLM(model=PRESET, **engine_args)
-    outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False)
-    return [o.outputs.token_ids for o in outs], llm.engine
+    engine_args = {"model": PRESET, "block_size": 16, "max_model_len": 512, "max_num_seqs": 8, **engine_args}
+    return greedy_tokens(monkeypatch, prompts(), MAX_TOKENS, backend, head_wise, recycle, reserve, **engine_args)
 
 
 def _oracle(**engine_args):
