@@ -74,6 +74,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FD_LOG_INTERVAL": _int_flag("FD_LOG_INTERVAL", "10"),
     # Threads of the CPU attention op (read by the C++ op; 0 or unset: every usable core, for large steps).
     "FD_CPU_ATTN_NUM_THREADS": _int_flag("FD_CPU_ATTN_NUM_THREADS", "0"),
+    # 1: a CPU worker keeps freed host memory for reuse (worker/host_memory.py: no page faults of
+    # large activations every step); 0: malloc's defaults.
+    "FD_CPU_KEEP_FREED_MEMORY": _int_flag("FD_CPU_KEEP_FREED_MEMORY", "1"),
     # Where the CPU op is compiled and cached (unset: ~/.cache/fastdeploy/custom_ops).
     "FD_CUSTOM_OP_DIR": _str_flag("FD_CUSTOM_OP_DIR", ""),
     # Comma-separated API keys the server requires on /v1/* (upstream's name); --api-key overrides it.

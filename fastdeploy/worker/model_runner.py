@@ -16,6 +16,7 @@ from fastdeploy.model_executor.layers.rotary_embedding import layer_rope_tables
 from fastdeploy.model_executor.models.decoder import CausalLM
 from fastdeploy.model_executor.tensor_parallel import local_kv_heads
 from fastdeploy.worker.device import paddle_device_name
+from fastdeploy.worker.host_memory import keep_freed_host_memory
 from fastdeploy.worker.step_buffers import StepBufferLayout, StepBuffers
 from fastdeploy.worker.step_input import StepInput, StepOutput
 
@@ -23,7 +24,10 @@ from fastdeploy.worker.step_input import StepInput, StepOutput
 class ModelRunner:
     def __init__(self, fd_config, tp_rank: int = 0):
         # Weights, caches, rotary tables and step buffers are all made on this device (worker/device.py).
-        paddle.set_device(paddle_device_name(getattr(fd_config, "device", "cpu"), tp_rank))
+        device = getattr(fd_config, "device", "cpu")
+        paddle.set_device(paddle_device_name(device, tp_rank))
+        if device == "cpu":
+            keep_freed_host_memory()
         self.fd_config = fd_config
         model = fd_config.model_config
         self.tp_rank = tp_rank
