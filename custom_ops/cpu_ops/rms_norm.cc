@@ -51,7 +51,48 @@ std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x_in, const paddle::Te
   return {y};
 }
 
+// The residual stream's add fused with the next norm: sum = x + delta, out = rms_norm(sum). One
+// pass where Paddle's CPU add alone took 4.6 ms for [2048, 576]; the norm is norm_row on the sum,
+// so `out` has the bits rms_norm_rows would give the sum.
+std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x_in, const paddle::Tensor& delta_in,
+                                       const paddle::Tensor& w_in, float eps) {
+  const paddle::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
+  const paddle::Tensor delta = delta_in.is_contiguous() ? delta_in : delta_in.contiguous();
+  const paddle::Tensor w = w_in.is_contiguous() ? w_in : w_in.contiguous();
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && delta.dtype() == paddle::DataType::FLOAT32 &&
+               w.dtype() == paddle::DataType::FLOAT32,
+           "add_rms_norm: x, delta and weight must be float32");
+  PD_CHECK(x.shape() == delta.shape(), "add_rms_norm: x and delta must have one shape");
+  PD_CHECK(!x.shape().empty(), "add_rms_norm: x must have at least one axis");
+  const int64_t d = x.shape().back();
+  PD_CHECK(w.numel() == d, "add_rms_norm: weight has ", w.numel(), " elements, x's last axis ", d);
+  const int64_t rows = d == 0 ? 0 : x.numel() / d;
+  paddle::Tensor sum = paddle::empty(x.shape(), paddle::DataType::FLOAT32, x.place());
+  paddle::Tensor y = paddle::empty(x.shape(), paddle::DataType::FLOAT32, x.place());
+  const float* xp = x.data<float>();
+  const float* dp = delta.data<float>();
+  const float* wp = w.data<float>();
+  float* sp = sum.data<float>();
+  float* yp = y.data<float>();
+  constexpr int64_t kRowsPerItem = 64;
+  const int64_t items = (rows + kRowsPerItem - 1) / kRowsPerItem;
+  const int workers = rows * d > (1 << 18) ? fd_cpu::usable_cpus() : 1;
+  fd_cpu::WorkPool::instance().run(items, workers, [&](int64_t item, int) {
+    for (int64_t r = item * kRowsPerItem; r < std::min(rows, (item + 1) * kRowsPerItem); ++r) {
+      for (int64_t j = 0; j < d; ++j) sp[r * d + j] = xp[r * d + j] + dp[r * d + j];
+      norm_row(sp + r * d, wp, d, eps, yp + r * d);
+    }
+  });
+  return {sum, y};
+}
+
 }  // namespace
+
+PD_BUILD_OP(add_rms_norm_rows)
+    .Inputs({"x", "delta", "weight"})
+    .Outputs({"sum", "out"})
+    .Attrs({"eps: float"})
+    .SetKernelFn(PD_KERNEL(AddRmsNorm));
 
 PD_BUILD_OP(rms_norm_rows)
     .Inputs({"x", "weight"})

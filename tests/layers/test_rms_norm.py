@@ -5,7 +5,7 @@ import numpy as np
 import paddle
 import pytest
 
-from fastdeploy.model_executor.layers.rms_norm import rms_norm
+from fastdeploy.model_executor.layers.rms_norm import add_rms_norm, rms_norm
 
 WIDTH = 576  # SmolLM2's hidden size
 
@@ -31,3 +31,13 @@ def test_rms_norm_equals_a_float64_reference_on_2d_and_per_head_3d_input():
         ref = x64 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + 1e-6) * w
         got = rms_norm(paddle.to_tensor(x), paddle.to_tensor(w), 1e-6).numpy()
         np.testing.assert_allclose(got, ref, rtol=2e-6, atol=2e-6)
+
+
+def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit():
+    rng = np.random.default_rng(3)
+    for rows in (1, 9, 70):
+        x, delta = (rng.standard_normal((rows, WIDTH)).astype(np.float32) for _ in range(2))
+        w = paddle.to_tensor(rng.standard_normal(WIDTH).astype(np.float32))
+        total, normed = add_rms_norm(paddle.to_tensor(x), paddle.to_tensor(delta), w, 1e-5)
+        assert np.array_equal(total.numpy(), x + delta)
+        assert np.array_equal(normed.numpy(), rms_norm(paddle.to_tensor(x + delta), w, 1e-5).numpy())

@@ -47,8 +47,8 @@ def _link() -> tuple:
             f"{PACKAGE} {ob.__version__}")
 
 
-GEMM_OPS = CpuOpLibrary("fd_cpu_gemm", ("linear_packed.cc", "linear_sgemm.cc", "rms_norm.cc"),
-                        "the CPU dense-layer ops (packed GEMM, OpenBLAS sgemm, RMSNorm)",
+GEMM_OPS = CpuOpLibrary("fd_cpu_gemm", ("linear_packed.cc", "linear_sgemm.cc", "rms_norm.cc", "gated_activation.cc"),
+                        "the CPU dense-layer ops (packed GEMM, OpenBLAS sgemm, RMSNorm, gated activation)",
                         dir_prefix="gemm-", link=_link)
 
 
@@ -56,6 +56,19 @@ GEMM_OPS = CpuOpLibrary("fd_cpu_gemm", ("linear_packed.cc", "linear_sgemm.cc", "
 def rms_norm_rows():
     """The op: `rms_norm_rows(x [.., D] float32, weight [D] float32, eps) -> [.., D]`, row-invariant."""
     return load_library(GEMM_OPS).rms_norm_rows
+
+
+@lru_cache(maxsize=None)
+def add_rms_norm_rows():
+    """The op: `add_rms_norm_rows(x, delta, weight, eps) -> (x + delta, rms_norm(x + delta))`, float32."""
+    return load_library(GEMM_OPS).add_rms_norm_rows
+
+
+@lru_cache(maxsize=None)
+def gated_activation_rows():
+    """The op: `gated_activation(x [.., 2F] float32, act) -> [.., F]`: act(x[.., :F]) * x[.., F:],
+    act 0 = SiLU, 1 = tanh-approximated GELU."""
+    return load_library(GEMM_OPS).gated_activation
 
 
 @lru_cache(maxsize=None)

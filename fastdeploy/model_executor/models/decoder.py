@@ -24,7 +24,8 @@ import paddle.nn.functional as F
 from fastdeploy.model_executor import model_loader
 from fastdeploy.model_executor import tensor_parallel as tp_
 from fastdeploy.model_executor.forward_meta import ForwardMeta
-from fastdeploy.model_executor.layers.rms_norm import rms_norm
+from fastdeploy.model_executor.layers.activation import gated_activation
+from fastdeploy.model_executor.layers.rms_norm import add_rms_norm, rms_norm
 from fastdeploy.model_executor.models.ernie4_5_moe import MoEBlock, is_moe_layer, moe_shapes
 from fastdeploy.model_executor.layers.linear import fuse_named
 
@@ -185,11 +186,15 @@ class CausalLM:
     def _rms_norm(self, x: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
         return rms_norm(x, weight, self.config.rms_norm_eps)
 
+    def _add_norm(self, hidden: paddle.Tensor, delta, weight: paddle.Tensor) -> tuple:
+        """(hidden + delta, its RMSNorm); delta None: (hidden, its RMSNorm)."""
+        if delta is None:
+            return hidden, self._rms_norm(hidden, weight)
+        return add_rms_norm(hidden, delta, weight, self.config.rms_norm_eps)
+
     def _dense_mlp(self, x: paddle.Tensor, layer_id: int) -> paddle.Tensor:
-        gate_up = self.gate_up[layer_id]
-        gate, up = gate_up.split(gate_up(x))
-        gate = F.gelu(gate, approximate=True) if self.arch.activation == "gelu_tanh" else F.silu(gate)
-        return self.down[layer_id](gate * up)
+        # The fused weight is [gate; up] with equal halves, as gated_activation reads it.
+        return self.down[layer_id](gated_activation(self.gate_up[layer_id](x), self.arch.activation))
 
     def _qkv(self, x: paddle.Tensor, layer_id: int, n: dict) -> paddle.Tensor:
         """[rows, (heads + 2 kv_heads) * head_dim]: q, k, v side by side, as the attention op reads them
@@ -216,20 +221,23 @@ class CausalLM:
         w = self.weights
         num_tokens = meta.input_ids.shape[0]
         hidden = self._embed(meta.input_ids)
+        # Each residual add is fused with the norm that reads its sum (add_rms_norm); the last MLP
+        # output is added after the loop, the final norm runs on the sampled rows only.
+        pending = None
         for layer_id in range(self.config.num_hidden_layers):
             n = self.layer_names[layer_id]
-            x = self._rms_norm(hidden, w[n["input_norm"]])
+            hidden, x = self._add_norm(hidden, pending, w[n["input_norm"]])
             attn = meta.attn_backend.forward(layer_id, self._qkv(x, layer_id, n), meta)
             attn = tp_.all_reduce(self.o[layer_id](attn), self.tp_size)
             if self.arch.sandwich_norms:  # Gemma: norm the attention output, then norm again before the MLP
-                hidden = hidden + self._rms_norm(attn, w[n["post_norm"]])
-                x = self._rms_norm(hidden, w[n["pre_ffn_norm"]])
+                hidden, x = self._add_norm(hidden, self._rms_norm(attn, w[n["post_norm"]]), w[n["pre_ffn_norm"]])
             else:
-                hidden = hidden + attn
-                x = self._rms_norm(hidden, w[n["post_norm"]])
+                hidden, x = self._add_norm(hidden, attn, w[n["post_norm"]])
             moe = self.moe.get(layer_id)
             ffn = tp_.all_reduce(moe(x, num_tokens) if moe is not None else self._dense_mlp(x, layer_id), self.tp_size)
-            hidden = hidden + (self._rms_norm(ffn, w[n["post_ffn_norm"]]) if self.arch.sandwich_norms else ffn)
+            pending = self._rms_norm(ffn, w[n["post_ffn_norm"]]) if self.arch.sandwich_norms else ffn
+        if pending is not None:
+            hidden = hidden + pending
         if self.hidden_observer is not None:
             self.hidden_observer(meta, hidden[:num_tokens])
         num_sampled = meta.sample_rows.shape[0]
