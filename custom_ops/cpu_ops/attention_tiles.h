@@ -23,6 +23,8 @@
 #include <cstring>
 #include <limits>
 
+#include "work_pool.h"
+
 namespace fd_cpu {
 
 constexpr int kLanes = 16;
@@ -32,8 +34,7 @@ inline bool attention_uses_avx512() {
   static const bool use = [] {
     const char* env = std::getenv("FD_CPU_ATTN_ISA");
     if (env != nullptr && std::strcmp(env, "generic") == 0) return false;
-    __builtin_cpu_init();
-    return bool(__builtin_cpu_supports("avx512f"));
+    return cpu_has_avx512f();
   }();
   return use;
 }
@@ -112,29 +113,6 @@ __attribute__((target("avx512f"))) inline __m512 sum_lanes_x16(const __m512* v) 
   const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, s);
-}
-
-// out[j] = q . k[j] for the n rows of k (row stride d), 16 keys at a time:
-// each q block is loaded once for the 16 keys, so a key costs one load per FMA.
-__attribute__((target("avx512f"))) inline void scores_avx512(const float* q, const float* k, int n,
-                                                            int d, float* out) {
-  const int blocks = (d + kLanes - 1) / kLanes;
-  const int tail = d - (blocks - 1) * kLanes;
-  const __mmask16 tail_mask = __mmask16((1u << tail) - 1);
-  for (int j0 = 0; j0 < n; j0 += kLanes) {
-    const int keys = std::min(kLanes, n - j0);
-    const float* row[kLanes];
-    for (int j = 0; j < kLanes; ++j) row[j] = k + int64_t(j0 + std::min(j, keys - 1)) * d;
-    __m512 acc[kLanes];
-    for (int j = 0; j < kLanes; ++j) acc[j] = _mm512_setzero_ps();
-    for (int b = 0; b < blocks; ++b) {
-      const __mmask16 m = b + 1 < blocks ? __mmask16(0xFFFF) : tail_mask;
-      const __m512 qb = _mm512_maskz_loadu_ps(m, q + b * kLanes);
-      for (int j = 0; j < kLanes; ++j)
-        acc[j] = _mm512_fmadd_ps(qb, _mm512_maskz_loadu_ps(m, row[j] + b * kLanes), acc[j]);
-    }
-    _mm512_mask_storeu_ps(out + j0, __mmask16((1u << keys) - 1), sum_lanes_x16(acc));
-  }
 }
 
 // out[q * ldo + j] = qs[q] . k[j] for nq queries and n keys (row stride
@@ -284,8 +262,7 @@ inline void scores_rows(const float* const* qs, int nq, const float* k, int n, i
       case 128: return scores_rows_fixed<8>(qs, nq, k, n, out, ldo);
       case 256: return scores_rows_fixed<16>(qs, nq, k, n, out, ldo);
       default:
-        for (int q = 0; q < nq; ++q) scores_avx512(qs[q], k, n, d, out + int64_t(q) * ldo);
-        return;
+        break;  // other head sizes: the portable kernel (the same bits, slower)
     }
   }
   for (int q = 0; q < nq; ++q) scores_generic(qs[q], k, n, d, out + int64_t(q) * ldo);

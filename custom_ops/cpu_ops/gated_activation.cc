@@ -81,22 +81,12 @@ std::vector<paddle::Tensor> GatedActivation(const paddle::Tensor& x_in, int act)
   out_shape.back() = f;
   paddle::Tensor out = paddle::empty(out_shape, paddle::DataType::FLOAT32, x.place());
   if (rows == 0 || f == 0) return {out};
-  __builtin_cpu_init();
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  const bool avx512 = fd_cpu::cpu_has_avx512f();
   const float* xp = x.data<float>();
   float* op = out.data<float>();
-  constexpr int64_t kRowsPerItem = 16;
-  const int64_t items = (rows + kRowsPerItem - 1) / kRowsPerItem;
-  const int workers = rows * f > (1 << 16) ? fd_cpu::usable_cpus() : 1;
-  fd_cpu::WorkPool::instance().run(items, workers, [&](int64_t item, int) {
-    for (int64_t r = item * kRowsPerItem; r < std::min(rows, (item + 1) * kRowsPerItem); ++r) {
-      const float* row = xp + r * width;
-      if (avx512) {
-        row_avx512(row, row + f, f, act, op + r * f);
-      } else {
-        row_generic(row, row + f, f, act, op + r * f);
-      }
-    }
+  fd_cpu::for_each_row(rows, 16, rows * f > (1 << 16), [&](int64_t r) {
+    const float* row = xp + r * width;
+    (avx512 ? row_avx512 : row_generic)(row, row + f, f, act, op + r * f);
   });
   return {out};
 }

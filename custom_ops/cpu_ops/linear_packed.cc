@@ -99,8 +99,7 @@ void avx512_tail(int rows, const float* x, int64_t k_dim, const float* panel, fl
 enum class Isa { kAvx512, kAvx2, kScalar };
 
 Isa detect_isa() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
+  if (fd_cpu::cpu_has_avx512f()) return Isa::kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
   return Isa::kScalar;
 }

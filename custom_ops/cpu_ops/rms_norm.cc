@@ -14,7 +14,9 @@
 
 namespace {
 
-constexpr int kLanes = 8;  // partial sums, combined in a fixed order: same bits for every row
+constexpr int kLanes = 8;
+constexpr int64_t kRowsPerItem = 64;
+constexpr int64_t kParallelElements = 1 << 18;  // below this one thread is faster  // partial sums, combined in a fixed order: same bits for every row
 
 void norm_row(const float* x, const float* w, int64_t d, float eps, float* y) {
   float part[kLanes] = {0.f};
@@ -41,13 +43,8 @@ std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x_in, const paddle::Te
   const float* xp = x.data<float>();
   const float* wp = w.data<float>();
   float* yp = y.data<float>();
-  constexpr int64_t kRowsPerItem = 64;
-  const int64_t items = (rows + kRowsPerItem - 1) / kRowsPerItem;
-  const int workers = rows * d > (1 << 18) ? fd_cpu::usable_cpus() : 1;
-  fd_cpu::WorkPool::instance().run(items, workers, [&](int64_t item, int) {
-    for (int64_t r = item * kRowsPerItem; r < std::min(rows, (item + 1) * kRowsPerItem); ++r)
-      norm_row(xp + r * d, wp, d, eps, yp + r * d);
-  });
+  fd_cpu::for_each_row(rows, kRowsPerItem, rows * d > kParallelElements,
+                       [&](int64_t r) { norm_row(xp + r * d, wp, d, eps, yp + r * d); });
   return {y};
 }
 
@@ -74,14 +71,9 @@ std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x_in, const paddle:
   const float* wp = w.data<float>();
   float* sp = sum.data<float>();
   float* yp = y.data<float>();
-  constexpr int64_t kRowsPerItem = 64;
-  const int64_t items = (rows + kRowsPerItem - 1) / kRowsPerItem;
-  const int workers = rows * d > (1 << 18) ? fd_cpu::usable_cpus() : 1;
-  fd_cpu::WorkPool::instance().run(items, workers, [&](int64_t item, int) {
-    for (int64_t r = item * kRowsPerItem; r < std::min(rows, (item + 1) * kRowsPerItem); ++r) {
-      for (int64_t j = 0; j < d; ++j) sp[r * d + j] = xp[r * d + j] + dp[r * d + j];
-      norm_row(sp + r * d, wp, d, eps, yp + r * d);
-    }
+  fd_cpu::for_each_row(rows, kRowsPerItem, rows * d > kParallelElements, [&](int64_t r) {
+    for (int64_t j = 0; j < d; ++j) sp[r * d + j] = xp[r * d + j] + dp[r * d + j];
+    norm_row(sp + r * d, wp, d, eps, yp + r * d);
   });
   return {sum, y};
 }

@@ -1,4 +1,4 @@
-// A tiny persistent thread pool for the CPU attention op.
+// A tiny persistent thread pool for the CPU ops (attention, dense layers, norms).
 //
 // Why not an OpenMP parallel-for: its closing barrier waits for every thread,
 // so on a busy 2-core machine one helper the OS has not scheduled yet stalls
@@ -28,6 +28,15 @@ inline int usable_cpus() {
   if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
   const unsigned n = std::thread::hardware_concurrency();
   return n > 0 ? int(n) : 1;
+}
+
+// AVX-512F on this CPU (the ops' fast kernels; each has a portable twin).
+inline bool cpu_has_avx512f() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return bool(__builtin_cpu_supports("avx512f"));
+  }();
+  return has;
 }
 
 class WorkPool {
@@ -124,5 +133,16 @@ class WorkPool {
   int helpers_ = 0;
   pid_t owner_pid_ = getpid();
 };
+
+// row_fn(r) for every row r in [0, rows), `rows_per_item` rows to a work
+// item, on every usable CPU when `parallel` (small inputs stay on the caller:
+// waking a helper costs more than it saves).
+template <typename RowFn>
+void for_each_row(int64_t rows, int64_t rows_per_item, bool parallel, RowFn row_fn) {
+  const int64_t items = (rows + rows_per_item - 1) / rows_per_item;
+  WorkPool::instance().run(items, parallel ? usable_cpus() : 1, [&](int64_t item, int) {
+    for (int64_t r = item * rows_per_item; r < std::min(rows, (item + 1) * rows_per_item); ++r) row_fn(r);
+  });
+}
 
 }  // namespace fd_cpu

@@ -13,8 +13,10 @@ import paddle
 from fastdeploy.model_executor.layers.blas_gemm import add_rms_norm_rows, rms_norm_rows
 
 
-def _cpu_float32(*tensors: paddle.Tensor) -> bool:
-    return all(t.place.is_cpu_place() and t.dtype == paddle.float32 for t in tensors)
+def _cpu_float32(x: paddle.Tensor, *others: paddle.Tensor) -> bool:
+    """x on the CPU and every tensor float32; the others share x's device (one model, one device), so
+    only x's place is asked: it is the costly check, and this runs twice per layer per step."""
+    return x.dtype == paddle.float32 and all(t.dtype == paddle.float32 for t in others) and x.place.is_cpu_place()
 
 
 def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
