@@ -2,7 +2,10 @@
 this machine's limits measured in the same run.
 
 Both sides read the same GGUF file (default: the named model smollm2-135m-instruct) at float32 and
-get the same random prompts. The engine runs `LLM.generate` with greedy sampling and `ignore_eos`;
+get the same random prompts. The engine runs twice: as it ships (its dense layers keep the file's
+quantized blocks and rebuild each float32 weight in registers: the same numbers, ~5x fewer bytes;
+FD_CPU_GGUF_BLOCKS=1) and with float32 copies of the weights (FD_CPU_GGUF_BLOCKS=0, "engine f32";
+`--no-float32-engine` skips it); all three must give the same tokens. The engine runs `LLM.generate` with greedy sampling and `ignore_eos`;
 transformers runs one `generate` call per case: the whole batch at once, left padding with an
 attention mask, `min_new_tokens = max_new_tokens`, `do_sample=False`, torch on `--torch-threads`
 threads. Cases: N concurrent requests of `--input-len` random prompt tokens and `--output-len`
@@ -16,7 +19,8 @@ The machine's limits, measured before the cases run:
 Fractions reached:
   - every case: model FLOPs / time / GEMM peak, where model FLOPs = processed tokens x 2 x the
     decoder's matmul parameters + output tokens x 2 x the lm_head's (attention scores excluded);
-  - N = 1: weight bytes read per output token (every matmul weight once, float32) x output tok/s /
+  - N = 1: weight bytes read per output token (every matmul weight once, as that side holds it:
+    float32 for transformers and engine f32, the blocks' bytes for the engine) x output tok/s /
     bandwidth (the time includes the prompt's prefill, so this slightly understates decode).
 llama.cpp is not a column: llama-cpp-python has no wheel for this platform on the package index
 (it builds llama.cpp from source).
@@ -57,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
                    help="a short run that proves the script works: N = 1, 4; 32 in / 8 out; prefill 2 x 256")
+    p.add_argument("--no-float32-engine", action="store_true",
+                   help="skip the engine run on float32 weight copies (FD_CPU_GGUF_BLOCKS=0)")
     p.add_argument("--json", default=None, help="write machine limits, parameters and every case here")
     args = p.parse_args(argv)
     if args.quick:
@@ -205,7 +211,8 @@ def make_cases(args, vocab_size: int) -> list:
              "prompts": rng.integers(FIRST_PROMPT_ID, vocab_size, (n, i)).tolist()} for name, n, i, o in shapes]
 
 
-def side_metrics(seconds: float, outputs: list, case: dict, limits: dict, params: tuple) -> dict:
+def side_metrics(seconds: float, outputs: list, case: dict, limits: dict, params: tuple,
+                 weight_bytes: int) -> dict:
     body, head = params
     out_tokens = sum(len(o) for o in outputs)
     in_tokens = case["requests"] * case["input_len"]
@@ -214,7 +221,6 @@ def side_metrics(seconds: float, outputs: list, case: dict, limits: dict, params
          "total_tok_s": (in_tokens + out_tokens) / seconds,
          "gemm_fraction": flops / seconds / (limits["gemm_peak_gflops"] * 1e9)}
     if case["requests"] == 1:
-        weight_bytes = 4 * (body + head)
         m["bandwidth_fraction"] = weight_bytes * m["output_tok_s"] / (limits["read_bandwidth_gbs"] * 1e9)
     return m
 
@@ -224,20 +230,26 @@ def agreement(a: list, b: list) -> float:
     return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
-def print_table(results: list, limits: dict) -> None:
+def print_table(results: list, limits: dict, sides: list) -> None:
     print(f"\nmachine: float32 GEMM 2048^3 {limits['gemm_peak_gflops']:.1f} GFLOP/s, memory read "
-          f"{limits['read_bandwidth_gbs']:.1f} GB/s; engine vs transformers "
+          f"{limits['read_bandwidth_gbs']:.1f} GB/s; tok/s of each side and its ratio to transformers "
           f"(decode rows: output tok/s; prefill row: prompt + output tok/s)")
-    header = (f"{'case':<20}{'engine tok/s':>14}{'transformers':>14}{'ratio':>8}{'eng %GEMM':>11}"
-              f"{'hf %GEMM':>10}{'eng %BW':>9}{'hf %BW':>8}{'same tokens':>13}")
+    engines = [s for s in sides if s != "transformers"]
+    short = {"engine": "engine", "engine f32": "eng f32", "transformers": "hf"}
+    header = f"{'case':<20}" + "".join(f"{s:>14}" for s in sides) + "".join(f"{'x ' + s:>14}" for s in engines) + \
+        "".join(f"{'%GEMM ' + short[s]:>14}" for s in sides) + "".join(f"{'%BW ' + short[s]:>12}" for s in sides) + \
+        f"{'same tokens':>13}"
     print(header)
     print("-" * len(header))
     for r in results:
         key = "total_tok_s" if r["name"].startswith("prefill") else "output_tok_s"
-        e, t = r["engine"], r["transformers"]
-        bw = [f"{s['bandwidth_fraction']:.1%}" if "bandwidth_fraction" in s else "-" for s in (e, t)]
-        print(f"{r['name']:<20}{e[key]:>14.1f}{t[key]:>14.1f}{e[key] / t[key]:>7.2f}x{e['gemm_fraction']:>11.1%}"
-              f"{t['gemm_fraction']:>10.1%}{bw[0]:>9}{bw[1]:>8}{r['same_tokens']:>13.0%}")
+        t = r["transformers"][key]
+        line = f"{r['name']:<20}" + "".join(f"{r[s][key]:>14.1f}" for s in sides)
+        line += "".join(f"{r[s][key] / t:>13.2f}x" for s in engines)
+        line += "".join(f"{r[s]['gemm_fraction']:>14.1%}" for s in sides)
+        line += "".join(f"{r[s]['bandwidth_fraction']:>12.1%}" if "bandwidth_fraction" in r[s] else f"{'-':>12}"
+                        for s in sides)
+        print(line + f"{r['same_tokens']:>13.0%}")
 
 
 def main(argv=None) -> int:
@@ -272,31 +284,45 @@ def main(argv=None) -> int:
 
     from fastdeploy import LLM
 
-    log("loading the engine")
-    llm = LLM(model=path, **engine_kwargs(args, cases))
+    engines, user_setting = {}, os.environ.get("FD_CPU_GGUF_BLOCKS")
+    for side, blocks in (("engine", "1"), ("engine f32", "0")):
+        if side == "engine f32" and args.no_float32_engine:
+            continue
+        log(f"loading the {side} (FD_CPU_GGUF_BLOCKS={blocks})")
+        os.environ["FD_CPU_GGUF_BLOCKS"] = blocks  # read when the model loads
+        engines[side] = LLM(model=path, **engine_kwargs(args, cases))
+    os.environ.pop("FD_CPU_GGUF_BLOCKS")
+    if user_setting is not None:
+        os.environ["FD_CPU_GGUF_BLOCKS"] = user_setting
+    weight_bytes = {side: llm.engine.runner.model.dense_layer_bytes() for side, llm in engines.items()}
+    weight_bytes["transformers"] = 4 * (params[0] + params[1])
     warm = [cases[0]["prompts"][0][:8]]
-    run_engine(llm, warm, 2)  # op build/load and first-call costs stay out of the timed cases
+    for llm in engines.values():
+        run_engine(llm, warm, 2)  # op build/load and first-call costs stay out of the timed cases
     run_transformers(hf, warm, 2)
 
+    sides = [*engines, "transformers"]
     results = []
     for case in cases:
-        sides = {}
-        for side, runner, model in (("engine", run_engine, llm), ("transformers", run_transformers, hf)):
+        row = {"name": case["name"], "requests": case["requests"], "input_len": case["input_len"],
+               "output_len": case["output_len"]}
+        outputs = {}
+        for side in sides:
+            runner, model = (run_transformers, hf) if side == "transformers" else (run_engine, engines[side])
             log(f"{case['name']}: {side} ({case['requests']} x {case['input_len']} in / {case['output_len']} out)")
-            seconds, outputs = runner(model, case["prompts"], case["output_len"])
-            sides[side] = (outputs, side_metrics(seconds, outputs, case, limits, params))
-            log(f"{case['name']}: {side} {sides[side][1]['output_tokens']} output tokens in {seconds:.1f} s")
-        results.append({"name": case["name"], "requests": case["requests"], "input_len": case["input_len"],
-                        "output_len": case["output_len"], "engine": sides["engine"][1],
-                        "transformers": sides["transformers"][1],
-                        "ratio_output_tok_s": sides["engine"][1]["output_tok_s"] /
-                        sides["transformers"][1]["output_tok_s"],
-                        "same_tokens": agreement(sides["engine"][0], sides["transformers"][0])})
-    print_table(results, limits)
+            seconds, outputs[side] = runner(model, case["prompts"], case["output_len"])
+            row[side] = side_metrics(seconds, outputs[side], case, limits, params, weight_bytes[side])
+            log(f"{case['name']}: {side} {row[side]['output_tokens']} output tokens in {seconds:.1f} s")
+        for side in engines:
+            row[f"ratio_output_tok_s {side}"] = row[side]["output_tok_s"] / row["transformers"]["output_tok_s"]
+        row["same_tokens"] = min(agreement(outputs[side], outputs["transformers"]) for side in engines)
+        results.append(row)
+    print_table(results, limits, sides)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"model": path, "limits": limits, "matmul_parameters": params[0] + params[1],
+                       "weight_bytes": weight_bytes,
                        "lm_head_parameters": params[1], "torch_threads": args.torch_threads,
                        "thread_env": thread_env, "cpu_count": os.cpu_count(),
                        "load_average_before": load_before, "load_average_after": os.getloadavg()[0],

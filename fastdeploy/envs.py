@@ -77,6 +77,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 1: a CPU worker keeps freed host memory for reuse (worker/host_memory.py: no page faults of
     # large activations every step); 0: malloc's defaults.
     "FD_CPU_KEEP_FREED_MEMORY": _int_flag("FD_CPU_KEEP_FREED_MEMORY", "1"),
+    # 1: the CPU's dense layers of a GGUF model keep the file's quantized blocks (Q4_1, Q4_K, Q5_0,
+    # Q6_K, Q8_0) and rebuild each float32 weight in registers, the same bits, ~5x fewer bytes read
+    # per decode step (layers/gguf_blocks.py); 0: float32 copies of the dequantized weights.
+    "FD_CPU_GGUF_BLOCKS": _int_flag("FD_CPU_GGUF_BLOCKS", "1"),
     # Where the CPU op is compiled and cached (unset: ~/.cache/fastdeploy/custom_ops).
     "FD_CUSTOM_OP_DIR": _str_flag("FD_CUSTOM_OP_DIR", ""),
     # Comma-separated API keys the server requires on /v1/* (upstream's name); --api-key overrides it.

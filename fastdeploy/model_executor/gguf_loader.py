@@ -151,7 +151,8 @@ def dequantize(tensor) -> np.ndarray:
 
 
 def iter_gguf_tensors(reader, arch) -> Iterator[tuple]:
-    """(checkpoint name, float32 numpy array) per tensor, in file order, each dequantized on its own.
+    """(checkpoint name, float32 numpy array, GGUF tensor) per tensor, in file order, each dequantized on
+    its own.
 
     Gemma's GGUF stores RMSNorm weights as 1 + w (llama.cpp folds the offset the decoder applies);
     they are given back as w, so a directory and a GGUF file of the same model hold the same numbers."""
@@ -160,16 +161,28 @@ def iter_gguf_tensors(reader, arch) -> Iterator[tuple]:
         array = dequantize(tensor)
         if arch.norm_offset and name.endswith("norm.weight"):
             array = array - arch.norm_offset
-        yield name, array
+        yield name, array, tensor
 
 
 def iter_gguf_checkpoint(model_config, keep_float32: tuple = ()) -> Iterator[tuple]:
-    """(checkpoint name, Paddle tensor in the compute dtype) per tensor of the model's GGUF file."""
+    """(checkpoint name, Paddle tensor in the compute dtype) per tensor of the model's GGUF file.
+
+    A float32 matrix of a quantized type also carries the file's blocks as `tensor.gguf_blocks`
+    (layers/gguf_blocks.py), which the CPU's dense layers keep instead of the float32 copy when
+    FD_CPU_GGUF_BLOCKS=1 and the blocks dequantize to exactly this tensor."""
     import paddle
 
+    from fastdeploy import envs
+    from fastdeploy.model_executor.layers import gguf_blocks
+
     reader = open_gguf(model_config.gguf_file)
-    for name, array in iter_gguf_tensors(reader, gguf_architecture(reader, model_config.gguf_file)):
+    for name, array, source in iter_gguf_tensors(reader, gguf_architecture(reader, model_config.gguf_file)):
         tensor = paddle.to_tensor(array)
         del array  # one float32 copy at a time
         target = "float32" if any(k in name for k in keep_float32) else model_config.dtype
-        yield name, tensor if target == "float32" else tensor.astype(target)
+        if target != "float32":
+            yield name, tensor.astype(target)
+            continue
+        if envs.FD_CPU_GGUF_BLOCKS:
+            tensor.gguf_blocks = gguf_blocks.from_gguf(source)
+        yield name, tensor

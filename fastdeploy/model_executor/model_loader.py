@@ -163,8 +163,11 @@ def to_engine_layout(name: str, tensor, model_config):
     if layout == ROTATE_HALF and name.endswith(_ROPE_ROWS + _ROPE_VECTORS):
         d = model_config.head_dim
         shape = list(tensor.shape)
+        blocks = getattr(tensor, "gguf_blocks", None)
         rows = tensor.reshape([-1, 2, d // 2, int(np.prod(shape[1:])) if len(shape) > 1 else 1])
         tensor = rows.transpose([0, 2, 1, 3]).reshape(shape)  # row 2i <- i, row 2i+1 <- i + d/2, per head
+        if blocks is not None:  # the same rows of the file's quantized blocks (layers/gguf_blocks.py)
+            tensor.gguf_blocks = blocks.take_rows(np.arange(shape[0]).reshape(-1, 2, d // 2).transpose(0, 2, 1).ravel())
     if arch.norm_offset and name.endswith("norm.weight"):
         tensor = tensor + arch.norm_offset
     return tensor

@@ -19,17 +19,20 @@ LIMITS = {"gemm_peak_gflops": 100.0, "read_bandwidth_gbs": 10.0}
 def test_gemm_fraction_counts_every_processed_token_and_the_lm_head_per_output_token():
     case = {"requests": 2, "input_len": 10, "output_len": 5}
     outputs = [[1] * 5, [2] * 5]
-    m = bench.side_metrics(2.0, outputs, case, LIMITS, (1000, 100))
+    m = bench.side_metrics(2.0, outputs, case, LIMITS, (1000, 100), weight_bytes=4400)
     # (20 prompt + 10 output tokens) x 2 x 1000 + 10 x 2 x 100 = 62000 FLOP in 2 s at a 1e11 FLOP/s peak.
     assert m["gemm_fraction"] == pytest.approx(62000 / 2.0 / 1e11)
     assert m["output_tok_s"] == pytest.approx(5.0) and m["total_tok_s"] == pytest.approx(15.0)
     assert "bandwidth_fraction" not in m  # only single-stream decode is bound by reading the weights
 
 
-def test_single_stream_bandwidth_fraction_reads_every_float32_weight_once_per_token():
+def test_single_stream_bandwidth_fraction_reads_the_weights_as_held_once_per_token():
     case = {"requests": 1, "input_len": 4, "output_len": 8}
-    m = bench.side_metrics(4.0, [[0] * 8], case, LIMITS, (1000, 100))
-    assert m["bandwidth_fraction"] == pytest.approx(4 * 1100 * 2.0 / 1e10)
+    m = bench.side_metrics(4.0, [[0] * 8], case, LIMITS, (1000, 100), weight_bytes=4 * 1100)
+    assert m["bandwidth_fraction"] == pytest.approx(4 * 1100 * 2.0 / 1e10)  # float32 copies
+    blocks = bench.side_metrics(4.0, [[0] * 8], case, LIMITS, (1000, 100), weight_bytes=900)
+    assert blocks["bandwidth_fraction"] == pytest.approx(900 * 2.0 / 1e10)  # a GGUF file's blocks
+    assert blocks["gemm_fraction"] == m["gemm_fraction"]  # the same model FLOPs either way
 
 
 def test_cases_have_the_asked_shapes_and_regular_token_ids():

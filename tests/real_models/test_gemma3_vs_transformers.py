@@ -44,3 +44,5 @@ def test_gemma3_gguf_greedy_tokens_equal_transformers(monkeypatch, gemma3_path, 
         assert llm.engine.get_stats()["swa_pages_recycled_total"] > 0
     assert [g[0] for g in got] == [r[0] for r in reference_tokens]
     assert got == reference_tokens
+    # Every dense layer on the file's blocks (Q5_0, Q8_0, Q4_K, Q6_K; q/k rows permuted with their blocks).
+    assert all(layer.storage.startswith("gguf ") for layer in llm.engine.runner.model.dense_layers())

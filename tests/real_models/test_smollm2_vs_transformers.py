@@ -28,6 +28,8 @@ MODES = {
     "head_wise_recycle_on": dict(flags=dict(FD_HEAD_WISE_KV_CACHE=1, FD_HEAD_WISE_SWA_RECYCLE=1),
                                  args=dict(head_wise_swa_config=LONG_WINDOW)),
     "chunked_prefill": dict(flags=dict(FD_HEAD_WISE_KV_CACHE=0), args=dict(max_num_batched_tokens=16)),
+    # Float32 copies of the weights instead of the file's blocks (the default): the same numbers.
+    "float32_weights": dict(flags=dict(FD_HEAD_WISE_KV_CACHE=0, FD_CPU_GGUF_BLOCKS=0), args={}),
 }
 
 
@@ -65,6 +67,15 @@ def test_chat_prompt_ids_equal_transformers_chat_template(smollm2_path, chat_ids
     llm = _engine(smollm2_path, "1d")
     ours = [llm.engine.tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
     assert ours == [_as_list(i) for i in chat_ids]
+
+
+def test_every_dense_layer_keeps_the_files_quantized_blocks(smollm2_path):
+    model = _engine(smollm2_path, "1d").engine.runner.model
+    layers = model.dense_layers()
+    assert len(layers) == 4 * 30 + 1
+    assert {layer.storage for layer in layers} == {"gguf Q4_1", "gguf Q8_0"}  # the LM head: the tied Q8_0 table
+    float32_bytes = 4 * sum(layer.out_features * layer.in_features for layer in layers)
+    assert model.dense_layer_bytes() < float32_bytes / 4  # 112 MB instead of 538 MB
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -47,8 +47,9 @@ def _link() -> tuple:
             f"{PACKAGE} {ob.__version__}")
 
 
-GEMM_OPS = CpuOpLibrary("fd_cpu_gemm", ("linear_packed.cc", "linear_sgemm.cc", "rms_norm.cc", "gated_activation.cc"),
-                        "the CPU dense-layer ops (packed GEMM, OpenBLAS sgemm, RMSNorm, gated activation)",
+GEMM_OPS = CpuOpLibrary("fd_cpu_gemm", ("linear_packed.cc", "linear_blocks.cc", "linear_sgemm.cc", "rms_norm.cc",
+                                        "gated_activation.cc"),
+                        "the CPU dense-layer ops (packed GEMM, GGUF-block GEMM, OpenBLAS sgemm, RMSNorm, gated activation)",
                         dir_prefix="gemm-", link=_link)
 
 
@@ -126,3 +127,14 @@ def linear_packed():
 
 def packed_rows():
     return load_library(GEMM_OPS).packed_rows
+
+
+def linear_blocks():
+    """`linear_blocks(x [.., K], q, scale, offset | None, n, group) -> [.., n]` on GGUF blocks
+    packed by gguf_blocks.pack, and `block_rows(q, scale, offset | None, ids, n, group)`."""
+    linear_sgemm()
+    return load_library(GEMM_OPS).linear_blocks
+
+
+def block_rows():
+    return load_library(GEMM_OPS).block_rows

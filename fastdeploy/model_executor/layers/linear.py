@@ -9,16 +9,26 @@ device.
   when the row count is such a multiple (remainder rows take another code path).
 
 `Linear` holds a model's weight packed once at load for the CPU kernel (custom_ops/cpu_ops/
-linear_packed.cc: faster than a BLAS for decode-sized batches, row-invariant by construction),
-and fuses several weights that read the same input (q/k/v; gate/up) into one GEMM. `linear()`
+linear_packed.cc: faster than a BLAS for decode-sized batches, row-invariant by construction), or,
+for a GGUF file's quantized weights, the file's blocks (gguf_blocks.py, linear_blocks.cc: the same
+bits from ~5x fewer bytes), and fuses several weights that read the same input (q/k/v; gate/up)
+into one GEMM. `linear()`
 serves weights used as they are (MoE experts, the router): OpenBLAS on the CPU, also row-invariant.
 """
 
 from __future__ import annotations
 
+import logging
+
+import numpy as np
 import paddle
 
-from fastdeploy.model_executor.layers.blas_gemm import linear_packed, linear_sgemm, pack, packed_rows
+from fastdeploy import envs
+from fastdeploy.model_executor.layers import gguf_blocks
+from fastdeploy.model_executor.layers.blas_gemm import block_rows, linear_blocks, linear_packed, linear_sgemm, pack, \
+    packed_rows
+
+logger = logging.getLogger("fastdeploy.model")
 
 
 def uses_cpu_gemm(x: paddle.Tensor, weight: paddle.Tensor) -> bool:
@@ -56,12 +66,27 @@ class Linear:
         self.out_features, self.in_features = sum(self.sizes), int(parts[0].shape[1])
         self.dtype = parts[0].dtype
         dense = parts[0] if len(parts) == 1 else paddle.concat(parts, axis=0)
-        if uses_cpu_gemm(dense, dense):
-            self.packed, self.dense = pack(dense), None
+        self.packed = self.dense = self.blocks = None
+        if not uses_cpu_gemm(dense, dense):
+            self.dense = dense if dense.is_contiguous() else dense.contiguous()
         else:
-            self.packed, self.dense = None, dense if dense.is_contiguous() else dense.contiguous()
+            self.blocks = _exact_blocks(parts, dense) if envs.FD_CPU_GGUF_BLOCKS else None
+            self.packed = pack(dense) if self.blocks is None else None
+        self.storage = ("gguf " + self.blocks.source) if self.blocks is not None else \
+            "float32 packed" if self.packed is not None else str(self.dtype).replace("paddle.", "")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weight occupies in memory (what a decode step reads)."""
+        if self.blocks is not None:
+            return self.blocks.nbytes
+        held = self.packed if self.packed is not None else self.dense
+        return int(np.prod(held.shape)) * held.element_size()
 
     def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
+        if self.blocks is not None:
+            b = self.blocks
+            return linear_blocks()(x, b.q, b.scale, b.offset, self.out_features, b.group)
         if self.packed is not None:
             return linear_packed()(x, self.packed, self.out_features)
         return linear(x, self.dense)
@@ -76,6 +101,9 @@ class Linear:
 
     def rows(self, ids: paddle.Tensor) -> paddle.Tensor:
         """Rows `ids` of the fused weight: the embedding lookup of a tied LM head."""
+        if self.blocks is not None:
+            b = self.blocks
+            return block_rows()(b.q, b.scale, b.offset, ids, self.out_features, b.group)
         if self.packed is not None:
             return packed_rows()(self.packed, ids, self.out_features)
         return paddle.nn.functional.embedding(ids, self.dense)
@@ -83,10 +111,26 @@ class Linear:
     def unpack(self, start: int = 0, size: int | None = None) -> paddle.Tensor:
         """Rows [start, start + size) of the fused `[out, in]` weight as a dense tensor."""
         size = self.out_features - start if size is None else size
-        if self.packed is None:
+        if self.dense is not None:
             return self.dense[start:start + size]
-        ids = paddle.arange(start, start + size, dtype="int64")
-        return packed_rows()(self.packed, ids, self.out_features)
+        return self.rows(paddle.arange(start, start + size, dtype="int64"))
+
+
+def _exact_blocks(parts: list, dense: paddle.Tensor):
+    """The parts' GGUF blocks packed for linear_blocks, when every part has them and they dequantize
+    to exactly `dense` (bit for bit); else None (the float32 copy is packed instead)."""
+    weight = gguf_blocks.concat_rows([getattr(p, "gguf_blocks", None) for p in parts])
+    if weight is None or weight.shape != tuple(dense.shape):
+        return None
+    packed = gguf_blocks.pack(weight)
+    rebuilt = block_rows()(packed.q, packed.scale, packed.offset,
+                           paddle.arange(dense.shape[0], dtype="int64"), int(dense.shape[0]), packed.group)
+    if not np.array_equal(rebuilt.numpy().view(np.int32), dense.numpy().view(np.int32)):
+        logger.warning("GGUF %s blocks of a %s weight do not dequantize to the checkpoint's float32 values; "
+                       "keeping the float32 copy", weight.source, list(dense.shape))
+        return None
+    packed.source = weight.source
+    return packed
 
 
 class WeightView:

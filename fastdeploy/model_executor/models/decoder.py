@@ -14,7 +14,9 @@ stores differently (rotate-half q/k rows, Gemma's norm offset) is converted once
 
 from __future__ import annotations
 
+import collections
 import json
+import logging
 import os
 
 import numpy as np
@@ -134,6 +136,21 @@ class CausalLM:
         self.gate_up = {i: fuse_named(weights, [n["gate"], n["up"]]) for i, n in enumerate(names) if i not in self.moe}
         self.down = {i: fuse_named(weights, [n["down"]]) for i, n in enumerate(names) if i not in self.moe}
         self.lm_head = fuse_named(weights, [self.lm_head_name])  # tied: the embedding reads its rows
+        logging.getLogger("fastdeploy.model").info("dense layers: %s", self.dense_layer_storage())
+
+    def dense_layers(self) -> list:
+        return [*self.qkv, *self.o, *self.gate_up.values(), *self.down.values(), self.lm_head]
+
+    def dense_layer_bytes(self) -> int:
+        """Bytes of every dense layer's weight as held (what a decode step reads)."""
+        return sum(layer.nbytes for layer in self.dense_layers())
+
+    def dense_layer_storage(self) -> str:
+        """How the dense layers' weights are held, e.g. "181 x gguf Q4_1, 1 x gguf Q8_0: 112.0 MB"."""
+        layers = self.dense_layers()
+        kinds = collections.Counter(layer.storage for layer in layers)
+        return ", ".join(f"{n} x {k}" for k, n in kinds.most_common()) + \
+            f": {self.dense_layer_bytes() / 1e6:.1f} MB"
 
     # -- construction --------------------------------------------------------------------------
     @classmethod

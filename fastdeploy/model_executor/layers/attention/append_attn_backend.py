@@ -15,7 +15,8 @@ import paddle
 
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.ops import append_attention
-from fastdeploy.model_executor.layers.attention.ops.append_attention import check_device_errors, new_error_info
+from fastdeploy.model_executor.layers.attention.ops.append_attention import _call, check_device_errors, \
+    new_error_info
 from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import load_cpu_ops
 from fastdeploy.model_executor.layers.attention.swa_spec import attention_type_table, row_attention_args
 from fastdeploy.model_executor.tensor_parallel import local_kv_heads
@@ -55,13 +56,20 @@ class AppendAttentionBackend:
 
             load_gpu_ops()  # build (first use only) before the engine reports ready
             self.error_info = new_error_info(self.key_caches[0].place)  # one per engine; read once per step
-        else:
-            load_cpu_ops()  # build (first use only) before the engine reports ready, not inside the first step
+        # CPU: the op is bound once (built on first use, before the engine reports ready, not inside
+        # the first step) and called with the arguments every layer passes; the generic entry's
+        # per-call checks and place dispatch cost ~30 us a layer, ~1 ms of a 30 ms decode step.
+        self.cpu_op = None if self.on_gpu else load_cpu_ops().append_attention_cpu
 
     def forward(self, layer_id: int, qkv: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         table = meta.block_tables_head_wise if meta.block_tables_head_wise is not None else meta.block_tables
         swa_head_mask, window, sink, head_slots = self.layer_args[layer_id]
         cos, sin = self.rotary[layer_id]
+        if self.cpu_op is not None:  # append_attention's argument order (op_arguments), CPU attributes
+            return _call(self.cpu_op, qkv, self.key_caches[layer_id], self.value_caches[layer_id],
+                         meta.seq_lens_encoder, meta.seq_lens_decoder, meta.seq_lens_this_time, meta.cu_seqlens_q,
+                         table, cos, sin, swa_head_mask, head_slots, self.num_heads, self.kv_num_heads,
+                         self.head_dim, window, sink, self.dual_pass)[0]
         return append_attention(
             qkv, self.key_caches[layer_id], self.value_caches[layer_id], meta.seq_lens_encoder,
             meta.seq_lens_decoder, meta.seq_lens_this_time, meta.cu_seqlens_q, table, cos, sin,

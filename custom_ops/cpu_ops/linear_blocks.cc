@@ -1,0 +1,264 @@
+// CPU dense layer on weights kept as a GGUF file's quantized blocks:
+// y[M, N] = x[M, K] . W[N, K]^T, where every weight is rebuilt in registers
+// with the file's own dequantization arithmetic, so it is the very float32
+// number the gguf package's dequantize gives (and transformers computes with).
+//
+// Why: a decode step of a small model reads every weight once; the float32
+// copy of SmolLM2-135M is 540 MB per step, its Q4_1/Q8_0 blocks ~110 MB, and
+// on a CPU that read is the step's floor. The products are unchanged: each
+// output is the same chain of fused multiply-adds over k = 0..K-1 from 0.0f as
+// linear_packed.cc's on the dequantized weight, so the two give the same bits
+// (tests/layers/test_linear_blocks.py), and a row's bits never depend on its
+// batch mates.
+//
+// Two block formats cover the file types the loader keeps (gguf_blocks.py):
+//   u4: w = (scale * q) + offset, q in [0, 15]  (Q4_1, Q4_K)
+//   i8: w = scale * q,            q in int8     (Q8_0, Q5_0, Q6_K)
+// one scale (and offset) per `group` consecutive k of one output column.
+// Packed like linear_packed's panels of 32 output columns, k-major:
+//   u4 q      [P, K, 16] uint8: byte j holds column j (low nibble) and j + 16 (high)
+//   i8 q      [P, K, 32] int8
+//   scale     [P, K / group, 32] float32 (offset: the same, u4 only)
+// Columns past N have scale = offset = 0 (weight 0).
+//
+// Up to kFusedRows rows decode each k's 32 weights in registers next to the
+// FMAs (decode steps: the weight read is the cost); more rows dequantize a
+// panel once into a buffer and run linear_tiles.h's fp32 tiles on it.
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "paddle/extension.h"
+#include "linear_tiles.h"
+#include "work_pool.h"
+
+namespace {
+
+using namespace fd_cpu::linear;
+
+constexpr int kFusedRows = 8;
+
+struct Blocks {
+  const uint8_t* q = nullptr;  // u4 nibbles or i8 bytes
+  const float* scale = nullptr;
+  const float* offset = nullptr;  // u4 only
+  bool u4 = true;
+  int64_t k_dim = 0;
+  int group = 32;
+
+  int64_t q_stride() const { return k_dim * (u4 ? 16 : 32); }  // bytes per panel
+  int64_t s_stride() const { return (k_dim / group) * kPanel; }  // scales per panel
+};
+
+// The 32 weights of panel column j at k, portable: the same two roundings
+// (multiply, then add) as numpy's dequantize and the AVX-512 decode.
+inline float weight_at(const Blocks& b, int64_t p, int64_t k, int j) {
+  const int64_t s = p * b.s_stride() + (k / b.group) * kPanel + j;
+  if (b.u4) {
+    const uint8_t byte = b.q[p * b.q_stride() + k * 16 + (j & 15)];
+    const float q = float(j < 16 ? byte & 15 : byte >> 4);
+    const float scaled = b.scale[s] * q;
+    return scaled + b.offset[s];
+  }
+  const int8_t q = int8_t(b.q[p * b.q_stride() + k * 32 + j]);
+  return b.scale[s] * float(q);
+}
+
+template <bool U4>
+__attribute__((target("avx512f"))) inline void decode_k(const uint8_t* qk, __m512 d0, __m512 d1, __m512 o0,
+                                                        __m512 o1, __m512& w0, __m512& w1) {
+  if constexpr (U4) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qk)));
+    const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15));
+    const __m512i hi = _mm512_srli_epi32(v, 4);
+    w0 = _mm512_add_ps(_mm512_mul_ps(d0, _mm512_cvtepi32_ps(lo)), o0);
+    w1 = _mm512_add_ps(_mm512_mul_ps(d1, _mm512_cvtepi32_ps(hi)), o1);
+  } else {
+    const __m512i v0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qk)));
+    const __m512i v1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qk + 16)));
+    w0 = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(v0));
+    w1 = _mm512_mul_ps(d1, _mm512_cvtepi32_ps(v1));
+  }
+}
+
+// Panel p as float32 [K, 32] in `out`.
+template <bool U4>
+__attribute__((target("avx512f"))) void dequant_panel_avx512(const Blocks& b, int64_t p, float* out) {
+  const uint8_t* q = b.q + p * b.q_stride();
+  const float* sc = b.scale + p * b.s_stride();
+  const float* of = U4 ? b.offset + p * b.s_stride() : nullptr;
+  constexpr int64_t qk_bytes = U4 ? 16 : 32;
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t g = 0; g < b.k_dim / b.group; ++g) {
+    const __m512 d0 = _mm512_loadu_ps(sc + g * kPanel), d1 = _mm512_loadu_ps(sc + g * kPanel + 16);
+    const __m512 o0 = of ? _mm512_loadu_ps(of + g * kPanel) : zero;
+    const __m512 o1 = of ? _mm512_loadu_ps(of + g * kPanel + 16) : zero;
+    for (int64_t k = g * b.group; k < (g + 1) * b.group; ++k) {
+      __m512 w0, w1;
+      decode_k<U4>(q + k * qk_bytes, d0, d1, o0, o1, w0, w1);
+      _mm512_storeu_ps(out + k * kPanel, w0);
+      _mm512_storeu_ps(out + k * kPanel + 16, w1);
+    }
+  }
+}
+
+void dequant_panel_scalar(const Blocks& b, int64_t p, float* out) {
+  for (int64_t k = 0; k < b.k_dim; ++k)
+    for (int j = 0; j < kPanel; ++j) out[k * kPanel + j] = weight_at(b, p, k, j);
+}
+
+// R rows x the 32 outputs of panel p, the weights decoded next to the FMAs.
+template <bool U4, int R>
+__attribute__((target("avx512f"))) void fused_tile(const float* x, const Blocks& b, int64_t p,
+                                                  float* y, int64_t ldy, int cols) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const uint8_t* q = b.q + p * b.q_stride();
+  const float* sc = b.scale + p * b.s_stride();
+  const float* of = U4 ? b.offset + p * b.s_stride() : nullptr;
+  constexpr int64_t qk_bytes = U4 ? 16 : 32;
+  const int64_t k_dim = b.k_dim;
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t g = 0; g < k_dim / b.group; ++g) {
+    const __m512 d0 = _mm512_loadu_ps(sc + g * kPanel), d1 = _mm512_loadu_ps(sc + g * kPanel + 16);
+    const __m512 o0 = of ? _mm512_loadu_ps(of + g * kPanel) : zero;
+    const __m512 o1 = of ? _mm512_loadu_ps(of + g * kPanel + 16) : zero;
+    for (int64_t k = g * b.group; k < (g + 1) * b.group; ++k) {
+      __m512 w0, w1;
+      decode_k<U4>(q + k * qk_bytes, d0, d1, o0, o1, w0, w1);
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(x[r * k_dim + k]);
+        acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+      }
+    }
+  }
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : __mmask16((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : __mmask16((1u << (cols - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);
+  }
+}
+
+template <int R>
+void fused_rows(int rows, const float* x, const Blocks& b, int64_t p, float* y, int64_t ldy, int cols) {
+  if constexpr (R > 0) {
+    if (rows == R)
+      return b.u4 ? fused_tile<true, R>(x, b, p, y, ldy, cols) : fused_tile<false, R>(x, b, p, y, ldy, cols);
+    fused_rows<R - 1>(rows, x, b, p, y, ldy, cols);
+  }
+}
+
+Blocks blocks_of(const paddle::Tensor& q, const paddle::Tensor& scale,
+                 const paddle::optional<paddle::Tensor>& offset, int64_t group, const char* op) {
+  PD_CHECK(q.is_cpu() && scale.is_cpu(), op, ": CPU tensors only");
+  PD_CHECK(q.is_contiguous() && scale.is_contiguous() && q.shape().size() == 3 && scale.shape().size() == 3,
+           op, ": blocks must be packed (q [panels, in, 16|32], scale [panels, in / group, 32])");
+  Blocks b;
+  b.u4 = q.dtype() == paddle::DataType::UINT8;
+  PD_CHECK(b.u4 || q.dtype() == paddle::DataType::INT8, op, ": q must be uint8 (u4) or int8 (i8)");
+  PD_CHECK(q.shape()[2] == (b.u4 ? 16 : 32), op, ": q's last dimension must be 16 (u4) or 32 (i8)");
+  PD_CHECK(scale.dtype() == paddle::DataType::FLOAT32, op, ": scale must be float32");
+  b.k_dim = q.shape()[1];
+  b.group = int(group);
+  PD_CHECK(group > 0 && b.k_dim % group == 0, op, ": in-features ", b.k_dim, " are not a multiple of group ", group);
+  PD_CHECK(scale.shape()[0] == q.shape()[0] && scale.shape()[1] == b.k_dim / group && scale.shape()[2] == kPanel,
+           op, ": scale must be [panels, in / group, 32]");
+  PD_CHECK(b.u4 == bool(offset), op, ": u4 blocks need an offset, i8 blocks take none");
+  if (offset) {
+    PD_CHECK(offset->is_cpu() && offset->is_contiguous() && offset->dtype() == paddle::DataType::FLOAT32 &&
+                 offset->shape() == scale.shape(),
+             op, ": offset must be float32 shaped like scale");
+    b.offset = offset->data<float>();
+  }
+  b.q = reinterpret_cast<const uint8_t*>(b.u4 ? static_cast<const void*>(q.data<uint8_t>())
+                                               : static_cast<const void*>(q.data<int8_t>()));
+  b.scale = scale.data<float>();
+  return b;
+}
+
+std::vector<paddle::Tensor> LinearBlocks(const paddle::Tensor& x_in, const paddle::Tensor& q,
+                                         const paddle::Tensor& scale,
+                                         const paddle::optional<paddle::Tensor>& offset,
+                                         int64_t n, int64_t group) {
+  const paddle::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.is_cpu(), "linear_blocks: x must be a CPU float32 tensor");
+  const Blocks b = blocks_of(q, scale, offset, group, "linear_blocks");
+  const auto& xs = x.shape();
+  PD_CHECK(!xs.empty() && xs.back() == b.k_dim, "linear_blocks: x's last dimension must equal the weight's ",
+           "in-features (", b.k_dim, ")");
+  const int64_t panels = q.shape()[0];
+  PD_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel,
+           "linear_blocks: out-features ", n, " do not match ", panels, " panels");
+  const int64_t m = b.k_dim == 0 ? 0 : x.numel() / b.k_dim;
+  std::vector<int64_t> out_shape(xs.begin(), xs.end());
+  out_shape.back() = n;
+  paddle::Tensor y = paddle::empty(out_shape, paddle::DataType::FLOAT32, x.place());
+  if (m == 0 || n == 0) return {y};
+  float* yp = y.data<float>();
+  if (b.k_dim == 0) {
+    std::memset(yp, 0, sizeof(float) * size_t(m * n));
+    return {y};
+  }
+  static const Isa isa = detect_isa();
+  const bool avx512 = isa == Isa::kAvx512;
+  const float* xp = x.data<float>();
+  // A decode step streams the weight: worth both cores once it is past ~L2 scale.
+  const bool parallel = double(m) * double(n) * double(b.k_dim) > double(1 << 18);
+  for_each_panel(m, panels, parallel, [&](int64_t r0, int rows, int64_t p) {
+    const int cols = int(std::min<int64_t>(kPanel, n - p * kPanel));
+    float* yo = yp + r0 * n + p * kPanel;
+    if (avx512 && rows <= kFusedRows) return fused_rows<kFusedRows>(rows, xp + r0 * b.k_dim, b, p, yo, n, cols);
+    thread_local std::vector<float> panel;
+    panel.resize(size_t(b.k_dim) * kPanel);
+    if (avx512)
+      b.u4 ? dequant_panel_avx512<true>(b, p, panel.data()) : dequant_panel_avx512<false>(b, p, panel.data());
+    else
+      dequant_panel_scalar(b, p, panel.data());
+    rows_times_panel(isa, xp + r0 * b.k_dim, rows, b.k_dim, panel.data(), yo, n, cols);
+  });
+  return {y};
+}
+
+template <typename Id>
+void gather_block_rows(const Blocks& b, const Id* id, int64_t t, int64_t n, float* out) {
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t v = int64_t(id[i]);
+    PD_CHECK(v >= 0 && v < n, "block_rows: id ", v, " out of range [0, ", n, ")");
+    for (int64_t k = 0; k < b.k_dim; ++k) out[i * b.k_dim + k] = weight_at(b, v / kPanel, k, int(v % kPanel));
+  }
+}
+
+// Rows `ids` of the dequantized [N, K] weight: a tied embedding's lookup, and
+// the load-time check that the blocks give the checkpoint's float32 weights.
+std::vector<paddle::Tensor> BlockRows(const paddle::Tensor& q, const paddle::Tensor& scale,
+                                      const paddle::optional<paddle::Tensor>& offset,
+                                      const paddle::Tensor& ids_in, int64_t n, int64_t group) {
+  const paddle::Tensor ids = ids_in.is_contiguous() ? ids_in : ids_in.contiguous();
+  PD_CHECK(ids.dtype() == paddle::DataType::INT64 || ids.dtype() == paddle::DataType::INT32,
+           "block_rows: ids must be int32 or int64");
+  const Blocks b = blocks_of(q, scale, offset, group, "block_rows");
+  const int64_t t = ids.numel();
+  paddle::Tensor out = paddle::empty({t, b.k_dim}, paddle::DataType::FLOAT32, q.place());
+  if (ids.dtype() == paddle::DataType::INT64)
+    gather_block_rows(b, ids.data<int64_t>(), t, n, out.data<float>());
+  else
+    gather_block_rows(b, ids.data<int32_t>(), t, n, out.data<float>());
+  return {out};
+}
+
+}  // namespace
+
+PD_BUILD_OP(linear_blocks)
+    .Inputs({"x", "q", "scale", paddle::Optional("offset")})
+    .Outputs({"out"})
+    .Attrs({"n: int64_t", "group: int64_t"})
+    .SetKernelFn(PD_KERNEL(LinearBlocks));
+
+PD_BUILD_OP(block_rows)
+    .Inputs({"q", "scale", paddle::Optional("offset"), "ids"})
+    .Outputs({"out"})
+    .Attrs({"n: int64_t", "group: int64_t"})
+    .SetKernelFn(PD_KERNEL(BlockRows));

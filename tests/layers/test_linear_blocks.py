@@ -1,0 +1,82 @@
+"""custom_ops/cpu_ops/linear_blocks.cc: a dense layer on GGUF blocks gives, for every row count and
+batch, the bits of linear_packed.cc on the dequantized float32 weight (its oracle for the products,
+itself checked against float64 in test_linear.py), and clear errors for bad operands."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy.model_executor.layers import gguf_blocks
+from fastdeploy.model_executor.layers.blas_gemm import block_rows, linear_blocks, linear_packed, pack
+
+FORMS = [("u4", 32), ("i8", 32), ("i8", 16)]
+
+
+def random_blocks(kind: str, group: int, n: int, k: int, seed: int = 0) -> gguf_blocks.BlockWeight:
+    rng = np.random.default_rng(seed)
+    scale = (rng.standard_normal((n, k // group)) * 0.05).astype(np.float32)
+    if kind == "u4":
+        return gguf_blocks.BlockWeight(rng.integers(0, 16, (n, k), dtype=np.uint8), np.abs(scale),
+                                       (rng.standard_normal((n, k // group)) * 0.1).astype(np.float32), group, "u4")
+    return gguf_blocks.BlockWeight(rng.integers(-128, 128, (n, k), dtype=np.int8), scale, None, group, "i8")
+
+
+def dense_of(weight: gguf_blocks.BlockWeight) -> np.ndarray:
+    """The float32 weights by numpy, with the gguf package's two roundings (multiply, then add)."""
+    w = np.repeat(weight.scale, weight.group, axis=1) * weight.q.astype(np.float32)
+    return w if weight.offset is None else w + np.repeat(weight.offset, weight.group, axis=1)
+
+
+def bits(t) -> np.ndarray:
+    return t.numpy().view(np.int32)
+
+
+@pytest.mark.parametrize("kind,group", FORMS)
+def test_blocks_give_the_packed_float32_kernels_bits_at_every_row_count(kind, group):
+    n, k = 200, 320  # a partial last panel
+    weight = random_blocks(kind, group, n, k)
+    b, packed = gguf_blocks.pack(weight), pack(paddle.to_tensor(dense_of(weight)))
+    rng = np.random.default_rng(1)
+    for rows in (1, 2, 5, 8, 9, 12, 13, 47, 48, 49, 100):  # fused tiles, the buffered path, row blocks
+        x = paddle.to_tensor(rng.standard_normal((rows, k)).astype(np.float32))
+        got = linear_blocks()(x, b.q, b.scale, b.offset, n, group)
+        assert got.shape == [rows, n]
+        assert np.array_equal(bits(got), bits(linear_packed()(x, packed, n))), rows
+
+
+@pytest.mark.parametrize("kind,group", FORMS)
+def test_a_rows_output_does_not_depend_on_its_batch_mates(kind, group):
+    n, k = 96, 256
+    b = gguf_blocks.pack(random_blocks(kind, group, n, k, seed=2))
+    rng = np.random.default_rng(3)
+    row = rng.standard_normal((1, k)).astype(np.float32)
+    alone = bits(linear_blocks()(paddle.to_tensor(row), b.q, b.scale, b.offset, n, group))
+    for mates in (1, 7, 11, 60):
+        batch = np.concatenate([rng.standard_normal((mates, k)).astype(np.float32), row])
+        out = bits(linear_blocks()(paddle.to_tensor(batch), b.q, b.scale, b.offset, n, group))
+        assert np.array_equal(out[-1:], alone), mates
+
+
+def test_block_rows_are_the_dequantized_weight_rows():
+    weight = random_blocks("u4", 32, 70, 64)
+    b = gguf_blocks.pack(weight)
+    ids = paddle.to_tensor([69, 0, 33], dtype="int32")
+    assert np.array_equal(block_rows()(b.q, b.scale, b.offset, ids, 70, 32).numpy(), dense_of(weight)[[69, 0, 33]])
+    with pytest.raises(Exception, match="out of range"):
+        block_rows()(b.q, b.scale, b.offset, paddle.to_tensor([70]), 70, 32)
+
+
+def test_bad_operands_are_refused_by_name():
+    weight = random_blocks("u4", 32, 64, 64)
+    b = gguf_blocks.pack(weight)
+    x = paddle.ones([2, 64])
+    with pytest.raises(Exception, match="in-features"):
+        linear_blocks()(paddle.ones([2, 32]), b.q, b.scale, b.offset, 64, 32)
+    with pytest.raises(Exception, match="offset"):
+        linear_blocks()(x, b.q, b.scale, None, 64, 32)
+    with pytest.raises(Exception, match="out-features"):
+        linear_blocks()(x, b.q, b.scale, b.offset, 100, 32)
+    with pytest.raises(Exception, match="multiple of group"):
+        linear_blocks()(x, b.q, b.scale, b.offset, 64, 24)
