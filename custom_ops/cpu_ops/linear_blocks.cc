@@ -82,9 +82,9 @@ __attribute__((target("avx512f"))) inline void decode_k(const uint8_t* qk, __m51
   }
 }
 
-// Panel p as float32 [K, 32] in `out`.
-template <bool U4>
-__attribute__((target("avx512f"))) void dequant_panel_avx512(const Blocks& b, int64_t p, float* out) {
+// fn(k, w0, w1) for k = 0..K-1 with panel p's 32 weights at k (columns 0-15 in w0, 16-31 in w1).
+template <bool U4, typename Fn>
+__attribute__((target("avx512f"), always_inline)) inline void for_each_k(const Blocks& b, int64_t p, Fn fn) {
   const uint8_t* q = b.q + p * b.q_stride();
   const float* sc = b.scale + p * b.s_stride();
   const float* of = U4 ? b.offset + p * b.s_stride() : nullptr;
@@ -97,10 +97,18 @@ __attribute__((target("avx512f"))) void dequant_panel_avx512(const Blocks& b, in
     for (int64_t k = g * b.group; k < (g + 1) * b.group; ++k) {
       __m512 w0, w1;
       decode_k<U4>(q + k * qk_bytes, d0, d1, o0, o1, w0, w1);
-      _mm512_storeu_ps(out + k * kPanel, w0);
-      _mm512_storeu_ps(out + k * kPanel + 16, w1);
+      fn(k, w0, w1);
     }
   }
+}
+
+// Panel p as float32 [K, 32] in `out`.
+template <bool U4>
+__attribute__((target("avx512f"))) void dequant_panel_avx512(const Blocks& b, int64_t p, float* out) {
+  for_each_k<U4>(b, p, [&](int64_t k, __m512 w0, __m512 w1) __attribute__((target("avx512f"))) {
+    _mm512_storeu_ps(out + k * kPanel, w0);
+    _mm512_storeu_ps(out + k * kPanel + 16, w1);
+  });
 }
 
 void dequant_panel_scalar(const Blocks& b, int64_t p, float* out) {
@@ -114,32 +122,15 @@ __attribute__((target("avx512f"))) void fused_tile(const float* x, const Blocks&
                                                   float* y, int64_t ldy, int cols) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const uint8_t* q = b.q + p * b.q_stride();
-  const float* sc = b.scale + p * b.s_stride();
-  const float* of = U4 ? b.offset + p * b.s_stride() : nullptr;
-  constexpr int64_t qk_bytes = U4 ? 16 : 32;
   const int64_t k_dim = b.k_dim;
-  const __m512 zero = _mm512_setzero_ps();
-  for (int64_t g = 0; g < k_dim / b.group; ++g) {
-    const __m512 d0 = _mm512_loadu_ps(sc + g * kPanel), d1 = _mm512_loadu_ps(sc + g * kPanel + 16);
-    const __m512 o0 = of ? _mm512_loadu_ps(of + g * kPanel) : zero;
-    const __m512 o1 = of ? _mm512_loadu_ps(of + g * kPanel + 16) : zero;
-    for (int64_t k = g * b.group; k < (g + 1) * b.group; ++k) {
-      __m512 w0, w1;
-      decode_k<U4>(q + k * qk_bytes, d0, d1, o0, o1, w0, w1);
-      for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_set1_ps(x[r * k_dim + k]);
-        acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
-      }
+  for_each_k<U4>(b, p, [&](int64_t k, __m512 w0, __m512 w1) __attribute__((target("avx512f"))) {
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * k_dim + k]);
+      acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
     }
-  }
-  const __mmask16 m0 = cols >= 16 ? 0xFFFF : __mmask16((1u << cols) - 1);
-  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : __mmask16((1u << (cols - 16)) - 1);
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);
-  }
+  });
+  store_tile_avx512<R>(acc, y, ldy, cols);
 }
 
 template <int R>

@@ -20,6 +20,18 @@ constexpr int kPanel = 32;    // output columns per panel
 constexpr int kRowBlock = 48;  // rows of x kept hot while a thread walks its panels
 constexpr int kPanelGroup = 4;  // panels per work item
 
+// The first `cols` of each row's 32 accumulated outputs into y (row stride ldy).
+template <int R>
+__attribute__((target("avx512f"))) inline void store_tile_avx512(const __m512 (&acc)[R][2], float* y, int64_t ldy,
+                                                                int cols) {
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : __mmask16((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : __mmask16((1u << (cols - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);
+  }
+}
+
 // rows x 32 outputs of one panel. R is a compile-time row count so the
 // accumulators live in registers.
 template <int R>
@@ -37,12 +49,7 @@ __attribute__((target("avx512f"))) void tile_avx512(const float* x, int64_t k_di
       acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
     }
   }
-  const __mmask16 m0 = cols >= 16 ? 0xFFFF : __mmask16((1u << cols) - 1);
-  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : __mmask16((1u << (cols - 16)) - 1);
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);
-  }
+  store_tile_avx512<R>(acc, y, ldy, cols);
 }
 
 template <int R>
