@@ -163,12 +163,21 @@ def run_arm(name: str, recycle: bool, args, prompts) -> dict:
     # Time-averaged pages in use: each step's pages weighted by how long that step took.
     avg_pages = sum(used * (t - prev) for (t, _, used), prev in zip(timeline, [0.0] + [p[0] for p in timeline]))
     avg_pages /= elapsed
-    return {"avg_pages": avg_pages, "recomputed_tokens": stats["recomputed_tokens_total"],
+    return {"avg_pages": avg_pages, "median_full_step_s": median_full_step(timeline, peak_running), "recomputed_tokens": stats["recomputed_tokens_total"],
             "throughput": out_tokens / elapsed, "elapsed_s": elapsed, "output_tokens": out_tokens,
             "peak_running": peak_running, "peak_pages": peak_pages, "pages_total": total, "steps": steps,
             "peak_pages_per_request": peak_per_request, "peak_pages_per_decoding_request": peak_per_decoding,
             "swa_pages_recycled": stats["swa_pages_recycled_total"], "preemptions": stats["num_preemptions_total"],
             "tokens": [tokens[f"{name}-{i}"] for i in range(len(prompts))], "timeline": timeline}
+
+
+def median_full_step(timeline: list, peak_running: int):
+    """Median duration of the steps that ran at the arm's peak concurrency (mostly pure decode steps):
+    the cost of one full step, robust to a noisy machine's bursts, unlike elapsed / steps, which also
+    spreads the prefill and the half-empty steps between waves of requests over the steps."""
+    times = [0.0] + [t for t, _, _ in timeline]
+    full = [times[i + 1] - times[i] for i, (_, running, _) in enumerate(timeline) if running == peak_running]
+    return float(np.median(full)) if full else None
 
 
 def pages_held(engine, request) -> int:
@@ -251,6 +260,12 @@ def main(argv=None) -> int:
     share = steps_gain_share(gain, steps_ratio)
     if share is not None:
         print(f"tok/s gain is {share:.0%} of the engine-steps gain ((gain - 1) / (steps ratio - 1))")
+    full_step_ratio = None
+    if on["median_full_step_s"] and off["median_full_step_s"]:
+        full_step_ratio = on["median_full_step_s"] / off["median_full_step_s"]
+        print(f"median step at each arm's peak concurrency: ON/OFF {full_step_ratio:.3f} "
+              f"({on['median_full_step_s'] * 1e3:.1f} vs {off['median_full_step_s'] * 1e3:.1f} ms): what one full step "
+              f"costs more with {on['peak_running']} rows than with {off['peak_running']}")
 
     if args.json:
         result = {"throughput_off": off["throughput"], "throughput_on": on["throughput"], "gain": gain,
@@ -270,6 +285,8 @@ def main(argv=None) -> int:
                   "preemptions_off": off["preemptions"], "preemptions_on": on["preemptions"],
                   "recomputed_tokens_off": off["recomputed_tokens"], "recomputed_tokens_on": on["recomputed_tokens"],
                   "steps_ratio": steps_ratio, "step_time_ratio": step_time_ratio,
+                  "median_full_step_s_off": off["median_full_step_s"], "median_full_step_s_on": on["median_full_step_s"],
+                  "median_full_step_ratio": full_step_ratio,
                   "gain_share_of_steps_gain": share,
                   "identical_tokens": identical, "args": vars(args)}
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -31,6 +31,10 @@ def test_bench_offline_runs_both_arms_with_identical_tokens(tmp_path):
         assert 0 < result[f"avg_pages_{arm}"] <= result[f"peak_pages_{arm}"] <= result["pages_total"]
         assert result[f"preemptions_{arm}"] == 0 and result[f"recomputed_tokens_{arm}"] == 0
     assert result["admission_policy"] == "projected"  # the default
+    # The full step's median cost per arm, next to the mean of all steps.
+    assert result["median_full_step_s_off"] > 0 and result["median_full_step_s_on"] > 0
+    assert result["median_full_step_ratio"] == pytest.approx(
+        result["median_full_step_s_on"] / result["median_full_step_s_off"])
 
 
 def test_bench_offline_runs_the_moe_miniature(tmp_path):
