@@ -39,7 +39,7 @@ def test_blocks_give_the_packed_float32_kernels_bits_at_every_row_count(kind, gr
     weight = random_blocks(kind, group, n, k)
     b, packed = gguf_blocks.pack(weight), pack(paddle.to_tensor(dense_of(weight)))
     rng = np.random.default_rng(1)
-    for rows in (1, 2, 5, 8, 9, 12, 13, 47, 48, 49, 100):  # fused tiles, the buffered path, row blocks
+    for rows in (1, 2, 5, 8, 9, 12, 13, 47, 48, 49, 100):  # fused tiles, a panel buffer, the whole weight
         x = paddle.to_tensor(rng.standard_normal((rows, k)).astype(np.float32))
         got = linear_blocks()(x, b.q, b.scale, b.offset, n, group)
         assert got.shape == [rows, n]
