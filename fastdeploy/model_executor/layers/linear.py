@@ -12,8 +12,8 @@ device.
 linear_packed.cc: faster than a BLAS for decode-sized batches, row-invariant by construction), or,
 for a GGUF file's quantized weights, the file's blocks (gguf_blocks.py, linear_blocks.cc: the same
 bits from ~5x fewer bytes), and fuses several weights that read the same input (q/k/v; gate/up)
-into one GEMM. `linear()`
-serves weights used as they are (MoE experts, the router): OpenBLAS on the CPU, also row-invariant.
+into one GEMM. `linear()` serves weights used as they are (MoE experts, the router): OpenBLAS on
+the CPU, also row-invariant.
 """
 
 from __future__ import annotations
@@ -129,7 +129,6 @@ def _exact_blocks(parts: list, dense: paddle.Tensor):
         logger.warning("GGUF %s blocks of a %s weight do not dequantize to the checkpoint's float32 values; "
                        "keeping the float32 copy", weight.source, list(dense.shape))
         return None
-    packed.source = weight.source
     return packed
 
 
