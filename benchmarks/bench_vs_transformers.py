@@ -284,16 +284,15 @@ def main(argv=None) -> int:
 
     from fastdeploy import LLM
 
-    engines, user_setting = {}, os.environ.get("FD_CPU_GGUF_BLOCKS")
-    for side, blocks in (("engine", "1"), ("engine f32", "0")):
+    from fastdeploy import envs
+
+    engines = {}
+    for side, blocks in (("engine", 1), ("engine f32", 0)):
         if side == "engine f32" and args.no_float32_engine:
             continue
         log(f"loading the {side} (FD_CPU_GGUF_BLOCKS={blocks})")
-        os.environ["FD_CPU_GGUF_BLOCKS"] = blocks  # read when the model loads
-        engines[side] = LLM(model=path, **engine_kwargs(args, cases))
-    os.environ.pop("FD_CPU_GGUF_BLOCKS")
-    if user_setting is not None:
-        os.environ["FD_CPU_GGUF_BLOCKS"] = user_setting
+        with envs.override(FD_CPU_GGUF_BLOCKS=blocks):  # read when the model loads
+            engines[side] = LLM(model=path, **engine_kwargs(args, cases))
     weight_bytes = {side: llm.engine.runner.model.dense_layer_bytes() for side, llm in engines.items()}
     weight_bytes["transformers"] = 4 * (params[0] + params[1])
     warm = [cases[0]["prompts"][0][:8]]

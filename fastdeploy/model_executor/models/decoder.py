@@ -150,7 +150,7 @@ class CausalLM:
         layers = self.dense_layers()
         kinds = collections.Counter(layer.storage for layer in layers)
         return ", ".join(f"{n} x {k}" for k, n in kinds.most_common()) + \
-            f": {self.dense_layer_bytes() / 1e6:.1f} MB"
+            f": {sum(layer.nbytes for layer in layers) / 1e6:.1f} MB"
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
