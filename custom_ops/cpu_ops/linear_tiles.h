@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "work_pool.h"
@@ -97,9 +98,14 @@ void avx512_tail(int rows, const float* x, int64_t k_dim, const float* panel, fl
 
 enum class Isa { kAvx512, kAvx2, kScalar };
 
+// FD_CPU_LINEAR_ISA=avx2 or =generic holds the tiles below the CPU's best: the
+// tests compare all three, which give the same bits.
 inline Isa detect_isa() {
-  if (fd_cpu::cpu_has_avx512f()) return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+  const char* env = std::getenv("FD_CPU_LINEAR_ISA");
+  const bool generic = env != nullptr && std::strcmp(env, "generic") == 0;
+  const bool avx2 = env != nullptr && std::strcmp(env, "avx2") == 0;
+  if (fd_cpu::cpu_has_avx512f() && !avx2 && !generic) return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !generic) return Isa::kAvx2;
   return Isa::kScalar;
 }
 

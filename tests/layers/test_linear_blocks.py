@@ -4,6 +4,10 @@ itself checked against float64 in test_linear.py), and clear errors for bad oper
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import paddle
 import pytest
@@ -27,6 +31,13 @@ def dense_of(weight: gguf_blocks.BlockWeight) -> np.ndarray:
     """The float32 weights by numpy, with the gguf package's two roundings (multiply, then add)."""
     w = np.repeat(weight.scale, weight.group, axis=1) * weight.q.astype(np.float32)
     return w if weight.offset is None else w + np.repeat(weight.offset, weight.group, axis=1)
+
+
+def cpu_has_avx512f() -> bool:
+    try:
+        return " avx512f" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
 
 
 def bits(t) -> np.ndarray:
@@ -80,3 +91,40 @@ def test_bad_operands_are_refused_by_name():
         linear_blocks()(x, b.q, b.scale, b.offset, 100, 32)
     with pytest.raises(Exception, match="multiple of group"):
         linear_blocks()(x, b.q, b.scale, b.offset, 64, 24)
+
+
+_CAPPED_RUN = """
+import sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from test_linear_blocks import products_at_every_row_count
+np.save({path!r}, products_at_every_row_count())
+"""
+
+
+def products_at_every_row_count() -> np.ndarray:
+    """linear_packed and linear_blocks (u4 and i8) on one set of operands through every tile shape
+    and path of both: the bits, stacked, for comparing one instruction set with another."""
+    n, k = 70, 224
+    rng = np.random.default_rng(4)
+    outs = []
+    for kind in ("u4", "i8"):
+        weight = random_blocks(kind, 32, n, k, seed=5)
+        b, packed = gguf_blocks.pack(weight), pack(paddle.to_tensor(dense_of(weight)))
+        for rows in (1, 3, 8, 9, 12, 14, 49, 100):
+            x = paddle.to_tensor(rng.standard_normal((rows, k)).astype(np.float32))
+            outs += [bits(linear_blocks()(x, b.q, b.scale, b.offset, n, 32)), bits(linear_packed()(x, packed, n))]
+    return np.concatenate(outs)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "generic"])
+def test_portable_tiles_give_the_best_tiles_bits(tmp_path, isa):
+    # FD_CPU_LINEAR_ISA holds a process's tiles at AVX2 or portable C++: the CPUs without AVX-512
+    # run those, and this one can check them against its own best.
+    if not cpu_has_avx512f():
+        pytest.skip("this CPU runs the portable tiles only")
+    path = str(tmp_path / f"{isa}.npy")
+    script = _CAPPED_RUN.format(tests=os.path.dirname(__file__), path=path)
+    env = {**os.environ, "FD_CPU_LINEAR_ISA": isa}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=600)
+    assert np.array_equal(np.load(path), products_at_every_row_count())
