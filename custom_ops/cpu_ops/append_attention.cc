@@ -187,8 +187,11 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
 
   WorkPool::instance().run(items, threads, [&](int64_t item, int worker) {
     Scratch& sc = scratch[worker];
-    const QueryTile& tile = tiles[item / g.kv_heads];
-    const int h = int(item % g.kv_heads);
+    // Head-major: the two cores take neighbouring tiles of one KV head, whose K/V pages (1 MB for
+    // 2k tokens at d = 64) then stay in each core's L2 instead of three heads' pages contending
+    // (+1.7% prefill on a quiet machine, +10% while the neighbour core was busy; the same bits).
+    const QueryTile& tile = tiles[item % int64_t(tiles.size())];
+    const int h = int(item / int64_t(tiles.size()));
     const bool swa = b.swa[h] != 0;
     const int queries = tile.tokens * g.group;  // query q = token t * group + head j of the group
     std::fill(sc.max.begin(), sc.max.begin() + queries, -std::numeric_limits<float>::infinity());
