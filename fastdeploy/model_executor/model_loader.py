@@ -164,10 +164,10 @@ def to_engine_layout(name: str, tensor, model_config):
         d = model_config.head_dim
         shape = list(tensor.shape)
         blocks = getattr(tensor, "gguf_blocks", None)
-        rows = tensor.reshape([-1, 2, d // 2, int(np.prod(shape[1:])) if len(shape) > 1 else 1])
-        tensor = rows.transpose([0, 2, 1, 3]).reshape(shape)  # row 2i <- i, row 2i+1 <- i + d/2, per head
+        order = np.arange(shape[0]).reshape(-1, 2, d // 2).transpose(0, 2, 1).ravel()  # row 2i <- i, 2i+1 <- i + d/2
+        tensor = paddle.gather(tensor, paddle.to_tensor(order), axis=0)
         if blocks is not None:  # the same rows of the file's quantized blocks (layers/gguf_blocks.py)
-            tensor.gguf_blocks = blocks.take_rows(np.arange(shape[0]).reshape(-1, 2, d // 2).transpose(0, 2, 1).ravel())
+            tensor.gguf_blocks = blocks.take_rows(order)
     if arch.norm_offset and name.endswith("norm.weight"):
         tensor = tensor + arch.norm_offset
     return tensor

@@ -16,7 +16,7 @@ import paddle
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.ops import append_attention
 from fastdeploy.model_executor.layers.attention.ops.append_attention import _call, check_device_errors, \
-    new_error_info
+    cpu_op_arguments, new_error_info
 from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import load_cpu_ops
 from fastdeploy.model_executor.layers.attention.swa_spec import attention_type_table, row_attention_args
 from fastdeploy.model_executor.tensor_parallel import local_kv_heads
@@ -65,11 +65,15 @@ class AppendAttentionBackend:
         table = meta.block_tables_head_wise if meta.block_tables_head_wise is not None else meta.block_tables
         swa_head_mask, window, sink, head_slots = self.layer_args[layer_id]
         cos, sin = self.rotary[layer_id]
-        if self.cpu_op is not None:  # append_attention's argument order (op_arguments), CPU attributes
-            return _call(self.cpu_op, qkv, self.key_caches[layer_id], self.value_caches[layer_id],
-                         meta.seq_lens_encoder, meta.seq_lens_decoder, meta.seq_lens_this_time, meta.cu_seqlens_q,
-                         table, cos, sin, swa_head_mask, head_slots, self.num_heads, self.kv_num_heads,
-                         self.head_dim, window, sink, self.dual_pass)[0]
+        if self.cpu_op is not None:
+            tensors = dict(qkv=qkv, key_cache=self.key_caches[layer_id], value_cache=self.value_caches[layer_id],
+                           seq_lens_encoder=meta.seq_lens_encoder, seq_lens_decoder=meta.seq_lens_decoder,
+                           seq_lens_this_time=meta.seq_lens_this_time, cu_seqlens_q=meta.cu_seqlens_q,
+                           block_tables=table, rotary_cos=cos, rotary_sin=sin, swa_head_mask=swa_head_mask,
+                           kv_head_slots=head_slots)
+            attrs = dict(num_heads=self.num_heads, kv_num_heads=self.kv_num_heads, head_dim=self.head_dim,
+                         sliding_window=window, sink_size=sink, visit_all_pages=self.dual_pass)
+            return _call(self.cpu_op, *cpu_op_arguments(tensors, attrs))[0]
         return append_attention(
             qkv, self.key_caches[layer_id], self.value_caches[layer_id], meta.seq_lens_encoder,
             meta.seq_lens_decoder, meta.seq_lens_this_time, meta.cu_seqlens_q, table, cos, sin,

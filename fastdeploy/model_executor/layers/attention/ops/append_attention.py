@@ -48,6 +48,13 @@ def op_arguments(tensors: dict, *, num_heads: int, kv_num_heads: int, head_dim: 
     return tuple(tensors[name] for name in TENSOR_ARGS), attrs
 
 
+def cpu_op_arguments(tensors: dict, attrs: dict) -> tuple:
+    """The CPU op's positional arguments (TENSOR_ARGS, then ATTR_ARGS without dual_pass) from named
+    ones, unchecked: the engine's per-layer call, whose arguments op_arguments checked in effect
+    when the engine was built."""
+    return (*(tensors[name] for name in TENSOR_ARGS), *(attrs[name] for name in ATTR_ARGS[:-1]))
+
+
 # Device-side error codes of the CUDA op (AppendAttnDeviceError in append_attn_api.cuh).
 DEVICE_ERRORS = {
     1: "block table entry is -1 but the step needs it (request {0}, kv head {1}, block index {2}): the page was "
