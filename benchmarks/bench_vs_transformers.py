@@ -12,6 +12,12 @@ threads. Cases: N concurrent requests of `--input-len` random prompt tokens and 
 output tokens for each N of `--concurrency`, then a prefill-heavy case (`--prefill-prompts`
 prompts of `--prefill-len` tokens, `--prefill-output-len` output tokens).
 
+Each case runs `--rounds` times, the sides taking turns (engine, engine f32, transformers, engine,
+...); a side's numbers are from its median-time round, and each engine's per-round ratio to
+transformers is printed as a range next to the median one. Why: these 2 shared cores drift (the same
+2048^3 numpy GEMM gave 141-188 GFLOP/s in one day) and one run of each side can land in different
+phases of the machine; turns within a case keep the two sides of one round within a minute.
+
 The machine's limits, measured before the cases run:
   - GEMM peak: numpy float32 2048 x 2048 x 2048 matmul, GFLOP/s (best of a few);
   - memory read bandwidth: numpy sum over a 512 MiB float32 array, GB/s (best of a few, one
@@ -59,6 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-output-len", type=int, default=4)
     p.add_argument("--torch-threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=3, help="runs of every case by every side, taking turns")
     p.add_argument("--quick", action="store_true",
                    help="a short run that proves the script works: N = 1, 4; 32 in / 8 out; prefill 2 x 256")
     p.add_argument("--no-float32-engine", action="store_true",
@@ -68,8 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.concurrency, args.input_len, args.output_len = [1, 4], 32, 8
         args.prefill_prompts, args.prefill_len, args.prefill_output_len = 2, 256, 2
+        args.rounds = 1
     bad = [f"--{k.replace('_', '-')}" for k in ("input_len", "output_len", "prefill_len", "prefill_output_len",
-                                                  "torch_threads") if getattr(args, k) < 1]
+                                                  "torch_threads", "rounds") if getattr(args, k) < 1]
     bad += ["--concurrency"] if min(args.concurrency) < 1 else []
     bad += ["--prefill-prompts"] if args.prefill_prompts < 0 else []
     if bad:
@@ -225,6 +233,15 @@ def side_metrics(seconds: float, outputs: list, case: dict, limits: dict, params
     return m
 
 
+def rounds_summary(seconds: dict) -> tuple:
+    """seconds: side -> one time per round. (median-round seconds per side, per-round ratios of each
+    engine's speed to transformers' — the same tokens on both sides, so the inverse time ratio)."""
+    median = {side: float(np.sort(times)[(len(times) - 1) // 2]) for side, times in seconds.items()}
+    hf = seconds["transformers"]
+    ratios = {side: [h / t for h, t in zip(hf, times)] for side, times in seconds.items() if side != "transformers"}
+    return median, ratios
+
+
 def agreement(a: list, b: list) -> float:
     """Share of requests whose greedy tokens are identical on both sides."""
     return sum(x == y for x, y in zip(a, b)) / len(a)
@@ -237,6 +254,7 @@ def print_table(results: list, limits: dict, sides: list) -> None:
     engines = [s for s in sides if s != "transformers"]
     short = {"engine": "engine", "engine f32": "eng f32", "transformers": "hf"}
     header = f"{'case':<20}" + "".join(f"{s:>14}" for s in sides) + "".join(f"{'x ' + s:>14}" for s in engines) + \
+        "".join(f"{'rounds x ' + short[s]:>18}" for s in engines) + \
         "".join(f"{'%GEMM ' + short[s]:>14}" for s in sides) + "".join(f"{'%BW ' + short[s]:>12}" for s in sides) + \
         f"{'same tokens':>13}"
     print(header)
@@ -246,6 +264,7 @@ def print_table(results: list, limits: dict, sides: list) -> None:
         t = r["transformers"][key]
         line = f"{r['name']:<20}" + "".join(f"{r[s][key]:>14.1f}" for s in sides)
         line += "".join(f"{r[s][key] / t:>13.2f}x" for s in engines)
+        line += "".join(f"{min(r['round_ratios ' + s]):.2f}-{max(r['round_ratios ' + s]):.2f}".rjust(18) for s in engines)
         line += "".join(f"{r[s]['gemm_fraction']:>14.1%}" for s in sides)
         line += "".join(f"{r[s]['bandwidth_fraction']:>12.1%}" if "bandwidth_fraction" in r[s] else f"{'-':>12}"
                         for s in sides)
@@ -305,15 +324,24 @@ def main(argv=None) -> int:
     for case in cases:
         row = {"name": case["name"], "requests": case["requests"], "input_len": case["input_len"],
                "output_len": case["output_len"]}
-        outputs = {}
+        outputs, seconds = {}, {side: [] for side in sides}
+        for round_no in range(1, args.rounds + 1):
+            for side in sides:
+                runner, model = (run_transformers, hf) if side == "transformers" else (run_engine, engines[side])
+                log(f"{case['name']} round {round_no}/{args.rounds}: {side} ({case['requests']} x "
+                    f"{case['input_len']} in / {case['output_len']} out)")
+                elapsed, out = runner(model, case["prompts"], case["output_len"])
+                seconds[side].append(elapsed)
+                if outputs.setdefault(side, out) != out:
+                    log(f"warning: {side} gave other tokens in round {round_no} than in round 1")
+                log(f"{case['name']}: {side} {sum(len(o) for o in out)} output tokens in {elapsed:.1f} s")
+        median, ratios = rounds_summary(seconds)
         for side in sides:
-            runner, model = (run_transformers, hf) if side == "transformers" else (run_engine, engines[side])
-            log(f"{case['name']}: {side} ({case['requests']} x {case['input_len']} in / {case['output_len']} out)")
-            seconds, outputs[side] = runner(model, case["prompts"], case["output_len"])
-            row[side] = side_metrics(seconds, outputs[side], case, limits, params, weight_bytes[side])
-            log(f"{case['name']}: {side} {row[side]['output_tokens']} output tokens in {seconds:.1f} s")
+            row[side] = side_metrics(median[side], outputs[side], case, limits, params, weight_bytes[side])
+            row[side]["round_seconds"] = seconds[side]
         for side in engines:
             row[f"ratio_output_tok_s {side}"] = row[side]["output_tok_s"] / row["transformers"]["output_tok_s"]
+            row[f"round_ratios {side}"] = ratios[side]
         row["same_tokens"] = min(agreement(outputs[side], outputs["transformers"]) for side in engines)
         results.append(row)
     print_table(results, limits, sides)

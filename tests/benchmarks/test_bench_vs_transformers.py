@@ -59,3 +59,15 @@ def test_quick_is_short_and_bad_sizes_are_refused():
 def test_machine_limits_are_measured_positive():
     assert bench.gemm_peak_gflops(n=128, repeats=2) > 0
     assert bench.read_bandwidth_gbs(nbytes=8 * 2 ** 20, repeats=2) > 0
+
+
+def test_rounds_report_each_sides_median_round_and_every_rounds_ratio():
+    seconds = {"engine": [2.0, 1.0, 4.0], "transformers": [3.0, 6.0, 4.0]}
+    median, ratios = bench.rounds_summary(seconds)
+    assert median == {"engine": 2.0, "transformers": 4.0}
+    # Round by round, the same tokens in each side's time: 3/2, 6/1, 4/4.
+    assert ratios == {"engine": [1.5, 6.0, 1.0]}
+    assert bench.rounds_summary({"engine": [1.0, 3.0], "transformers": [2.0, 2.0]})[0]["engine"] == 1.0
+    assert bench.parse_args([]).rounds == 3 and bench.parse_args(["--quick"]).rounds == 1
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rounds", "0"])
