@@ -201,7 +201,7 @@ std::vector<paddle::Tensor> LinearBlocks(const paddle::Tensor& x_in, const paddl
     std::memset(yp, 0, sizeof(float) * size_t(m * n));
     return {y};
   }
-  static const Isa isa = detect_isa();
+  const Isa isa = tiles_isa();
   const bool avx512 = isa == Isa::kAvx512;
   const float* xp = x.data<float>();
   const auto dequant_panel = [&](int64_t p, float* out) {
@@ -218,10 +218,7 @@ std::vector<paddle::Tensor> LinearBlocks(const paddle::Tensor& x_in, const paddl
     fd_cpu::WorkPool::instance().run(panels, fd_cpu::usable_cpus(), [&](int64_t p, int) {
       dequant_panel(p, dense + p * b.k_dim * kPanel);
     });
-    for_each_panel(m, panels, true, [&](int64_t r0, int rows, int64_t p) {
-      rows_times_panel(isa, xp + r0 * b.k_dim, rows, b.k_dim, dense + p * b.k_dim * kPanel,
-                       yp + r0 * n + p * kPanel, n, int(std::min<int64_t>(kPanel, n - p * kPanel)));
-    });
+    packed_product(xp, m, b.k_dim, dense, panels, yp, n, true);
     return {y};
   }
   // A decode step streams the weight: worth both cores once it is past ~L2 scale.

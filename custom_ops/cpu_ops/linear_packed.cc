@@ -53,17 +53,18 @@ std::vector<paddle::Tensor> LinearPacked(const paddle::Tensor& x_in,
     std::memset(yp, 0, sizeof(float) * size_t(m * n));
     return {y};
   }
-  static const Isa isa = detect_isa();
-  const float* xp = x.data<float>();
-  const float* wp = packed.data<float>();
   // Small products are not worth waking a helper (a few microseconds each way).
   const bool parallel = double(m) * double(n) * double(k_dim) > double(1 << 20);
-  for_each_panel(m, panels, parallel, [&](int64_t r0, int rows, int64_t p) {
-    const int cols = int(std::min<int64_t>(kPanel, n - p * kPanel));
-    rows_times_panel(isa, xp + r0 * k_dim, rows, k_dim, wp + p * k_dim * kPanel,
-                     yp + r0 * n + p * kPanel, n, cols);
-  });
+  packed_product(x.data<float>(), m, k_dim, packed.data<float>(), panels, yp, n, parallel);
   return {y};
+}
+
+// Which tiles the dense layers run here: 0 AVX-512, 1 AVX2, 2 portable C++
+// (blas_gemm.blas_info() names it; `any` is only what a Paddle op must take).
+std::vector<paddle::Tensor> LinearTilesIsa(const paddle::Tensor& any) {
+  paddle::Tensor out = paddle::empty({1}, paddle::DataType::INT32, any.place());
+  out.data<int32_t>()[0] = int32_t(tiles_isa());
+  return {out};
 }
 
 template <typename Id>
@@ -101,6 +102,11 @@ PD_BUILD_OP(linear_packed)
     .Outputs({"out"})
     .Attrs({"n: int64_t"})
     .SetKernelFn(PD_KERNEL(LinearPacked));
+
+PD_BUILD_OP(linear_tiles_isa)
+    .Inputs({"any"})
+    .Outputs({"isa"})
+    .SetKernelFn(PD_KERNEL(LinearTilesIsa));
 
 PD_BUILD_OP(packed_rows)
     .Inputs({"packed", "ids"})

@@ -109,6 +109,13 @@ inline Isa detect_isa() {
   return Isa::kScalar;
 }
 
+// The tiles every dense layer of this process runs (read once: FD_CPU_LINEAR_ISA
+// cannot change under a running product).
+inline Isa tiles_isa() {
+  static const Isa isa = detect_isa();
+  return isa;
+}
+
 // rows [0, rows) of x against one panel, in register tiles.
 inline void rows_times_panel(Isa isa, const float* x, int rows, int64_t k_dim,
                       const float* panel, float* y, int64_t ldy, int cols) {
@@ -139,6 +146,17 @@ void for_each_panel(int64_t m, int64_t panels, bool parallel, PanelFn panel_fn) 
     const int rows = int(std::min<int64_t>(kRowBlock, m - r0));
     for (int64_t p = g * kPanelGroup; p < std::min<int64_t>(panels, (g + 1) * kPanelGroup); ++p)
       panel_fn(r0, rows, p);
+  });
+}
+
+// y [m, n] = x [m, K] . W^T on float32 panels w ([P, K, 32], linear_packed's
+// layout): the packed kernel's loop, also linear_blocks' on a dequantized weight.
+inline void packed_product(const float* x, int64_t m, int64_t k_dim, const float* w, int64_t panels, float* y,
+                           int64_t n, bool parallel) {
+  const Isa isa = tiles_isa();
+  for_each_panel(m, panels, parallel, [&](int64_t r0, int rows, int64_t p) {
+    rows_times_panel(isa, x + r0 * k_dim, rows, k_dim, w + p * k_dim * kPanel, y + r0 * n + p * kPanel, n,
+                     int(std::min<int64_t>(kPanel, n - p * kPanel)));
   });
 }
 

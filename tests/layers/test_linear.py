@@ -108,3 +108,4 @@ def test_blas_info_names_the_kernels_and_threads_the_op_runs_with():
     linear(paddle.ones([2, 4]), paddle.ones([3, 4]))
     info = blas_info()
     assert info["corename"] and info["threads"] >= 1 and "OpenBLAS" in info["config"]
+    assert info["tiles"] in ("avx512", "avx2", "generic")

@@ -97,8 +97,10 @@ _CAPPED_RUN = """
 import sys
 import numpy as np
 sys.path.insert(0, {tests!r})
+from fastdeploy.model_executor.layers.blas_gemm import blas_info
 from test_linear_blocks import products_at_every_row_count
 np.save({path!r}, products_at_every_row_count())
+print(blas_info()["tiles"])
 """
 
 
@@ -126,5 +128,7 @@ def test_portable_tiles_give_the_best_tiles_bits(tmp_path, isa):
     path = str(tmp_path / f"{isa}.npy")
     script = _CAPPED_RUN.format(tests=os.path.dirname(__file__), path=path)
     env = {**os.environ, "FD_CPU_LINEAR_ISA": isa}
-    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=600)
+    run = subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=600, capture_output=True,
+                         text=True)
+    assert run.stdout.split()[-1] == isa  # the capped tiles ran, not this process's AVX-512 ones
     assert np.array_equal(np.load(path), products_at_every_row_count())

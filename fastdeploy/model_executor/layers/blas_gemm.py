@@ -90,7 +90,11 @@ def _library() -> ctypes.CDLL:
 
 
 def blas_info() -> dict:
-    """Which kernels and how many threads the loaded OpenBLAS uses, and the env that chose them."""
+    """Which kernels and how many threads the loaded OpenBLAS uses, and the env that chose them; and
+    `tiles`, the instruction set of the packed/block dense layers' own tiles (FD_CPU_LINEAR_ISA caps it)."""
+    import paddle
+
+    tiles = load_library(GEMM_OPS).linear_tiles_isa(paddle.zeros([1]))
     lib = _library()
     prefix = "scipy_openblas_"
     getattr(lib, prefix + "get_corename").restype = ctypes.c_char_p
@@ -99,6 +103,7 @@ def blas_info() -> dict:
         "corename": getattr(lib, prefix + "get_corename")().decode(),
         "threads": int(getattr(lib, prefix + "get_num_threads")()),
         "config": getattr(lib, prefix + "get_config")().decode(),
+        "tiles": ("avx512", "avx2", "generic")[int(tiles.numpy()[0])],
         "env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS",
                                            "OMP_NUM_THREADS") if k in os.environ},
     }
