@@ -163,7 +163,8 @@ def run_arm(name: str, recycle: bool, args, prompts) -> dict:
     # Time-averaged pages in use: each step's pages weighted by how long that step took.
     avg_pages = sum(used * (t - prev) for (t, _, used), prev in zip(timeline, [0.0] + [p[0] for p in timeline]))
     avg_pages /= elapsed
-    return {"avg_pages": avg_pages, "median_full_step_s": median_full_step(timeline, peak_running), "recomputed_tokens": stats["recomputed_tokens_total"],
+    return {"avg_pages": avg_pages, "median_full_step_s": median_full_step(timeline, peak_running),
+            "recomputed_tokens": stats["recomputed_tokens_total"],
             "throughput": out_tokens / elapsed, "elapsed_s": elapsed, "output_tokens": out_tokens,
             "peak_running": peak_running, "peak_pages": peak_pages, "pages_total": total, "steps": steps,
             "peak_pages_per_request": peak_per_request, "peak_pages_per_decoding_request": peak_per_decoding,
