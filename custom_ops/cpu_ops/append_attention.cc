@@ -133,14 +133,20 @@ inline bool on_page(int64_t lo, int64_t hi, int64_t page_lo, int block_size, int
   return *a < *b;
 }
 
-// One query of a tile that reads a page: its keys there, in at most two
-// pieces (the sink run's part and the window run's part), in position order.
-struct PageReader {
-  int token;  // in the tile
-  int pieces;
+// A tile token's keys on one page, in at most two pieces (the sink run's part
+// and the window run's part), in position order.
+struct PagePieces {
+  int n;
   int64_t lo[2], hi[2];
-  bool live[2];  // the piece has a visible key
-  int query;     // token * group + head of the group
+};
+
+// One query of a tile that reads a page. Built field by field: a whole-struct
+// copy of one just written (its query heads') stalled on store forwarding,
+// ~4% of a prefill's attention.
+struct PageReader {
+  const PagePieces* pieces;  // its token's
+  int query;                 // token * group + head of the group
+  bool live[2];              // the piece has a visible key
 };
 
 // Items write disjoint output rows and each query's arithmetic is fixed, so
@@ -166,6 +172,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
   struct Scratch {
     std::vector<float> scores, ktile, vtile, max, denom, acc;
     std::vector<KeyRuns> runs;
+    std::vector<PagePieces> pieces;
     std::vector<PageReader> readers;
     std::vector<const float*> q, w;
     std::vector<float*> accs;
@@ -179,6 +186,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
     sc.denom.resize(max_queries);
     sc.acc.resize(size_t(max_queries) * d);
     sc.runs.resize(kTileTokens);
+    sc.pieces.resize(kTileTokens);
     sc.readers.resize(max_queries);
     sc.q.resize(max_queries);
     sc.w.resize(kLanes);
@@ -227,28 +235,32 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
       // The queries that read this page and their pieces of it (sink part, window part).
       int readers = 0;
       for (int t = 0; t < tile.tokens; ++t) {
-        PageReader rd{t, 0, {0, 0}, {0, 0}, {false, false}, 0};
+        PagePieces& pc = sc.pieces[t];
+        pc.n = 0;
         for (int k = 0; k < sc.runs[t].n; ++k)
           if (on_page(sc.runs[t].lo[k], sc.runs[t].hi[k], page_lo, g.block_size, &a, &e))
-            rd.lo[rd.pieces] = a, rd.hi[rd.pieces] = e, ++rd.pieces;
-        if (rd.pieces == 0) continue;
+            pc.lo[pc.n] = a, pc.hi[pc.n] = e, ++pc.n;
+        if (pc.n == 0) continue;
         for (int j = 0; j < g.group; ++j) {
+          PageReader& rd = sc.readers[readers];
+          rd.pieces = &pc;
           rd.query = t * g.group + j;
-          sc.readers[readers] = rd;
+          rd.live[0] = rd.live[1] = false;
           sc.q[readers++] = q_of(t, j);
         }
       }
-      // Scores of every reader over [lo, hi) (keys a reader does not see are never folded).
-      scores_rows(sc.q.data(), readers, kf, int(hi - lo), d, sc.scores.data(), g.block_size);
+      // Scaled scores of every reader over [lo, hi) (keys a reader does not see are never folded).
+      scores_rows(sc.q.data(), readers, kf, int(hi - lo), d, scale, sc.scores.data(), g.block_size);
       for (int piece = 0; piece < 2; ++piece) {
         for (int r = 0; r < readers; ++r) {
           PageReader& rd = sc.readers[r];
-          if (piece >= rd.pieces) continue;
-          mask.query_pos = tile.pos + rd.token;
+          const PagePieces& pc = *rd.pieces;
+          if (piece >= pc.n) continue;
           const int qi = rd.query;
-          rd.live[piece] = softmax_step(sc.scores.data() + int64_t(r) * g.block_size + (rd.lo[piece] - lo),
-                                        int(rd.hi[piece] - rd.lo[piece]), d, scale, rd.lo[piece], mask,
-                                        sc.max[qi], sc.denom[qi], sc.acc.data() + int64_t(qi) * d);
+          mask.query_pos = tile.pos + qi / g.group;
+          rd.live[piece] = softmax_step(sc.scores.data() + int64_t(r) * g.block_size + (pc.lo[piece] - lo),
+                                        int(pc.hi[piece] - pc.lo[piece]), d, pc.lo[piece], mask, sc.max[qi],
+                                        sc.denom[qi], sc.acc.data() + int64_t(qi) * d);
         }
         // Weighted values: readers with the same keys (a token's query heads always; a prefill
         // tile's tokens on the pages below their diagonal) go `width` at a time, each value row
@@ -256,16 +268,16 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
         const int width = shared_values_width(d);
         for (int r = 0; r < readers;) {
           const PageReader& rd = sc.readers[r];
-          if (piece >= rd.pieces || !rd.live[piece]) {
+          if (piece >= rd.pieces->n || !rd.live[piece]) {
             ++r;
             continue;
           }
-          const int64_t ka = rd.lo[piece], ke = rd.hi[piece];
+          const int64_t ka = rd.pieces->lo[piece], ke = rd.pieces->hi[piece];
           int batched = 0;
           for (; r < readers && batched < width; ++r) {
             const PageReader& other = sc.readers[r];
-            if (piece >= other.pieces || !other.live[piece]) continue;
-            if (other.lo[piece] != ka || other.hi[piece] != ke) break;
+            if (piece >= other.pieces->n || !other.live[piece]) continue;
+            if (other.pieces->lo[piece] != ka || other.pieces->hi[piece] != ke) break;
             sc.w[batched] = sc.scores.data() + int64_t(r) * g.block_size + (ka - lo);
             sc.accs[batched++] = sc.acc.data() + int64_t(other.query) * d;
           }

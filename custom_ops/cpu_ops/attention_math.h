@@ -77,24 +77,18 @@ struct RowMask {
 };
 
 // The softmax half of folding n consecutive keys into ONE query's running
-// state (max, denom, acc[d]): `s` holds the raw scores q . k and becomes the
+// state (max, denom, acc[d]): `s` holds the scaled scores and becomes the
 // weights exp(score - max); acc is rescaled to the new max. The caller then
 // adds weighted_values(s, v, n, d, acc). Returns false (nothing to add) when
 // every key is masked. A query's keys arrive in position order, a page (or a
 // sink / window run's part of a page) at a time, whoever shares its tile.
-inline bool softmax_step(float* s, int n, int d, float scale, int64_t first_pos, const RowMask& mask,
-                         float& max, float& denom, float* acc) {
+inline bool softmax_step(float* s, int n, int d, int64_t first_pos, const RowMask& mask, float& max,
+                         float& denom, float* acc) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  float chunk_max;
   if (mask.active) {  // the visit_all_pages baseline only
-    chunk_max = kNegInf;
-    for (int r = 0; r < n; ++r) {
-      s[r] = mask.visible(first_pos + r) ? s[r] * scale : kNegInf;
-      chunk_max = s[r] > chunk_max ? s[r] : chunk_max;
-    }
-  } else {
-    chunk_max = scale_and_max(s, n, scale);
+    for (int r = 0; r < n; ++r) s[r] = mask.visible(first_pos + r) ? s[r] : kNegInf;
   }
+  const float chunk_max = max_score(s, n);
   if (chunk_max == kNegInf) return false;
   const float new_max = std::fmax(max, chunk_max);
   if (new_max != max) {

@@ -7,7 +7,8 @@
 //
 // Score order: lane l (0..15) sums q[i] * k[i] for i = l, l + 16, l + 32, ...
 // by fused multiply-adds from +0; the 16 lanes then add as the fixed tree
-// (l, l + 8), (l, l + 4), (l, l + 2), (l, l + 1). Weighted values: every
+// (l, l + 8), (l, l + 4), (l, l + 2), (l, l + 1), and the sum is multiplied by
+// the softmax scale 1 / sqrt(head_dim) (its own rounding). Weighted values: every
 // output element is one chain of fused multiply-adds over the keys in order.
 // The AVX-512 kernels and the portable ones follow the same order (FMA is
 // correctly rounded, additions commute), so they agree too.
@@ -56,12 +57,13 @@ inline float ordered_sum(const float* x, int n) {
   return sum_lane_tree(p);
 }
 
-inline void scores_generic(const float* q, const float* k, int n, int d, float* out) {
+// out[j] = (q . k[j]) * scale: the scale is its own rounding after the sum.
+inline void scores_generic(const float* q, const float* k, int n, int d, float scale, float* out) {
   for (int j = 0; j < n; ++j) {
     const float* kj = k + int64_t(j) * d;
     float p[kLanes] = {0.f};
     for (int i = 0; i < d; ++i) p[i % kLanes] = std::fma(q[i], kj[i], p[i % kLanes]);
-    out[j] = sum_lane_tree(p);
+    out[j] = sum_lane_tree(p) * scale;
   }
 }
 
@@ -74,22 +76,18 @@ inline void weighted_values_generic(const float* w, const float* v, int n, int d
 
 // exp(x) for x <= 0 (a score minus the running max), relative error ~1e-7;
 // exactly 0 below -87 so masked (-inf) scores weigh nothing. exp_avx512 below
-// is the same sequence of roundings, 16 at a time.
+// is the same sequence of roundings, 16 at a time. Fused multiply-adds: half
+// the instructions and half the dependent latency of multiply-then-add (the
+// exp was ~20% of a prefill's attention), and one rounding less per step.
 inline float exp_nonpositive(float x) {
   const float kLog2e = 1.44269504088896341f;
   const float kLn2Hi = 0.693359375f;
   const float kLn2Lo = -2.12194440e-4f;
   const float xc = x < -87.f ? -87.f : x;
-  const float n = std::floor(xc * kLog2e + 0.5f);
-  const float r = xc - n * kLn2Hi - n * kLn2Lo;  // |r| <= ln2/2
-  float e = 1.f / 5040.f;                        // Taylor series of e^r to r^7
-  e = e * r + 1.f / 720.f;
-  e = e * r + 1.f / 120.f;
-  e = e * r + 1.f / 24.f;
-  e = e * r + 1.f / 6.f;
-  e = e * r + 0.5f;
-  e = e * r + 1.f;
-  e = e * r + 1.f;
+  const float n = std::floor(std::fma(xc, kLog2e, 0.5f));
+  const float r = std::fma(-n, kLn2Lo, std::fma(-n, kLn2Hi, xc));  // |r| <= ln2/2
+  float e = 1.f / 5040.f;                                          // Taylor series of e^r to r^7
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) e = std::fma(e, r, c);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -115,12 +113,12 @@ __attribute__((target("avx512f"))) inline __m512 sum_lanes_x16(const __m512* v) 
   return _mm512_permutexvar_ps(order, s);
 }
 
-// out[q * ldo + j] = qs[q] . k[j] for nq queries and n keys (row stride
-// d = 16 B): 16 keys at a time, kept in L1 while every query uses them; the
-// query's blocks and the 16 keys' lane sums stay in registers.
+// out[q * ldo + j] = (qs[q] . k[j]) * scale for nq queries and n keys (row
+// stride d = 16 B): 16 keys at a time, kept in L1 while every query uses them;
+// the query's blocks and the 16 keys' lane sums stay in registers.
 template <int B>
 __attribute__((target("avx512f"))) void scores_rows_fixed(const float* const* qs, int nq, const float* k,
-                                                         int n, float* out, int ldo) {
+                                                         int n, float scale, float* out, int ldo) {
   constexpr int d = B * kLanes;
   constexpr int G = B < 8 ? B : 8;  // query blocks held at once
   alignas(64) float padded[kLanes * d];
@@ -133,6 +131,7 @@ __attribute__((target("avx512f"))) void scores_rows_fixed(const float* const* qs
       kb = padded;
     }
     const __mmask16 live = __mmask16((1u << keys) - 1);
+    const __m512 scales = _mm512_set1_ps(scale);
     for (int q = 0; q < nq; ++q) {
       __m512 acc[kLanes];
       for (int j = 0; j < kLanes; ++j) acc[j] = _mm512_setzero_ps();
@@ -143,7 +142,7 @@ __attribute__((target("avx512f"))) void scores_rows_fixed(const float* const* qs
           for (int g = 0; g < G; ++g)
             acc[j] = _mm512_fmadd_ps(qb[g], _mm512_loadu_ps(kb + j * d + (b0 + g) * kLanes), acc[j]);
       }
-      _mm512_mask_storeu_ps(out + int64_t(q) * ldo + j0, live, sum_lanes_x16(acc));
+      _mm512_mask_storeu_ps(out + int64_t(q) * ldo + j0, live, _mm512_mul_ps(sum_lanes_x16(acc), scales));
     }
   }
 }
@@ -191,37 +190,42 @@ __attribute__((target("avx512f"))) inline __m512 exp_avx512(__m512 x) {
   const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
   const __m512 xc = _mm512_max_ps(x, lo);
   const __m512 n = _mm512_roundscale_ps(
-      _mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
+      _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
       _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                                 _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f),
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc));
   __m512 e = _mm512_set1_ps(1.f / 5040.f);
   for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
-    e = _mm512_add_ps(_mm512_mul_ps(e, r), _mm512_set1_ps(c));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(c));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(~underflow, e, _mm512_castsi512_ps(bits));
 }
 
-// s[0..n) *= scale; returns their max.
-inline float scale_scores(float* s, int n, float scale) {
+// The max of s[0..n) (exact: a max does not round).
+inline float max_of(const float* s, int n) {
   float m = -std::numeric_limits<float>::infinity();
-  for (int r = 0; r < n; ++r) {
-    s[r] *= scale;
-    m = s[r] > m ? s[r] : m;
-  }
+  for (int r = 0; r < n; ++r) m = s[r] > m ? s[r] : m;
   return m;
 }
 
-__attribute__((target("avx512f"))) inline float scale_scores_avx512(float* s, int n, float scale) {
-  const __m512 k = _mm512_set1_ps(scale);
+__attribute__((target("avx512f"))) inline float max_of_avx512(const float* s, int n) {
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int r = 0; r < n; r += kLanes) {
     const __mmask16 live = n - r >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - r)) - 1);
-    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, s + r), k);
-    _mm512_mask_storeu_ps(s + r, live, x);
-    m = _mm512_mask_max_ps(m, live, m, x);
+    m = _mm512_mask_max_ps(m, live, m, _mm512_maskz_loadu_ps(live, s + r));
   }
   return _mm512_reduce_max_ps(m);
+}
+
+// sum_lane_tree on a register: the same pairs, (l, l + 8) then (l, l + 4), (l, l + 2), (l, l + 1),
+// without the trip through memory (a wide store read back narrow stalls store forwarding).
+__attribute__((target("avx512f"))) inline float sum_lane_tree_avx512(__m512 p) {
+  const __m256 lo = _mm512_castps512_ps256(p);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1));
+  const __m256 eighths = _mm256_add_ps(lo, hi);
+  const __m128 quarters = _mm_add_ps(_mm256_castps256_ps128(eighths), _mm256_extractf128_ps(eighths, 1));
+  const __m128 pairs = _mm_add_ps(quarters, _mm_movehl_ps(quarters, quarters));
+  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
 }
 
 // s[r] = exp(s[r] - max) for r in [0, n); returns their ordered_sum.
@@ -239,14 +243,12 @@ __attribute__((target("avx512f"))) inline float softmax_weights_avx512(float* s,
     _mm512_mask_storeu_ps(s + r, live, e);
     sum = _mm512_add_ps(sum, e);
   }
-  alignas(64) float p[kLanes];
-  _mm512_store_ps(p, sum);
-  return sum_lane_tree(p);
+  return sum_lane_tree_avx512(sum);
 }
 
-inline float scale_and_max(float* s, int n, float scale) {
-  if (attention_uses_avx512()) return scale_scores_avx512(s, n, scale);
-  return scale_scores(s, n, scale);
+inline float max_score(const float* s, int n) {
+  if (attention_uses_avx512()) return max_of_avx512(s, n);
+  return max_of(s, n);
 }
 
 inline float exp_and_sum(float* s, int n, float max) {
@@ -254,18 +256,19 @@ inline float exp_and_sum(float* s, int n, float max) {
   return softmax_weights(s, n, max);
 }
 
-// Scores of nq queries (pointers qs) against the same n keys, one row of out (stride ldo) each.
-inline void scores_rows(const float* const* qs, int nq, const float* k, int n, int d, float* out, int ldo) {
+// Scaled scores of nq queries (pointers qs) against the same n keys, one row of out (stride ldo) each.
+inline void scores_rows(const float* const* qs, int nq, const float* k, int n, int d, float scale, float* out,
+                        int ldo) {
   if (attention_uses_avx512()) {
     switch (d) {
-      case 64: return scores_rows_fixed<4>(qs, nq, k, n, out, ldo);
-      case 128: return scores_rows_fixed<8>(qs, nq, k, n, out, ldo);
-      case 256: return scores_rows_fixed<16>(qs, nq, k, n, out, ldo);
+      case 64: return scores_rows_fixed<4>(qs, nq, k, n, scale, out, ldo);
+      case 128: return scores_rows_fixed<8>(qs, nq, k, n, scale, out, ldo);
+      case 256: return scores_rows_fixed<16>(qs, nq, k, n, scale, out, ldo);
       default:
         break;  // other head sizes: the portable kernel (the same bits, slower)
     }
   }
-  for (int q = 0; q < nq; ++q) scores_generic(qs[q], k, n, d, out + int64_t(q) * ldo);
+  for (int q = 0; q < nq; ++q) scores_generic(qs[q], k, n, d, scale, out + int64_t(q) * ldo);
 }
 
 inline void weighted_values(const float* w, const float* v, int n, int d, float* acc) {
