@@ -112,10 +112,12 @@ def test_batch_mates_do_not_change_a_requests_bits():
     assert np.array_equal(alone, run.outputs(1))
 
 
-def test_head_dim_256_tiles_match_token_by_token():
-    # Gemma 3's head_dim: its own kernel variant (q blocks in two passes).
-    whole = _one_request_cut([TOKENS], head_dim=256)
-    assert np.array_equal(whole, _one_request_cut([3, 29] + [1] * (TOKENS - 32), head_dim=256))
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_other_head_dims_tiles_match_token_by_token(head_dim):
+    # Each head_dim has its own kernel variants (256, Gemma 3's: q blocks in two passes; 128 the
+    # two-query weighted values).
+    whole = _one_request_cut([TOKENS], head_dim=head_dim)
+    assert np.array_equal(whole, _one_request_cut([3, 29] + [1] * (TOKENS - 32), head_dim=head_dim))
 
 
 _GENERIC_RUN = """
