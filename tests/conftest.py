@@ -46,6 +46,18 @@ def restore_fd_env_flags():
 
 
 @pytest.fixture
+def avx512_cpu():
+    """For tests that check the portable kernels against the AVX-512 ones: skipped on a CPU that
+    runs the portable kernels only (nothing to compare them with)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        flags = ""
+    if " avx512f" not in flags:
+        pytest.skip("this CPU runs the portable kernels only")
+
+
+@pytest.fixture
 def make_config(monkeypatch):
     """make_config(mode, reserve=True, **engine_args) -> FDConfig with the env flags of that mode."""
 

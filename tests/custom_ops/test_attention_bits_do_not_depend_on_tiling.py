@@ -129,13 +129,7 @@ np.save({path!r}, _one_request_cut(json.loads({pieces!r})))
 """
 
 
-def test_portable_kernels_give_the_avx512_bits(tmp_path):
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        flags = ""
-    if " avx512f" not in flags:
-        pytest.skip("this CPU runs the portable kernels only")
+def test_portable_kernels_give_the_avx512_bits(tmp_path, avx512_cpu):
     pieces = [20, 1, 40] + [1] * (TOKENS - 61)
     path = str(tmp_path / "generic.npy")
     script = _GENERIC_RUN.format(tests=os.path.dirname(__file__), path=path, pieces=json.dumps(pieces))

@@ -33,13 +33,6 @@ def dense_of(weight: gguf_blocks.BlockWeight) -> np.ndarray:
     return w if weight.offset is None else w + np.repeat(weight.offset, weight.group, axis=1)
 
 
-def cpu_has_avx512f() -> bool:
-    try:
-        return " avx512f" in open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-
-
 def bits(t) -> np.ndarray:
     return t.numpy().view(np.int32)
 
@@ -120,11 +113,9 @@ def products_at_every_row_count() -> np.ndarray:
 
 
 @pytest.mark.parametrize("isa", ["avx2", "generic"])
-def test_portable_tiles_give_the_best_tiles_bits(tmp_path, isa):
+def test_portable_tiles_give_the_best_tiles_bits(tmp_path, isa, avx512_cpu):
     # FD_CPU_LINEAR_ISA holds a process's tiles at AVX2 or portable C++: the CPUs without AVX-512
     # run those, and this one can check them against its own best.
-    if not cpu_has_avx512f():
-        pytest.skip("this CPU runs the portable tiles only")
     path = str(tmp_path / f"{isa}.npy")
     script = _CAPPED_RUN.format(tests=os.path.dirname(__file__), path=path)
     env = {**os.environ, "FD_CPU_LINEAR_ISA": isa}
