@@ -145,6 +145,7 @@ struct PagePieces {
 // ~4% of a prefill's attention.
 struct PageReader {
   const PagePieces* pieces;  // its token's
+  int token;                 // in the tile
   int query;                 // token * group + head of the group
   bool live[2];              // the piece has a visible key
 };
@@ -244,6 +245,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
         for (int j = 0; j < g.group; ++j) {
           PageReader& rd = sc.readers[readers];
           rd.pieces = &pc;
+          rd.token = t;
           rd.query = t * g.group + j;
           rd.live[0] = rd.live[1] = false;
           sc.q[readers++] = q_of(t, j);
@@ -257,7 +259,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
           const PagePieces& pc = *rd.pieces;
           if (piece >= pc.n) continue;
           const int qi = rd.query;
-          mask.query_pos = tile.pos + qi / g.group;
+          mask.query_pos = tile.pos + rd.token;
           rd.live[piece] = softmax_step(sc.scores.data() + int64_t(r) * g.block_size + (pc.lo[piece] - lo),
                                         int(pc.hi[piece] - pc.lo[piece]), d, pc.lo[piece], mask, sc.max[qi],
                                         sc.denom[qi], sc.acc.data() + int64_t(qi) * d);

@@ -16,7 +16,7 @@ import paddle
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.ops import append_attention
 from fastdeploy.model_executor.layers.attention.ops.append_attention import _call, check_device_errors, \
-    cpu_op_arguments, new_error_info
+    cpu_op_arguments, cpu_op_attrs, new_error_info
 from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import load_cpu_ops
 from fastdeploy.model_executor.layers.attention.swa_spec import attention_type_table, row_attention_args
 from fastdeploy.model_executor.tensor_parallel import local_kv_heads
@@ -60,6 +60,10 @@ class AppendAttentionBackend:
         # the first step) and called with the arguments every layer passes; the generic entry's
         # per-call checks and place dispatch cost ~30 us a layer, ~1 ms of a 30 ms decode step.
         self.cpu_op = None if self.on_gpu else load_cpu_ops().append_attention_cpu
+        self.cpu_attrs = [cpu_op_attrs(dict(num_heads=self.num_heads, kv_num_heads=self.kv_num_heads,
+                                            head_dim=self.head_dim, sliding_window=window, sink_size=sink,
+                                            visit_all_pages=self.dual_pass))
+                          for _, window, sink, _ in self.layer_args]
 
     def forward(self, layer_id: int, qkv: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         table = meta.block_tables_head_wise if meta.block_tables_head_wise is not None else meta.block_tables
@@ -71,9 +75,7 @@ class AppendAttentionBackend:
                            seq_lens_this_time=meta.seq_lens_this_time, cu_seqlens_q=meta.cu_seqlens_q,
                            block_tables=table, rotary_cos=cos, rotary_sin=sin, swa_head_mask=swa_head_mask,
                            kv_head_slots=head_slots)
-            attrs = dict(num_heads=self.num_heads, kv_num_heads=self.kv_num_heads, head_dim=self.head_dim,
-                         sliding_window=window, sink_size=sink, visit_all_pages=self.dual_pass)
-            return _call(self.cpu_op, *cpu_op_arguments(tensors, attrs))[0]
+            return _call(self.cpu_op, *cpu_op_arguments(tensors, self.cpu_attrs[layer_id]))[0]
         return append_attention(
             qkv, self.key_caches[layer_id], self.value_caches[layer_id], meta.seq_lens_encoder,
             meta.seq_lens_decoder, meta.seq_lens_this_time, meta.cu_seqlens_q, table, cos, sin,

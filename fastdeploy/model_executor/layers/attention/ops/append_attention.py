@@ -52,11 +52,17 @@ def op_arguments(tensors: dict, *, num_heads: int, kv_num_heads: int, head_dim: 
 _CPU_TENSORS, _CPU_ATTRS = operator.itemgetter(*TENSOR_ARGS), operator.itemgetter(*ATTR_ARGS[:-1])
 
 
-def cpu_op_arguments(tensors: dict, attrs: dict) -> tuple:
-    """The CPU op's positional arguments (TENSOR_ARGS, then ATTR_ARGS without dual_pass) from named
-    ones, unchecked: the engine's per-layer call (~3 us), whose arguments op_arguments checked in
-    effect when the engine was built."""
-    return _CPU_TENSORS(tensors) + _CPU_ATTRS(attrs)
+def cpu_op_attrs(attrs: dict) -> tuple:
+    """The CPU op's attributes in ATTR_ARGS order (without dual_pass), from named ones: a layer's are
+    fixed, so the engine orders them once when it is built."""
+    return _CPU_ATTRS(attrs)
+
+
+def cpu_op_arguments(tensors: dict, attrs: tuple) -> tuple:
+    """The CPU op's positional arguments (TENSOR_ARGS, then the cpu_op_attrs tuple) from named
+    tensors, unchecked: the engine's per-layer call, whose arguments op_arguments checked in effect
+    when the engine was built."""
+    return _CPU_TENSORS(tensors) + attrs
 
 
 # Device-side error codes of the CUDA op (AppendAttnDeviceError in append_attn_api.cuh).
