@@ -74,6 +74,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FD_LOG_INTERVAL": _int_flag("FD_LOG_INTERVAL", "10"),
     # Threads of the CPU attention op (read by the C++ op; 0 or unset: every usable core, for large steps).
     "FD_CPU_ATTN_NUM_THREADS": _int_flag("FD_CPU_ATTN_NUM_THREADS", "0"),
+    # Microseconds a CPU op's helper thread keeps polling for the next job before it sleeps (read by
+    # custom_ops/cpu_ops/work_pool.h; 0: sleep at once). A sleeping vCPU wakes late on a busy host.
+    "FD_CPU_POOL_SPIN_US": _int_flag("FD_CPU_POOL_SPIN_US", "1000"),
     # 1: a CPU worker keeps freed host memory for reuse (worker/host_memory.py: no page faults of
     # large activations every step); 0: malloc's defaults.
     "FD_CPU_KEEP_FREED_MEMORY": _int_flag("FD_CPU_KEEP_FREED_MEMORY", "1"),
