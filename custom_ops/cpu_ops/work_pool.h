@@ -71,7 +71,7 @@ class WorkPool {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       job_ = job;
-      generation_.store(generation_.load() + 1, std::memory_order_release);
+      generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
     work_on(*job, 0);
@@ -119,17 +119,18 @@ class WorkPool {
     }
   }
 
-  // Polls `ready` for up to spin_us() before the caller blocks; true when it came.
+  // Polls `ready` for up to spin_us(); the caller then blocks on its condition variable, which
+  // re-checks the same condition, so whether the poll saw it does not matter.
   template <typename Ready>
-  static bool spin_until(Ready ready) {
+  static void spin_until(Ready ready) {
     const auto limit = std::chrono::microseconds(spin_us());
     const auto start = std::chrono::steady_clock::now();
     for (;;) {
       for (int i = 0; i < 32; ++i) {
-        if (ready()) return true;
+        if (ready()) return;
         cpu_relax();
       }
-      if (std::chrono::steady_clock::now() - start >= limit) return ready();
+      if (std::chrono::steady_clock::now() - start >= limit) return;
     }
   }
 
