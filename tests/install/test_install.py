@@ -46,6 +46,14 @@ def test_readme_and_ci_install_the_cpu_extra_so_a_fresh_machine_still_gets_paddl
     assert '-e ".[cpu,test]"' in (REPO / ".ci" / "run").read_text()
 
 
+def test_readme_and_ci_install_the_transformers_release_that_tokenizes_gemma_as_llama_cpp():
+    """The reference must read Gemma 3's vocabulary as llama.cpp does (5.3.0 cut its words into pieces);
+    it is installed after the extras because paddleformers 1.2.0 declares transformers<5.4."""
+    pin = 'pip install "transformers==5.24.0"'
+    assert pin in (REPO / "README.md").read_text() and pin in (REPO / ".ci" / "run").read_text()
+    assert "transformers" not in _names(_setup_keywords()["extras_require"]["test"])
+
+
 def _run_without_paddle(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", BLOCK_PADDLE + code], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})

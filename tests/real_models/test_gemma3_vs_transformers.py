@@ -1,5 +1,6 @@
-"""Gemma 3 270M from its GGUF file (18 layers, sliding window 512 in five of six): the engine's greedy
-tokens equal transformers' on raw prompts, prompts longer than the window included."""
+"""Gemma 3 270M from its GGUF file (18 layers, sliding window 512 in five of six), text in: the engine's
+prompt ids equal transformers' tokenizer on the same text, then its greedy tokens equal transformers',
+on raw prompts, prompts longer than the window included."""
 
 import pydoc_data.topics
 import pytest
@@ -8,35 +9,35 @@ from fastdeploy import LLM, SamplingParams
 from transformers_reference import reference_greedy
 
 MAX_TOKENS = 16
-SHORT = ["The capital of France is", "def quicksort(items):\n    ", "In 1969, the first humans"]
-
-
-def _long_prompt(tokenizer, start: int, tokens: int) -> list:
-    text = " ".join(pydoc_data.topics.topics.values())[start:start + 8 * tokens]
-    return tokenizer.encode(text)[:tokens]
-
-
-@pytest.fixture(scope="module")
-def prompts(gemma3_reference):
-    tokenizer, _ = gemma3_reference
-    return [tokenizer.encode(t) for t in SHORT] + [_long_prompt(tokenizer, 0, 700), _long_prompt(tokenizer, 9000, 1100)]
+_PROSE = " ".join(pydoc_data.topics.topics.values())
+PROMPTS = ["The capital of France is", "def quicksort(items):\n    ", "In 1969, the first humans",
+           "Ünïcödé naïve café, 中文 and 3.14159:\t\tdone\n\n",
+           _PROSE[:3300], _PROSE[12000:17200]]  # ~700 and ~1100 tokens: past the 512-token window
+# (Prose without a space run longer than Gemma's longest space piece: there transformers and llama.cpp
+# disagree, and the engine follows llama.cpp; tests/input/test_gguf_tokenizer.py pins those ids.)
 
 
 @pytest.fixture(scope="module")
-def reference_tokens(gemma3_reference, prompts):
-    _, model = gemma3_reference
-    return [reference_greedy(model, ids, MAX_TOKENS, [-1]) for ids in prompts]
+def reference(gemma3_reference):
+    """transformers' prompt ids of each text (its tokenizer adds <bos>, as the file says) and its greedy tokens."""
+    tokenizer, model = gemma3_reference
+    ids = [tokenizer.encode(text) for text in PROMPTS]
+    return ids, [reference_greedy(model, i, MAX_TOKENS, [-1]) for i in ids]
 
 
 @pytest.mark.parametrize("head_wise", ["0", "1"], ids=["1d", "slots_recycle_on"])
-def test_gemma3_gguf_greedy_tokens_equal_transformers(monkeypatch, gemma3_path, prompts, reference_tokens, head_wise):
+def test_gemma3_gguf_text_prompts_give_transformers_ids_and_greedy_tokens(monkeypatch, gemma3_path, reference,
+                                                                          head_wise):
     """1-D tables (sliding layers masked) and slots + recycling (3 lanes of 6 layers, 5 sliding slots
     and 1 full per block: the sliding layers' out-of-window pages are recycled) give the same tokens."""
+    reference_ids, reference_tokens = reference
+    assert len(reference_ids[4]) > 512 and len(reference_ids[5]) > 1000
     monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", head_wise)
     monkeypatch.setenv("FD_HEAD_WISE_SWA_RECYCLE", "1")
     llm = LLM(model=gemma3_path, max_model_len=2048, block_size=16)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                         use_tqdm=False)
+    assert [list(o.prompt_token_ids) for o in outs] == reference_ids  # the text first: same tokenization
     got = [list(o.outputs.token_ids) for o in outs]
     slots = llm.engine.fd_config.slot_layout
     assert (slots.num_lanes, slots.slots_per_rank, len(slots.sliding_slots)) == (3, 6, 5)
@@ -44,5 +45,6 @@ def test_gemma3_gguf_greedy_tokens_equal_transformers(monkeypatch, gemma3_path, 
         assert llm.engine.get_stats()["swa_pages_recycled_total"] > 0
     assert [g[0] for g in got] == [r[0] for r in reference_tokens]
     assert got == reference_tokens
+    assert [o.outputs.text for o in outs] == [llm.engine.tokenizer.decode(r) for r in reference_tokens]
     # Every dense layer on the file's blocks (Q5_0, Q8_0, Q4_K, Q6_K; q/k rows permuted with their blocks).
     assert all(layer.storage.startswith("gguf ") for layer in llm.engine.runner.model.dense_layers())

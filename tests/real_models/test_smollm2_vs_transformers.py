@@ -17,7 +17,8 @@ CHATS = [
     "Translate 'good morning' into Spanish.",
     "What does HTTP stand for?",
 ]
-RAW = ["The history of the printing press", "def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
+RAW = ["The history of the printing press", "def fibonacci(n):\n    ", "Once upon a time, in a small village,",
+       "Prices: 3,141.59 EUR\t(≈ 3 400 $) — naïve café 中文"]
 
 # A window longer than any context here: head-wise tables with recycling must equal full attention exactly.
 LONG_WINDOW = {"sliding_window": 4096, "sink_size": 4, "swa_kv_heads": [0]}
@@ -79,10 +80,11 @@ def test_every_dense_layer_keeps_the_files_quantized_blocks(smollm2_path):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_greedy_chat_tokens_equal_transformers(smollm2_path, reference_tokens, mode):
+def test_greedy_chat_tokens_equal_transformers(smollm2_path, chat_ids, reference_tokens, mode):
     llm = _engine(smollm2_path, mode)
     outs = llm.chat([[{"role": "user", "content": c}] for c in CHATS],
                     SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [list(o.prompt_token_ids) for o in outs] == [_as_list(i) for i in chat_ids]
     assert [list(o.outputs.token_ids) for o in outs] == reference_tokens
 
 
@@ -99,8 +101,9 @@ def test_prefix_cache_hits_keep_transformers_tokens(smollm2_path, reference_toke
 def test_raw_prompt_greedy_tokens_and_prefill_logits_equal_transformers(smollm2_path, smollm2_reference, stop_ids):
     tokenizer, model = smollm2_reference
     llm = _engine(smollm2_path, "1d")
-    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in RAW]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5), use_tqdm=False)
+    prompts = [tokenizer.encode(t) for t in RAW]  # the file adds no <bos> to raw text, on either side
+    outs = llm.generate(RAW, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5), use_tqdm=False)
+    assert [list(o.prompt_token_ids) for o in outs] == prompts
     for ids, out in zip(prompts, outs):
         assert list(out.outputs.token_ids) == reference_greedy(model, ids, MAX_TOKENS, stop_ids)
         # The first sampled token's top-5 log-probabilities against transformers' last prefill logits.
