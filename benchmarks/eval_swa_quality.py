@@ -319,7 +319,7 @@ def main(argv=None) -> int:
     done = results.setdefault("configs", {})
     max_len = max(lengths + [args.segment_tokens]) + 16
 
-    from fastdeploy.input.tokenizer import load_tokenizer
+    from fastdeploy.input.tokenizer_loader import load_tokenizer
 
     tokenizer = load_tokenizer(mc)
     segments = token_segments(tokenizer, held_out_text(), args.segment_tokens, args.text_segments)

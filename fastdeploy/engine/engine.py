@@ -15,7 +15,7 @@ from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 from fastdeploy.engine.stop_strings import find_stop, releasable
-from fastdeploy.input.tokenizer import load_tokenizer
+from fastdeploy.input.tokenizer_loader import load_tokenizer
 from fastdeploy.log_format import restyle_paddle_handlers
 from fastdeploy.model_executor.layers.sampler import min_tokens_bans
 

@@ -8,6 +8,7 @@ from typing import Optional, Sequence, Union
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.engine.request import SamplingParams
+from fastdeploy.input.chat_template import with_turn_stops
 
 Prompt = Union[str, Sequence[int]]
 
@@ -64,6 +65,11 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
         prompts = [tokenizer.encode_chat(list(c), add_generation_prompt) for c in conversations]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        sampling_params = [with_turn_stops(p, tokenizer.chat_template) for p in sampling_params]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 

@@ -10,6 +10,7 @@ text is then encoded without adding special tokens: the template places them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from datetime import datetime
@@ -84,9 +85,24 @@ class JinjaChatTemplate:
 
 
 class PlainChatTemplate:
-    """For the built-in presets and checkpoints without a template: one `<|role|>` line per message."""
+    """For the built-in presets and checkpoints without a template (a base model such as Gemma 3 270M):
+    a plain transcript, "User: ...\nAssistant:", which a base model continues as a dialogue. It has no
+    end-of-turn token, so the assistant's turn ends where the model starts the next user line
+    (`turn_stops`, added to a chat request's stop strings); the rendered text is a raw prompt, so it
+    starts with <bos> where the tokenizer adds one to raw prompts."""
+
+    turn_stops = ("\nUser:",)
+    raw_prompt = True
 
     def render(self, messages: list, add_generation_prompt: bool = True) -> str:
         validate_messages(messages)
-        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
-        return text + ("<|assistant|>\n" if add_generation_prompt else "")
+        text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
+        return text + ("Assistant:" if add_generation_prompt else "")
+
+
+def with_turn_stops(params, template):
+    """`params` (a SamplingParams) with the template's end-of-turn stop strings added, for a chat request."""
+    stops = getattr(template, "turn_stops", ())
+    if not stops:
+        return params
+    return dataclasses.replace(params, stop=list(dict.fromkeys([*(params.stop or []), *stops])))

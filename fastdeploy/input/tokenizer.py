@@ -40,8 +40,10 @@ class _Chat:
         return self.chat_template.render(messages, add_generation_prompt)
 
     def encode_chat(self, messages: list, add_generation_prompt: bool = True) -> list:
-        """Prompt token ids of a conversation: the template places the special tokens itself."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        """Prompt token ids of a conversation: a checkpoint's template places the special tokens itself;
+        the plain transcript is a raw prompt."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode_prompt(text) if getattr(self.chat_template, "raw_prompt", False) else self.encode(text)
 
 
 class ByteTokenizer(_Chat):
@@ -238,15 +240,16 @@ def _bpe_merges(vocab: dict) -> list:
 
 
 def sentencepiece_as_tokenizer(path: str):
-    """A sentencepiece `tokenizer.model` as the `tokenizers` pipeline PaddleFormers' Ernie4_5Tokenizer
-    (transformers' LlamaTokenizer) builds from it: BPE (or Unigram) with byte fallback over the
-    sentencepiece vocab, the model's precompiled normaliser then spaces -> "▁" (no dummy prefix, no
-    pre-tokenizer), control pieces special. Checked against PaddleFormers in the tests."""
+    """A sentencepiece `tokenizer.model` as a `tokenizers` pipeline that encodes as sentencepiece itself
+    does: BPE (or Unigram) with byte fallback over the sentencepiece vocab, after the model's own
+    normaliser spec (its precompiled character map; runs of spaces collapsed and the ends stripped when
+    `remove_extra_whitespaces`; one "▁" in front when `add_dummy_prefix`; spaces -> "▁"), control
+    pieces special. Checked against the sentencepiece library and PaddleFormers in the tests."""
     try:
         from sentencepiece import sentencepiece_model_pb2
     except ImportError:
         raise RuntimeError("the model ships tokenizer.model: pip install sentencepiece protobuf") from None
-    from tokenizers import AddedToken, Tokenizer, decoders, normalizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers
     from tokenizers.models import BPE, Unigram
 
     proto = sentencepiece_model_pb2.ModelProto()
@@ -260,28 +263,19 @@ def sentencepiece_as_tokenizer(path: str):
     else:
         vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
         tok = Tokenizer(BPE(vocab=vocab, merges=_bpe_merges(vocab), unk_token=unk, fuse_unk=True, byte_fallback=True))
-    charsmap = proto.normalizer_spec.precompiled_charsmap
-    tok.normalizer = normalizers.Sequence(([normalizers.Precompiled(charsmap)] if charsmap else [])
-                                          + [normalizers.Replace(" ", "\u2581")])
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    spec = proto.normalizer_spec
+    steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    if spec.remove_extra_whitespaces:
+        steps += [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Strip(left=True, right=True)]
+    steps += [normalizers.Replace(" ", "\u2581")]
+    if spec.add_dummy_prefix:
+        steps += [normalizers.Prepend("\u2581")]
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(content=" ", left=1, right=0)] if spec.add_dummy_prefix
+                                       else []))
     control, user = 3, 4  # SentencePiece.Type
     tok.add_special_tokens([AddedToken(p.piece, special=True, normalized=False)
                             for p in proto.pieces if p.type == control])
     tok.add_tokens([AddedToken(p.piece, normalized=False) for p in proto.pieces if p.type == user])
     return tok
-
-
-def load_tokenizer(model_config) -> "ByteTokenizer | TokenizersTokenizer":
-    """The checkpoint's tokenizer; only the built-in presets use the byte tokenizer, sized to its own
-    vocab (their ids past 258 decode to nothing). A GGUF model's comes from its file's metadata, through
-    the loader's cached reader (gguf_loader.open_gguf), so the file is parsed once."""
-    model_dir: Optional[str] = model_config.model
-    if model_config.gguf_file is not None:
-        from fastdeploy.input.gguf_tokenizer import gguf_tokenizer
-
-        return gguf_tokenizer(model_config.gguf_file)[0]
-    if model_dir is not None and any(os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
-        return HFTokenizer(model_dir, model_config.eos_token_ids, model_config.vocab_size)
-    if model_dir is None or model_config.raw.get("fastdeploy_byte_tokenizer"):  # a preset, or one saved
-        return ByteTokenizer(model_config.pad_token_id, model_config.bos_token_id, model_config.eos_token_id)
-    raise ValueError(f"model: {model_dir!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")

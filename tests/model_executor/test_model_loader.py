@@ -9,7 +9,8 @@ import pytest
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.request import Request
-from fastdeploy.input.tokenizer import ByteTokenizer, load_tokenizer
+from fastdeploy.input.tokenizer import ByteTokenizer
+from fastdeploy.input.tokenizer_loader import load_tokenizer
 
 ENGINE = dict(block_size=16, num_gpu_blocks_override=32, max_model_len=256)
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
