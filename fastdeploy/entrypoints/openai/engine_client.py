@@ -124,9 +124,13 @@ def run_engine_process(engine_args, requests_q, outputs_q) -> None:
     # Paddle's import installs a SIGTERM handler that prints a C++ "traceback" and aborts; a
     # SIGTERM sent to the whole process group (docker stop, systemd) should end us quietly.
     signal.signal(signal.SIGTERM, _exit_quietly)
+    loop = _EngineLoop(engine, info, requests_q, outputs_q)
+    # The first snapshot goes out before "ready" (the queue keeps the order), so /metrics carries the
+    # page gauges from the moment /health turns 200, even when the first step is a long prefill.
+    loop.publish_stats()
     outputs_q.put(("ready", info))
     try:
-        _EngineLoop(engine, info, requests_q, outputs_q).run()
+        loop.run()
     except Exception as exc:
         traceback.print_exc()
         outputs_q.put(("fatal", f"engine step failed: {type(exc).__name__}: {exc}"))
@@ -196,12 +200,15 @@ class _EngineLoop:
 
     def _add(self, request_id: str, payload: AddPayload) -> None:
         from fastdeploy.engine.request import SamplingParams
+        from fastdeploy.input.chat_template import with_turn_stops
 
         try:
             prompt = payload.prompt
-            if payload.messages is not None:
-                prompt = self.engine.tokenizer.apply_chat_template(payload.messages)
             params = SamplingParams(**payload.sampling)
+            if payload.messages is not None:  # rendered and tokenized as LLM.chat does
+                tokenizer = self.engine.tokenizer
+                prompt = tokenizer.encode_chat(payload.messages)
+                params = with_turn_stops(params, tokenizer.chat_template)
             self.engine.add_request(request_id, prompt, params)  # validates prompt, length and params
         except ValueError as exc:
             self.outputs_q.put(("rejected", request_id, str(exc), True))
@@ -251,10 +258,13 @@ class _EngineLoop:
         return entries
 
     def _publish_stats(self, min_interval: float) -> None:
-        now = time.monotonic()
-        if now - self.last_stats >= min_interval:
-            self.last_stats = now
-            self.outputs_q.put(("stats", self.engine.get_stats()))
+        if time.monotonic() - self.last_stats >= min_interval:
+            self.publish_stats()
+
+    def publish_stats(self) -> None:
+        """Ship a snapshot now; the server shows it until the next one (never nothing)."""
+        self.last_stats = time.monotonic()
+        self.outputs_q.put(("stats", self.engine.get_stats()))
 
 
 def token_text_and_bytes(tokenizer, token_id: int, name_specials: bool = False) -> tuple:
