@@ -21,3 +21,5 @@ def test_slots_admit_more_requests_than_1d_tables_at_equal_memory(tmp_path):
     assert result["peak_running_on"] > result["peak_running_off"] >= 1
     assert result["steps_on"] < result["steps_off"]
     assert result["ceiling"] > 1 and result["arms"]["on"]["recycled"] > 0
+    # One request alone: slots + recycling hold fewer pages at the prefill peak and fewer still decoding.
+    assert 0 < result["decode_peak_share"] < result["prefill_peak_share"] < 1

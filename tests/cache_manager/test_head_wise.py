@@ -133,6 +133,21 @@ def test_peak_bounds_any_real_chunking():
         assert seen <= peak
 
 
+def test_a_chunk_is_capped_at_the_window_only_where_recycling_heads_outnumber_the_keeping_ones():
+    # 3 of 4 heads recycle: a chunk holds window + chunk tokens in each of them, so it is capped at
+    # the window rounded up to whole blocks (6 -> 8 with 4-token blocks), and never below one block.
+    mostly = layout(swa_kv_heads=(0, 1, 2))
+    assert mostly.chunk_limit(2048) == 8 and mostly.chunk_limit(5) == 5
+    assert layout(swa_kv_heads=(0, 1, 2), window=1).chunk_limit(2048) == 4
+    # Half or fewer recycle, recycling off, or no tensor-parallel rank where they outnumber: the budget.
+    assert layout(swa_kv_heads=(0, 1)).chunk_limit(2048) == 2048
+    assert layout(swa_kv_heads=(0, 1, 2), recycle=False).chunk_limit(2048) == 2048
+    assert layout(tensor_parallel_size=2, swa_kv_heads=(0, 2)).chunk_limit(2048) == 2048
+    assert layout(tensor_parallel_size=2, swa_kv_heads=(0, 1)).chunk_limit(2048) == 8  # rank 0: both recycle
+    # The cap lowers a long prompt's peak to about twice the window per recycling head.
+    assert mostly.peak_pages_per_rank(64, 4, 8) < mostly.peak_pages_per_rank(64, 4, 64)
+
+
 def test_table_length_is_ceiling_division():
     assert [table_length(n, 4) for n in range(0, 10)] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
 

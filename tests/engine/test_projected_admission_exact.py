@@ -115,6 +115,8 @@ def test_the_fit_check_sees_the_peak_just_before_the_longest_curves_end_though_a
 # 4 * 4 * min(ceil(21/4), 3) = 48 units. Newcomers with prompts of 8 or 16 (10 outputs) claim 48
 # too; their whole first chunk needs, at n = 0, 4 heads x ceil(len/4) pages: 32 units for 8 tokens,
 # 64 for 16. A 1-token request (1 output) claims 4 * 4 * 1 = 16 and its chunk needs 16.
+# Recycling heads outnumber the keeping ones here, so one request's chunk is capped at the window
+# (PageLayout.chunk_limit): a 16-token prompt runs in chunks of 8.
 
 def run_two_newcomers(blocks, prompt_len):
     rm = manager(blocks, enable_prefix_caching=False)
@@ -125,23 +127,27 @@ def run_two_newcomers(blocks, prompt_len):
     return rm, step(rm)
 
 
-def test_a_first_chunk_that_needs_exactly_the_unclaimed_pages_is_admitted_and_uses_them_up():
-    # 7 blocks = 112 units; slack 112 - 48 = 64 = n's 16-token chunk: admitted (64 > 64 is false).
-    # Its chunk borrows 64 - 48 = 16 beyond its claim, leaving 112 - 48 - 48 - 16 = 0, so n2, whose
-    # curve would still fit (48 + 48 + 16 = 112), waits for the slack.
+def test_a_chunk_of_a_mostly_sliding_request_is_capped_at_the_window_so_it_fits_its_own_claim():
+    # 7 blocks = 112 units; slack 112 - 48 = 64. Uncapped, n's 16-token chunk would need all 64 and
+    # n2 would wait; capped at W = 8 it needs 32 <= its claim 48 and borrows nothing, leaving
+    # 112 - 48 - 48 = 16: exactly n2's claim and chunk (16 > 16 is false), so both are admitted.
     rm, batch = run_two_newcomers(7, 16)
-    assert batch == [("r1", 2, 1), ("n", 0, 16)]
+    assert rm.max_chunk == 8
+    assert batch == [("r1", 2, 1), ("n", 0, 8), ("n2", 0, 1)]
+    assert rm.projection.slack == [0]
+    assert not rm.waiting
+
+
+def test_a_newcomer_whose_whole_prompt_would_not_fit_the_slack_is_admitted_with_a_window_sized_chunk():
+    # 6 blocks = 96 units; slack 96 - 48 = 48: n's claim 48 fits and so does its capped first chunk
+    # (32), where the whole 16-token chunk (64 > 48) kept it waiting. n2 (claim 16) finds 0 left.
+    rm, batch = run_two_newcomers(6, 16)
+    assert batch == [("r1", 2, 1), ("n", 0, 8)]
     assert rm.projection.slack == [0]
     assert [r.request_id for r in rm.waiting] == ["n2"]
-
-
-def test_a_first_chunk_one_block_beyond_the_unclaimed_pages_waits_though_its_claim_fits():
-    # 6 blocks = 96 units; slack 96 - 48 = 48: n's claim 48 fits, and the curves (48 + 48 = 96) fit,
-    # but its first chunk needs 64 > 48: n waits, and n2 behind it too (FCFS).
-    rm, batch = run_two_newcomers(6, 16)
-    assert batch == [("r1", 2, 1)]
-    assert rm.projection.slack == [48]
-    assert [r.request_id for r in rm.waiting] == ["n", "n2"]
+    # Next step no block of n is dead yet ((8 - 8 + 1) // 4 = 0): 8 more tokens would need 4 x 4 pages =
+    # 64 units beyond its claim 48 with no slack, so the chunk shrinks to 4 tokens (4 x 3 pages = 48).
+    assert step(rm) == [("r1", 3, 1), ("n", 8, 4)]
 
 
 def test_a_chunk_within_its_own_claim_takes_no_slack_so_the_next_newcomer_fits_exactly():

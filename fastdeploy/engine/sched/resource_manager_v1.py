@@ -86,6 +86,7 @@ class ResourceManagerV1:
         self.block_size = fd_config.cache_config.block_size
         self.max_num_seqs = fd_config.scheduler_config.max_num_seqs
         self.max_num_batched_tokens = fd_config.scheduler_config.max_num_batched_tokens
+        self.max_chunk = self.layout.chunk_limit(self.max_num_batched_tokens)  # one request's tokens per step
         self.max_model_len = fd_config.model_config.max_model_len
         self.admission_policy = fd_config.admission_policy
         self.reserve_output_pages = self.admission_policy == "reserve"
@@ -94,7 +95,7 @@ class ResourceManagerV1:
         self._capacity = [self.pages_per_rank] * self.layout.tensor_parallel_size
         self.waiting: collections.deque = collections.deque()
         self.running: list = []
-        self.projection = (PageCurves(self.layout, self._capacity, self.max_num_batched_tokens, self.running)
+        self.projection = (PageCurves(self.layout, self._capacity, self.max_chunk, self.running)
                            if self.projected else None)
         self.requests: dict = {}
         self._reserved_per_rank = [0] * self.layout.tensor_parallel_size
@@ -171,7 +172,7 @@ class ResourceManagerV1:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget, self.max_chunk)
             if num_new > 1:  # a prefill or recompute chunk; one token always fits (add_request checked it)
                 num_new = self._fit_chunk(request, num_new, len(self.running) - i - 1)
             while not self._grow_tables(request, num_new):
@@ -308,7 +309,7 @@ class ResourceManagerV1:
             own = self.projection.admit(request, start)
             if own is None:
                 return None
-        num_new = min(request.num_tokens - start, budget)
+        num_new = min(request.num_tokens - start, budget, self.max_chunk)
         if num_new > 1:  # a chunk needs no more than the whole cache, whatever it recomputes
             num_new = max(1, self.layout.largest_chunk_within(start, num_new, self._capacity))
         self._reset_tables(request)
@@ -343,7 +344,7 @@ class ResourceManagerV1:
         key = (request.num_tokens, request.max_new_tokens)
         if request.peak_memo is None or request.peak_memo[0] != key:
             request.peak_memo = (key, self.layout.peak_pages_per_rank(request.num_tokens, request.max_new_tokens,
-                                                                     self.max_num_batched_tokens))
+                                                                     self.max_chunk))
         return request.peak_memo[1]
 
     def _reset_tables(self, request: Request) -> None:
