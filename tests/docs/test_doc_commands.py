@@ -55,7 +55,7 @@ def _blocks(text: str):
 def _split(line: str, variables: dict) -> list:
     """One shell line -> its simple commands' words (operators &&, ||, |, ;, & separate them)."""
     for name, value in variables.items():
-        line = re.sub(rf"\$\{{?{name}\}}?\b", value, line)
+        line = re.sub(rf"\$\{{?{name}\}}?\b", lambda _: value, line)
     lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
     lexer.whitespace_split = True
     lexer.commenters = "#"
@@ -127,7 +127,6 @@ COMMANDS = documented_commands()
 
 def _target(argv: list):
     """('module', name, args) / ('script', path, args) of a python command, else None."""
-    argv = argv
     if argv[0] not in ("python", "python3"):
         return None
     if argv[1] == "-m":
