@@ -138,7 +138,7 @@ def arms(kv_heads: int):
             yield f"{k} SWA {mode}", k, mode
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 65536])
     p.add_argument("--batch", type=int, default=4)
@@ -154,7 +154,11 @@ def main() -> None:
     p.add_argument("--prefill-lens", type=int, nargs="*", default=[2048],
                    help="also time one request prefilling this many tokens in one step")
     p.add_argument("--json", metavar="PATH")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     os.environ["FD_CPU_ATTN_NUM_THREADS"] = str(args.threads)
 
     log(f"[bench] compile flags: {' '.join(compile_flags())}")

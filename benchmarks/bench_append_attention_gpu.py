@@ -118,13 +118,17 @@ def gpu_name() -> str:
         return "unknown GPU"
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write results here")
     parser.add_argument("--iters", type=int, default=20, help="timed decode launches per arm")
     parser.add_argument("--prefill-iters", type=int, default=5, help="timed prefill launches")
     parser.add_argument("--windows", type=int, nargs="+", default=[4096, 1024])
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     report: dict = {"gpu": False}
 
     def finish(code: int = 0) -> int:

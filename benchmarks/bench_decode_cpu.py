@@ -78,7 +78,7 @@ def run(llm, n: int, input_len: int, output_len: int, seed: int) -> dict:
     return {"concurrency": n, "output_tokens": tokens, "seconds": elapsed, "tok_per_s": tokens / elapsed}
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--input-len", type=int, default=128)
@@ -88,7 +88,11 @@ def main() -> None:
     ap.add_argument("--model", help="a model name, directory or GGUF file instead of the random SmolLM2-shaped one")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the last run; print this many entries")
     ap.add_argument("--json", help="also write the results here")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
 
     from fastdeploy import LLM
 

@@ -353,29 +353,12 @@ def print_table(s: dict) -> None:
 
 
 def write_plot(path: str, off: ArmResult, on: ArmResult) -> None:
-    import matplotlib
+    from ab_plot import ArmSeries, plot_running_and_pages
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_run, ax_pages) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
-    for arm, color in ((off, "tab:blue"), (on, "tab:orange")):
-        label = f"recycle {arm.name.upper()}"
-        ax_run.plot(arm.timeline.times, arm.timeline.running, color=color, label=label)
-        ax_pages.plot(arm.timeline.times, arm.timeline.pages_in_use, color=color, label=label)
-    if off.timeline.pages_total:
-        ax_pages.axhline(off.timeline.pages_total, color="gray", linestyle="--", label="pages total")
-    ax_run.set_ylabel("running requests")
-    ax_pages.set_ylabel("KV pages in use")
-    ax_pages.set_xlabel("time since the benchmark started (s)")
-    ax_run.set_title("Head-wise SWA recycling: OFF vs ON at the same KV memory")
-    for ax in (ax_run, ax_pages):
-        ax.grid(alpha=0.3)
-        ax.legend(loc="best")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    arms = [ArmSeries(f"recycle {arm.name.upper()}", arm.timeline.times, arm.timeline.running,
+                      arm.timeline.pages_in_use) for arm in (off, on)]
+    plot_running_and_pages(path, "Head-wise SWA recycling: OFF vs ON at the same KV memory", arms,
+                           off.timeline.pages_total, "time since the benchmark started (s)")
 
 
 # ----------------------------------------------------------------------------- main

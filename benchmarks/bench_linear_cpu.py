@@ -64,14 +64,18 @@ def numpy_blas() -> str:
         return "unknown (threadpoolctl not installed)"
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 2048])
     ap.add_argument("--seconds", type=float, default=0.3, help="timing window per cell")
     ap.add_argument("--shapes", nargs="*", help="only these shape names")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     ap.add_argument("--json", help="also write the table here")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     keep_freed_host_memory()  # as a CPU worker runs (large outputs do not page-fault every call)
     global CLOCK
     CLOCK = time.perf_counter if args.clock == "wall" else time.process_time

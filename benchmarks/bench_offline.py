@@ -65,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--admission-policy", choices=["reserve", "on_demand", "projected"], default=None,
                    help="admission policy of both arms (default: FD_ADMISSION_POLICY, else the engine's default)")
     p.add_argument("--json", type=str, default=None, help="write the results (docs/benchmarks.md keys) here")
+    p.add_argument("--plot", type=str, default=None,
+                   help="write a PNG of running requests and pages in use per engine step, OFF vs ON, here")
     args = p.parse_args(argv)
     if args.head_wise_swa_config is not None:
         try:
@@ -194,6 +196,21 @@ def steps_gain_share(gain: float, steps_ratio: float):
     return (gain - 1) / (steps_ratio - 1) if steps_ratio > 1 else None
 
 
+def write_plot(args, off: dict, on: dict, cfg) -> None:
+    """Both arms step by step: what recycling does to the pool over a run (x = engine step, which, unlike
+    seconds, does not depend on how busy the machine was)."""
+    from ab_plot import ArmSeries, plot_running_and_pages
+
+    names = ("1-D", "slots + recycling") if args.sliding_layers else ("recycle OFF", "recycle ON")
+    arms = [ArmSeries(f"{name}: {r['steps']} steps", list(range(1, r["steps"] + 1)),
+                      [running for _, running, _ in r["timeline"]], [used for _, _, used in r["timeline"]])
+            for name, r in zip(names, (off, on))]
+    model = args.model or "the tiny preset"
+    title = (f"{model}: {args.num_prompts} requests of {args.input_len} + {args.output_len} tokens, "
+             f"{off['pages_total']} pages in both arms")
+    plot_running_and_pages(args.plot, title, arms, off["pages_total"], "engine step")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from fastdeploy.cache_manager.head_wise import predicted_concurrency
@@ -268,6 +285,8 @@ def main(argv=None) -> int:
               f"({on['median_full_step_s'] * 1e3:.1f} vs {off['median_full_step_s'] * 1e3:.1f} ms): what one full step "
               f"costs more with {on['peak_running']} rows than with {off['peak_running']}")
 
+    if args.plot:
+        write_plot(args, off, on, cfg)
     if args.json:
         result = {"throughput_off": off["throughput"], "throughput_on": on["throughput"], "gain": gain,
                   "ceiling": ceiling, "target": target, "peak_running_off": off["peak_running"],

@@ -107,7 +107,7 @@ def multi_turn(args) -> list:
     return [turn(k) for k in range(args.turns)]
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prefixes", type=int, default=16)
     p.add_argument("--prefix-len", type=int, default=1024)
@@ -123,7 +123,11 @@ def main() -> int:
     p.add_argument("--tight-blocks", type=int, default=1280, help="KV blocks of the tight shared-prefix run")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--json", type=str, default=None)
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
 
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     rows = []

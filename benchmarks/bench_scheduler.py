@@ -124,7 +124,7 @@ def fake_step(rm: ResourceManagerV1) -> float:
     return elapsed
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--running", type=int, default=256)
     p.add_argument("--context", type=int, default=16384)
@@ -142,7 +142,11 @@ def main() -> int:
     p.add_argument("--smollm2-one-lane", action="store_true",
                    help="add a row of the same ranking less one sliding head (1 lane, 90 slots, 29 sliding)")
     p.add_argument("--json", type=str, default=None)
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
 
     rows = []
     with tempfile.TemporaryDirectory() as root:

@@ -65,7 +65,7 @@ def run_arm(args, flags: dict) -> dict:
             "chunk_limit": rm.max_chunk, "alone": pages_held_alone(cfg, args)}
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gemma-3-270m")
     p.add_argument("--num-gpu-blocks", type=int, default=1536)
@@ -75,7 +75,11 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--json", default=None)
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     res = {arm: run_arm(args, flags) for arm, flags in ARMS.items()}
     off, on = res["off"], res["on"]
     out = {"peak_running_off": off["peak_running"], "peak_running_on": on["peak_running"],

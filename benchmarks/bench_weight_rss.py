@@ -97,12 +97,16 @@ def measure(model: str, empty: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint directory (default: a synthetic bf16 MoE one)")
     p.add_argument("--json", default=None)
     p.add_argument("--child", choices=["load", "empty"], default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if args.child:
         child(args.model, args.child == "empty")
         return

@@ -274,6 +274,8 @@ def parse_args(argv=None):
     g.add_argument("--configs", help="JSON list of {name, head_wise_swa}")
     g.add_argument("--standard", metavar="FINDER_JSON", help="the standard table from a find_swa_heads output")
     g.add_argument("--table", nargs="+", metavar="RESULTS_JSON", help="only print the table of result files")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="write KL past the window against the page-need ceiling (at the longest length) here")
     p.add_argument("--only", default=None, help="comma-separated config names to run (default: all)")
     p.add_argument("--json", default=None, help="results file (rewritten after each config; reruns resume)")
     p.add_argument("--text-segments", type=int, default=2)
@@ -294,7 +296,11 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.table:
-        print_table(merged(args.table), [int(x) for x in args.lengths.split(",") if x])
+        lengths = [int(x) for x in args.lengths.split(",") if x]
+        rows = merged(args.table)
+        print_table(rows, lengths)
+        if args.plot:
+            plot_tradeoff(rows, lengths[-1], args.plot)
         return 0
     from fastdeploy.config import ModelConfig
 
@@ -386,6 +392,8 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
     print_table(results["configs"], lengths)
+    if args.plot:
+        plot_tradeoff(results["configs"], lengths[-1], args.plot)
     return 0
 
 
@@ -394,7 +402,8 @@ def merged(files: list) -> dict:
     rows: dict = {}
     for path in files:
         doc = json.load(open(path))
-        for name, row in doc["configs"].items():
+        # A result file of this script keeps its rows under "configs"; a merged file (docs/) is the rows.
+        for name, row in doc.get("configs", doc).items():
             into = rows.setdefault(name, {})
             for k, v in row.items():
                 if k == "retrieval" and v:
@@ -431,6 +440,49 @@ def print_table(rows: dict, lengths: list) -> None:
             f, t = got.get((x["variant"], x["length"]), (0, 0))
             got[(x["variant"], x["length"])] = (f + x["found"], t + x["total"])
         print(f"| {name} | " + " | ".join(f"{got[c][0]}/{got[c][1]}" if c in got else "-" for c in cells) + " |")
+
+
+def family(name: str) -> str:
+    """How a configuration chose its sliding heads, from its name in the standard set."""
+    for prefix, label in (("shipped", "shipped (calibrated file)"), ("global", "head finder, whole-model ranking"),
+                          ("finder", "head finder, per layer"), ("random", "random per layer"),
+                          ("head", "same head in every layer")):
+        if name.startswith(prefix):
+            return label
+    return "full attention"
+
+
+def plot_tradeoff(rows: dict, length: int, path: str) -> None:
+    """Accuracy against memory: each configuration's KL past the window (y) at its page-need ceiling (x: how
+    many more requests fit in the same pages at `length` tokens), one marker per way of choosing heads."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = {"full attention": ("black", "s"), "same head in every layer": ("tab:gray", "o"),
+              "random per layer": ("tab:brown", "x"), "head finder, per layer": ("tab:blue", "^"),
+              "head finder, whole-model ranking": ("tab:orange", "v"), "shipped (calibrated file)": ("tab:red", "*")}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    plotted = set()
+    for name, r in rows.items():
+        text, ceiling = r.get("text"), r.get("page_need_ceiling", {}).get(str(length))
+        if not text or ceiling is None:
+            continue
+        fam = family(name)
+        color, marker = styles[fam]
+        ax.scatter(ceiling, text["kl_mean_past_window"], color=color, marker=marker,
+                   s=140 if marker == "*" else 40, label=None if fam in plotted else fam, zorder=3)
+        plotted.add(fam)
+    ax.set_xlabel(f"page-need ceiling at {length} tokens (requests that fit ON / OFF)")
+    ax.set_ylabel("KL(full || config) past the window")
+    ax.set_title("Which heads slide: accuracy (lower is better) against memory (right is better)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

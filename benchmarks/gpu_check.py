@@ -519,7 +519,7 @@ def environment() -> dict:
     return env
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=Path("gpu_check.json"), help="where the one JSON goes")
     parser.add_argument("--skip", default="", help=f"comma-separated parts to skip: {', '.join(PARTS)}")
@@ -533,6 +533,12 @@ def main(argv=None) -> int:
     unknown = skip - set(PARTS)
     if unknown:
         parser.error(f"unknown part(s): {', '.join(sorted(unknown))}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    skip = {p for p in args.skip.split(",") if p}
     started = time.perf_counter()
     report = {"schema_version": SCHEMA_VERSION, "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "environment": environment()}

@@ -87,7 +87,7 @@ def prepare(name: str) -> Path:
     return work
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("module", nargs="?", choices=sorted(MODULES))
     parser.add_argument("--show", action="store_true", help="print the surviving mutants' diffs")
@@ -95,7 +95,11 @@ def main() -> int:
     parser.add_argument("--list", action="store_true", help="list the modules and their tests")
     parser.add_argument("--only", action="append", metavar="FUNCTION",
                         help="mutate only this function or method (repeatable; a quick re-check after a fix)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.list or args.module is None:
         for name, (source, tests) in MODULES.items():
             print(f"{name:22s} {source}\n{'':22s} tests: {' '.join(tests)}")

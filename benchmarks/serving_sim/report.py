@@ -175,24 +175,8 @@ def arm_summary(label: str, m: dict) -> str:
 
 def plot_arms(path: str, title: str, off, on) -> None:
     """PNG of running requests and KV pages in use over virtual time, recycle OFF vs ON."""
-    import matplotlib
+    from ab_plot import ArmSeries, plot_running_and_pages
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_run, ax_pages) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for label, arm, color in (("recycle OFF", off, "tab:gray"), ("recycle ON", on, "tab:blue")):
-        s = arm.result.series
-        ax_run.step(s["t"], s["running"], where="post", color=color, label=label)
-        ax_pages.step(s["t"], s["pages_used"], where="post", color=color, label=label)
-    total = off.result.pages_total
-    ax_pages.axhline(total, color="black", linestyle=":", linewidth=1, label="pages total")
-    ax_run.set_ylabel("running requests")
-    ax_pages.set_ylabel("KV pages in use")
-    ax_pages.set_xlabel("virtual time (s)")
-    ax_run.legend(loc="upper right")
-    ax_pages.legend(loc="lower right")
-    ax_run.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    arms = [ArmSeries(label, arm.result.series["t"], arm.result.series["running"], arm.result.series["pages_used"])
+            for label, arm in (("recycle OFF", off), ("recycle ON", on))]
+    plot_running_and_pages(path, title, arms, off.result.pages_total, "virtual time (s)")

@@ -60,9 +60,11 @@ def test_bench_offline_swa_config_json_replaces_the_window_flags(tmp_path):
 
 
 def test_bench_offline_on_a_model_with_sliding_layers_runs_1d_against_slots(tmp_path):
-    out = tmp_path / "sliding.json"
+    out, plot = tmp_path / "sliding.json", tmp_path / "sliding.png"
     run("bench_offline.py", "--model", "tiny-sliding-layers", "--num-prompts", "6", "--input-len", "96",
-        "--output-len", "24", "--concurrency-off", "2", "--max-num-batched-tokens", "32", "--json", str(out))
+        "--output-len", "24", "--concurrency-off", "2", "--max-num-batched-tokens", "32", "--json", str(out),
+        "--plot", str(plot))
+    assert plot.read_bytes().startswith(b"\x89PNG")
     result = json.loads(out.read_text())
     # No head-wise section is added: the model's own layers slide (5 of 6, W 48, 2 KV heads -> one lane of
     # 12 slots, 10 sliding), OFF is the 1-D cache.
@@ -74,6 +76,23 @@ def test_bench_offline_on_a_model_with_sliding_layers_runs_1d_against_slots(tmp_
     assert (result["peak_pages_per_decoding_request_off"], result["peak_pages_per_decoding_request_on"]) == (96, 56)
     assert result["peak_running_on"] > result["peak_running_off"] == 2
     assert result["steps_on"] < result["steps_off"]
+
+
+def test_bench_request_pages_counts_one_request_with_the_flag_off_and_on(tmp_path):
+    out, plot = tmp_path / "pages.json", tmp_path / "pages.png"
+    run("bench_request_pages.py", "--models", "tiny-sliding-layers", "--prompt-len", "96", "--output-len", "24",
+        "--block-size", "16", "--max-num-batched-tokens", "32", "--json", str(out), "--plot", str(plot))
+    off, on = json.loads(out.read_text())["models"]["tiny-sliding-layers"].values()
+    # Prefill in chunks of 32, then one token a step; the last step computes position 118.
+    assert off["tokens"][:4] == on["tokens"][:4] == [0, 32, 64, 96] and off["tokens"][-1] == 119
+    # By hand (12 slots, 10 sliding with W 48): 1-D keeps ceil(119 / 16) = 8 blocks of every slot; the flag
+    # keeps 8 blocks of the 2 full slots and the 4 blocks of each sliding slot its window reaches (as
+    # bench_offline's count of the same layout).
+    assert (off["end"], on["end"]) == (96, 56)
+    # The last prefill chunk (tokens 64..95): 1-D holds 6 blocks of every slot; the sliding slots have
+    # recycled block 0 (keys 0..15 are out of every query's window from position 64 on).
+    assert (off["prefill_peak"], on["prefill_peak"]) == (72, 2 * 6 + 10 * 5)
+    assert plot.read_bytes().startswith(b"\x89PNG")
 
 
 def test_bench_offline_rejects_a_bad_swa_config_without_a_traceback():

@@ -280,7 +280,7 @@ def _three_free_ports() -> int:
 
 def test_ranks_started_by_paddle_distributed_launch_serve_an_engine_that_waits_for_them(monkeypatch, tmp_path,
                                                                                         reference):
-    """The multi-machine recipe of the README on one machine: the engine binds fixed ports and waits
+    """The multi-machine recipe of docs/tensor_parallel.md on one machine: the engine binds fixed ports and waits
     (FD_TP_LAUNCH_WORKERS=0); paddle.distributed.launch starts the ranks; closing the engine ends them."""
     import subprocess
     import sys
