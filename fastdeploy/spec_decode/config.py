@@ -25,7 +25,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4     # K: most draft tokens verified in one step
     max_ngram_size: int = 4             # the longest suffix n-gram looked up first ...
     min_ngram_size: int = 2             # ... down to this one
-    disable_by_batch_size: Optional[int] = 8  # no drafts in a step with more running requests; None: never off
+    disable_by_batch_size: Optional[int] = 4  # no drafts in a step with more running requests; None: never off
 
     @classmethod
     def parse(cls, value: Any) -> Optional["SpeculativeConfig"]:
