@@ -64,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--admission-policy", choices=["reserve", "on_demand", "projected"], default=None,
                    help="admission policy of both arms (default: FD_ADMISSION_POLICY, else the engine's default)")
+    p.add_argument("--speculative-config", type=str, default=None,
+                   help="both arms speculate with this --speculative-config (JSON): the recycling A/B with drafts")
     p.add_argument("--json", type=str, default=None, help="write the results (docs/benchmarks.md keys) here")
     p.add_argument("--plot", type=str, default=None,
                    help="write a PNG of running requests and pages in use per engine step, OFF vs ON, here")
@@ -118,7 +120,7 @@ def engine_args(args) -> dict:
                 cache_dtype=args.cache_dtype, device=args.device, admission_policy=args.admission_policy,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.input_len + args.output_len + args.block_size,
-                head_wise_swa_config=swa_config(args))
+                head_wise_swa_config=swa_config(args), speculative_config=args.speculative_config)
 
 
 def run_arm(name: str, recycle: bool, args, prompts) -> dict:
@@ -171,6 +173,7 @@ def run_arm(name: str, recycle: bool, args, prompts) -> dict:
             "peak_running": peak_running, "peak_pages": peak_pages, "pages_total": total, "steps": steps,
             "peak_pages_per_request": peak_per_request, "peak_pages_per_decoding_request": peak_per_decoding,
             "swa_pages_recycled": stats["swa_pages_recycled_total"], "preemptions": stats["num_preemptions_total"],
+            "spec_decode": {k: v for k, v in stats.items() if k.startswith("spec_decode_")},
             "tokens": [tokens[f"{name}-{i}"] for i in range(len(prompts))], "timeline": timeline}
 
 
@@ -267,7 +270,14 @@ def main(argv=None) -> int:
     print(f"\ngain ON/OFF = {gain:.3f}   ceiling = {ceiling:.3f}   target (1 + 0.9 x (ceiling - 1)) = {target:.3f}"
           f"   -> {'met' if gain >= target else 'NOT met'}")
     print(f"peak running ratio = {on['peak_running'] / off['peak_running']:.3f} (predicted "
-          f"{pred['running_on']}/{pred['running_off']}); identical tokens in both arms: {identical}")
+          f"{pred['running_on']}/{pred['running_off']}); identical tokens in both arms: {identical}; "
+          f"SWA pages recycled OFF {off['swa_pages_recycled']}, ON {on['swa_pages_recycled']}")
+    if on["spec_decode"]:
+        print("speculation: " + "; ".join(
+            f"{name} accepted {r['spec_decode']['spec_decode_num_accepted_tokens_total']}/"
+            f"{r['spec_decode']['spec_decode_num_draft_tokens_total']} drafts, "
+            f"{r['spec_decode']['spec_decode_mean_accepted_length']:.2f} tokens per verification step"
+            for name, r in (("OFF", off), ("ON", on))))
     # gain = (steps OFF / steps ON) x (mean step time OFF / mean step time ON): the first factor is
     # what recycling buys, the second is what a bigger batch costs per step on this machine.
     steps_ratio = off["steps"] / on["steps"]
@@ -308,6 +318,9 @@ def main(argv=None) -> int:
                   "median_full_step_s_off": off["median_full_step_s"], "median_full_step_s_on": on["median_full_step_s"],
                   "median_full_step_ratio": full_step_ratio,
                   "gain_share_of_steps_gain": share,
+                  "swa_pages_recycled_off": off["swa_pages_recycled"],
+                  "swa_pages_recycled_on": on["swa_pages_recycled"],
+                  "spec_decode_off": off["spec_decode"], "spec_decode_on": on["spec_decode"],
                   "identical_tokens": identical, "args": vars(args)}
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

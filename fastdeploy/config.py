@@ -552,6 +552,7 @@ class FDConfig:
     attention_backend: str = "APPEND_ATTN"
     device: str = "cpu"  # resolved by --device (worker/device.py): "gpu" or "cpu"
     head_wise_attn: str = "SINGLE_PASS"  # FD_HEAD_WISE_ATTN: SINGLE_PASS or DUAL_PASS (upstream's baseline)
+    speculative_config: Any = None  # spec_decode.config.SpeculativeConfig, or None: no speculation
 
     def __post_init__(self) -> None:
         self._validate()

@@ -45,16 +45,25 @@ class ActivityLog:
             s = stats()
             self._burst_peak_running = max(self._burst_peak_running, s["num_requests_running"])
             self.logger.info(
-                "running=%d waiting=%d free_pages=%d/%d per_head=%s swa_recycled=%d preemptions=%d gen_tok/s=%.1f",
+                "running=%d waiting=%d free_pages=%d/%d per_head=%s swa_recycled=%d preemptions=%d gen_tok/s=%.1f%s",
                 s["num_requests_running"], s["num_requests_waiting"], s["kv_pages_free"], s["kv_pages_total"],
                 s["kv_pages_free_per_head"], s["swa_pages_recycled_total"], s["num_preemptions_total"],
-                self._interval_tokens / (now - self._interval_start))
+                self._interval_tokens / (now - self._interval_start), _spec_decode_summary(s))
             self._interval_start, self._interval_tokens = now, 0
         if not busy:
             s = s or stats()
             elapsed = max(now - self._burst_start, 1e-9)
             self.logger.info("burst ended: %d tokens generated in %.1f s (%.1f tok/s) over %d steps; "
-                             "free_pages=%d/%d preemptions=%d", self._burst_tokens, elapsed,
+                             "free_pages=%d/%d preemptions=%d%s", self._burst_tokens, elapsed,
                              self._burst_tokens / elapsed, self._burst_steps, s["kv_pages_free"],
-                             s["kv_pages_total"], s["num_preemptions_total"])
+                             s["kv_pages_total"], s["num_preemptions_total"], _spec_decode_summary(s))
             self._burst_start = None
+
+
+def _spec_decode_summary(s: dict) -> str:
+    """Speculation's share of the line (engine totals so far), empty when it is off."""
+    if "spec_decode_num_draft_tokens_total" not in s:
+        return ""
+    return (f" spec_accepted={s['spec_decode_num_accepted_tokens_total']}/{s['spec_decode_num_draft_tokens_total']}"
+            f" ({s['spec_decode_draft_acceptance_rate']:.0%}) tokens/verify_step="
+            f"{s['spec_decode_mean_accepted_length']:.2f}")

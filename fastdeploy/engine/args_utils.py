@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 from fastdeploy import envs
 from fastdeploy.config import (ADMISSION_POLICIES, COMPUTE_DTYPES, DEFAULT_ADMISSION_POLICY, CacheConfig, FDConfig,
                                ModelConfig, ParallelConfig, SchedulerConfig)
+from fastdeploy.spec_decode.config import SpeculativeConfig
 from fastdeploy.worker.device import DEVICE_CHOICES, default_cache_dtype, resolve_device
 
 
@@ -31,6 +32,7 @@ class EngineArgs:
     dtype: str = "auto"
     admission_policy: Optional[str] = None  # None: FD_ADMISSION_POLICY, else FD_RESERVE_OUTPUT_PAGES, else default
     device: Optional[str] = None  # None: FD_DEVICE (default auto)
+    speculative_config: Union[None, str, dict] = None  # spec_decode/config.py; None: no speculation
 
     def create_engine_config(self) -> FDConfig:
         """Validate every flag (env flags included) and build the config; raises ValueError naming the field."""
@@ -55,6 +57,7 @@ class EngineArgs:
                                            balance_swa_heads=self.balance_swa_heads),
             admission_policy=self.admission_policy,
             device=device,
+            speculative_config=SpeculativeConfig.parse(self.speculative_config),
         )
 
     @staticmethod
@@ -104,6 +107,12 @@ class EngineArgs:
                        help="when a waiting request may start: reserve (its lifetime peak pages), on_demand "
                             "(upstream: first chunk, preempt when short) or projected (page curves of the "
                             f"running requests); default: FD_ADMISSION_POLICY, else {DEFAULT_ADMISSION_POLICY}")
+        g.add_argument("--speculative-config", type=str, default=None,
+                       help='JSON {"method": "ngram", "num_speculative_tokens": K, "max_ngram_size": N, '
+                            '"min_ngram_size": M, "disable_by_batch_size": B}: draft up to K tokens a step by '
+                            "looking the last N..M tokens up in the request's own prompt and output, verified in "
+                            "one step; off in steps with more than B running requests (vLLM's prompt_lookup_max/"
+                            "min are accepted for N/M). Greedy and seeded outputs are unchanged")
         return parser
 
     @classmethod

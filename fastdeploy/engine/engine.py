@@ -150,16 +150,21 @@ class LLMEngine:
         tokens, logprobs, failures = self.runner.execute(batch)
         self.engine_steps_total += 1
         outputs = [self._fail(batch.requests[i].request, error) for i, error in failures.items()]
+        before = {s.request.request_id: len(s.request.output_token_ids) for s in batch.requests}
         progressed = self.scheduler.update_from_output(batch, tokens, logprobs)
+        new_tokens = 0
         for request in progressed:
-            text = self.tokenizer.decode_incremental(request.output_token_ids, request.detokenize_state)
+            num_new = len(request.output_token_ids) - before[request.request_id]
             if request.sampling_params.stop:
-                text = self._apply_stop_strings(request, text)
+                text = self._stop_strings_token_by_token(request, num_new)
+            else:
+                text = self.tokenizer.decode_incremental(request.output_token_ids, request.detokenize_state)
             if request.is_finished:
                 self.runner.release(request.request_id)
             outputs.append(self._output(request, text))
-        self.generation_tokens_total += len(progressed)
-        self._activity.step_finished(len(progressed), self.get_stats, busy=self.has_unfinished_requests())
+            new_tokens += len(request.output_token_ids) - before[request.request_id]
+        self.generation_tokens_total += new_tokens
+        self._activity.step_finished(new_tokens, self.get_stats, busy=self.has_unfinished_requests())
         return outputs
 
     def _fail(self, request: Request, error: str) -> RequestOutput:
@@ -170,10 +175,28 @@ class LLMEngine:
         text = self.tokenizer.decode_incremental(request.output_token_ids, request.detokenize_state)
         return self._output(request, text)
 
-    def _apply_stop_strings(self, request: Request, text: str) -> str:
-        """Finish the request at its first stop string (cut from the text); else the text a client may
-        see now. Like vLLM, a stop string counts once it ends in the min_tokens-th token or later,
-        and it wins over a length finish in the same step."""
+    def _stop_strings_token_by_token(self, request: Request, num_new: int) -> str:
+        """The new tokens of a step, checked for stop strings one at a time as plain decoding would: a
+        stop string that ends inside the run of accepted drafts ends the output at that token."""
+        outputs, logprobs = request.output_token_ids, request.output_logprobs
+        held = outputs[len(outputs) - num_new:]
+        held_logprobs = logprobs[len(logprobs) - num_new:] if len(logprobs) >= num_new else []
+        del outputs[len(outputs) - num_new:]
+        del logprobs[len(logprobs) - len(held_logprobs):]
+        text = ""
+        for k, token in enumerate(held):
+            outputs.append(token)
+            logprobs.extend(held_logprobs[k:k + 1])
+            text, stopped = self._apply_stop_strings(
+                request, self.tokenizer.decode_incremental(outputs, request.detokenize_state))
+            if stopped:
+                break
+        return text
+
+    def _apply_stop_strings(self, request: Request, text: str) -> tuple:
+        """(text, stopped): finish the request at its first stop string (cut from the text); else the
+        text a client may see now. Like vLLM, a stop string counts once it ends in the min_tokens-th
+        token or later, and it wins over a length finish in the same step."""
         params = request.sampling_params
         if len(request.output_token_ids) >= params.min_tokens:
             cut = find_stop(text, params.stop, request.stop_checked)
@@ -182,12 +205,12 @@ class LLMEngine:
                     request.finish_reason = "stop"
                 else:
                     self.scheduler.finish_request(request, "stop")
-                return text[:cut]
+                return text[:cut], True
         # A half decoded character (U+FFFD at the end) is checked again once whole, and held back with
         # the tail that may grow into a stop string: it may complete one ("caf" + half of "é", stop "fé").
         complete = text.rstrip("\ufffd")
         request.stop_checked = len(complete)
-        return text if request.is_finished else releasable(complete, params.stop)
+        return (text if request.is_finished else releasable(complete, params.stop)), False
 
     def _output(self, request: Request, text: str) -> RequestOutput:
         return RequestOutput(

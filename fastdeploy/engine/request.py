@@ -157,6 +157,7 @@ class Request:
         self.projection_memo: Optional[tuple] = None  # (last position, recycling-head page bound x bs)
         self.computed_high_water = 0  # most tokens ever computed; a preemption makes it recompute them
         self.generator = None  # numpy Generator for sampling, set by the engine (seeded or not)
+        self.draft_state = None  # the draft proposer's index of this request's tokens (spec_decode/)
         self.detokenize_state = [0, ""]  # incremental detokenization: [tokens decoded, their text]
         self.stop_checked = 0  # characters of the output text searched for stop strings so far
         self.num_preemptions = 0

@@ -12,6 +12,7 @@ import numpy as np
 
 from fastdeploy.engine.sched.resource_manager_v1 import ScheduledBatch
 from fastdeploy.model_executor.layers.sampler import has_penalties, is_greedy, sample_one
+from fastdeploy.spec_decode.verify import AcceptedHistory, accept_drafts
 from fastdeploy.worker.step_input import StepInput
 
 
@@ -72,12 +73,15 @@ class StepRunner:
         np.cumsum(lengths, out=cu[1:])
         ids = np.empty(int(cu[-1]), np.int64)
         for i, s in enumerate(scheduled):
-            ids[cu[i]:cu[i + 1]] = s.request.token_ids(s.start, s.start + s.num_tokens)
+            ids[cu[i]:cu[i + 1]] = s.token_ids()
         encoder = np.array([n if (n > 1 or st < s.request.num_prompt_tokens) else 0
                             for s, st, n in zip(scheduled, starts, lengths)], np.int32)
-        sampling = [s for s in scheduled if s.samples]
-        sample_rows = np.array([cu[i + 1] - 1 for i, s in enumerate(scheduled) if s.samples], np.int64)
-        greedy = np.array([_argmax_is_enough(s.request) for s in sampling], bool)
+        # A sampling request's last row; with drafts, every row of its piece (spec_decode/verify.py).
+        rows = [range(cu[i + 1] - 1 - len(s.draft_token_ids), cu[i + 1]) for i, s in enumerate(scheduled)
+                if s.samples]
+        sample_rows = np.fromiter((r for span in rows for r in span), np.int64)
+        greedy = np.repeat([_argmax_is_enough(s.request) for s in scheduled if s.samples],
+                           [len(span) for span in rows]).astype(bool)
 
         tables_1d = tables_hw = None
         if self.head_wise:
@@ -100,22 +104,34 @@ class StepRunner:
 
     def execute(self, batch: ScheduledBatch) -> tuple:
         """Run one step; returns (token per scheduled request or None, logprobs per request or None,
-        {index: error message} of requests whose sampling failed: they get no token)."""
+        {index: error message} of requests whose sampling failed: they get no token). A request
+        with drafts gets lists: its accepted drafts and the next token, with their logprobs."""
         step = self.build_step_input(batch)
         out = self.ranks.execute_model(step)
         tokens, logprobs = [None] * len(batch.requests), [None] * len(batch.requests)
         failures: dict = {}
-        sampling = [i for i, s in enumerate(batch.requests) if s.samples]
-        other = 0
-        for row, i in enumerate(sampling):
-            if step.greedy[row]:
-                tokens[i] = int(out.greedy_tokens[row])  # the common case, reduced on the worker
+        row = other = 0  # the request's first sampled row; its first row among the logits
+        for i, scheduled in enumerate(batch.requests):
+            if not scheduled.samples:
                 continue
+            request, drafts = scheduled.request, scheduled.draft_token_ids
+            num_rows = len(drafts) + 1
+            if step.greedy[row]:  # the common case, reduced on the worker
+                greedy = out.greedy_tokens[row:row + num_rows]
+                sample_row = lambda j, accepted: (int(greedy[j]), None)  # noqa: E731
+            else:
+                logits = out.logits[other:other + num_rows]
+                sample_row = lambda j, accepted: sample_one(  # noqa: E731
+                    logits[j], AcceptedHistory(request, accepted), self.eos_token_id)
+                other += num_rows
+            row += num_rows
             try:
-                tokens[i], logprobs[i] = sample_one(out.logits[other], batch.requests[i].request, self.eos_token_id)
+                if drafts:
+                    tokens[i], logprobs[i] = accept_drafts(drafts, sample_row)
+                else:
+                    tokens[i], logprobs[i] = sample_row(0, [])
             except Exception as exc:  # one request's parameters must not stop the batch
                 failures[i] = f"{type(exc).__name__}: {exc}"
-            other += 1
         return tokens, logprobs, failures
 
 

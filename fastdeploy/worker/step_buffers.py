@@ -47,8 +47,11 @@ class StepBufferLayout:
 
     def sizes(self) -> dict:
         s = self.max_num_seqs
+        # Sampled rows: one per request, or every row of a speculating request's piece: at most one
+        # per token of the step.
         return {"seq_lens_encoder": s, "seq_lens_decoder": s, "seq_lens_this_time": s, "cu_seqlens_q": s + 1,
-                "sample_rows": s, "input_ids": self.max_num_tokens, "block_tables": int(np.prod(self.table_shape))}
+                "sample_rows": self.max_num_tokens, "input_ids": self.max_num_tokens,
+                "block_tables": int(np.prod(self.table_shape))}
 
     def offsets(self) -> dict:
         out, at = {}, 0

@@ -24,7 +24,8 @@ class StepInput:
     cu_seqlens_q: np.ndarray        # int32 [bsz + 1]
     block_tables: Optional[np.ndarray]            # int32 [bsz, max_blocks] (1-D mode)
     block_tables_head_wise: Optional[np.ndarray]  # int32 [bsz, KV heads, max_blocks] (head-wise mode)
-    sample_rows: np.ndarray         # int64 [num_sampled]: last row of each request that samples
+    sample_rows: np.ndarray         # int64 [num_sampled]: last row of each request that samples (every
+                                    # row of its piece for a request verifying drafts)
     greedy: np.ndarray              # bool [num_sampled]: plain argmax is this request's whole sampler
     slot_ids: list                  # persistent slot per request (the dense reference backend's storage)
 

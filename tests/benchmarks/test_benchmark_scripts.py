@@ -173,3 +173,16 @@ def test_bench_decode_cpu_reports_tokens_per_second(tmp_path):
     result = json.loads(out.read_text())
     assert [r["concurrency"] for r in result] == [1, 2]
     assert [r["output_tokens"] for r in result] == [4, 8] and all(r["tok_per_s"] > 0 for r in result)
+
+
+def test_bench_speculative_runs_both_arms_interleaved_with_identical_tokens(tmp_path):
+    out = tmp_path / "spec.json"
+    stdout = run("bench_speculative.py", "--model", "tiny-moe", "--rounds", "2", "--max-tokens", "8",
+                 "--batch-sizes", "3", "--kv-cache-memory", str(64 << 20), "--json", str(out))
+    result = json.loads(out.read_text())
+    assert result["identical_tokens"] is True and "identical tokens with and without speculation: True" in stdout
+    for group in ("copy", "chat"):
+        row = result["single_stream"][group]
+        assert row["tok_s_off"] > 0 and row["tok_s_on"] > 0 and len(row["ratios"]) == 2
+        assert 0 <= row["acceptance_rate"] <= 1
+    assert set(result["batched"]) == {"N=3"}

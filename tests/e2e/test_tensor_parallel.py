@@ -16,6 +16,7 @@ from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.engine.request import SamplingParams
 from fastdeploy.engine.worker_group import WorkerFailure
+from scripted_proposer import ScriptedProposer, boundary_hugging, oracle_truth
 
 PROMPT_LENGTHS = [1, 7, 16, 130, 300, 520]  # up to ~4x the tiny preset's window of 128
 MAX_TOKENS = 16
@@ -134,6 +135,23 @@ def test_two_worker_ranks_match_one_rank_in_every_memory_mode(reference, mode):
     finally:
         engine.close()
     assert all(worker_gone(p) for p in pids) and our_workers() == []
+
+
+def test_two_ranks_verify_drafts_like_one_rank(reference):
+    """Speculation under TP=2: each rank writes its heads' K/V for the drafts, and both ranks free
+    the pages of rejected ones (per-rank integrity after every step); the outputs stay TP=1's."""
+    engine = make_engine(tensor_parallel_size=2, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None})
+    oracle = {tuple(p): tokens for p, (tokens, _) in zip(prompts(), reference)}
+    engine.scheduler.proposer = ScriptedProposer(oracle_truth(oracle), boundary_hugging(16),
+                                                 wrong=lambda t: (t + 1) % 256)
+    try:
+        assert_same_within_tolerance(reference, run(engine, prompts()))
+        stats = engine.get_stats()
+        assert 0 < stats["spec_decode_num_accepted_tokens_total"] < stats["spec_decode_num_draft_tokens_total"]
+        assert stats["kv_pages_free_per_rank"] == [512, 512]
+    finally:
+        engine.close()
 
 
 def test_two_ranks_match_one_on_a_saved_checkpoint_with_tied_embeddings(tmp_path):

@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 
 from fastdeploy.engine.request import Request, SamplingParams
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
+from fastdeploy.spec_decode.verify import accept_drafts
+from scripted_proposer import ScriptedProposer, boundary_hugging
 
 EOS, FILLER = 2, 9
 HEADS = 4
@@ -86,7 +88,7 @@ class ShadowMemory:
         tokens_of = {}
         for s in scheduled:
             r = s.request
-            tokens = tokens_of[r.request_id] = r.token_ids(0, s.start + s.num_tokens)
+            tokens = tokens_of[r.request_id] = r.token_ids(0, s.start) + s.token_ids()  # drafts included
             for h in range(self.rows):
                 for pos in range(s.start, s.start + s.num_tokens):
                     addr = self.page(r, h, pos // self.bs)
@@ -104,18 +106,28 @@ class ShadowMemory:
                         f"{r.request_id} head {h}: key {j} at {addr} holds another request's KV"
 
 
-def run_workload(make_config, mode, reserve, geometry, jobs, blocks, seen, **model_args):
+def run_workload(make_config, mode, reserve, geometry, jobs, blocks, seen, speculate=False, **model_args):
+    """`speculate`: every decoding request gets up to 3 drafts, right up to the next page boundary or
+    window kill point and wrong after it (tests/scripted_proposer.py); the test plays the model."""
     bs, window, sink, swa, tp = geometry
     if mode == "1d":
         tp = 1
     swa_config = {"sliding_window": window, "sink_size": sink, "swa_kv_heads": swa} if swa else None
+    if speculate:
+        model_args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
+                                            "disable_by_batch_size": None}
     cfg = make_config(mode, reserve=reserve, block_size=bs, num_gpu_blocks_override=blocks, tensor_parallel_size=tp,
                       max_num_batched_tokens=max(8, 2 * bs), max_num_seqs=4, max_model_len=64,
                       enable_prefix_caching=True, head_wise_swa_config=swa_config, **model_args)
-    rm = ResourceManagerV1(cfg)
+    eos_at = {}
+
+    def truth(request, i):  # the token "the model" samples at output index i
+        return EOS if i == eos_at[request.request_id] else FILLER
+
+    proposer = ScriptedProposer(truth, boundary_hugging(bs), wrong=lambda t: ALPHABET[0]) if speculate else None
+    rm = ResourceManagerV1(cfg, proposer=proposer)
     shadow = ShadowMemory(rm, bs, window, sink, rm.layout.recycling_heads, rm.head_wise)
     pending = list(enumerate(jobs))
-    eos_at = {}
     for t in itertools.count():
         for i, (prompt, max_tokens, eos, arrive, _) in list(pending):
             if arrive <= t:
@@ -133,12 +145,18 @@ def run_workload(make_config, mode, reserve, geometry, jobs, blocks, seen, **mod
         batch = rm.schedule()
         seen["steps"] += 1
         shadow.step(batch.requests)
-        sampled = [(EOS if len(s.request.output_token_ids) == eos_at[s.request.request_id] else FILLER)
-                   if s.samples else None for s in batch.requests]
+        sampled = [None if not s.samples else truth(s.request, len(s.request.output_token_ids))
+                   if not s.draft_token_ids else verified(s, truth) for s in batch.requests]
         for s, token in zip(batch.requests, sampled):
-            seen["eos_finishes"] += token == EOS
+            seen["eos_finishes"] += EOS in token if isinstance(token, list) else token == EOS
+            if s.draft_token_ids:
+                seen["drafts"] += len(s.draft_token_ids)
+                seen["rejected_drafts"] += len(s.draft_token_ids) + 1 - len(token)
         rm.update_from_output(batch, sampled)
         rm.check_integrity()
+        for r in rm.running:  # nothing a rejected draft was written to is kept
+            held = len(r.block_tables_head_wise[0]) if rm.head_wise else len(r.block_tables)
+            assert held == -(-r.num_computed_tokens // bs), f"{r}: {held} table entries"
         if not pending and not rm.has_unfinished_requests():
             break
         assert t < 3000, "no progress"
@@ -152,6 +170,12 @@ def run_workload(make_config, mode, reserve, geometry, jobs, blocks, seen, **mod
     seen["evictions"] += cm.prefix_cache_stats()["prefix_cache_evictions_total"]
     seen["swa_recycled"] += rm.swa_pages_recycled_total
     return rm
+
+
+def verified(scheduled, truth) -> list:
+    """The tokens a verification step yields when the model samples `truth` (spec_decode/verify.py)."""
+    n = len(scheduled.request.output_token_ids)
+    return accept_drafts(scheduled.draft_token_ids, lambda j, accepted: (truth(scheduled.request, n + j), None))[0]
 
 
 # Every geometry edge at least once, whatever the draws: bs 1, W = 1 mod bs, W = 1, S > bs.
@@ -185,6 +209,35 @@ def test_random_workloads_read_back_exactly_what_they_wrote(make_config, mode, r
 
     run()
     print(f"\n{mode} reserve={reserve}: {dict(seen)}")
+    missing = {k for k in expected if seen[k] == 0}
+    assert not missing, f"never exercised: {missing} ({dict(seen)})"
+
+
+@pytest.mark.parametrize("mode,policy,expected", [
+    ("1d", "projected", {"prefix_hit_tokens", "eos_finishes", "drafts", "rejected_drafts"}),
+    ("head_wise_recycle_on", "on_demand", {"preemptions", "prefix_hit_tokens", "swa_recycled", "eos_finishes",
+                                           "drafts", "rejected_drafts"}),
+    ("head_wise_recycle_on", "reserve", {"prefix_hit_tokens", "swa_recycled", "drafts", "rejected_drafts"}),
+    ("head_wise_recycle_on", "projected", {"prefix_hit_tokens", "swa_recycled", "drafts", "rejected_drafts"}),
+])
+def test_random_workloads_with_speculation_read_back_exactly_what_they_wrote(make_config, mode, policy, expected):
+    """DESIGN.md §16 under random workloads: drafts are written, then rejected right past a page
+    boundary or a window's kill point; every key a later query sees must still hold the accepted
+    tokens' KV (the window follows accepted tokens only), a rejected draft's pages go back at once,
+    and prefix hits never find a block holding a rejected draft."""
+    seen = collections.Counter()
+
+    @settings(max_examples=40, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(geometry=geometries(), jobs=workloads(), capacity=st.integers(32, 96))
+    @example(geometry=EDGES[1][0], jobs=EDGE_JOBS, capacity=64)
+    @example(geometry=EDGES[3][0], jobs=EDGE_JOBS, capacity=48)
+    def run(geometry, jobs, capacity):
+        run_workload(make_config, mode, policy == "reserve", geometry, jobs, -(-capacity // geometry[0]), seen,
+                     speculate=True, admission_policy=policy)
+
+    run()
+    print(f"\nspeculation {mode} {policy}: {dict(seen)}")
     missing = {k for k in expected if seen[k] == 0}
     assert not missing, f"never exercised: {missing} ({dict(seen)})"
 

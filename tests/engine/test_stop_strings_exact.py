@@ -14,6 +14,7 @@ from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.engine.request import SamplingParams
 from fastdeploy.engine.stop_strings import find_stop
+from scripted_proposer import ScriptedProposer, always_right
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +154,37 @@ def test_a_stop_string_completed_before_min_tokens_is_shown_at_once(engine, scri
     out, shown = generate(engine, "early", max_tokens=8, stop=["ab"], min_tokens=6)
     assert (out.outputs.text, out.outputs.finish_reason) == ("xab" + "y" * 5, "length")
     assert shown == ["x", "x", "xab", "xaby", "xabyy", "xabyyy", "xabyyyy"]
+
+
+# -- with speculation: whole stop strings arrive inside one step's run of accepted drafts -----------------
+
+@pytest.fixture(scope="module")
+def speculating_engine():
+    return LLMEngine.from_engine_args(EngineArgs(block_size=16, num_gpu_blocks_override=64, max_model_len=256,
+                                                 speculative_config={"method": "ngram", "num_speculative_tokens": 5}))
+
+
+@pytest.mark.parametrize("text,stops,max_tokens", [
+    ("hello world, bye", ["world"], 20),   # a stop string wholly inside one step's accepted run
+    ("aé b", ["é"], 8),                    # multi-byte: cut where the character begins
+    ("ab日本語", ["日本"], 12),
+    ("abcd", ["cd"], 4),                   # completed by the last allowed token: stop wins over length
+    ("b" + "c" * 20, ["cx"], 10),          # never completed: the length finish keeps the tail
+])
+def test_stop_strings_inside_accepted_drafts_end_the_output_where_plain_decoding_does(
+        speculating_engine, script, text, stops, max_tokens):
+    truth = byte_tokens(text + FILLER * max_tokens)
+    speculating_engine.scheduler.proposer = ScriptedProposer(lambda r, i: truth[i], always_right,
+                                                             wrong=lambda t: t + 1)
+    assert_run(speculating_engine, script, f"spec-{text}", text, stops, max_tokens)
+    assert speculating_engine.get_stats()["spec_decode_num_accepted_tokens_total"] > 0
+
+
+def test_a_stop_string_inside_accepted_drafts_before_min_tokens_does_not_stop(speculating_engine, script):
+    text = "xab" + "y" * 10
+    truth = byte_tokens(text)
+    speculating_engine.scheduler.proposer = ScriptedProposer(lambda r, i: truth[i], always_right,
+                                                             wrong=lambda t: t + 1)
+    script("spec-early", text)
+    out, _ = generate(speculating_engine, "spec-early", max_tokens=8, stop=["ab"], min_tokens=6)
+    assert (out.outputs.text, out.outputs.finish_reason) == ("xab" + "y" * 5, "length")

@@ -29,14 +29,17 @@ def reference(gemma3_reference):
 def test_gemma3_gguf_text_prompts_give_transformers_ids_and_greedy_tokens(monkeypatch, gemma3_path, reference,
                                                                           head_wise):
     """1-D tables (sliding layers masked) and slots + recycling (3 lanes of 6 layers, 5 sliding slots
-    and 1 full per block: the sliding layers' out-of-window pages are recycled) give the same tokens."""
+    and 1 full per block: the sliding layers' out-of-window pages are recycled) give the same tokens,
+    with n-gram speculation too (one engine: drafts switched on for the second run)."""
     reference_ids, reference_tokens = reference
     assert len(reference_ids[4]) > 512 and len(reference_ids[5]) > 1000
     monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", head_wise)
     monkeypatch.setenv("FD_HEAD_WISE_SWA_RECYCLE", "1")
-    llm = LLM(model=gemma3_path, max_model_len=2048, block_size=16)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False)
+    llm = LLM(model=gemma3_path, max_model_len=2048, block_size=16,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None})
+    proposer, llm.engine.scheduler.proposer = llm.engine.scheduler.proposer, None  # plain decoding first
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [list(o.prompt_token_ids) for o in outs] == reference_ids  # the text first: same tokenization
     got = [list(o.outputs.token_ids) for o in outs]
     slots = llm.engine.fd_config.slot_layout
@@ -46,5 +49,9 @@ def test_gemma3_gguf_text_prompts_give_transformers_ids_and_greedy_tokens(monkey
     assert [g[0] for g in got] == [r[0] for r in reference_tokens]
     assert got == reference_tokens
     assert [o.outputs.text for o in outs] == [llm.engine.tokenizer.decode(r) for r in reference_tokens]
+    llm.engine.scheduler.proposer = proposer
+    speculated = [list(o.outputs.token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert speculated == reference_tokens
+    assert llm.engine.get_stats()["spec_decode_num_accepted_tokens_total"] > 0
     # Every dense layer on the file's blocks (Q5_0, Q8_0, Q4_K, Q6_K; q/k rows permuted with their blocks).
     assert all(layer.storage.startswith("gguf ") for layer in llm.engine.runner.model.dense_layers())

@@ -119,3 +119,36 @@ def _top_logprobs(entry) -> dict:
     if isinstance(entry, dict):
         return {int(k): float(getattr(v, "logprob", v)) for k, v in entry.items()}
     return {int(t): float(lp) for t, lp in entry}
+
+
+# -- speculative decoding: n-gram drafts verified in one step give the same greedy tokens --------------
+# Drafts at any batch size (the default threshold would keep a batch of 8 plain).
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}
+COPY_CHATS = ["Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.",
+              "Convert to a bulleted list: red, green, blue, yellow, purple, orange"]
+
+
+def test_speculation_keeps_transformers_greedy_chat_tokens(smollm2_path, reference_tokens):
+    llm = LLM(model=smollm2_path, max_model_len=1024, max_num_seqs=8, block_size=16, speculative_config=SPEC)
+    outs = llm.chat([[{"role": "user", "content": c}] for c in CHATS],
+                    SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [list(o.outputs.token_ids) for o in outs] == reference_tokens
+    assert llm.engine.get_stats()["spec_decode_num_draft_tokens_total"] > 0
+
+
+def test_speculation_with_recycling_keeps_the_tokens_past_the_window(smollm2_path):
+    """Head-wise tables, KV head 0 sliding with a window of 32 (recycled): drafts written and rejected
+    across the window's edge leave the tokens those of plain decoding, chat and raw, past the window."""
+    window = {"sliding_window": 32, "sink_size": 4, "swa_kv_heads": [0]}
+    args = dict(model=smollm2_path, max_model_len=1024, max_num_seqs=8, block_size=16, head_wise_swa_config=window)
+    with envs.override(FD_HEAD_WISE_KV_CACHE=1, FD_HEAD_WISE_SWA_RECYCLE=1):
+        plain, spec = LLM(**args), LLM(speculative_config=SPEC, **args)
+    tokenizer = plain.engine.tokenizer
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": c}]) for c in COPY_CHATS] + \
+        [tokenizer.encode_prompt(" ".join(RAW) * 3)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    want = [o.outputs.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs.token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    stats = spec.engine.get_stats()
+    assert stats["swa_pages_recycled_total"] > 0 and stats["spec_decode_num_accepted_tokens_total"] > 0

@@ -46,7 +46,9 @@ def test_layout_is_sized_from_the_config(make_config):
                      block_size=16)
     lay = StepBufferLayout.from_config(fd, num_kv_heads=4)
     assert lay.table_shape == (6, 4, 63)  # ceil(1000 / 16) columns
-    assert lay.total == 6 * 3 + 7 + 6 + 96 + 6 * 4 * 63
+    # seq lens, cu_seqlens, sampled rows (one per token: every row of a piece verifying drafts),
+    # token ids, table
+    assert lay.total == 6 * 3 + 7 + 96 + 96 + 6 * 4 * 63
     assert StepBufferLayout.from_config(make_config("1d", max_num_seqs=6), 4).table_shape[0:1] == (6,)
 
 

@@ -108,6 +108,22 @@ class PageCurves:
         self.slack = [s - max(0, p * bs - o) for s, p, o in zip(slack, need, own)]
         return num_new
 
+    def drafts_within(self, curves: list, i: int, num_drafts: int) -> int:
+        """Most of `num_drafts` draft tokens the decoding request of `curves[i]` may verify this step.
+
+        Accepted, d drafts move its position d + 1 ahead instead of 1: its curve afterwards is the
+        old one read d steps later (a decoding curve advances one position per step), which is
+        higher at every future step. The drafts are allowed only while the curves still fit with
+        curves[i] moved by d (it then covers any number accepted); curves[i] becomes that curve, so
+        the next request that drafts in this step is checked beside it."""
+        steps, x, y, decoding, rounding = curves[i]
+        for d in range(min(num_drafts, steps - 1), 0, -1):
+            moved = (steps - d, x + d, y, decoding, rounding)
+            if self.fit(curves[:i] + [moved] + curves[i + 1:]):
+                curves[i] = moved
+                return d
+        return 0
+
     def fit(self, curves: list, limits: Optional[list] = None) -> bool:
         """Whether the sum of the curves U(t) fits every rank at every future step.
 

@@ -49,18 +49,25 @@ from fastdeploy.cache_manager.head_wise import (
 from fastdeploy.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy.engine.request import Request, RequestStatus
 from fastdeploy.engine.sched.projected_admission import PageCurves
+from fastdeploy.spec_decode import build_proposer
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
     start: int       # tokens already in the cache = position of the first token computed now
-    num_tokens: int  # tokens computed this step
+    num_tokens: int  # tokens computed this step, draft tokens included
+    draft_token_ids: tuple = ()  # speculation: tokens after the request's last one, verified this step
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the request's last token, so a new token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_tokens - len(self.draft_token_ids) == self.request.num_tokens
+
+    def token_ids(self) -> list:
+        """The tokens this step computes: the request's own, then the drafts."""
+        r, drafts = self.request, self.draft_token_ids
+        return r.token_ids(self.start, self.start + self.num_tokens - len(drafts)) + list(drafts)
 
 
 @dataclass
@@ -77,7 +84,7 @@ class ScheduledBatch:
 
 
 class ResourceManagerV1:
-    def __init__(self, fd_config, cache_manager: Optional[PrefixCacheManager] = None):
+    def __init__(self, fd_config, cache_manager: Optional[PrefixCacheManager] = None, proposer=None):
         self.fd_config = fd_config
         self.cache_manager = cache_manager or PrefixCacheManager(
             fd_config, fd_config.parallel_config.tensor_parallel_size)
@@ -112,6 +119,15 @@ class ResourceManagerV1:
         self.prefix_cache_query_tokens_total = 0
         self.prefix_cache_query_requests_total = 0  # admissions looked up / with a hit (upstream's hit_req_rate)
         self.prefix_cache_hit_requests_total = 0
+        # Speculative decoding (spec_decode/): `proposer.propose(request, k)` drafts tokens; tests may
+        # pass their own proposer to force acceptance patterns through the real scheduler.
+        self.speculative_config = getattr(fd_config, "speculative_config", None)
+        self.proposer = proposer if proposer is not None or self.speculative_config is None \
+            else build_proposer(self.speculative_config)
+        self.spec_decode_num_draft_tokens_total = 0     # draft tokens verified
+        self.spec_decode_num_accepted_tokens_total = 0  # of those, accepted
+        self.spec_decode_num_drafts_total = 0           # verification steps (a request with >= 1 draft)
+        self.spec_decode_num_emitted_tokens_total = 0   # tokens those steps produced (accepted + 1 each)
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -200,7 +216,67 @@ class ResourceManagerV1:
             self.running.append(request)
             batch.requests.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
+        if self.proposer is not None and budget > 0 and not batch.preempted \
+                and self.speculative_config.speculates_with(len(self.running)):
+            self._add_drafts(batch, budget)
         return batch
+
+    # -- speculative decoding ------------------------------------------------------------------
+    def _add_drafts(self, batch: ScheduledBatch, budget: int) -> None:
+        """Give decoding requests draft tokens from what the step has left (docs/scheduler.md).
+
+        Drafts come last, after every running request's own token and every admission, and take
+        only the budget and free pages nothing else needs; they never preempt and never count in
+        admission. A rejected draft's pages return in update_from_output, so what a request holds
+        after the step is the need of its accepted tokens alone. With projected admission a request
+        drafts only while the curves still fit with its curve moved as far as its drafts could take it.
+        """
+        k_max = self.speculative_config.num_speculative_tokens
+        curves = self.projection.running_curves() if self.projected else None
+        for scheduled in batch.requests:
+            request = scheduled.request
+            if budget <= 0:
+                break
+            if scheduled.num_tokens != 1 or not scheduled.samples:
+                continue  # a prefill chunk, or a chunk that does not reach the last token
+            k = min(k_max, request.max_new_tokens - 1, budget)  # never past max_tokens
+            drafts = self.proposer.propose(request, k)[:k] if k > 0 else []
+            if drafts and curves is not None:
+                num = self.projection.drafts_within(curves, self.running.index(request), len(drafts))
+                drafts = drafts[:num]
+            num = self._grow_for_drafts(request, len(drafts)) if drafts else 0
+            if num:
+                scheduled.draft_token_ids = tuple(drafts[:num])
+                scheduled.num_tokens += num
+                budget -= num
+
+    def _grow_for_drafts(self, request: Request, num_drafts: int) -> int:
+        """Most of `num_drafts` drafts the request's table can address: all of them if free pages
+        allow, else those that fit the pages it already holds."""
+        end = request.num_computed_tokens + 1
+        room = request.table_tokens - end
+        if num_drafts <= room or self._grow_tables(request, 1 + num_drafts):
+            return num_drafts
+        return max(0, room)
+
+    def _settle_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Count a verification step and return the pages only its rejected drafts were written to."""
+        self.spec_decode_num_drafts_total += 1
+        self.spec_decode_num_draft_tokens_total += num_drafts
+        self.spec_decode_num_accepted_tokens_total += num_accepted
+        self.spec_decode_num_emitted_tokens_total += num_accepted + 1
+        keep = table_length(request.num_computed_tokens, self.block_size)
+        if request.table_tokens <= keep * self.block_size:
+            return
+        if self.head_wise:
+            tails = [row[keep:] for row in request.block_tables_head_wise]
+            self.cache_manager.recycle_gpu_blocks_head_wise(tails, request.request_id)
+            for row in request.block_tables_head_wise:
+                del row[keep:]
+        else:
+            self.cache_manager.recycle_gpu_blocks(request.block_tables[keep:], request.request_id)
+            del request.block_tables[keep:]
+        request.table_tokens = keep * self.block_size
 
     def _fit_chunk(self, request: Request, num_new: int, num_behind: int) -> int:
         """Shrink a running request's chunk so its pages fit: the whole cache (every policy, so a
@@ -222,15 +298,29 @@ class ResourceManagerV1:
                            sampled_logprobs: Optional[list] = None) -> list:
         """Advance every scheduled request; append sampled tokens; finish stopped requests.
 
-        `sampled_token_ids[i]` belongs to `batch.requests[i]` (None where it did not sample).
-        Returns the requests that received a token this step, finished ones included.
+        `sampled_token_ids[i]` belongs to `batch.requests[i]` (None where it did not sample): one
+        token, or for a request with drafts the list the verification produced (its accepted drafts,
+        then the model's own next token), with `sampled_logprobs[i]` a list alike. Tokens are
+        appended one by one and the request stops at the first that ends it (EOS, stop token,
+        max_tokens). Returns the requests that received a token this step, finished ones included.
         """
         progressed, bs = [], self.block_size
         for i, scheduled in enumerate(batch.requests):
             request = scheduled.request
             if request.is_finished:  # aborted between schedule and update
                 continue
-            request.num_computed_tokens = scheduled.start + scheduled.num_tokens
+            drafts = scheduled.draft_token_ids
+            tokens = sampled_token_ids[i]
+            logprobs = sampled_logprobs[i] if sampled_logprobs else None
+            if drafts:
+                tokens, logprobs = self._verified(request, drafts, tokens, logprobs)
+            else:
+                tokens, logprobs = [tokens], [logprobs]
+            # KV is kept for the accepted drafts only: the window of a sliding head, recycling and
+            # prefix caching below all count accepted tokens.
+            request.num_computed_tokens = scheduled.start + scheduled.num_tokens - len(drafts) + len(tokens) - 1
+            if drafts:
+                self._settle_drafts(request, len(drafts), len(tokens) - 1)
             if scheduled.start < request.computed_high_water:  # recomputing what a preemption dropped
                 self.recomputed_tokens_total += min(request.num_computed_tokens,
                                                     request.computed_high_water) - scheduled.start
@@ -240,15 +330,28 @@ class ResourceManagerV1:
                 self._register_blocks(request)  # a block was completed: cache it
             if not scheduled.samples:
                 continue
-            token = sampled_token_ids[i]
-            if token is None:
+            if tokens[0] is None:
                 raise ValueError(f"request {request.request_id!r} finished its chunk but no token was sampled")
-            request.append_output(int(token), sampled_logprobs[i] if sampled_logprobs else None)
-            reason = request.stop_reason()
-            if reason is not None:
-                self.finish_request(request, reason)
+            for token, lp in zip(tokens, logprobs):
+                request.append_output(int(token), lp)
+                reason = request.stop_reason()
+                if reason is not None:
+                    self.finish_request(request, reason)
+                    break
             progressed.append(request)
         return progressed
+
+    @staticmethod
+    def _verified(request: Request, drafts: tuple, tokens, logprobs) -> tuple:
+        """(tokens, logprobs) lists of a verification step, checked: accepted drafts, then one more."""
+        if not isinstance(tokens, (list, tuple)):
+            raise ValueError(f"request {request.request_id!r} verified drafts but got {tokens!r}, not the list of "
+                             f"its verified tokens")
+        logprobs = [None] * len(tokens) if logprobs is None else list(logprobs)
+        if not 1 <= len(tokens) <= len(drafts) + 1 or list(tokens[:-1]) != list(drafts[:len(tokens) - 1]):
+            raise ValueError(f"request {request.request_id!r}: verified tokens {tokens} do not start with the "
+                             f"accepted drafts of {list(drafts)}")
+        return tokens, logprobs
 
     def recycle_out_of_window_pages(self) -> int:
         """Return every page that left a SWA head's window (processed-token basis); write -1."""
@@ -453,6 +556,22 @@ class ResourceManagerV1:
             "prefix_cache_hit_requests_total": self.prefix_cache_hit_requests_total,
             "prefix_cache_query_requests_total": self.prefix_cache_query_requests_total,
             **cm.prefix_cache_stats(),
+            **self._spec_decode_stats(),
+        }
+
+    def _spec_decode_stats(self) -> dict:
+        if self.speculative_config is None:
+            return {}
+        drafted, accepted = self.spec_decode_num_draft_tokens_total, self.spec_decode_num_accepted_tokens_total
+        steps = self.spec_decode_num_drafts_total
+        return {
+            "spec_decode_num_draft_tokens_total": drafted,
+            "spec_decode_num_accepted_tokens_total": accepted,
+            "spec_decode_num_drafts_total": steps,
+            "spec_decode_num_emitted_tokens_total": self.spec_decode_num_emitted_tokens_total,
+            "spec_decode_draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+            # tokens a verification step yields on average (1 + accepted drafts per step)
+            "spec_decode_mean_accepted_length": self.spec_decode_num_emitted_tokens_total / steps if steps else 0.0,
         }
 
     def check_integrity(self) -> None:

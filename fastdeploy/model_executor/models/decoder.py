@@ -234,7 +234,8 @@ class CausalLM:
 
     @paddle.no_grad()
     def forward(self, meta: ForwardMeta) -> paddle.Tensor:
-        """Logits [num_sampled, vocab] for the last token of every request that samples this step."""
+        """Logits [num_sampled, vocab] of the sampled rows (`meta.sample_rows`): the last token of every
+        request that samples this step, every row of a piece that verifies drafts."""
         w = self.weights
         num_tokens = meta.input_ids.shape[0]
         hidden = self._embed(meta.input_ids)
