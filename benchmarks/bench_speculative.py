@@ -70,12 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def llama_cpp_decode_tok_s(binary: str, gguf: str) -> float:
     """llama.cpp's single-stream decode speed (S_TG t/s of llama-batched-bench's table)."""
-    import subprocess
+    from llama_cpp_bench import batched_bench
 
-    out = subprocess.run([binary, "-m", gguf, "-c", "4096", "-b", "2048", "-ub", "512", "-npp", "128", "-ntg", "128",
-                          "-npl", "1", "-t", "2"], capture_output=True, text=True, timeout=600, check=True).stdout
-    rows = [line.split("|") for line in out.splitlines() if line.startswith("|") and line.split("|")[1].strip().isdigit()]
-    return float(rows[-1][8])
+    return batched_bench(binary, gguf, prompt_len=128, output_len=128, parallel=1)["decode_tok_s"]
 
 
 def make_engines(args) -> dict:

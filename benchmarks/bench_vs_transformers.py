@@ -28,8 +28,9 @@ Fractions reached:
   - N = 1: weight bytes read per output token (every matmul weight once, as that side holds it:
     float32 for transformers and engine f32, the blocks' bytes for the engine) x output tok/s /
     bandwidth (the time includes the prompt's prefill, so this slightly understates decode).
-llama.cpp is not a column: llama-cpp-python has no wheel for this platform on the package index
-(it builds llama.cpp from source).
+With `--llama-batched-bench PATH` (llama.cpp's bench, built from the source llama-cpp-python's
+source distribution carries: docs/benchmarks.md), llama.cpp is a side too: the same shapes on the same
+file, 2 threads, its own prompt tokens (so no token comparison); its time is the whole run's.
 
     python benchmarks/bench_vs_transformers.py --json results/vs_transformers.json
     python benchmarks/bench_vs_transformers.py --quick
@@ -70,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a short run that proves the script works: N = 1, 4; 32 in / 8 out; prefill 2 x 256")
     p.add_argument("--no-float32-engine", action="store_true",
                    help="skip the engine run on float32 weight copies (FD_CPU_GGUF_BLOCKS=0)")
+    p.add_argument("--llama-batched-bench", default=None, metavar="PATH",
+                   help="llama.cpp's llama-batched-bench binary: run every case with it too, taking turns")
     p.add_argument("--json", default=None, help="write machine limits, parameters and every case here")
     args = p.parse_args(argv)
     if args.quick:
@@ -196,6 +199,15 @@ def run_engine(llm, prompts: list, output_len: int) -> tuple:
     return elapsed, [list(o.outputs.token_ids) for o in outs]
 
 
+def run_llama_cpp(binary_and_path: tuple, prompts: list, output_len: int) -> tuple:
+    """llama-batched-bench on the case's shape; (seconds, placeholder outputs of the right length)."""
+    from llama_cpp_bench import batched_bench
+
+    binary, path = binary_and_path
+    result = batched_bench(binary, path, len(prompts[0]), output_len, len(prompts))
+    return result["seconds"], [[0] * output_len for _ in prompts]
+
+
 def engine_kwargs(args, cases: list) -> dict:
     """Room for the largest case at once: memory, not the KV budget, must never hold a case back."""
     block_size = 64
@@ -252,7 +264,7 @@ def print_table(results: list, limits: dict, sides: list) -> None:
           f"{limits['read_bandwidth_gbs']:.1f} GB/s; tok/s of each side and its ratio to transformers "
           f"(decode rows: output tok/s; prefill row: prompt + output tok/s)")
     engines = [s for s in sides if s != "transformers"]
-    short = {"engine": "engine", "engine f32": "eng f32", "transformers": "hf"}
+    short = {"engine": "engine", "engine f32": "eng f32", "transformers": "hf", "llama.cpp": "llama"}
     header = f"{'case':<20}" + "".join(f"{s:>14}" for s in sides) + "".join(f"{'x ' + s:>14}" for s in engines) + \
         "".join(f"{'rounds x ' + short[s]:>18}" for s in engines) + \
         "".join(f"{'%GEMM ' + short[s]:>14}" for s in sides) + "".join(f"{'%BW ' + short[s]:>12}" for s in sides) + \
@@ -314,12 +326,13 @@ def main(argv=None) -> int:
             engines[side] = LLM(model=path, **engine_kwargs(args, cases))
     weight_bytes = {side: llm.engine.runner.model.dense_layer_bytes() for side, llm in engines.items()}
     weight_bytes["transformers"] = 4 * (params[0] + params[1])
+    weight_bytes["llama.cpp"] = os.path.getsize(path)  # every tensor of the file, as llama.cpp holds them
     warm = [cases[0]["prompts"][0][:8]]
     for llm in engines.values():
         run_engine(llm, warm, 2)  # op build/load and first-call costs stay out of the timed cases
     run_transformers(hf, warm, 2)
 
-    sides = [*engines, "transformers"]
+    sides = [*engines, "transformers"] + (["llama.cpp"] if args.llama_batched_bench else [])
     results = []
     for case in cases:
         row = {"name": case["name"], "requests": case["requests"], "input_len": case["input_len"],
@@ -327,7 +340,9 @@ def main(argv=None) -> int:
         outputs, seconds = {}, {side: [] for side in sides}
         for round_no in range(1, args.rounds + 1):
             for side in sides:
-                runner, model = (run_transformers, hf) if side == "transformers" else (run_engine, engines[side])
+                runner, model = {"transformers": (run_transformers, hf),
+                                 "llama.cpp": (run_llama_cpp, (args.llama_batched_bench, path))}.get(
+                                     side, (run_engine, engines.get(side)))
                 log(f"{case['name']} round {round_no}/{args.rounds}: {side} ({case['requests']} x "
                     f"{case['input_len']} in / {case['output_len']} out)")
                 elapsed, out = runner(model, case["prompts"], case["output_len"])
@@ -339,10 +354,14 @@ def main(argv=None) -> int:
         for side in sides:
             row[side] = side_metrics(median[side], outputs[side], case, limits, params, weight_bytes[side])
             row[side]["round_seconds"] = seconds[side]
-        for side in engines:
+        for side in ratios:  # the engines and llama.cpp, each against transformers
             row[f"ratio_output_tok_s {side}"] = row[side]["output_tok_s"] / row["transformers"]["output_tok_s"]
             row[f"round_ratios {side}"] = ratios[side]
         row["same_tokens"] = min(agreement(outputs[side], outputs["transformers"]) for side in engines)
+        if "llama.cpp" in sides:
+            row["ratio_output_tok_s engine vs llama.cpp"] = (row["engine"]["output_tok_s"]
+                                                             / row["llama.cpp"]["output_tok_s"])
+            row["round_ratios engine vs llama.cpp"] = [ll / e for e, ll in zip(seconds["engine"], seconds["llama.cpp"])]
         results.append(row)
     print_table(results, limits, sides)
     if args.json:
