@@ -667,7 +667,7 @@ class FDConfig:
             raise ValueError("cache_dtype=float16 needs --device gpu; the CPU op stores float32 or bfloat16")
         kv_quant.check_kv_cache_quant_type(self.cache_config.kv_cache_quant_type, self.cache_config.cache_dtype,
                                            default_cache_dtype(self.device, self.model_config.dtype),
-                                           self.attention_backend)
+                                           self.attention_backend, self.device, self.model_config.dtype)
         if self.head_wise_attn == "DUAL_PASS":
             # Upstream's baseline: two kernel passes over one shared 1-D table. Only the CUDA op has
             # the second pass; on the CPU, or with per-head tables, it would be a silent no-op.

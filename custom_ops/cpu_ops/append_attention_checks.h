@@ -116,14 +116,15 @@ struct DeviceRules {
   bool qkv_fp32, qkv_bf16, qkv_fp16;
   bool cache_matches_qkv;  // the CUDA kernels need float caches of qkv's dtype
   bool cache_fp32, cache_bf16, cache_fp16;
+  bool quantized_needs_bf16;  // the CUDA kernels read quantized pages with bfloat16 qkv only
 };
 
 inline DeviceRules cpu_rules() {
-  return {"append_attention", "CPU", false, true, true, true, false, false, true, true, false};
+  return {"append_attention", "CPU", false, true, true, true, false, false, true, true, false, false};
 }
 
 inline DeviceRules gpu_rules() {
-  return {"append_attention_gpu", "GPU", true, true, false, true, true, true, false, true, true};
+  return {"append_attention_gpu", "GPU", true, true, false, true, true, true, false, true, true, true};
 }
 
 // int8 and e4m3fn caches are quantized pages (both devices read and write both).
@@ -241,7 +242,8 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
            ": value_cache must match key_cache in shape and dtype");
   const fd_kvq::Format quant = page_format(key_cache.dtype());
   if (quant != fd_kvq::kFloat) {
-    // Quantized pages: the kernels dequantize into the compute type, whatever qkv's dtype.
+    PD_CHECK(!rules.quantized_needs_bf16 || qkv.dtype() == paddle::DataType::BFLOAT16, rules.op,
+             ": int8 / float8_e4m3fn caches (quantized pages) need bfloat16 qkv");
   } else if (rules.cache_matches_qkv) {
     PD_CHECK(key_cache.dtype() == qkv.dtype(), rules.op,
              ": caches must have qkv's dtype, or be int8 / float8_e4m3fn (quantized pages)");

@@ -1,6 +1,7 @@
 // Paddle custom op `append_attention_gpu`: a thin wrapper over the C ABI launcher in
 // append_attn/ (same arguments, semantics and input checks as the CPU op; bf16/fp16 tensors on
-// the GPU). key_cache / value_cache are updated in place. Built by custom_ops/setup_ops.py, or
+// the GPU; int8 / float8_e4m3fn caches with their scales for quantized pages, bf16 qkv). key_cache /
+// value_cache (and the scales) are updated in place. Built by custom_ops/setup_ops.py, or
 // JIT-built on first use (fastdeploy/.../ops/gpu_op_loader.py), when Paddle has CUDA.
 //
 // Checks: everything that needs no value of the int32 inputs (places, dtypes, shapes, table
@@ -38,8 +39,6 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
                         rotary_sin, swa_head_mask, kv_head_slots, key_cache_scales,
                         value_cache_scales, num_heads, kv_num_heads, head_dim, sliding_window,
                         sink_size, visit_all_pages);
-  PD_CHECK(fd_attn::page_format(key_cache.dtype()) == fd_kvq::kFloat,
-           "append_attention_gpu: quantized caches are not supported by the CUDA op yet");
   PD_CHECK(error_info.is_gpu() && error_info.dtype() == paddle::DataType::INT32 &&
                error_info.numel() == 4,
            "append_attention_gpu: error_info must be 4 int32 on the GPU");
@@ -63,6 +62,8 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
   p.sink_size = sink_size;
   p.visit_all_pages = visit_all_pages;
   p.dual_pass = dual_pass ? 1 : 0;
+  p.cache_quant = fd_attn::page_format(key_cache.dtype());  // AppendAttnCacheQuant's values
+  const bool quantized = p.cache_quant != APPEND_ATTN_CACHE_FLOAT;
 
   auto out = paddle::empty({p.token_num, num_heads * head_dim}, qkv.dtype(), qkv.place());
   AppendAttnBuffers b;
@@ -78,6 +79,8 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
   b.rotary_sin = rotary_sin.data<float>();
   b.swa_head_mask = swa_head_mask.data<int>();
   b.kv_head_slots = kv_head_slots.data<int>();
+  b.key_cache_scales = quantized ? key_cache_scales.data<float>() : nullptr;
+  b.value_cache_scales = quantized ? value_cache_scales.data<float>() : nullptr;
   b.out = out.data();
 
   const size_t ws_bytes = append_attention_workspace_bytes(&p);

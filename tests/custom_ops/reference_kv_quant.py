@@ -71,3 +71,45 @@ def error_bound(x: np.ndarray, scales: np.ndarray, fmt: str) -> np.ndarray:
     s = scales[..., None].astype(np.float64)
     half_step = s / 2 if fmt == "int8" else np.maximum(x * 2.0 ** -4, s * 2.0 ** -10)
     return half_step + 4e-7 * (x + 127 * s)
+
+
+def e4m3_bytes(values: np.ndarray) -> np.ndarray:
+    """The e4m3fn byte of every (exactly representable) value, e.g. round_e4m3's output."""
+    v = np.asarray(values, dtype=np.float64)
+    a = np.abs(v)
+    with np.errstate(divide="ignore"):
+        e = np.floor(np.log2(np.where(a > 0, a, 1.0)))
+    normal = a >= 2.0 ** -6
+    mantissa = np.where(normal, np.rint((a / 2.0 ** e - 1) * 8), 0)
+    code = np.where(normal, ((e + 7) * 8 + mantissa), np.rint(a / 2.0 ** -9)).astype(np.uint8)
+    return code | np.where(np.signbit(v), np.uint8(0x80), np.uint8(0))
+
+
+def e4m3_values(codes: np.ndarray) -> np.ndarray:
+    """The exact value of every e4m3fn byte (0x7F / 0xFF: NaN)."""
+    b = np.asarray(codes, dtype=np.uint8).astype(np.int64)
+    e, m = (b >> 3) & 0xF, b & 7
+    v = np.where(e == 0, m * 2.0 ** -9, (1 + m / 8) * 2.0 ** (e - 7))
+    v = np.where((e == 15) & (m == 7), np.nan, v)
+    return np.where(b & 0x80, -v, v)
+
+
+def quantized_pages(rows: np.ndarray, fmt: str, keys: bool):
+    """(codes as stored — int8, or e4m3fn bytes as uint8 —, float32 scales) of cache rows [..., d];
+    NaN rows (never written) get scale NaN and codes 0, so reading one poisons the result."""
+    poisoned = np.isnan(rows).any(axis=-1)
+    rows = np.nan_to_num(np.asarray(rows, dtype=np.float32))
+    if keys and rotates_keys(fmt, rows.shape[-1]):
+        rows = hadamard(rows)
+    codes, scales = quantize_rows(rows, fmt)
+    stored = codes.astype(np.int8) if fmt == "int8" else e4m3_bytes(codes)
+    return stored, np.where(poisoned, np.nan, scales).astype(np.float32)
+
+
+def pages_from_codes(codes: np.ndarray, scales: np.ndarray, fmt: str, keys: bool) -> np.ndarray:
+    """float64 values of stored pages (int8 keys rotated back exactly)."""
+    values = codes.astype(np.float64) if fmt == "int8" else e4m3_values(codes.view(np.uint8))
+    rows = values * scales[..., None].astype(np.float32).astype(np.float64)
+    if keys and rotates_keys(fmt, rows.shape[-1]):
+        rows = hadamard(rows) / rows.shape[-1]
+    return rows

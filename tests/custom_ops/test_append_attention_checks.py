@@ -206,13 +206,14 @@ def test_bad_scale_tensors_are_refused_before_anything_is_written(what):
 
 
 @pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn"])
-def test_quantized_caches_pass_both_rule_sets_with_any_qkv_dtype(cache_dtype):
+def test_quantized_caches_pass_both_rule_sets_and_the_cuda_rules_want_bfloat16(cache_dtype):
     t = _with_scales(cache_dtype, {})
     append_attention(**t, **ATTRS)
-    for qkv_dtype in ("bfloat16", "float16"):
-        gpu = {**t, "qkv": t["qkv"].astype(qkv_dtype)}
-        _validate_all(gpu, "gpu")
+    append_attention(**{**t, "qkv": t["qkv"].astype("bfloat16")}, **ATTRS)  # the CPU op: either qkv dtype
     _validate_all(t, "cpu")
+    _validate_all({**t, "qkv": t["qkv"].astype("bfloat16")}, "gpu")
+    with pytest.raises(ValueError, match="append_attention_gpu: int8 / float8_e4m3fn caches .* need bfloat16 qkv"):
+        _validate_all({**t, "qkv": t["qkv"].astype("float16")}, "gpu")
 
 
 def _validate_all(t, rules):

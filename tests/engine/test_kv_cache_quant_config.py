@@ -60,6 +60,14 @@ def test_the_dense_oracle_backend_refuses_quantized_pages(monkeypatch):
         build(monkeypatch, kv_cache_quant_type="int8")
 
 
+def test_the_gpu_needs_bfloat16_compute_for_quantized_pages():
+    from fastdeploy.model_executor.layers.quantization.kv_cache import check_kv_cache_quant_type
+
+    check_kv_cache_quant_type("int8", "bfloat16", "bfloat16", "APPEND_ATTN", "gpu", "bfloat16")
+    with pytest.raises(ValueError, match="with bfloat16 compute only, but --dtype resolved to float16"):
+        check_kv_cache_quant_type("int8", "float16", "float16", "APPEND_ATTN", "gpu", "float16")
+
+
 def test_an_unsupported_type_in_the_checkpoint_says_how_to_override_it(monkeypatch, tmp_path):
     model = checkpoint(tmp_path, {"kv_cache_quant_type": "fp8"})
     with pytest.raises(ValueError, match=r"the checkpoint's quantization_config.kv_cache_quant_type='fp8' .* "

@@ -64,10 +64,13 @@ def row_bytes(quant_type: str, cache_dtype_bytes: int, head_dim: int) -> int:
 
 
 def check_kv_cache_quant_type(quant_type: str, cache_dtype: str, default_cache_dtype: str,
-                              attention_backend: str) -> None:
+                              attention_backend: str, device: str = "cpu", compute_dtype: str = "float32") -> None:
     """Start-up errors for a quantized type next to settings it cannot go with."""
     if not is_quantized(quant_type):
         return
+    if device == "gpu" and compute_dtype != "bfloat16":
+        raise ValueError(f"kv_cache_quant_type={quant_type} on --device gpu: the CUDA op reads quantized pages "
+                         f"with bfloat16 compute only, but --dtype resolved to {compute_dtype}; pass --dtype bfloat16")
     if cache_dtype != default_cache_dtype:
         raise ValueError(f"kv_cache_quant_type={quant_type} stores 8-bit pages with float32 scales, but "
                          f"--cache-dtype {cache_dtype} asks for {cache_dtype} pages: pass one of the two")
