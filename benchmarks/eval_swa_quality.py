@@ -11,6 +11,8 @@ uneven counts too; null = full attention) this runs the engine and reports, agai
   keys (door codes) in prose of which one is asked for — in the filler prose written here
   ("multikey") or in pydoc_data's reference text ("multikey-docs"); fixed seeds, the model's chat
   template, the answer's first words given after the generation prompt;
+- greedy chat continuations (`--parts chat`): CHAT_PROMPTS in the model's chat template, each
+  config's greedy tokens against the first config's (the float32 full-attention run);
 - the page-need ceiling at the evaluated lengths (cache_manager/head_wise.py PageLayout).
 
 Which path runs a configuration: full attention on the 1-D paged path (APPEND_ATTN); a servable
@@ -256,6 +258,55 @@ def retrieval_metrics(llm, prompts: list) -> list:
     return [{"variant": v, "length": n, "depth": d, **c} for (v, n, d), c in cells.items()]
 
 
+# -- greedy chat -------------------------------------------------------------------------------
+CHAT_PROMPTS = (
+    "What is the capital of Italy? Answer in one sentence.",
+    "Write two lines of a poem about autumn leaves.",
+    "Explain in simple words why the sky looks blue.",
+    "Give three tips for learning a new language.",
+    "What is 17 times 6? Show the steps.",
+    "Name four planets of the solar system.",
+    "Describe a cat to someone who has never seen one.",
+    "What does a compiler do? Keep it short.",
+    "Suggest a name for a small bakery by the sea.",
+    "How do plants make their food?",
+    "Write a short thank-you note to a neighbour who watered my garden.",
+    "What is the difference between weather and climate?",
+    "List three things to pack for a day hike.",
+    "Why do we have leap years?",
+    "Translate 'thank you very much' into French.",
+    "What is a prime number? Give two examples.",
+    "Tell me a fun fact about octopuses.",
+    "How should I store fresh basil?",
+    "Summarize the story of Little Red Riding Hood in two sentences.",
+    "What are the three states of water?",
+    "Give a one-sentence definition of democracy.",
+    "What is the boiling point of water at sea level in Celsius?",
+    "Write a polite reply declining a meeting invitation.",
+    "Why is exercise good for the heart?",
+)
+
+
+def chat_outputs(llm, max_tokens: int) -> list:
+    from fastdeploy import SamplingParams
+
+    outs = llm.chat([[{"role": "user", "content": c}] for c in CHAT_PROMPTS],
+                    SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    return [list(o.outputs.token_ids) for o in outs]
+
+
+def chat_metrics(outputs: list, reference: list) -> dict:
+    """Prompts whose greedy tokens equal the reference's, and the mean share of tokens before the first
+    difference."""
+    def agreed(a, b):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return n / max(len(b), 1)
+
+    equal = sum(a == b for a, b in zip(outputs, reference))
+    return {"equal": equal, "prompts": len(reference),
+            "mean_prefix_agreement": float(np.mean([agreed(a, b) for a, b in zip(outputs, reference)]))}
+
+
 # -- memory ------------------------------------------------------------------------------------
 def page_need_ceiling(spec, num_layers: int, num_kv: int, lengths, block_size: int) -> dict:
     """Peak pages of one request with full attention / with this config's recycling, per length.
@@ -300,7 +351,8 @@ def parse_args(argv=None):
     p.add_argument("--trials", type=int, default=1, help="prompts per retrieval cell")
     p.add_argument("--retrieval", default=None,
                    help="comma-separated config names that also run retrieval (default: all)")
-    p.add_argument("--parts", default="text,retrieval", help="what to measure: text, retrieval or both")
+    p.add_argument("--parts", default="text,retrieval", help="what to measure: text, retrieval, chat")
+    p.add_argument("--chat-tokens", type=int, default=48, help="greedy tokens per chat prompt (--parts chat)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=4, help="retrieval prompts in flight at once")
@@ -330,6 +382,8 @@ def main(argv=None) -> int:
     results = json.load(open(args.json)) if args.json and os.path.exists(args.json) else {}
     settings = {"parts": sorted(parts), "segments": args.text_segments, "segment_tokens": args.segment_tokens, "lengths": lengths,
                 "depths": depths, "variants": variants, "trials": args.trials, "seed": args.seed}
+    if "chat" in parts:
+        settings["chat_tokens"] = args.chat_tokens
     if results.get("settings", settings) != settings:
         log(f"{args.json} holds results of other settings; starting it afresh")
         results = {}
@@ -386,6 +440,15 @@ def main(argv=None) -> int:
             del lps
         if llm is not None:
             llm.engine.close()
+        if "chat" in parts:
+            llm, ran = build_llm(args.model, spec, ran, max_len, prefix_caching=True, max_num_seqs=8,
+                                 quant=quant, head_wise=head_wise)
+            row["chat_outputs"] = chat_outputs(llm, args.chat_tokens)
+            llm.engine.close()
+            first = next(iter(done.values()), row)  # the first config's (float32 full attention) outputs
+            row["chat"] = chat_metrics(row["chat_outputs"], first.get("chat_outputs", row["chat_outputs"]))
+            log(f"{name}: greedy chat {row['chat']['equal']}/{row['chat']['prompts']} prompts equal to "
+                f"{next(iter(done), name)}'s, mean agreement {row['chat']['mean_prefix_agreement']:.3f}")
         if "retrieval" in parts and (with_retrieval is None or name in with_retrieval):
             llm, ran = build_llm(args.model, spec, ran, max_len, prefix_caching=True, max_num_seqs=args.max_num_seqs,
                                  quant=quant, head_wise=head_wise)
