@@ -40,10 +40,10 @@ class AppendAttentionBackend:
         if cache.quantized:
             self.lane_key_scales = [paddle.zeros(shape[:3], "float32") for _ in range(slots.num_lanes)]
             self.lane_value_scales = [paddle.zeros(shape[:3], "float32") for _ in range(slots.num_lanes)]
-        else:
+        else:  # float pages: the op's 1-element placeholders
             place = self.lane_keys[0].place
-            self.lane_key_scales, self.lane_value_scales = [no_scales(place)] * slots.num_lanes, \
-                [no_scales(place)] * slots.num_lanes
+            self.lane_key_scales = [no_scales(place)] * slots.num_lanes
+            self.lane_value_scales = [no_scales(place)] * slots.num_lanes
         # Per layer: its lane (layers of one lane share the tensors, in disjoint slots).
         self.key_caches = [self.lane_keys[lane] for lane in slots.lane_of_layer]
         self.value_caches = [self.lane_values[lane] for lane in slots.lane_of_layer]
