@@ -17,7 +17,7 @@ against the first format.
 
     python benchmarks/bench_append_attention_cpu.py [--contexts 4096 16384 65536] [--json out.json]
     python benchmarks/bench_append_attention_cpu.py --batch 32 --contexts 2048 --num-heads 9 --kv-heads 3 \
-        --head-dim 64 --page-formats float32 int8 float8_e4m3fn --prefill-lens   # SmolLM2's geometry
+        --head-dim 64 --page-formats float32 int8 float8_e4m3fn --skip-arms --prefill-lens 4096  # SmolLM2's
 """
 
 from __future__ import annotations
@@ -104,11 +104,12 @@ class DecodeStep:
         return lambda: append_attention(**tensors, **attrs)
 
 
-def prefill_step(args, tokens: int, swa_heads: int):
+def prefill_step(args, tokens: int, swa_heads: int, page_dtype: str = None):
     """A zero-argument callable: one request prefilling `tokens` tokens in one step (the tiled path),
     its first `swa_heads` KV heads sliding; and the step's attention FLOPs (scores + weighted values
     over the keys each query sees)."""
     H, bs, D = args.kv_heads, args.block_size, args.head_dim
+    page_dtype = page_dtype or args.dtype
     blocks = math.ceil(tokens / bs)
     shape = [blocks, H, bs, D]
     i32 = lambda a: paddle.to_tensor(np.asarray(a, np.int32))  # noqa: E731
@@ -118,7 +119,9 @@ def prefill_step(args, tokens: int, swa_heads: int):
     swa[:swa_heads] = 1
     tensors = dict(
         qkv=paddle.uniform([tokens, (args.num_heads + 2 * H) * D], min=-1, max=1),
-        key_cache=paddle.zeros(shape, args.dtype), value_cache=paddle.zeros(shape, args.dtype),
+        key_cache=paddle.zeros(shape, page_dtype), value_cache=paddle.zeros(shape, page_dtype),
+        key_cache_scales=paddle.zeros(shape[:3] if page_dtype in QUANTIZED else [1], "float32"),
+        value_cache_scales=paddle.zeros(shape[:3] if page_dtype in QUANTIZED else [1], "float32"),
         seq_lens_encoder=i32([tokens]), seq_lens_decoder=i32([0]), seq_lens_this_time=i32([tokens]),
         cu_seqlens_q=i32([0, tokens]), block_tables=paddle.to_tensor(np.arange(blocks, dtype=np.int32)[None]),
         rotary_cos=paddle.to_tensor(np.cos(angle).astype(np.float32)),
@@ -233,10 +236,22 @@ def main() -> None:
             print(f"{r['context']:>8}  {r['page_format']:<14} {r['ms']:>10.2f} {r['best_ms']:>9.2f} "
                   f"{r['kv_mb']:>8.1f} {r['vs_first']:>14.3f}")
     if args.skip_arms:
+        prefill_formats = []
+        for tokens in args.prefill_lens if args.page_formats else []:
+            fns = {fmt: prefill_step(args, tokens, 0, fmt)[0] for fmt in args.page_formats}
+            times = time_arms(fns, args.reps)
+            first = times[args.page_formats[0]][0]
+            prefill_formats += [dict(tokens=tokens, page_format=fmt, ms=ms, vs_first=ms / first)
+                                for fmt, (ms, _) in times.items()]
+        if prefill_formats:
+            print(f"\none request prefilling in one step over each page format (full attention, tiled path)")
+            print(f"{'tokens':>8}  {'pages':<14} {'ms/step':>10} {'x ' + args.page_formats[0]:>14}")
+            for r in prefill_formats:
+                print(f"{r['tokens']:>8}  {r['page_format']:<14} {r['ms']:>10.2f} {r['vs_first']:>14.3f}")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(dict(config=vars(args), compile_flags=compile_flags(), page_formats=format_rows), f,
-                          indent=2)
+                json.dump(dict(config=vars(args), compile_flags=compile_flags(), page_formats=format_rows,
+                               prefill_page_formats=prefill_formats), f, indent=2)
         return
     print(f"\nappend_attention CPU decode step: batch {args.batch}, q heads {args.num_heads}, "
           f"kv heads {args.kv_heads}, head_dim {args.head_dim}, block {args.block_size}, "

@@ -94,7 +94,7 @@ void rope_and_write(const Geometry& g, const Batch& b,
       float* q = q_rot + (tok.row * g.num_heads + qh) * d;
       rope_to_float(x + int64_t(qh) * d, c, s, d, q);
       if (rotate) {
-        fd_kvq::hadamard_in_place(q, d);
+        rotate_row(q, d);
         for (int i = 0; i < d; ++i) q[i] *= unrotate;
       }
     }
@@ -103,7 +103,7 @@ void rope_and_write(const Geometry& g, const Batch& b,
     for (int h = 0; h < g.kv_heads; ++h) {
       const int64_t row = page_of(g, b, tok.request, h, block) * g.block_size + slot;
       rope_to_float(x + int64_t(g.num_heads + h) * d, c, s, d, k_rot.data());
-      if (rotate) fd_kvq::hadamard_in_place(k_rot.data(), d);
+      if (rotate) rotate_row(k_rot.data(), d);
       const QkvT* v = x + int64_t(g.num_heads + g.kv_heads + h) * d;
       for (int i = 0; i < d; ++i) v_row[i] = to_float(v[i]);
       store_row(kv.keys + row * d, kv.key_scale(row), k_rot.data(), d);
@@ -126,13 +126,20 @@ int pick_threads(int64_t key_rows, int64_t items) {
   return int(std::max<int64_t>(1, std::min<int64_t>(want, items)));
 }
 
-// Pass 3 works on tiles: up to kTileTokens consecutive query tokens of one
+// Pass 3 works on tiles: up to tile_tokens(g) consecutive query tokens of one
 // request with one KV head, so every K/V page the tile reads is loaded once
 // for all its query heads and tokens (a decode token is a tile of one). Each
 // query keeps its own softmax state and takes its keys in the same pieces and
 // order as it would alone (attention_tiles.h fixes the arithmetic), so tiling
 // changes the speed, never the bits.
 constexpr int kTileTokens = 16;
+// Quantized pages are dequantized into the tile's scratch once per page visit, so a prefill's cost
+// in dequantization is (its tiles) x (pages): bigger tiles for them (the bits do not change).
+constexpr int kQuantizedTileTokens = 64;
+
+inline int tile_tokens(const Geometry& g) {
+  return g.quant == fd_kvq::kFloat ? kTileTokens : kQuantizedTileTokens;
+}
 
 struct QueryTile {
   int request;
@@ -141,12 +148,12 @@ struct QueryTile {
   int tokens;
 };
 
-std::vector<QueryTile> list_tiles(const Batch& b) {
+std::vector<QueryTile> list_tiles(const Batch& b, int tile) {
   std::vector<QueryTile> tiles;
   for (int r = 0; r < b.bsz; ++r) {
-    for (int j = 0; j < b.seq_lens_this_time[r]; j += kTileTokens) {
+    for (int j = 0; j < b.seq_lens_this_time[r]; j += tile) {
       tiles.push_back({r, int64_t(b.cu_seqlens_q[r]) + j, int64_t(b.seq_lens_decoder[r]) + j,
-                       std::min(kTileTokens, b.seq_lens_this_time[r] - j)});
+                       std::min(tile, b.seq_lens_this_time[r] - j)});
     }
   }
   return tiles;
@@ -182,7 +189,8 @@ template <typename OutT, typename CacheT>
 void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& tokens,
             const float* q_rot, const KvPages<CacheT>& kv, OutT* out) {
   const int d = g.head_dim;
-  const std::vector<QueryTile> tiles = list_tiles(b);
+  const int tile_max = tile_tokens(g);
+  const std::vector<QueryTile> tiles = list_tiles(b, tile_max);
   const int64_t items = int64_t(tiles.size()) * g.kv_heads;
   int64_t key_rows = 0;
   for (const TokenRef& tok : tokens) {
@@ -193,7 +201,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
   }
   const float scale = 1.f / std::sqrt(float(d));
   const int threads = pick_threads(key_rows * g.group, items);
-  const int max_queries = kTileTokens * g.group;
+  const int max_queries = tile_max * g.group;
 
   // Per-worker scratch, sized once per step.
   struct Scratch {
@@ -212,8 +220,8 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
     sc.max.resize(max_queries);
     sc.denom.resize(max_queries);
     sc.acc.resize(size_t(max_queries) * d);
-    sc.runs.resize(kTileTokens);
-    sc.pieces.resize(kTileTokens);
+    sc.runs.resize(tile_max);
+    sc.pieces.resize(tile_max);
     sc.readers.resize(max_queries);
     sc.q.resize(max_queries);
     sc.w.resize(kLanes);

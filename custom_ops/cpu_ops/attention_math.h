@@ -79,10 +79,24 @@ inline void store_row(bf16_bits* dst, float* /*scale*/, const float* x, int d) {
   for (int i = 0; i < d; ++i) dst[i] = float_to_bf16(x[i]);
 }
 
-inline void store_row(int8_t* dst, float* scale, const float* x, int d) { fd_kvq::quantize_row(x, d, dst, scale); }
+inline void store_row(int8_t* dst, float* scale, const float* x, int d) {
+  if (!attention_uses_avx512() || d % kLanes != 0) return fd_kvq::quantize_row(x, d, dst, scale);
+  *scale = fd_kvq::scale_for(absmax_avx512(x, d), fd_kvq::kInt8);
+  if (*scale > 0.f) return int8_codes_avx512(x, d, *scale, dst);
+  std::memset(dst, 0, size_t(d));
+}
 
 inline void store_row(fd_kvq::e4m3* dst, float* scale, const float* x, int d) {
-  fd_kvq::quantize_row(x, d, dst, scale);
+  if (!attention_uses_avx512() || d % kLanes != 0) return fd_kvq::quantize_row(x, d, dst, scale);
+  *scale = fd_kvq::scale_for(absmax_avx512(x, d), fd_kvq::kE4M3);
+  if (*scale > 0.f) return e4m3_codes_avx512(x, d, *scale, dst);
+  std::memset(dst, 0, size_t(d));
+}
+
+// x <- H x (int8 keys and the queries beside them, kv_quant.h).
+inline void rotate_row(float* x, int d) {
+  if (attention_uses_avx512() && d % kLanes == 0) return hadamard_avx512(x, d);
+  fd_kvq::hadamard_in_place(x, d);
 }
 
 // ERNIE-style interleaved RoPE of one head: pairs (2i, 2i+1) rotate by the
