@@ -10,6 +10,28 @@ namespace {
 
 constexpr int kThreads = 128;
 
+// Request and position of qkv row `token`: false for a row no request owns (its output row is
+// zeroed here, so every output element is written) and for a position past the rotary tables
+// (recorded); both cache-write kernels start here.
+template <typename T>
+__device__ __forceinline__ bool locate_token(const Args& a, int token, T* out, int* req_out, int* pos_out) {
+  const int req = find_request(a.cu_seqlens_q, a.bsz, token);
+  const int local = req < 0 ? 0 : token - a.cu_seqlens_q[req];
+  if (req < 0 || local >= a.seq_lens_this_time[req]) {
+    const int width = a.num_heads * a.head_dim;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) out[(long long)token * width + i] = Num<T>::from_float(0.f);
+    return false;
+  }
+  const int pos = a.seq_lens_decoder[req] + local;
+  if (pos < 0 || pos >= a.max_position) {
+    if (threadIdx.x == 0) record_error(a.error_info, APPEND_ATTN_ERR_POSITION, req, -1, pos);
+    return false;
+  }
+  *req_out = req;
+  *pos_out = pos;
+  return true;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     rope_write_cache_kernel(Args a, float q_scale, T* __restrict__ out) {
@@ -20,21 +42,8 @@ __global__ void __launch_bounds__(kThreads)
   const int nh = a.num_heads;
   const int kvh = a.kv_num_heads;
 
-  const int req = find_request(a.cu_seqlens_q, a.bsz, token);
-  const int local = req < 0 ? 0 : token - a.cu_seqlens_q[req];
-  if (req < 0 || local >= a.seq_lens_this_time[req]) {
-    // A row no request owns gets zeros: every output element is written.
-    T2* row_out = reinterpret_cast<T2*>(out + (long long)token * nh * D);
-    for (int i = threadIdx.x; i < nh * pairs; i += blockDim.x) {
-      row_out[i] = Num<T>::from_float2(0.f, 0.f);
-    }
-    return;
-  }
-  const int pos = a.seq_lens_decoder[req] + local;
-  if (pos < 0 || pos >= a.max_position) {
-    if (threadIdx.x == 0) record_error(a.error_info, APPEND_ATTN_ERR_POSITION, req, -1, pos);
-    return;
-  }
+  int req, pos;
+  if (!locate_token(a, token, out, &req, &pos)) return;
 
   const T2* row = reinterpret_cast<const T2*>(static_cast<const T*>(a.qkv) +
                                               (long long)token * (nh + 2 * kvh) * D);
@@ -87,19 +96,8 @@ __global__ void __launch_bounds__(kThreads)
   float* v_s = k_s + kvh * stride;
   float* scale_s = v_s + kvh * stride;  // [kvh] K scales, then [kvh] V scales
 
-  const int req = find_request(a.cu_seqlens_q, a.bsz, token);
-  const int local = req < 0 ? 0 : token - a.cu_seqlens_q[req];
-  if (req < 0 || local >= a.seq_lens_this_time[req]) {
-    for (int i = threadIdx.x; i < nh * D; i += blockDim.x) {
-      out[(long long)token * nh * D + i] = Num<T>::from_float(0.f);
-    }
-    return;
-  }
-  const int pos = a.seq_lens_decoder[req] + local;
-  if (pos < 0 || pos >= a.max_position) {
-    if (threadIdx.x == 0) record_error(a.error_info, APPEND_ATTN_ERR_POSITION, req, -1, pos);
-    return;
-  }
+  int req, pos;
+  if (!locate_token(a, token, out, &req, &pos)) return;
   const T* row = static_cast<const T*>(a.qkv) + (long long)token * (nh + 2 * kvh) * D;
   const float* cos_row = a.rotary_cos + (long long)pos * pairs;
   const float* sin_row = a.rotary_sin + (long long)pos * pairs;
