@@ -10,9 +10,14 @@ request) over the same cache:
 Reported: median time per step over --reps runs, and speed-up vs "full"; then one request
 prefilling --prefill-lens tokens in one step (the tiled path), in ms and attention GFLOP/s.
 The issue's target: all-SWA head-wise at 64k <= 0.1x the full arm.
-A second table compares 1 vs 2 threads (FD_CPU_ATTN_NUM_THREADS).
+A second table compares 1 vs 2 threads (FD_CPU_ATTN_NUM_THREADS). With --page-formats, a third
+table times the full-attention decode step over pages of each format (float32, bfloat16, int8,
+float8_e4m3fn: the quantized pages of --kv-cache-quant-type int8 / block_wise_fp8), interleaved,
+against the first format.
 
     python benchmarks/bench_append_attention_cpu.py [--contexts 4096 16384 65536] [--json out.json]
+    python benchmarks/bench_append_attention_cpu.py --batch 32 --contexts 2048 --num-heads 9 --kv-heads 3 \
+        --head-dim 64 --page-formats float32 int8 float8_e4m3fn --skip-arms --prefill-lens 4096  # SmolLM2's
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from fastdeploy.model_executor.layers.attention.ops import append_attention
 from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import compile_flags
 
 
+QUANTIZED = ("int8", "float8_e4m3fn")  # cache dtypes of --kv-cache-quant-type int8 / block_wise_fp8
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -42,15 +50,21 @@ def log(msg: str) -> None:
 class DecodeStep:
     """One decode step of `batch` requests at `context` cached tokens, cache shared by all arms."""
 
-    def __init__(self, args, context: int):
+    def __init__(self, args, context: int, page_dtype: str = None):
         self.args, self.context = args, context
         H, bs, D = args.kv_heads, args.block_size, args.head_dim
         self.blocks_per_req = math.ceil((context + 1) / bs)
         num_blocks = args.batch * self.blocks_per_req
         cache_shape = [num_blocks, H, bs, D]
         # Values only need to be finite and varied; the op's cost does not depend on them.
-        self.key_cache = paddle.uniform(cache_shape, min=-1, max=1).astype(args.dtype)
-        self.value_cache = paddle.uniform(cache_shape, min=-1, max=1).astype(args.dtype)
+        page_dtype = page_dtype or args.dtype
+        quantized = page_dtype in QUANTIZED
+        source = (lambda: paddle.uniform(cache_shape, min=-100, max=100).astype("int8")) if page_dtype == "int8" \
+            else (lambda: paddle.uniform(cache_shape, min=-1, max=1).astype(page_dtype))
+        self.key_cache, self.value_cache = source(), source()
+        scales = (lambda: paddle.uniform(cache_shape[:3], min=0.01, max=0.02)) if quantized \
+            else (lambda: paddle.zeros([1], "float32"))
+        self.scales = dict(key_cache_scales=scales(), value_cache_scales=scales())
         self.table_1d = np.arange(num_blocks, dtype=np.int32).reshape(args.batch, self.blocks_per_req)
         i32 = lambda a: paddle.to_tensor(np.asarray(a, np.int32))  # noqa: E731
         b = args.batch
@@ -83,18 +97,19 @@ class DecodeStep:
         tensors = dict(
             qkv=self.qkv, key_cache=self.key_cache, value_cache=self.value_cache, **self.lens,
             block_tables=paddle.to_tensor(table), rotary_cos=self.cos, rotary_sin=self.sin,
-            swa_head_mask=paddle.to_tensor(swa),
+            swa_head_mask=paddle.to_tensor(swa), **self.scales,
         )
         attrs = dict(num_heads=a.num_heads, kv_num_heads=a.kv_heads, head_dim=a.head_dim,
                      sliding_window=a.window, sink_size=a.sink, visit_all_pages=mode == "1d-mask")
         return lambda: append_attention(**tensors, **attrs)
 
 
-def prefill_step(args, tokens: int, swa_heads: int):
+def prefill_step(args, tokens: int, swa_heads: int, page_dtype: str = None):
     """A zero-argument callable: one request prefilling `tokens` tokens in one step (the tiled path),
     its first `swa_heads` KV heads sliding; and the step's attention FLOPs (scores + weighted values
     over the keys each query sees)."""
     H, bs, D = args.kv_heads, args.block_size, args.head_dim
+    page_dtype = page_dtype or args.dtype
     blocks = math.ceil(tokens / bs)
     shape = [blocks, H, bs, D]
     i32 = lambda a: paddle.to_tensor(np.asarray(a, np.int32))  # noqa: E731
@@ -104,7 +119,9 @@ def prefill_step(args, tokens: int, swa_heads: int):
     swa[:swa_heads] = 1
     tensors = dict(
         qkv=paddle.uniform([tokens, (args.num_heads + 2 * H) * D], min=-1, max=1),
-        key_cache=paddle.zeros(shape, args.dtype), value_cache=paddle.zeros(shape, args.dtype),
+        key_cache=paddle.zeros(shape, page_dtype), value_cache=paddle.zeros(shape, page_dtype),
+        key_cache_scales=paddle.zeros(shape[:3] if page_dtype in QUANTIZED else [1], "float32"),
+        value_cache_scales=paddle.zeros(shape[:3] if page_dtype in QUANTIZED else [1], "float32"),
         seq_lens_encoder=i32([tokens]), seq_lens_decoder=i32([0]), seq_lens_this_time=i32([tokens]),
         cu_seqlens_q=i32([0, tokens]), block_tables=paddle.to_tensor(np.arange(blocks, dtype=np.int32)[None]),
         rotary_cos=paddle.to_tensor(np.cos(angle).astype(np.float32)),
@@ -131,6 +148,22 @@ def time_arms(fns: dict, reps: int) -> dict:
     return {name: (statistics.median(v), min(v)) for name, v in samples.items()}
 
 
+def page_format_rows(args, ctx: int) -> list:
+    """The full decode step (1-D table) over the same geometry in each --page-formats format, timed
+    interleaved; the bytes of its K/V pages (scales included) next to the time."""
+    steps = {fmt: DecodeStep(args, ctx, fmt) for fmt in args.page_formats}
+    times = time_arms({fmt: step.arm(0, "1d") for fmt, step in steps.items()}, args.reps)
+    first = times[args.page_formats[0]][0]
+    rows = []
+    for fmt, step in steps.items():
+        kv = sum(math.prod(t.shape) * t.element_size() for t in (step.key_cache, step.value_cache))
+        kv += sum(math.prod(t.shape) * 4 for t in step.scales.values()) if fmt in QUANTIZED else 0
+        ms, best = times[fmt]
+        rows.append(dict(context=ctx, page_format=fmt, ms=ms, best_ms=best, kv_mb=kv / 2**20, vs_first=ms / first))
+        log(f"[bench]   pages {fmt:<14} {ms:9.2f} ms (best {best:.2f}), {kv / 2**20:.1f} MB of K/V")
+    return rows
+
+
 def arms(kv_heads: int):
     yield "full", 0, "1d"
     for k in (1, 2, kv_heads):
@@ -153,6 +186,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="threads for the main table")
     p.add_argument("--prefill-lens", type=int, nargs="*", default=[2048],
                    help="also time one request prefilling this many tokens in one step")
+    p.add_argument("--page-formats", nargs="*", default=[],
+                   choices=["float32", "bfloat16", "int8", "float8_e4m3fn"],
+                   help="also time the full decode step over pages of each format (vs the first one)")
+    p.add_argument("--skip-arms", action="store_true", help="only the --page-formats table (and prefill)")
     p.add_argument("--json", metavar="PATH")
     return p.parse_args(argv)
 
@@ -162,8 +199,12 @@ def main(argv=None) -> None:
     os.environ["FD_CPU_ATTN_NUM_THREADS"] = str(args.threads)
 
     log(f"[bench] compile flags: {' '.join(compile_flags())}")
-    rows, thread_rows = [], []
+    rows, thread_rows, format_rows = [], [], []
     for ctx in args.contexts:
+        if args.page_formats:
+            format_rows += page_format_rows(args, ctx)
+        if args.skip_arms:
+            continue
         log(f"[bench] context {ctx}: allocating the cache ({args.batch} requests, {args.dtype})")
         step = DecodeStep(args, ctx)
         specs = list(arms(args.kv_heads))
@@ -190,6 +231,32 @@ def main(argv=None) -> None:
             log(f"[bench]   threads {name:<18} 1: {per[1][0]:.2f} ms  2: {per[2][0]:.2f} ms")
         del step
 
+    if format_rows:
+        print(f"\ndecode step over each page format: batch {args.batch}, q heads {args.num_heads}, kv heads "
+              f"{args.kv_heads}, head_dim {args.head_dim}, block {args.block_size}, full attention, "
+              f"{args.threads} threads, median of {args.reps} (formats interleaved in every rep)")
+        print(f"{'context':>8}  {'pages':<14} {'ms/step':>10} {'best':>9} {'KV MB':>8} {'x ' + args.page_formats[0]:>14}")
+        for r in format_rows:
+            print(f"{r['context']:>8}  {r['page_format']:<14} {r['ms']:>10.2f} {r['best_ms']:>9.2f} "
+                  f"{r['kv_mb']:>8.1f} {r['vs_first']:>14.3f}")
+    if args.skip_arms:
+        prefill_formats = []
+        for tokens in args.prefill_lens if args.page_formats else []:
+            fns = {fmt: prefill_step(args, tokens, 0, fmt)[0] for fmt in args.page_formats}
+            times = time_arms(fns, args.reps)
+            first = times[args.page_formats[0]][0]
+            prefill_formats += [dict(tokens=tokens, page_format=fmt, ms=ms, vs_first=ms / first)
+                                for fmt, (ms, _) in times.items()]
+        if prefill_formats:
+            print(f"\none request prefilling in one step over each page format (full attention, tiled path)")
+            print(f"{'tokens':>8}  {'pages':<14} {'ms/step':>10} {'x ' + args.page_formats[0]:>14}")
+            for r in prefill_formats:
+                print(f"{r['tokens']:>8}  {r['page_format']:<14} {r['ms']:>10.2f} {r['vs_first']:>14.3f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(config=vars(args), compile_flags=compile_flags(), page_formats=format_rows,
+                               prefill_page_formats=prefill_formats), f, indent=2)
+        return
     print(f"\nappend_attention CPU decode step: batch {args.batch}, q heads {args.num_heads}, "
           f"kv heads {args.kv_heads}, head_dim {args.head_dim}, block {args.block_size}, "
           f"W={args.window}, S={args.sink}, cache {args.dtype}, {args.threads} threads, "
@@ -222,7 +289,8 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(config=vars(args), compile_flags=compile_flags(), steps=rows, threads=thread_rows, prefill=prefill_rows,
-                           target_ratio=target["vs_full"], target_met=target["vs_full"] <= 0.1), f, indent=2)
+                           page_formats=format_rows, target_ratio=target["vs_full"],
+                           target_met=target["vs_full"] <= 0.1), f, indent=2)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,14 @@ cProfile and prints the top entries, to see what a step costs besides the GEMMs.
     python benchmarks/bench_decode_cpu.py [--concurrency 1 8] [--input-len 128] [--output-len 64]
     python benchmarks/bench_decode_cpu.py --concurrency 1 --profile 25
     python benchmarks/bench_decode_cpu.py --model smollm2-135m-instruct   # the real model instead
+    python benchmarks/bench_decode_cpu.py --model smollm2-135m-instruct --kv-cache-quant-types none int8 \
+        --concurrency 8 --input-len 4096 --decode-steps 24   # decode steps over float32 vs int8 KV pages
 
 The checkpoint (ERNIE-4.5 layout, ~540 MB) is written once to --model-dir and reused.
+
+With --kv-cache-quant-types, one engine per KV page format (--kv-cache-quant-type) takes the same N
+prompts; once every prompt is prefilled, the engines take decode steps in turn (A, B, A, B...), each
+step timed, and the medians give decode tok/s per format next to the first format's.
 """
 
 from __future__ import annotations
@@ -78,6 +84,48 @@ def run(llm, n: int, input_len: int, output_len: int, seed: int) -> dict:
     return {"concurrency": n, "output_tokens": tokens, "seconds": elapsed, "tok_per_s": tokens / elapsed}
 
 
+def decode_steps_by_format(args) -> list:
+    """Median decode-step time of one engine per page format, their steps interleaved."""
+    from fastdeploy import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    n = args.concurrency[0]
+    engines = {}
+    for quant in args.kv_cache_quant_types:
+        llm = LLM(model=args.model or write_checkpoint(args.model_dir), block_size=64, max_num_seqs=n,
+                  max_model_len=args.input_len + args.decode_steps + 16, max_num_batched_tokens=2048,
+                  kv_cache_memory=args.kv_cache_memory, kv_cache_quant_type=quant, enable_prefix_caching=False)
+        engines[quant] = llm.engine
+    vocab = next(iter(engines.values())).model_config.vocab_size
+    prompts = [rng.integers(3, min(vocab, 30000), args.input_len).tolist() for _ in range(n)]
+    params = SamplingParams(temperature=0, max_tokens=args.decode_steps + 4, ignore_eos=True)
+    for quant, engine in engines.items():
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{quant}-{i}", prompt, params)
+        t0 = time.perf_counter()
+        while any(r.num_computed_tokens <= r.num_prompt_tokens for r in engine.scheduler.running) or \
+                len(engine.scheduler.running) < n:
+            engine.step()
+        print(f"[{quant}] {n} x {args.input_len} prompt tokens prefilled in {time.perf_counter() - t0:.1f} s; "
+              f"{engine.get_stats()['kv_pages_total']} KV pages", flush=True)
+    times = {q: [] for q in engines}
+    for _ in range(args.decode_steps):
+        for quant, engine in engines.items():
+            t0 = time.perf_counter()
+            engine.step()
+            times[quant].append(time.perf_counter() - t0)
+    first = float(np.median(times[args.kv_cache_quant_types[0]]))
+    rows = []
+    for quant, ts in times.items():
+        med = float(np.median(ts))
+        rows.append({"kv_cache_quant_type": quant, "concurrency": n, "context": args.input_len,
+                     "median_step_ms": med * 1e3, "decode_tok_per_s": n / med, "step_time_x": med / first,
+                     "step_ms": [t * 1e3 for t in ts]})
+        print(f"{quant:<16} median decode step {med * 1e3:7.1f} ms  {n / med:7.1f} tok/s  x{med / first:.3f}",
+              flush=True)
+    return rows
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
@@ -88,11 +136,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", help="a model name, directory or GGUF file instead of the random SmolLM2-shaped one")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the last run; print this many entries")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--kv-cache-quant-types", nargs="+", default=None, choices=["none", "int8", "block_wise_fp8"],
+                    help="compare decode steps over these KV page formats (one engine each, steps interleaved)")
+    ap.add_argument("--decode-steps", type=int, default=24, help="timed decode steps per format")
+    ap.add_argument("--kv-cache-memory", type=int, default=4 << 30, help="KV bytes of each engine (formats)")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.kv_cache_quant_types:
+        rows = decode_steps_by_format(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return
 
     from fastdeploy import LLM
 

@@ -60,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--cache-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="default: float32 on the CPU, the compute dtype on the GPU")
+    p.add_argument("--kv-cache-quant-type", choices=["none", "int8", "block_wise_fp8"], default="none",
+                   help="KV page format of both arms (8-bit pages + scales; the cache is still sized in blocks)")
     p.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--admission-policy", choices=["reserve", "on_demand", "projected"], default=None,
@@ -118,6 +120,7 @@ def engine_args(args) -> dict:
     return dict(model=args.model, block_size=args.block_size, num_gpu_blocks_override=blocks,
                 max_num_seqs=args.max_num_seqs,
                 cache_dtype=args.cache_dtype, device=args.device, admission_policy=args.admission_policy,
+                kv_cache_quant_type=args.kv_cache_quant_type,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.input_len + args.output_len + args.block_size,
                 head_wise_swa_config=swa_config(args), speculative_config=args.speculative_config)

@@ -11,6 +11,8 @@ uneven counts too; null = full attention) this runs the engine and reports, agai
   keys (door codes) in prose of which one is asked for — in the filler prose written here
   ("multikey") or in pydoc_data's reference text ("multikey-docs"); fixed seeds, the model's chat
   template, the answer's first words given after the generation prompt;
+- greedy chat continuations (`--parts chat`): CHAT_PROMPTS in the model's chat template, each
+  config's greedy tokens against the first config's (the float32 full-attention run);
 - the page-need ceiling at the evaluated lengths (cache_manager/head_wise.py PageLayout).
 
 Which path runs a configuration: full attention on the 1-D paged path (APPEND_ATTN); a servable
@@ -20,7 +22,12 @@ reference with per-(layer, head) masks (NATIVE_ATTN), compared with a full-atten
 backend. Results are written to --json after every configuration; a rerun skips the finished ones.
 
 The configs file is a JSON list of {"name": ..., "head_wise_swa": {...} or null}, or `--standard
-FINDER_JSON` builds the table of docs/swa_quality.md from a find_swa_heads output.
+FINDER_JSON` builds the table of docs/swa_quality.md from a find_swa_heads output. A config may
+also name `"kv_cache_quant_type"` (int8 / block_wise_fp8: quantized KV pages, compared with the
+same float32 full-attention reference; `--kv-cache-quant-type` sets it for configs that do not) and
+`"head_wise_kv_cache": true` for a full-attention config on head-wise pages (a model's own sliding
+layers then recycle through slots: Gemma 3). Quantized rows report `kv_pages_x`: the pages the same
+KV memory holds against float32 pages, times the page-need ceiling.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from fastdeploy.model_executor.layers.quantization import kv_cache as kv_quant  # noqa: E402
 from fastdeploy.tools import swa_patterns  # noqa: E402
 from fastdeploy.tools.calibration_text import held_out_text, token_segments  # noqa: E402
 
@@ -76,14 +84,20 @@ def path_of(spec, num_layers: int) -> str:
     return "paged" if swa_patterns.is_even(swa_patterns.per_layer(spec["swa_kv_heads"], num_layers)) else "native"
 
 
-def build_llm(model: str, spec, path: str, max_model_len: int, prefix_caching: bool, max_num_seqs: int = 1):
+def build_llm(model: str, spec, path: str, max_model_len: int, prefix_caching: bool, max_num_seqs: int = 1,
+              quant: str = "none", head_wise: bool = False):
     """The engine for one configuration. A servable per-layer spec the engine does not accept yet
-    falls back to the masked dense reference (returned path says which ran)."""
+    falls back to the masked dense reference (returned path says which ran). `quant`: the KV page
+    format (kv_cache_quant_type); `head_wise`: full attention on head-wise pages."""
     from fastdeploy import LLM
     from fastdeploy.tools.probed_attention import install
 
     common = dict(model=model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=CHUNK, enable_prefix_caching=prefix_caching)
+    if quant != "none":
+        if path in ("native", "native-full"):
+            raise ValueError("quantized KV pages need the paged path; this config runs on NATIVE_ATTN")
+        common["kv_cache_quant_type"] = quant
     if path == "paged":
         os.environ.update(FD_HEAD_WISE_KV_CACHE="1", FD_HEAD_WISE_SWA_RECYCLE="1", FD_ATTENTION_BACKEND="APPEND_ATTN")
         try:
@@ -92,7 +106,7 @@ def build_llm(model: str, spec, path: str, max_model_len: int, prefix_caching: b
             log(f"the engine cannot serve this spec ({exc}); evaluating it with NATIVE_ATTN masks")
             path = "native"
     native = path in ("native", "native-full")
-    os.environ.update(FD_HEAD_WISE_KV_CACHE="0", FD_HEAD_WISE_SWA_RECYCLE="1",
+    os.environ.update(FD_HEAD_WISE_KV_CACHE="1" if head_wise and not native else "0", FD_HEAD_WISE_SWA_RECYCLE="1",
                       FD_ATTENTION_BACKEND="NATIVE_ATTN" if native else "APPEND_ATTN")
     if native:
         common["enable_prefix_caching"] = False  # the dense reference keeps K/V per request
@@ -127,7 +141,8 @@ def text_metrics(logprobs: list, segments: list, reference: list, exact_below: i
     agree = np.stack([lp.argmax(-1) == r.argmax(-1) for r, lp in zip(reference, logprobs)])
     nll = np.stack([-lp[np.arange(len(seg) - 1), np.asarray(seg[1:])] for seg, lp in zip(segments, logprobs)])
     n = kl.shape[1]
-    diff_below = max(float(np.abs(lp[:exact_below] - r[:exact_below]).max()) for r, lp in zip(reference, logprobs))
+    diff_below = max(float(np.abs(lp[:exact_below] - r[:exact_below]).max()) if exact_below else 0.0
+                     for r, lp in zip(reference, logprobs))
     buckets = [{"positions": [a, b], "kl": float(kl[:, a:b].mean()), "top1": float(agree[:, a:b].mean())}
                for a, b in buckets_for(n, exact_below)]
     past = slice(min(exact_below, n - 1), None)
@@ -135,14 +150,17 @@ def text_metrics(logprobs: list, segments: list, reference: list, exact_below: i
             "top1_past_window": float(agree[:, past].mean()),
             "perplexity": float(np.exp(nll.mean())), "perplexity_past_window": float(np.exp(nll[:, past].mean())),
             "max_abs_logprob_diff_below_window": diff_below,
-            "exact_below_window": bool(diff_below == 0.0 and kl[:, :exact_below].max() == 0.0
+            "exact_below_window": bool(exact_below and diff_below == 0.0 and kl[:, :exact_below].max() == 0.0
                                        and agree[:, :exact_below].all())}
 
 
-def below_window_check(text: dict, permuted_heads: bool) -> str:
+def below_window_check(text: dict, permuted_heads: bool, quantized: bool = False) -> str:
     """exact: bit for bit as full attention below sink + window. rounding: the engine permuted KV heads
     at load (per-layer SWA heads moved to shared slots), which reorders o_proj's sum, so log-probs
-    there differ in the last bits (top-1 must still agree everywhere). FAIL: anything else."""
+    there differ in the last bits (top-1 must still agree everywhere). FAIL: anything else.
+    Quantized pages differ from float32 pages everywhere: nothing to check (n/a)."""
+    if quantized:
+        return "n/a (quantized pages)"
     if text["exact_below_window"]:
         return "exact"
     below = text["buckets"][0]
@@ -240,6 +258,55 @@ def retrieval_metrics(llm, prompts: list) -> list:
     return [{"variant": v, "length": n, "depth": d, **c} for (v, n, d), c in cells.items()]
 
 
+# -- greedy chat -------------------------------------------------------------------------------
+CHAT_PROMPTS = (
+    "What is the capital of Italy? Answer in one sentence.",
+    "Write two lines of a poem about autumn leaves.",
+    "Explain in simple words why the sky looks blue.",
+    "Give three tips for learning a new language.",
+    "What is 17 times 6? Show the steps.",
+    "Name four planets of the solar system.",
+    "Describe a cat to someone who has never seen one.",
+    "What does a compiler do? Keep it short.",
+    "Suggest a name for a small bakery by the sea.",
+    "How do plants make their food?",
+    "Write a short thank-you note to a neighbour who watered my garden.",
+    "What is the difference between weather and climate?",
+    "List three things to pack for a day hike.",
+    "Why do we have leap years?",
+    "Translate 'thank you very much' into French.",
+    "What is a prime number? Give two examples.",
+    "Tell me a fun fact about octopuses.",
+    "How should I store fresh basil?",
+    "Summarize the story of Little Red Riding Hood in two sentences.",
+    "What are the three states of water?",
+    "Give a one-sentence definition of democracy.",
+    "What is the boiling point of water at sea level in Celsius?",
+    "Write a polite reply declining a meeting invitation.",
+    "Why is exercise good for the heart?",
+)
+
+
+def chat_outputs(llm, max_tokens: int) -> list:
+    from fastdeploy import SamplingParams
+
+    outs = llm.chat([[{"role": "user", "content": c}] for c in CHAT_PROMPTS],
+                    SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    return [list(o.outputs.token_ids) for o in outs]
+
+
+def chat_metrics(outputs: list, reference: list) -> dict:
+    """Prompts whose greedy tokens equal the reference's, and the mean share of tokens before the first
+    difference."""
+    def agreed(a, b):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return n / max(len(b), 1)
+
+    equal = sum(a == b for a, b in zip(outputs, reference))
+    return {"equal": equal, "prompts": len(reference),
+            "mean_prefix_agreement": float(np.mean([agreed(a, b) for a, b in zip(outputs, reference)]))}
+
+
 # -- memory ------------------------------------------------------------------------------------
 def page_need_ceiling(spec, num_layers: int, num_kv: int, lengths, block_size: int) -> dict:
     """Peak pages of one request with full attention / with this config's recycling, per length.
@@ -286,10 +353,13 @@ def parse_args(argv=None):
     p.add_argument("--trials", type=int, default=1, help="prompts per retrieval cell")
     p.add_argument("--retrieval", default=None,
                    help="comma-separated config names that also run retrieval (default: all)")
-    p.add_argument("--parts", default="text,retrieval", help="what to measure: text, retrieval or both")
+    p.add_argument("--parts", default="text,retrieval", help="what to measure: text, retrieval, chat")
+    p.add_argument("--chat-tokens", type=int, default=48, help="greedy tokens per chat prompt (--parts chat)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=4, help="retrieval prompts in flight at once")
+    p.add_argument("--kv-cache-quant-type", default="none", choices=["none", "int8", "block_wise_fp8"],
+                   help="KV page format of configs that name none (the reference stays float32 pages)")
     return p.parse_args(argv)
 
 
@@ -318,6 +388,8 @@ def main(argv=None) -> int:
     results = json.load(open(args.json)) if args.json and os.path.exists(args.json) else {}
     settings = {"parts": sorted(parts), "segments": args.text_segments, "segment_tokens": args.segment_tokens, "lengths": lengths,
                 "depths": depths, "variants": variants, "trials": args.trials, "seed": args.seed}
+    if "chat" in parts:
+        settings["chat_tokens"] = args.chat_tokens
     if results.get("settings", settings) != settings:
         log(f"{args.json} holds results of other settings; starting it afresh")
         results = {}
@@ -348,33 +420,51 @@ def main(argv=None) -> int:
 
     for c in configs:
         name, spec = c["name"], c["head_wise_swa"]
-        if name in done and done[name].get("head_wise_swa") == spec:
+        quant = c.get("kv_cache_quant_type", args.kv_cache_quant_type)
+        head_wise = bool(c.get("head_wise_kv_cache", False))
+        if name in done and done[name].get("head_wise_swa") == spec and \
+                done[name].get("kv_cache_quant_type", "none") == quant:
             log(f"{name}: done already")
             continue
         t0 = time.time()
         path = path_of(spec, num_layers)
-        exact_below = spec["sink_size"] + spec["sliding_window"] if spec else args.segment_tokens
-        row = {"head_wise_swa": spec, "path": path}
-        llm, ran = build_llm(args.model, spec, path, max_len, prefix_caching=False) \
-            if spec is not None and "text" in parts else (None, path)
+        exact_below = 0 if quant != "none" else \
+            spec["sink_size"] + spec["sliding_window"] if spec else args.segment_tokens
+        row = {"head_wise_swa": spec, "path": path, "kv_cache_quant_type": quant, "head_wise_kv_cache": head_wise}
+        is_reference = spec is None and quant == "none" and not head_wise
+        llm, ran = build_llm(args.model, spec, path, max_len, prefix_caching=False, quant=quant, head_wise=head_wise) \
+            if not is_reference and "text" in parts else (None, path)
         row["path"] = ran
         if "text" in parts:
-            if spec is None:  # the reference itself
+            if is_reference:
                 lps = reference("full")
             else:
                 lps = [text_logprobs(llm, seg) for seg in segments]
             row["text"] = text_metrics(lps, segments, reference(ran), exact_below)
             permuted = llm is not None and llm.engine.model_config.kv_head_orders is not None
-            row["text"]["below_window_check"] = below_window_check(row["text"], permuted)
+            row["text"]["below_window_check"] = below_window_check(row["text"], permuted, quant != "none")
             del lps
         if llm is not None:
             llm.engine.close()
+        if "chat" in parts:
+            llm, ran = build_llm(args.model, spec, ran, max_len, prefix_caching=True, max_num_seqs=8,
+                                 quant=quant, head_wise=head_wise)
+            row["chat_outputs"] = chat_outputs(llm, args.chat_tokens)
+            llm.engine.close()
+            first = next(iter(done.values()), row)  # the first config's (float32 full attention) outputs
+            row["chat"] = chat_metrics(row["chat_outputs"], first.get("chat_outputs", row["chat_outputs"]))
+            log(f"{name}: greedy chat {row['chat']['equal']}/{row['chat']['prompts']} prompts equal to "
+                f"{next(iter(done), name)}'s, mean agreement {row['chat']['mean_prefix_agreement']:.3f}")
         if "retrieval" in parts and (with_retrieval is None or name in with_retrieval):
-            llm, ran = build_llm(args.model, spec, ran, max_len, prefix_caching=True, max_num_seqs=args.max_num_seqs)
+            llm, ran = build_llm(args.model, spec, ran, max_len, prefix_caching=True, max_num_seqs=args.max_num_seqs,
+                                 quant=quant, head_wise=head_wise)
             row["path"] = ran
             row["retrieval"] = retrieval_metrics(llm, prompts)
             llm.engine.close()
         row["page_need_ceiling"] = page_need_ceiling(spec, num_layers, num_kv, lengths, args.block_size)
+        if quant != "none":  # the same KV memory holds this many times float32's pages
+            ratio = 4 * mc.head_dim / kv_quant.row_bytes(quant, 4, mc.head_dim)
+            row["kv_pages_x"] = {n: round(ratio * c, 3) for n, c in row["page_need_ceiling"].items()}
         row["seconds"] = round(time.time() - t0, 1)
         done[name] = row
         t = row.get("text") or {"kl_mean_past_window": float("nan"), "top1_past_window": float("nan"),

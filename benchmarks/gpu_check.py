@@ -10,8 +10,9 @@ says why under "skipped" and the rest still run):
   kernel_bench   benchmarks/bench_append_attention_gpu.py: 2-D skip vs 1-D dual pass vs 1-D masked at
                  ERNIE-4.5-21B-A3B shapes, decode and prefill, achieved HBM bandwidth
   engine         only where Paddle with CUDA is importable: the tiny presets on --device gpu vs cpu
-                 (greedy tokens; first-token log-probs within a bf16 tolerance) and the offline
-                 recycle A/B (bench_offline.py --device gpu)
+                 (greedy tokens; first-token log-probs within a bf16 tolerance), the same with int8
+                 and block_wise_fp8 KV pages (--kv-cache-quant-type; quantized arm), and the
+                 offline recycle A/B (bench_offline.py --device gpu)
   ab             no Paddle needed (PyTorch or CuPy + nvcc): a step loop that drives the real
                  ResourceManagerV1 / PrefixCacheManager, packs each step with the engine's own
                  StepRunner.build_step_input + HostStepBuffer, calls the project's CUDA AppendAttention
@@ -126,7 +127,8 @@ def kernel_params(fd_config, layout: StepBufferLayout, num_tokens: int, dtype: i
                 num_blocks=fd_config.cache_config.num_gpu_blocks, max_blocks_per_seq=layout.max_blocks_per_seq,
                 head_wise_table=int(layout.head_wise), max_position=model.max_model_len,
                 sliding_window=spec.sliding_window, sink_size=spec.sink_size, visit_all_pages=0, dual_pass=0,
-                kv_slots=0)  # 0: the per-head cache layout (slot h = head h), what this check's presets use
+                kv_slots=0,  # 0: the per-head cache layout (slot h = head h), what this check's presets use
+                cache_quant=gpu_harness.CACHE_FLOAT)  # the A/B runs 16-bit pages
 
 
 def buffer_addresses(base: int, layout: StepBufferLayout) -> dict:
@@ -429,8 +431,10 @@ import json, os, sys
 os.environ["FD_HEAD_WISE_KV_CACHE"] = "1"
 from fastdeploy import LLM, SamplingParams
 device, model = sys.argv[1], sys.argv[2]
+quant = sys.argv[3] if len(sys.argv) > 3 else "none"
+pages = dict(cache_dtype="bfloat16") if quant == "none" else dict(kv_cache_quant_type=quant)
 llm = LLM(model=model, device=device, dtype="bfloat16" if device == "gpu" else "float32",
-          cache_dtype="bfloat16", block_size=16, max_model_len=1024, max_num_seqs=8)
+          block_size=16, max_model_len=1024, max_num_seqs=8, **pages)
 prompts = [[3 + (i * 37 + n * 11) % 250 for i in range(n)] for n in (1, 17, 130, 300)]
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5),
                     use_tqdm=False)
@@ -438,6 +442,9 @@ print("RESULT" + json.dumps({"tokens": [o.outputs.token_ids for o in outs],
                              "first_logprobs": [o.outputs.logprobs[0] for o in outs]}))
 """
 BF16_LOGPROB_TOLERANCE = 0.1  # |log p| of the first sampled token, bf16 GPU vs float32 CPU
+# The quantized arm: the tiny GPU preset with 8-bit KV pages on both devices (the same page rule,
+# kv_quant.h; the GPU computes in bf16, so its codes may differ where a value sits on a rounding edge).
+QUANTIZED_ARMS = ("int8", "block_wise_fp8")
 
 
 def compare_engine_runs(gpu: dict, cpu: dict) -> dict:
@@ -463,19 +470,21 @@ def engine_part(timeout: float) -> dict:
         return {"skipped": f"Paddle {paddle.__version__} is the CPU build (this part needs paddlepaddle-gpu)"}
     report = {}
     # The presets' head_dim-64 twins, named on both devices: the CUDA op has no head_dim 32/16 kernels.
-    for model in (TINY_GPU_PRESET_NAME, TINY_MOE_GPU_PRESET_NAME):
-        runs = {}
+    arms = [(m, "none") for m in (TINY_GPU_PRESET_NAME, TINY_MOE_GPU_PRESET_NAME)]
+    arms += [(TINY_GPU_PRESET_NAME, q) for q in QUANTIZED_ARMS]
+    for model, quant in arms:
+        runs, name = {}, model if quant == "none" else f"{model}_{quant}"
         for device in ("gpu", "cpu"):
-            rc, out, secs = _run([sys.executable, "-c", ENGINE_SCRIPT, device, model], timeout / 5)
+            rc, out, secs = _run([sys.executable, "-c", ENGINE_SCRIPT, device, model, quant], timeout / 7)
             line = next((x for x in out.splitlines() if x.startswith("RESULT")), None)
             runs[device] = json.loads(line[6:], object_hook=_int_keys) if line else None
-            report[f"{model}_{device}"] = {"returncode": rc, "seconds": secs, "tail": None if line else out[-1500:]}
+            report[f"{name}_{device}"] = {"returncode": rc, "seconds": secs, "tail": None if line else out[-1500:]}
         if runs["gpu"] and runs["cpu"]:
-            report[f"{model}_compare"] = compare_engine_runs(runs["gpu"], runs["cpu"])
+            report[f"{name}_compare"] = compare_engine_runs(runs["gpu"], runs["cpu"])
     ab_json = Path(tempfile.mkdtemp()) / "offline_ab.json"
     rc, out, secs = _run([sys.executable, "benchmarks/bench_offline.py", "--device", "gpu", "--cache-dtype", "bfloat16",
                           "--num-prompts", "64", "--input-len", "512", "--output-len", "128", "--window", "64",
-                          "--json", str(ab_json)], timeout / 5)
+                          "--json", str(ab_json)], timeout / 7)
     report["offline_ab"] = {"returncode": rc, "seconds": secs,
                             "report": json.loads(ab_json.read_text()) if ab_json.is_file() else None,
                             "tail": None if ab_json.is_file() else out[-1500:]}
@@ -547,7 +556,7 @@ def main(argv=None) -> int:
         print("gpu_check: no GPU (or no nvcc) here: the kernel parts and the A/B are skipped, nothing is measured",
               file=sys.stderr)
     for part, run in (("kernel_tests", lambda: kernel_tests(180)), ("kernel_bench", lambda: kernel_bench(120)),
-                      ("engine", lambda: engine_part(150)),
+                      ("engine", lambda: engine_part(210)),
                       ("ab", lambda: ab_part(DEFAULT_AB, args.ab_arm_limit_s, args.hardware))):
         if part in skip:
             report[part] = {"skipped": "--skip"}

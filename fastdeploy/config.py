@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from fastdeploy import envs
+from fastdeploy.model_executor.layers.quantization import kv_cache as kv_quant
 from fastdeploy.model_executor.models.architectures import ACTIVATIONS, ERNIE4_5, Architecture, architecture
 from fastdeploy.model_executor.models.named_models import NAMED_MODELS
 from fastdeploy.model_executor.swa_head_placement import place_swa_heads
@@ -515,14 +516,27 @@ class CacheConfig:
     cache_dtype: str = "float32"
     # None = on unless the attention backend cannot read shared pages (resolved to a bool by FDConfig).
     enable_prefix_caching: Optional[bool] = None
+    # none / int8 / block_wise_fp8 (layers/quantization/kv_cache.py); None = the checkpoint's
+    # quantization_config.kv_cache_quant_type, else none (resolved by FDConfig).
+    kv_cache_quant_type: Optional[str] = None
     num_gpu_blocks: int = 0  # resolved by FDConfig
+
+    @property
+    def page_dtype(self) -> str:
+        """The dtype of the K/V lanes: int8 / float8_e4m3fn for quantized pages, else cache_dtype."""
+        return kv_quant.page_dtype(self.kv_cache_quant_type or "none", self.cache_dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return kv_quant.is_quantized(self.kv_cache_quant_type or "none")
 
     def block_bytes(self, model: ModelConfig, tensor_parallel_size: int) -> int:
         """Bytes one block takes on one rank: K and V, every layer, this rank's KV heads (the same for
-        any slot layout: k lanes x G slots = layers x heads)."""
+        any slot layout: k lanes x G slots = layers x heads), quantized pages' scales included."""
         heads = model.num_key_value_heads // tensor_parallel_size
-        return (2 * model.num_hidden_layers * heads * self.block_size * model.head_dim
-                * CACHE_DTYPE_BYTES[self.cache_dtype])
+        row = kv_quant.row_bytes(self.kv_cache_quant_type or "none", CACHE_DTYPE_BYTES[self.cache_dtype],
+                                 model.head_dim)
+        return 2 * model.num_hidden_layers * heads * self.block_size * row
 
 
 @dataclass
@@ -595,6 +609,7 @@ class FDConfig:
             raise ValueError(f"block_size must be a positive integer, got {cache.block_size!r}")
         if cache.cache_dtype not in CACHE_DTYPE_BYTES:
             raise ValueError(f"cache_dtype must be one of {sorted(CACHE_DTYPE_BYTES)}, got {cache.cache_dtype!r}")
+        cache.kv_cache_quant_type = kv_quant.resolve_kv_cache_quant_type(cache.kv_cache_quant_type, model.raw)
         if not _is_int(sched.max_num_seqs) or sched.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {sched.max_num_seqs!r}")
         if sched.max_num_batched_tokens is None:
@@ -639,7 +654,8 @@ class FDConfig:
             logger.info("KV slots: %s", self.slot_layout.describe())
 
     def _check_device(self) -> None:
-        from fastdeploy.worker.device import check_gpu_attention_dtypes, check_gpu_attention_shapes
+        from fastdeploy.worker.device import check_gpu_attention_dtypes, check_gpu_attention_shapes, \
+            default_cache_dtype
 
         if self.device not in ("gpu", "cpu"):
             raise ValueError(f"device must be resolved to gpu or cpu, got {self.device!r}")
@@ -650,6 +666,9 @@ class FDConfig:
                                        model.num_key_value_heads, model.preset)
         if self.device == "cpu" and self.cache_config.cache_dtype == "float16":
             raise ValueError("cache_dtype=float16 needs --device gpu; the CPU op stores float32 or bfloat16")
+        kv_quant.check_kv_cache_quant_type(self.cache_config.kv_cache_quant_type, self.cache_config.cache_dtype,
+                                           default_cache_dtype(self.device, self.model_config.dtype),
+                                           self.attention_backend, self.device, self.model_config.dtype)
         if self.head_wise_attn == "DUAL_PASS":
             # Upstream's baseline: two kernel passes over one shared 1-D table. Only the CUDA op has
             # the second pass; on the CPU, or with per-head tables, it would be a silent no-op.
@@ -681,19 +700,25 @@ class FDConfig:
 
     def _resolve_num_blocks(self) -> None:
         cache = self.cache_config
+        block_bytes = cache.block_bytes(self.model_config, self.parallel_config.tensor_parallel_size)
         if cache.num_gpu_blocks_override is not None:
             n = cache.num_gpu_blocks_override
             if not _is_int(n) or n < 1:
                 raise ValueError(f"num_gpu_blocks_override must be a positive integer, got {n!r}")
+            source = "--num-gpu-blocks-override"
         else:
             budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY
             if not _is_int(budget) or budget < 1:
                 raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {budget!r}")
-            n = budget // cache.block_bytes(self.model_config, self.parallel_config.tensor_parallel_size)
+            n = budget // block_bytes
             if n < 1:
-                raise ValueError(f"kv_cache_memory={budget} bytes holds no block of "
-                                 f"{cache.block_bytes(self.model_config, self.parallel_config.tensor_parallel_size)} bytes")
+                raise ValueError(f"kv_cache_memory={budget} bytes holds no block of {block_bytes} bytes")
+            source = f"--kv-cache-memory {budget} bytes"
         cache.num_gpu_blocks = int(n)
+        slots = self.slot_layout.slots_per_rank  # a page: one slot's block_size tokens in every lane
+        self.kv_cache_summary = (f"KV cache: {kv_quant.describe_pages(cache.kv_cache_quant_type, cache.cache_dtype)}, "
+                                 f"{block_bytes // slots} bytes per page, {cache.num_gpu_blocks * slots} pages per "
+                                 f"rank ({cache.num_gpu_blocks} blocks x {slots} slots) from {source}")
 
     def _fit_max_model_len(self) -> None:
         """max_model_len must fit the sized KV cache: one request that long must find its peak pages.

@@ -5,13 +5,18 @@
 // the slot layout [num_blocks, G, block_size, head_dim] (G >= kv_heads slots);
 // kv_head_slots[h] is the slot (table row) of KV head h in this layer.
 //
+// Quantized lanes (int8 or e4m3fn caches, kv_quant.h) carry float32 scales
+// [num_blocks, G, block_size] for K and for V, one per token row of every page;
+// float lanes take a 1-element placeholder there (docs/op_contract.md).
+//
 // The step runs in three passes:
 //   1. validate every shape and every table entry the step will touch, so a
 //      scheduler bug (-1 where a page is needed) is a clear error raised
 //      before anything is written, never a wild read;
-//   2. rotate q/k (interleaved RoPE) and write the new K/V rows in place;
+//   2. rotate q/k (interleaved RoPE) and write the new K/V rows in place
+//      (quantized lanes: each row's codes and its scale);
 //   3. attention per (tile of a request's tokens, KV head): the tile's query
-//      heads and tokens share each K/V page; a SWA head visits only the sink
+//      heads and tokens share each K/V page (dequantized once per visit); a SWA head visits only the sink
 //      pages and the pages that overlap its window, so its cost is
 //      O(window + sink), not O(sequence).
 // The argument layout is pinned in docs/op_contract.md.
@@ -42,6 +47,20 @@ struct TokenRef {
   int64_t pos;  // absolute position of the token
 };
 
+// One lane's K and V pages as the step sees them: CacheT is float, bf16_bits, int8_t or
+// fd_kvq::e4m3; quantized lanes also carry one float32 scale per (page, row) for K and for V, at
+// the row's index in the page space (page * block_size + row), so a page's scales go wherever the
+// page goes. Float lanes have no scales (nullptr).
+template <typename CacheT>
+struct KvPages {
+  CacheT* keys;
+  CacheT* values;
+  float* key_scales;
+  float* value_scales;
+  float* key_scale(int64_t row) const { return key_scales == nullptr ? nullptr : key_scales + row; }
+  float* value_scale(int64_t row) const { return value_scales == nullptr ? nullptr : value_scales + row; }
+};
+
 std::vector<TokenRef> list_tokens(const Batch& b) {
   std::vector<TokenRef> tokens;
   for (int r = 0; r < b.bsz; ++r) {
@@ -54,34 +73,41 @@ std::vector<TokenRef> list_tokens(const Batch& b) {
 }
 
 // Pass 2: q heads rotated into `q_rot` [token_num, num_heads, head_dim] fp32;
-// rotated k and raw v written into the cache row of the token's position.
+// rotated k and raw v written into the cache row of the token's position (quantized pages: their
+// codes, and the row's scale into the same (page, row) cell of the scale tensors; int8 pages
+// store the key Hadamard-rotated and the queries are rotated to match, kv_quant.h).
 template <typename QkvT, typename CacheT>
 void rope_and_write(const Geometry& g, const Batch& b,
                     const std::vector<TokenRef>& tokens, const QkvT* qkv,
-                    const float* cos, const float* sin, CacheT* key_cache,
-                    CacheT* value_cache, float* q_rot) {
+                    const float* cos, const float* sin, const KvPages<CacheT>& kv, float* q_rot) {
   const int d = g.head_dim;
   const int64_t stride = int64_t(g.num_heads + 2 * g.kv_heads) * d;
-  std::vector<float> k_rot(d);
+  // int8 pages hold H k; each query then becomes H q / d (kv_quant.h), so q . k is unchanged.
+  const bool rotate = fd_kvq::rotates_keys(g.quant, d);
+  const float unrotate = 1.f / float(d);  // a power of two: exact
+  std::vector<float> k_rot(d), v_row(d);
   for (const TokenRef& tok : tokens) {
     const QkvT* x = qkv + tok.row * stride;
     const float* c = cos + tok.pos * (d / 2);
     const float* s = sin + tok.pos * (d / 2);
     for (int qh = 0; qh < g.num_heads; ++qh) {
-      rope_to_float(x + int64_t(qh) * d, c, s, d,
-                    q_rot + (tok.row * g.num_heads + qh) * d);
+      float* q = q_rot + (tok.row * g.num_heads + qh) * d;
+      rope_to_float(x + int64_t(qh) * d, c, s, d, q);
+      if (rotate) {
+        rotate_row(q, d);
+        for (int i = 0; i < d; ++i) q[i] *= unrotate;
+      }
     }
     const int block = int(tok.pos / g.block_size);
     const int64_t slot = tok.pos % g.block_size;
     for (int h = 0; h < g.kv_heads; ++h) {
-      const int64_t page = page_of(g, b, tok.request, h, block);
-      const int64_t dst = (page * g.block_size + slot) * d;
+      const int64_t row = page_of(g, b, tok.request, h, block) * g.block_size + slot;
       rope_to_float(x + int64_t(g.num_heads + h) * d, c, s, d, k_rot.data());
+      if (rotate) rotate_row(k_rot.data(), d);
       const QkvT* v = x + int64_t(g.num_heads + g.kv_heads + h) * d;
-      for (int i = 0; i < d; ++i) {
-        store(key_cache + dst + i, k_rot[i]);
-        store(value_cache + dst + i, to_float(v[i]));
-      }
+      for (int i = 0; i < d; ++i) v_row[i] = to_float(v[i]);
+      store_row(kv.keys + row * d, kv.key_scale(row), k_rot.data(), d);
+      store_row(kv.values + row * d, kv.value_scale(row), v_row.data(), d);
     }
   }
 }
@@ -100,13 +126,20 @@ int pick_threads(int64_t key_rows, int64_t items) {
   return int(std::max<int64_t>(1, std::min<int64_t>(want, items)));
 }
 
-// Pass 3 works on tiles: up to kTileTokens consecutive query tokens of one
+// Pass 3 works on tiles: up to tile_tokens(g) consecutive query tokens of one
 // request with one KV head, so every K/V page the tile reads is loaded once
 // for all its query heads and tokens (a decode token is a tile of one). Each
 // query keeps its own softmax state and takes its keys in the same pieces and
 // order as it would alone (attention_tiles.h fixes the arithmetic), so tiling
 // changes the speed, never the bits.
 constexpr int kTileTokens = 16;
+// Quantized pages are dequantized into the tile's scratch once per page visit, so a prefill's cost
+// in dequantization is (its tiles) x (pages): bigger tiles for them (the bits do not change).
+constexpr int kQuantizedTileTokens = 64;
+
+inline int tile_tokens(const Geometry& g) {
+  return g.quant == fd_kvq::kFloat ? kTileTokens : kQuantizedTileTokens;
+}
 
 struct QueryTile {
   int request;
@@ -115,12 +148,12 @@ struct QueryTile {
   int tokens;
 };
 
-std::vector<QueryTile> list_tiles(const Batch& b) {
+std::vector<QueryTile> list_tiles(const Batch& b, int tile) {
   std::vector<QueryTile> tiles;
   for (int r = 0; r < b.bsz; ++r) {
-    for (int j = 0; j < b.seq_lens_this_time[r]; j += kTileTokens) {
+    for (int j = 0; j < b.seq_lens_this_time[r]; j += tile) {
       tiles.push_back({r, int64_t(b.cu_seqlens_q[r]) + j, int64_t(b.seq_lens_decoder[r]) + j,
-                       std::min(kTileTokens, b.seq_lens_this_time[r] - j)});
+                       std::min(tile, b.seq_lens_this_time[r] - j)});
     }
   }
   return tiles;
@@ -154,9 +187,10 @@ struct PageReader {
 // results depend neither on the thread count nor on the tiling.
 template <typename OutT, typename CacheT>
 void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& tokens,
-            const float* q_rot, const CacheT* key_cache, const CacheT* value_cache, OutT* out) {
+            const float* q_rot, const KvPages<CacheT>& kv, OutT* out) {
   const int d = g.head_dim;
-  const std::vector<QueryTile> tiles = list_tiles(b);
+  const int tile_max = tile_tokens(g);
+  const std::vector<QueryTile> tiles = list_tiles(b, tile_max);
   const int64_t items = int64_t(tiles.size()) * g.kv_heads;
   int64_t key_rows = 0;
   for (const TokenRef& tok : tokens) {
@@ -167,7 +201,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
   }
   const float scale = 1.f / std::sqrt(float(d));
   const int threads = pick_threads(key_rows * g.group, items);
-  const int max_queries = kTileTokens * g.group;
+  const int max_queries = tile_max * g.group;
 
   // Per-worker scratch, sized once per step.
   struct Scratch {
@@ -186,8 +220,8 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
     sc.max.resize(max_queries);
     sc.denom.resize(max_queries);
     sc.acc.resize(size_t(max_queries) * d);
-    sc.runs.resize(kTileTokens);
-    sc.pieces.resize(kTileTokens);
+    sc.runs.resize(tile_max);
+    sc.pieces.resize(tile_max);
     sc.readers.resize(max_queries);
     sc.q.resize(max_queries);
     sc.w.resize(kLanes);
@@ -230,9 +264,10 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
           if (on_page(sc.runs[t].lo[k], sc.runs[t].hi[k], page_lo, g.block_size, &a, &e))
             lo = std::min(lo, a), hi = std::max(hi, e);
       if (lo >= hi) continue;
-      const int64_t row0 = (page_of(g, b, tile.request, h, i) * g.block_size + (lo - page_lo)) * d;
-      const float* kf = rows_as_float(key_cache + row0, sc.ktile.data(), (hi - lo) * d);
-      const float* vf = rows_as_float(value_cache + row0, sc.vtile.data(), (hi - lo) * d);
+      // Quantized pages are dequantized here, once per page visit, for all the tile's queries.
+      const int64_t row0 = page_of(g, b, tile.request, h, i) * g.block_size + (lo - page_lo);
+      const float* kf = rows_as_float(kv.keys + row0 * d, kv.key_scale(row0), sc.ktile.data(), hi - lo, d);
+      const float* vf = rows_as_float(kv.values + row0 * d, kv.value_scale(row0), sc.vtile.data(), hi - lo, d);
       // The queries that read this page and their pieces of it (sink part, window part).
       int readers = 0;
       for (int t = 0; t < tile.tokens; ++t) {
@@ -302,24 +337,48 @@ template <typename QkvT, typename CacheT>
 void run_step(const Geometry& g, const Batch& b, const paddle::Tensor& qkv,
               const paddle::Tensor& cos, const paddle::Tensor& sin,
               const paddle::Tensor& key_cache, const paddle::Tensor& value_cache,
+              const paddle::Tensor& key_scales, const paddle::Tensor& value_scales,
               paddle::Tensor* out) {
   const int64_t token_num = qkv.shape()[0];
   const std::vector<TokenRef> tokens = list_tokens(b);
   // Cache writes are the op's contract (in-place outputs), hence const_cast.
-  CacheT* kc = reinterpret_cast<CacheT*>(const_cast<void*>(key_cache.data()));
-  CacheT* vc = reinterpret_cast<CacheT*>(const_cast<void*>(value_cache.data()));
+  const auto writable = [](const paddle::Tensor& t) { return const_cast<void*>(t.data()); };
+  const bool quantized = g.quant != fd_kvq::kFloat;
+  const KvPages<CacheT> kv{reinterpret_cast<CacheT*>(writable(key_cache)),
+                           reinterpret_cast<CacheT*>(writable(value_cache)),
+                           quantized ? reinterpret_cast<float*>(writable(key_scales)) : nullptr,
+                           quantized ? reinterpret_cast<float*>(writable(value_scales)) : nullptr};
   const QkvT* x = reinterpret_cast<const QkvT*>(qkv.data());
   QkvT* o = reinterpret_cast<QkvT*>(out->data());
 
   std::vector<float> q_rot(size_t(token_num) * g.num_heads * g.head_dim);
-  rope_and_write(g, b, tokens, x, cos.data<float>(), sin.data<float>(), kc, vc,
-                 q_rot.data());
-  attend(g, b, tokens, q_rot.data(), kc, vc, o);
+  rope_and_write(g, b, tokens, x, cos.data<float>(), sin.data<float>(), kv, q_rot.data());
+  attend(g, b, tokens, q_rot.data(), kv, o);
   // Padding rows past cu_seqlens_q[bsz] carry no token; zero them so every
   // element of the output is defined.
   const int64_t used = b.cu_seqlens_q[b.bsz];
   std::fill(o + used * g.num_heads * g.head_dim,
             o + token_num * g.num_heads * g.head_dim, QkvT(0));
+}
+
+// The step with the cache's element type: float32, bfloat16, int8 or e4m3 pages.
+template <typename QkvT>
+void run_step_for_cache(const Geometry& g, const Batch& b, const paddle::Tensor& qkv,
+                        const paddle::Tensor& cos, const paddle::Tensor& sin,
+                        const paddle::Tensor& key_cache, const paddle::Tensor& value_cache,
+                        const paddle::Tensor& key_scales, const paddle::Tensor& value_scales,
+                        paddle::Tensor* out) {
+  switch (key_cache.dtype()) {
+    case paddle::DataType::BFLOAT16:
+      return run_step<QkvT, bf16_bits>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales, value_scales, out);
+    case paddle::DataType::INT8:
+      return run_step<QkvT, int8_t>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales, value_scales, out);
+    case paddle::DataType::FLOAT8_E4M3FN:
+      return run_step<QkvT, fd_kvq::e4m3>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales, value_scales,
+                                          out);
+    default:
+      return run_step<QkvT, float>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales, value_scales, out);
+  }
 }
 
 }  // namespace
@@ -333,14 +392,16 @@ std::vector<paddle::Tensor> AppendAttentionCpu(
     const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& block_tables,
     const paddle::Tensor& rotary_cos, const paddle::Tensor& rotary_sin,
     const paddle::Tensor& swa_head_mask, const paddle::Tensor& kv_head_slots,
+    const paddle::Tensor& key_cache_scales, const paddle::Tensor& value_cache_scales,
     int num_heads, int kv_num_heads, int head_dim, int sliding_window, int sink_size,
     bool visit_all_pages) {
   using fd_cpu::bf16_bits;
   const fd_attn::DeviceRules rules = fd_attn::cpu_rules();
   const fd_cpu::Geometry g = fd_attn::check_inputs(
       rules, qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
-      cu_seqlens_q, block_tables, rotary_cos, rotary_sin, swa_head_mask, kv_head_slots, num_heads,
-      kv_num_heads, head_dim, sliding_window, sink_size, visit_all_pages);
+      cu_seqlens_q, block_tables, rotary_cos, rotary_sin, swa_head_mask, kv_head_slots,
+      key_cache_scales, value_cache_scales, num_heads, kv_num_heads, head_dim, sliding_window,
+      sink_size, visit_all_pages);
   const fd_attn::HostBatch host = fd_attn::host_batch(g, seq_lens_decoder, seq_lens_this_time,
                                                       cu_seqlens_q, block_tables, swa_head_mask,
                                                       kv_head_slots);
@@ -350,22 +411,19 @@ std::vector<paddle::Tensor> AppendAttentionCpu(
   const auto& qs = qkv.shape();
   paddle::Tensor out =
       paddle::empty({qs[0], int64_t(num_heads) * head_dim}, qkv.dtype(), qkv.place());
-  const bool qkv_bf16 = qkv.dtype() == paddle::DataType::BFLOAT16;
-  const bool cache_bf16 = key_cache.dtype() == paddle::DataType::BFLOAT16;
-  if (!qkv_bf16 && !cache_bf16) {
-    fd_cpu::run_step<float, float>(g, b, qkv, rotary_cos, rotary_sin, key_cache, value_cache, &out);
-  } else if (!qkv_bf16 && cache_bf16) {
-    fd_cpu::run_step<float, bf16_bits>(g, b, qkv, rotary_cos, rotary_sin, key_cache, value_cache, &out);
-  } else if (qkv_bf16 && !cache_bf16) {
-    fd_cpu::run_step<bf16_bits, float>(g, b, qkv, rotary_cos, rotary_sin, key_cache, value_cache, &out);
+  if (qkv.dtype() == paddle::DataType::BFLOAT16) {
+    fd_cpu::run_step_for_cache<bf16_bits>(g, b, qkv, rotary_cos, rotary_sin, key_cache, value_cache,
+                                          key_cache_scales, value_cache_scales, &out);
   } else {
-    fd_cpu::run_step<bf16_bits, bf16_bits>(g, b, qkv, rotary_cos, rotary_sin, key_cache, value_cache, &out);
+    fd_cpu::run_step_for_cache<float>(g, b, qkv, rotary_cos, rotary_sin, key_cache, value_cache,
+                                      key_cache_scales, value_cache_scales, &out);
   }
   return {out};
 }
 
 std::vector<std::vector<int64_t>> AppendAttentionCpuInferShape(
     const std::vector<int64_t>& qkv_shape, const std::vector<int64_t>&,
+    const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&,
@@ -380,7 +438,7 @@ std::vector<paddle::DataType> AppendAttentionCpuInferDtype(
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
-    const paddle::DataType&) {
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
   return {qkv_dtype};
 }
 
@@ -388,10 +446,13 @@ PD_BUILD_OP(append_attention_cpu)
     .Inputs({"qkv", "key_cache", "value_cache", "seq_lens_encoder",
              "seq_lens_decoder", "seq_lens_this_time", "cu_seqlens_q",
              "block_tables", "rotary_cos", "rotary_sin", "swa_head_mask",
-             "kv_head_slots"})
-    .Outputs({"out", "key_cache_out", "value_cache_out"})
+             "kv_head_slots", "key_cache_scales", "value_cache_scales"})
+    .Outputs({"out", "key_cache_out", "value_cache_out", "key_cache_scales_out",
+              "value_cache_scales_out"})
     .SetInplaceMap({{"key_cache", "key_cache_out"},
-                    {"value_cache", "value_cache_out"}})
+                    {"value_cache", "value_cache_out"},
+                    {"key_cache_scales", "key_cache_scales_out"},
+                    {"value_cache_scales", "value_cache_scales_out"}})
     .Attrs({"num_heads: int", "kv_num_heads: int", "head_dim: int",
             "sliding_window: int", "sink_size: int", "visit_all_pages: bool"})
     .SetKernelFn(PD_KERNEL(AppendAttentionCpu))
@@ -409,14 +470,16 @@ std::vector<paddle::Tensor> AppendAttentionValidate(
     const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& block_tables,
     const paddle::Tensor& rotary_cos, const paddle::Tensor& rotary_sin,
     const paddle::Tensor& swa_head_mask, const paddle::Tensor& kv_head_slots,
+    const paddle::Tensor& key_cache_scales, const paddle::Tensor& value_cache_scales,
     int num_heads, int kv_num_heads, int head_dim, int sliding_window, int sink_size,
     bool visit_all_pages, bool gpu_rules, bool check_place) {
   fd_attn::DeviceRules rules = gpu_rules ? fd_attn::gpu_rules() : fd_attn::cpu_rules();
   rules.check_place = check_place;
   const fd_attn::Geometry g = fd_attn::check_inputs(
       rules, qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
-      cu_seqlens_q, block_tables, rotary_cos, rotary_sin, swa_head_mask, kv_head_slots, num_heads,
-      kv_num_heads, head_dim, sliding_window, sink_size, visit_all_pages);
+      cu_seqlens_q, block_tables, rotary_cos, rotary_sin, swa_head_mask, kv_head_slots,
+      key_cache_scales, value_cache_scales, num_heads, kv_num_heads, head_dim, sliding_window,
+      sink_size, visit_all_pages);
   const fd_attn::HostBatch host = fd_attn::host_batch(g, seq_lens_decoder, seq_lens_this_time,
                                                       cu_seqlens_q, block_tables, swa_head_mask,
                                                       kv_head_slots);
@@ -432,6 +495,7 @@ std::vector<std::vector<int64_t>> AppendAttentionValidateInferShape(
     const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&,
+    const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&, int, int, int, int, int, bool,
     bool, bool) {
   return {{1}};
@@ -441,7 +505,8 @@ std::vector<paddle::DataType> AppendAttentionValidateInferDtype(
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
-    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
+    const paddle::DataType&, const paddle::DataType&) {
   return {paddle::DataType::INT64};
 }
 
@@ -449,7 +514,7 @@ PD_BUILD_OP(append_attention_validate)
     .Inputs({"qkv", "key_cache", "value_cache", "seq_lens_encoder",
              "seq_lens_decoder", "seq_lens_this_time", "cu_seqlens_q",
              "block_tables", "rotary_cos", "rotary_sin", "swa_head_mask",
-             "kv_head_slots"})
+             "kv_head_slots", "key_cache_scales", "value_cache_scales"})
     .Outputs({"token_num"})
     .Attrs({"num_heads: int", "kv_num_heads: int", "head_dim: int",
             "sliding_window: int", "sink_size: int", "visit_all_pages: bool",

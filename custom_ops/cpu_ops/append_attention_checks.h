@@ -6,7 +6,7 @@
 //   1. check_inputs(): place, contiguity and dtype of every input, the op's
 //      integer attributes, the qkv width, the cache shape [num_blocks, slots,
 //      block_size, head_dim] (slots >= kv_heads: a lane of the slot layout,
-//      docs/memory_model.md), the lengths of the int32 vectors, the table rank
+//      docs/memory_model.md), the scale tensors of quantized caches, the lengths of the int32 vectors, the table rank
 //      and dims against [bsz, slots, max_blocks] (or [bsz, max_blocks] in 1-D
 //      mode), the rotary tables;
 //   2. check_batch() on host copies of the small int32 inputs: cu_seqlens_q
@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "kv_quant.h"
 #include "paddle/extension.h"
 
 namespace fd_attn {
@@ -49,6 +50,7 @@ struct Geometry {
   int64_t max_position = 0;  // rows of the rotary tables
   int64_t token_num = 0;     // rows of qkv
   int bsz = 0;
+  fd_kvq::Format quant = fd_kvq::kFloat;  // the pages' format, from the caches' dtype
 };
 
 // Host pointers to the step's int32 inputs.
@@ -112,16 +114,45 @@ struct DeviceRules {
   bool gpu;            // inputs must be GPU (else CPU) tensors
   bool check_place;    // false only for the validate-only test op, whose inputs are CPU tensors
   bool qkv_fp32, qkv_bf16, qkv_fp16;
-  bool cache_matches_qkv;  // the CUDA kernels need cache dtype == qkv dtype
+  bool cache_matches_qkv;  // the CUDA kernels need float caches of qkv's dtype
   bool cache_fp32, cache_bf16, cache_fp16;
+  bool quantized_needs_bf16;  // the CUDA kernels read quantized pages with bfloat16 qkv only
 };
 
 inline DeviceRules cpu_rules() {
-  return {"append_attention", "CPU", false, true, true, true, false, false, true, true, false};
+  return {"append_attention", "CPU", false, true, true, true, false, false, true, true, false, false};
 }
 
 inline DeviceRules gpu_rules() {
-  return {"append_attention_gpu", "GPU", true, true, false, true, true, true, false, true, true};
+  return {"append_attention_gpu", "GPU", true, true, false, true, true, true, false, true, true, true};
+}
+
+// int8 and e4m3fn caches are quantized pages (both devices read and write both).
+inline fd_kvq::Format page_format(paddle::DataType t) {
+  if (t == paddle::DataType::INT8) return fd_kvq::kInt8;
+  if (t == paddle::DataType::FLOAT8_E4M3FN) return fd_kvq::kE4M3;
+  return fd_kvq::kFloat;
+}
+
+// Quantized pages: float32 [num_blocks, slots, block_size], one scale per row of every page, for K
+// and for V. Float pages have no scales: a 1-element float32 placeholder keeps the op's arity fixed.
+inline void check_scales(const DeviceRules& rules, fd_kvq::Format quant,
+                         const std::vector<int64_t>& cache_shape, const paddle::Tensor& key_scales,
+                         const paddle::Tensor& value_scales) {
+  for (const auto& [t, name] : {std::pair<const paddle::Tensor*, const char*>{&key_scales, "key_cache_scales"},
+                                {&value_scales, "value_cache_scales"}}) {
+    PD_CHECK(t->dtype() == paddle::DataType::FLOAT32, rules.op, ": ", name, " must be float32");
+    if (quant == fd_kvq::kFloat) {
+      PD_CHECK(t->numel() == 1, rules.op, ": ", name,
+               " must be a 1-element placeholder for float caches (scales belong to int8 / "
+               "float8_e4m3fn caches)");
+    } else {
+      PD_CHECK(t->shape() == std::vector<int64_t>(cache_shape.begin(), cache_shape.end() - 1), rules.op,
+               ": ", name, " must be [num_blocks=", cache_shape[0], ", slots=", cache_shape[1],
+               ", block_size=", cache_shape[2], "] (one scale per row of every page) for ",
+               quant == fd_kvq::kInt8 ? "int8" : "float8_e4m3fn", " caches");
+    }
+  }
 }
 
 inline std::string dtype_list(bool fp32, bool bf16, bool fp16) {
@@ -158,7 +189,9 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
                              const paddle::Tensor& block_tables,
                              const paddle::Tensor& rotary_cos, const paddle::Tensor& rotary_sin,
                              const paddle::Tensor& swa_head_mask,
-                             const paddle::Tensor& kv_head_slots, int num_heads,
+                             const paddle::Tensor& kv_head_slots,
+                             const paddle::Tensor& key_cache_scales,
+                             const paddle::Tensor& value_cache_scales, int num_heads,
                              int kv_num_heads, int head_dim, int sliding_window, int sink_size,
                              bool visit_all_pages) {
   const std::pair<const paddle::Tensor*, const char*> inputs[] = {
@@ -173,7 +206,9 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
       {&rotary_cos, "rotary_cos"},
       {&rotary_sin, "rotary_sin"},
       {&swa_head_mask, "swa_head_mask"},
-      {&kv_head_slots, "kv_head_slots"}};
+      {&kv_head_slots, "kv_head_slots"},
+      {&key_cache_scales, "key_cache_scales"},
+      {&value_cache_scales, "value_cache_scales"}};
   for (const auto& [t, name] : inputs) {
     PD_CHECK(t->initialized(), rules.op, ": ", name, " is not initialized");
     if (rules.check_place) {
@@ -205,13 +240,20 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
            ", block_size, head_dim=", head_dim, "]");
   PD_CHECK(value_cache.shape() == cs && value_cache.dtype() == key_cache.dtype(), rules.op,
            ": value_cache must match key_cache in shape and dtype");
-  if (rules.cache_matches_qkv) {
-    PD_CHECK(key_cache.dtype() == qkv.dtype(), rules.op, ": caches must have qkv's dtype");
+  const fd_kvq::Format quant = page_format(key_cache.dtype());
+  if (quant != fd_kvq::kFloat) {
+    PD_CHECK(!rules.quantized_needs_bf16 || qkv.dtype() == paddle::DataType::BFLOAT16, rules.op,
+             ": int8 / float8_e4m3fn caches (quantized pages) need bfloat16 qkv");
+  } else if (rules.cache_matches_qkv) {
+    PD_CHECK(key_cache.dtype() == qkv.dtype(), rules.op,
+             ": caches must have qkv's dtype, or be int8 / float8_e4m3fn (quantized pages)");
   } else {
     PD_CHECK(dtype_allowed(key_cache.dtype(), rules.cache_fp32, rules.cache_bf16, rules.cache_fp16),
              rules.op, ": caches must be ",
-             dtype_list(rules.cache_fp32, rules.cache_bf16, rules.cache_fp16));
+             dtype_list(rules.cache_fp32, rules.cache_bf16, rules.cache_fp16),
+             ", or int8 / float8_e4m3fn (quantized pages)");
   }
+  check_scales(rules, quant, cs, key_cache_scales, value_cache_scales);
 
   const int64_t bsz = seq_lens_this_time.shape().size() == 1 ? seq_lens_this_time.shape()[0] : -1;
   PD_CHECK(bsz >= 0, rules.op, ": seq_lens_this_time must be 1-D [bsz]");
@@ -259,6 +301,7 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
   g.max_position = rotary_cos.shape()[0];
   g.token_num = qs[0];
   g.bsz = int(bsz);
+  g.quant = quant;
   return g;
 }
 

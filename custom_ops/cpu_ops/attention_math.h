@@ -11,6 +11,8 @@
 #include <limits>
 
 #include "attention_tiles.h"
+#include "kv_quant.h"
+#include "kv_quant_rows.h"
 
 namespace fd_cpu {
 
@@ -38,16 +40,63 @@ inline bf16_bits float_to_bf16(float f) {
 inline void store(float* dst, float x) { *dst = x; }
 inline void store(bf16_bits* dst, float x) { *dst = float_to_bf16(x); }
 
-// `rows` cache rows as fp32: fp32 rows are used in place, bf16 rows are
-// widened once into `scratch` so every product below runs on plain floats.
-inline const float* rows_as_float(const float* rows, float* /*scratch*/, int64_t) {
+// `rows` cache rows of d values as fp32: fp32 rows are used in place, bf16 rows are widened once
+// into `scratch`, quantized rows (kv_quant.h) are dequantized into it with each row's scale, so
+// every product below runs on plain floats. `scales` (one per row) is read for quantized rows only.
+inline const float* rows_as_float(const float* rows, const float* /*scales*/, float* /*scratch*/, int64_t,
+                                  int) {
   return rows;
 }
 
-inline const float* rows_as_float(const bf16_bits* rows, float* scratch, int64_t n) {
+inline const float* rows_as_float(const bf16_bits* rows, const float* /*scales*/, float* scratch, int64_t n,
+                                  int d) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) scratch[i] = to_float(rows[i]);
+  for (int64_t i = 0; i < n * d; ++i) scratch[i] = to_float(rows[i]);
   return scratch;
+}
+
+inline const float* rows_as_float(const int8_t* rows, const float* scales, float* scratch, int64_t n, int d) {
+  if (attention_uses_avx512() && d % kLanes == 0) return dequantize_rows_avx512(rows, scales, scratch, n, d);
+  for (int64_t r = 0; r < n; ++r)
+    for (int i = 0; i < d; ++i) scratch[r * d + i] = fd_kvq::dequantize(rows[r * d + i], scales[r]);
+  return scratch;
+}
+
+inline const float* rows_as_float(const fd_kvq::e4m3* rows, const float* scales, float* scratch, int64_t n,
+                                  int d) {
+  if (attention_uses_avx512() && d % kLanes == 0) return dequantize_rows_avx512(rows, scales, scratch, n, d);
+  static const E4M3Table table;
+  for (int64_t r = 0; r < n; ++r)
+    for (int i = 0; i < d; ++i) scratch[r * d + i] = table.value[rows[r * d + i].bits] * scales[r];
+  return scratch;
+}
+
+// One token's rotated K (or its V) x[0..d) written into its cache row (and, for quantized pages,
+// the row's scale).
+inline void store_row(float* dst, float* /*scale*/, const float* x, int d) { std::memcpy(dst, x, sizeof(float) * d); }
+
+inline void store_row(bf16_bits* dst, float* /*scale*/, const float* x, int d) {
+  for (int i = 0; i < d; ++i) dst[i] = float_to_bf16(x[i]);
+}
+
+inline void store_row(int8_t* dst, float* scale, const float* x, int d) {
+  if (!attention_uses_avx512() || d % kLanes != 0) return fd_kvq::quantize_row(x, d, dst, scale);
+  *scale = fd_kvq::scale_for(absmax_avx512(x, d), fd_kvq::kInt8);
+  if (*scale > 0.f) return int8_codes_avx512(x, d, *scale, dst);
+  std::memset(dst, 0, size_t(d));
+}
+
+inline void store_row(fd_kvq::e4m3* dst, float* scale, const float* x, int d) {
+  if (!attention_uses_avx512() || d % kLanes != 0) return fd_kvq::quantize_row(x, d, dst, scale);
+  *scale = fd_kvq::scale_for(absmax_avx512(x, d), fd_kvq::kE4M3);
+  if (*scale > 0.f) return e4m3_codes_avx512(x, d, *scale, dst);
+  std::memset(dst, 0, size_t(d));
+}
+
+// x <- H x (int8 keys and the queries beside them, kv_quant.h).
+inline void rotate_row(float* x, int d) {
+  if (attention_uses_avx512() && d % kLanes == 0) return hadamard_avx512(x, d);
+  fd_kvq::hadamard_in_place(x, d);
 }
 
 // ERNIE-style interleaved RoPE of one head: pairs (2i, 2i+1) rotate by the

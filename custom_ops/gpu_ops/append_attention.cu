@@ -1,6 +1,7 @@
 // Paddle custom op `append_attention_gpu`: a thin wrapper over the C ABI launcher in
 // append_attn/ (same arguments, semantics and input checks as the CPU op; bf16/fp16 tensors on
-// the GPU). key_cache / value_cache are updated in place. Built by custom_ops/setup_ops.py, or
+// the GPU; int8 / float8_e4m3fn caches with their scales for quantized pages, bf16 qkv). key_cache /
+// value_cache (and the scales) are updated in place. Built by custom_ops/setup_ops.py, or
 // JIT-built on first use (fastdeploy/.../ops/gpu_op_loader.py), when Paddle has CUDA.
 //
 // Checks: everything that needs no value of the int32 inputs (places, dtypes, shapes, table
@@ -29,14 +30,14 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
     const paddle::Tensor& seq_lens_this_time, const paddle::Tensor& cu_seqlens_q,
     const paddle::Tensor& block_tables, const paddle::Tensor& rotary_cos,
     const paddle::Tensor& rotary_sin, const paddle::Tensor& swa_head_mask,
-    const paddle::Tensor& kv_head_slots, paddle::Tensor& error_info,
-    int num_heads, int kv_num_heads, int head_dim, int sliding_window, int sink_size,
+    const paddle::Tensor& kv_head_slots, paddle::Tensor& key_cache_scales,
+    paddle::Tensor& value_cache_scales, paddle::Tensor& error_info, int num_heads, int kv_num_heads, int head_dim, int sliding_window, int sink_size,
     bool visit_all_pages, bool dual_pass) {
   // The CPU op's metadata checks (one header); the value checks run on the device (error_info).
   fd_attn::check_inputs(fd_attn::gpu_rules(), qkv, key_cache, value_cache, seq_lens_encoder,
                         seq_lens_decoder, seq_lens_this_time, cu_seqlens_q, block_tables, rotary_cos,
-                        rotary_sin, swa_head_mask, kv_head_slots, num_heads, kv_num_heads, head_dim,
-                        sliding_window,
+                        rotary_sin, swa_head_mask, kv_head_slots, key_cache_scales,
+                        value_cache_scales, num_heads, kv_num_heads, head_dim, sliding_window,
                         sink_size, visit_all_pages);
   PD_CHECK(error_info.is_gpu() && error_info.dtype() == paddle::DataType::INT32 &&
                error_info.numel() == 4,
@@ -61,6 +62,8 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
   p.sink_size = sink_size;
   p.visit_all_pages = visit_all_pages;
   p.dual_pass = dual_pass ? 1 : 0;
+  p.cache_quant = fd_attn::page_format(key_cache.dtype());  // AppendAttnCacheQuant's values
+  const bool quantized = p.cache_quant != APPEND_ATTN_CACHE_FLOAT;
 
   auto out = paddle::empty({p.token_num, num_heads * head_dim}, qkv.dtype(), qkv.place());
   AppendAttnBuffers b;
@@ -76,6 +79,8 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
   b.rotary_sin = rotary_sin.data<float>();
   b.swa_head_mask = swa_head_mask.data<int>();
   b.kv_head_slots = kv_head_slots.data<int>();
+  b.key_cache_scales = quantized ? key_cache_scales.data<float>() : nullptr;
+  b.value_cache_scales = quantized ? value_cache_scales.data<float>() : nullptr;
   b.out = out.data();
 
   const size_t ws_bytes = append_attention_workspace_bytes(&p);
@@ -93,8 +98,9 @@ std::vector<std::vector<int64_t>> AppendAttentionGpuInferShape(
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, const std::vector<int64_t>&, int num_heads, int kv_num_heads,
-    int head_dim, int, int, bool, bool) {
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
+    const std::vector<int64_t>&, int num_heads, int kv_num_heads, int head_dim, int, int, bool,
+    bool) {
   return {{qkv_shape[0], static_cast<int64_t>(num_heads) * head_dim}};
 }
 
@@ -103,17 +109,21 @@ std::vector<paddle::DataType> AppendAttentionGpuInferDtype(
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
-    const paddle::DataType&) {
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
   return {qkv_dtype};
 }
 
 PD_BUILD_OP(append_attention_gpu)
     .Inputs({"qkv", "key_cache", "value_cache", "seq_lens_encoder", "seq_lens_decoder",
              "seq_lens_this_time", "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin",
-             "swa_head_mask", "kv_head_slots", "error_info"})
-    .Outputs({"out", "key_cache_out", "value_cache_out", "error_info_out"})
+             "swa_head_mask", "kv_head_slots", "key_cache_scales", "value_cache_scales",
+             "error_info"})
+    .Outputs({"out", "key_cache_out", "value_cache_out", "key_cache_scales_out",
+              "value_cache_scales_out", "error_info_out"})
     .SetInplaceMap({{"key_cache", "key_cache_out"},
                     {"value_cache", "value_cache_out"},
+                    {"key_cache_scales", "key_cache_scales_out"},
+                    {"value_cache_scales", "value_cache_scales_out"},
                     {"error_info", "error_info_out"}})
     .Attrs({"num_heads: int", "kv_num_heads: int", "head_dim: int", "sliding_window: int",
             "sink_size: int", "visit_all_pages: bool", "dual_pass: bool"})

@@ -23,6 +23,7 @@ class EngineArgs:
     num_gpu_blocks_override: Optional[int] = None
     kv_cache_memory: Optional[int] = None
     cache_dtype: Optional[str] = None  # None: float32 on the CPU, the compute dtype on the GPU
+    kv_cache_quant_type: Optional[str] = None  # None: the checkpoint's quantization_config, else none
     max_num_batched_tokens: Optional[int] = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: Optional[bool] = None  # None: on, unless FD_ATTENTION_BACKEND=NATIVE_ATTN
@@ -46,6 +47,7 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 kv_cache_memory=self.kv_cache_memory,
                 cache_dtype=self.cache_dtype or default_cache_dtype(device, model_config.dtype),
+                kv_cache_quant_type=self.kv_cache_quant_type,
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler_config=SchedulerConfig(
@@ -82,6 +84,10 @@ class EngineArgs:
                        help="bytes of KV cache per rank (default 256 MiB)")
         g.add_argument("--cache-dtype", choices=["float32", "bfloat16", "float16"], default=d.cache_dtype,
                        help="storage type of the KV cache (default: float32 on the CPU, the compute dtype on the GPU)")
+        g.add_argument("--kv-cache-quant-type", type=str, default=d.kv_cache_quant_type,
+                       help="KV page format: none, int8 or block_wise_fp8 (8-bit K/V + a float32 scale per token "
+                            "and KV head, ~3.8x the float32 pages at head_dim 64); default: the checkpoint's "
+                            "quantization_config.kv_cache_quant_type, else none")
         g.add_argument("--device", choices=list(DEVICE_CHOICES), default=d.device,
                        help="where the model, KV cache and attention run (auto: the GPU when Paddle has CUDA and "
                             "sees one, else the CPU; default: FD_DEVICE, else auto)")

@@ -44,6 +44,7 @@ class LLMEngine:
                     self.model_config.served_model_name, fd_config.cache_config.num_gpu_blocks,
                     self.scheduler.cache_manager.num_total_pages, fd_config.head_wise_kv_cache,
                     fd_config.swa_recycle_active, fd_config.attention_backend)
+        logger.info("%s", fd_config.kv_cache_summary)  # the page format, its bytes (scales included), pages
         swa = self.model_config.head_wise_swa
         if swa is not None:
             logger.info("head_wise_swa from %s: window %d, sink %d", self.model_config.head_wise_swa_source,

@@ -23,6 +23,7 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCE_DIR = REPO_ROOT / "custom_ops" / "gpu_ops" / "append_attn"
 LIB_NAME = "libappend_attn_harness.so"
+SHARED_HEADER = REPO_ROOT / "custom_ops" / "cpu_ops" / "kv_quant.h"  # the quantized-page rule, included
 
 # SASS for sm_80 and sm_90 plus compute_90 PTX, so a newer GPU can still JIT the kernels.
 GENCODES = (
@@ -51,6 +52,7 @@ PARAM_FIELDS = (
     "visit_all_pages",
     "dual_pass",
     "kv_slots",
+    "cache_quant",
 )
 BUFFER_FIELDS = (
     "qkv",
@@ -66,7 +68,12 @@ BUFFER_FIELDS = (
     "swa_head_mask",
     "out",
     "kv_head_slots",
+    "key_cache_scales",
+    "value_cache_scales",
 )
+
+# AppendAttnCacheQuant: float pages of `dtype`, or int8 / e4m3fn bytes with a float32 scale per row.
+CACHE_FLOAT, CACHE_INT8, CACHE_FP8_E4M3 = 0, 1, 2
 
 # Device-side error codes (AppendAttnDeviceError).
 ERR_DEAD_ENTRY = 1
@@ -77,6 +84,9 @@ ERR_POSITION = 4
 
 class _Params(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in PARAM_FIELDS]
+
+    def __init__(self, **fields):
+        super().__init__(**{"cache_quant": CACHE_FLOAT, **fields})  # older callers name no page format
 
 
 class _Buffers(ctypes.Structure):
@@ -164,7 +174,7 @@ def build(out_dir: Path, jobs: int = 2, nvcc: str | None = None) -> BuildResult:
 
 def _source_key() -> str:
     digest = hashlib.sha256()
-    for path in sorted(SOURCE_DIR.glob("*.cu*")):
+    for path in [*sorted(SOURCE_DIR.glob("*.cu*")), SHARED_HEADER]:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     digest.update(" ".join(NVCC_FLAGS + GENCODES).encode())
@@ -241,6 +251,10 @@ class Case:
     swa_head_mask: np.ndarray
     out: np.ndarray
     kv_head_slots: np.ndarray | None = None  # None: KV head h in slot h (params kv_slots 0)
+    # Quantized pages (params cache_quant != 0): the caches are uint8 / int8 codes and these float32
+    # [num_blocks, kv_slots, block_size] their rows' scales.
+    key_cache_scales: np.ndarray | None = None
+    value_cache_scales: np.ndarray | None = None
 
     def with_params(self, **changes) -> "Case":
         return dataclasses.replace(self, params={**self.params, **changes})
@@ -255,6 +269,8 @@ class RunResult:
     out: np.ndarray | None
     key_cache: np.ndarray | None
     value_cache: np.ndarray | None
+    key_cache_scales: np.ndarray | None = None
+    value_cache_scales: np.ndarray | None = None
 
 
 class Harness:
@@ -291,13 +307,18 @@ class Harness:
             return a.ctypes.data_as(ctypes.c_void_p)
 
         host = not fill_on_device
+        quantized = case.params.get("cache_quant", CACHE_FLOAT) != CACHE_FLOAT
+        cache_dtype = np.uint8 if quantized else np.uint16
         out = np.array(case.out, dtype=np.uint16) if host else None
-        kc = np.array(case.key_cache, dtype=np.uint16) if host else None
-        vc = np.array(case.value_cache, dtype=np.uint16) if host else None
+        # Quantized codes may arrive as int8 or uint8 arrays: their bytes are what the device gets.
+        kc = np.array(case.key_cache, copy=True).view(cache_dtype) if host else None
+        vc = np.array(case.value_cache, copy=True).view(cache_dtype) if host else None
+        ks = np.array(case.key_cache_scales, dtype=np.float32) if host and quantized else None
+        vs = np.array(case.value_cache_scales, dtype=np.float32) if host and quantized else None
         b = _Buffers(
             qkv=ptr(case.qkv, np.uint16) if host else None,
-            key_cache=ptr(kc, np.uint16),
-            value_cache=ptr(vc, np.uint16),
+            key_cache=ptr(kc, cache_dtype),
+            value_cache=ptr(vc, cache_dtype),
             seq_lens_encoder=ptr(case.seq_lens_encoder, np.int32),
             seq_lens_decoder=ptr(case.seq_lens_decoder, np.int32),
             seq_lens_this_time=ptr(case.seq_lens_this_time, np.int32),
@@ -308,6 +329,8 @@ class Harness:
             swa_head_mask=ptr(case.swa_head_mask, np.int32),
             out=ptr(out, np.uint16),
             kv_head_slots=ptr(case.kv_head_slots, np.int32),
+            key_cache_scales=ptr(ks, np.float32),
+            value_cache_scales=ptr(vs, np.float32),
         )
         avg_ms = ctypes.c_float(0.0)
         info = (ctypes.c_int * 4)()
@@ -332,4 +355,6 @@ class Harness:
             out=out if ok else None,
             key_cache=kc if ok else None,
             value_cache=vc if ok else None,
+            key_cache_scales=ks if ok else None,
+            value_cache_scales=vs if ok else None,
         )

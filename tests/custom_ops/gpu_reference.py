@@ -7,9 +7,16 @@ if one of them sits behind a -1 entry.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+import gpu_harness
 from gpu_harness import BF16, Case, from_storage, storage_nan, to_storage
+from reference_kv_quant import quantized_pages
+
+# kv_cache_quant_type -> AppendAttnCacheQuant
+QUANT = {"int8": gpu_harness.CACHE_INT8, "block_wise_fp8": gpu_harness.CACHE_FP8_E4M3}
 
 
 class DeadEntryNeeded(LookupError):
@@ -238,3 +245,13 @@ def build_case(
 def relative_error(out_bits: np.ndarray, ref: np.ndarray, dtype: int) -> float:
     got = from_storage(out_bits, dtype).astype(np.float64).reshape(ref.shape)
     return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+def quantize_case(case: Case, fmt: str) -> Case:
+    """The (bf16) case with its cache rows as quantized pages of `fmt` (tests/custom_ops/
+    reference_kv_quant.py; NaN rows: scale NaN, codes 0, so a stray read still poisons the output)."""
+    shape = case.key_cache.shape
+    kc, ks = quantized_pages(from_storage(case.key_cache, BF16).reshape(shape), fmt, keys=True)
+    vc, vs = quantized_pages(from_storage(case.value_cache, BF16).reshape(shape), fmt, keys=False)
+    return dataclasses.replace(case.with_params(cache_quant=QUANT[fmt]), key_cache=kc, value_cache=vc,
+                               key_cache_scales=ks, value_cache_scales=vs)

@@ -46,12 +46,14 @@ def page_id(table: np.ndarray, r: int, h: int, i: int, kv_heads: int) -> int:
 def reference_append_attention(
     qkv, key_cache, value_cache, seq_lens_decoder, seq_lens_this_time, cu_seqlens_q,
     block_tables, rotary_cos, rotary_sin, swa_head_mask, *, num_heads, kv_num_heads,
-    head_dim, sliding_window, sink_size, cache_is_bf16=False,
+    head_dim, sliding_window, sink_size, cache_is_bf16=False, caches_hold_new_rows=False,
 ):
     """Returns (out float64 [T, num_heads*D], expected key cache, expected value cache).
 
     Caches are float32 numpy arrays [num_blocks, H, bs, D] (bf16 caches passed
     as their exact float32 values); the expected caches have the same dtype.
+    ``caches_hold_new_rows``: the caches already hold the step's K/V rows (e.g. the
+    dequantized rows an op wrote into quantized pages), so pass 1 writes nothing.
     """
     d, kvh = head_dim, kv_num_heads
     group = num_heads // kvh
@@ -65,7 +67,7 @@ def reference_append_attention(
 
     # Pass 1: write every request's new rows (a query may see only its own
     # request's keys, so the order of requests does not matter).
-    for r in range(len(seq_lens_this_time)):
+    for r in range(0 if caches_hold_new_rows else len(seq_lens_this_time)):
         n, c, row0 = int(seq_lens_decoder[r]), int(seq_lens_this_time[r]), int(cu_seqlens_q[r])
         pos = np.arange(n, n + c)
         cos, sin = rotary_cos[pos].astype(np.float64), rotary_sin[pos].astype(np.float64)

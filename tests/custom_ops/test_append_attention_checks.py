@@ -162,3 +162,63 @@ def test_gpu_wrapper_rules_reject_cpu_tensors_naming_the_input():
     t = _tensors(valid_inputs(), "bfloat16", "bfloat16")
     with pytest.raises(ValueError, match=r"every input must be a GPU tensor, but qkv is on .*(cpu|CPU)"):
         _validate(t, "gpu", check_place=True)
+
+
+# -- the scale tensors of quantized pages (int8 / float8_e4m3fn caches) ------------------------------
+SCALES_SHAPE = (NUM_BLOCKS, KV_HEADS, BLOCK)
+BAD_SCALES = {
+    "int8 caches without scales (the float placeholder)": (
+        "int8", dict(key_cache_scales=np.zeros(1, np.float32)), r"key_cache_scales must be \[num_blocks=8, slots=2, "
+                                                                r"block_size=16\] .* for int8 caches"),
+    "e4m3 caches, value scales one row short": (
+        "float8_e4m3fn", dict(value_cache_scales=np.zeros((NUM_BLOCKS, KV_HEADS, BLOCK - 1), np.float32)),
+        r"value_cache_scales must be \[num_blocks=8, slots=2, block_size=16\] .* float8_e4m3fn"),
+    "float64 scales": ("int8", dict(key_cache_scales=np.zeros(SCALES_SHAPE)), "key_cache_scales must be float32"),
+    "float caches given real scales": (
+        "float32", dict(key_cache_scales=np.zeros(SCALES_SHAPE, np.float32)), "1-element placeholder for float caches"),
+    "int8 keys, e4m3 values": ("int8", dict(value_cache="float8_e4m3fn"), "value_cache must match key_cache"),
+}
+
+
+def _with_scales(cache_dtype, change):
+    t = _tensors(valid_inputs())
+    for name in ("key_cache", "value_cache"):
+        t[name] = (t[name] * 10).astype(change.get(name, cache_dtype))
+    quantized = cache_dtype != "float32"
+    for name in ("key_cache_scales", "value_cache_scales"):
+        t[name] = paddle.to_tensor(change.get(name, np.ones(SCALES_SHAPE if quantized else 1, np.float32)))
+    return t
+
+
+@pytest.mark.parametrize("what", list(BAD_SCALES))
+def test_bad_scale_tensors_are_refused_before_anything_is_written(what):
+    cache_dtype, change, message = BAD_SCALES[what]
+    t = _with_scales(cache_dtype, change)
+    before = {k: t[k].astype("float32").numpy().copy() for k in ("key_cache", "value_cache", "key_cache_scales")}
+    with pytest.raises(ValueError, match=message):
+        append_attention(**t, **ATTRS)
+    for k, v in before.items():
+        assert np.array_equal(t[k].astype("float32").numpy(), v)
+    with pytest.raises(ValueError, match=message) as info:  # the CUDA wrapper's rules: the same check
+        _validate_all({**t, **{k: t[k].astype("bfloat16") for k in ("qkv", "key_cache", "value_cache")
+                               if t[k].dtype == paddle.float32}}, "gpu")
+    assert "append_attention_gpu: " in str(info.value)
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn"])
+def test_quantized_caches_pass_both_rule_sets_and_the_cuda_rules_want_bfloat16(cache_dtype):
+    t = _with_scales(cache_dtype, {})
+    append_attention(**t, **ATTRS)
+    append_attention(**{**t, "qkv": t["qkv"].astype("bfloat16")}, **ATTRS)  # the CPU op: either qkv dtype
+    _validate_all(t, "cpu")
+    _validate_all({**t, "qkv": t["qkv"].astype("bfloat16")}, "gpu")
+    with pytest.raises(ValueError, match="append_attention_gpu: int8 / float8_e4m3fn caches .* need bfloat16 qkv"):
+        _validate_all({**t, "qkv": t["qkv"].astype("float16")}, "gpu")
+
+
+def _validate_all(t, rules):
+    from fastdeploy.model_executor.layers.attention.ops.append_attention import identity_head_slots
+
+    slots = identity_head_slots(KV_HEADS, t["qkv"].place)
+    validate_append_attention_inputs(*(t[k] for k in ORDER), slots, t["key_cache_scales"], t["value_cache_scales"],
+                                     rules=rules, check_place=False, **ATTRS)

@@ -281,3 +281,56 @@ def test_a_head_slot_outside_the_lane_is_reported(harness, rng):
     bad = dataclasses.replace(case, kv_head_slots=np.array([0, 2], np.int32))  # the cache has 2 slots
     result = harness.run(bad)
     assert result.status == 2 and result.error_info[0] == gpu_harness.ERR_OUT_OF_RANGE, result
+
+
+# -- quantized pages (int8 / e4m3fn codes with a float32 scale per row; bf16 compute) -----------------
+from gpu_reference import QUANT, quantize_case  # noqa: E402
+from reference_attention import reference_append_attention  # noqa: E402
+from reference_kv_quant import pages_from_codes  # noqa: E402
+
+# Attention over the original float values: the format's error (the CPU op's cases measure int8
+# 7e-3 to 8e-3, e4m3 3e-2 to 3.5e-2) plus bf16 rounding of q, k, v and the output.
+QUANT_TOLERANCE = {"int8": 2.5e-2, "block_wise_fp8": 7e-2}
+
+
+@pytest.mark.parametrize("fmt", list(QUANT))
+@pytest.mark.parametrize("requests, head_dim, block_size", [
+    ([(0, 150), (0, 37), (0, 1)], 64, 16),                      # prefill tiles
+    ([(1000, 1), (517, 1), (64, 1), (63, 1), (3, 1)], 128, 64),  # split-KV decode
+    ([(0, 33), (300, 1), (0, 0), (90, 17)], 64, 64),            # mixed, an idle slot, a chunk over cache
+])
+def test_quantized_pages_match_float64_attention(harness, rng, fmt, requests, head_dim, block_size):
+    """Float64 attention over the values the kernels read (the pages they wrote included): bf16
+    tolerance; over the original float values: the format's error. Rows no query may see have NaN
+    scales, so a stray read fails."""
+    case = build_case(rng, requests, dtype=BF16, num_heads=4 * 2, kv_num_heads=2, head_dim=head_dim,
+                      block_size=block_size, sliding_window=40, sink_size=5)
+    loose, _, _ = reference(case)
+    q = quantize_case(case, fmt)
+    result = harness.run(q)
+    assert result.status == 0, f"seed {rng.seed_value}: {result.message}"
+    got = from_storage(result.out, BF16).reshape(loose.shape)
+    assert np.isfinite(got).all(), f"seed {rng.seed_value}: NaN/unwritten output"
+    p = case.params
+    keys = pages_from_codes(result.key_cache, result.key_cache_scales, fmt, keys=True)
+    values = pages_from_codes(result.value_cache, result.value_cache_scales, fmt, keys=False)
+    tight, _, _ = reference_append_attention(
+        from_storage(case.qkv, BF16), keys, values, case.seq_lens_decoder, case.seq_lens_this_time,
+        case.cu_seqlens_q, case.block_tables, case.rotary_cos, case.rotary_sin, case.swa_head_mask,
+        num_heads=p["num_heads"], kv_num_heads=p["kv_num_heads"], head_dim=head_dim,
+        sliding_window=p["sliding_window"], sink_size=p["sink_size"], caches_hold_new_rows=True)
+    tight = tight.reshape(loose.shape)
+    err_tight = float(np.linalg.norm(got - tight) / np.linalg.norm(tight))
+    err_loose = float(np.linalg.norm(got - loose) / np.linalg.norm(loose))
+    print(f"[gpu {fmt}] vs dequantized {err_tight:.2e}, vs original values {err_loose:.2e}")
+    assert err_tight < TOLERANCE[BF16], f"seed {rng.seed_value}: {err_tight:.3g} against the dequantized pages"
+    assert err_loose < QUANT_TOLERANCE[fmt], f"seed {rng.seed_value}: {err_loose:.3g} against the float values"
+    # Pages nobody wrote keep their NaN scales: no stray writes.
+    untouched = np.isnan(q.key_cache_scales)
+    written = np.zeros_like(untouched)
+    for r, (n, c) in enumerate(requests):
+        for t in range(n, n + c):
+            for h in range(p["kv_num_heads"]):
+                entry = case.block_tables[r, h, t // block_size]
+                written.reshape(-1, block_size)[entry, t % block_size] = True
+    assert np.isnan(result.key_cache_scales[untouched & ~written]).all(), f"seed {rng.seed_value}"

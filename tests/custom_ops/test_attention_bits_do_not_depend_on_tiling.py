@@ -5,7 +5,8 @@ and a decode token as a tile of one; preemption recomputes generated tokens as p
 prefill cuts prompts where the token budget ends, and batch mates change the tiles' neighbours. The
 engine's promise that a request's tokens never depend on its batch mates (and so that recycling ON
 and OFF can be compared token for token) needs every one of those cuts to give identical bits, and
-the AVX-512 kernels to agree with the portable ones.
+the AVX-512 kernels to agree with the portable ones. Quantized pages (int8, e4m3fn with per-row
+scales) keep the promise too: a row is quantized once when it is written, whatever the cut.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fastdeploy.model_executor.layers.attention.ops import append_attention
 BLOCK, HEAD_DIM, KV_HEADS, GROUP = 16, 64, 2, 3
 WINDOW, SINK = 40, 8  # head 0 slides, head 1 is full
 TOKENS = 150
+PAGE_DTYPES = ["float32", "int8", "float8_e4m3fn"]  # float pages, and the two quantized formats
 
 
 def _rotary(max_pos: int, head_dim: int):
@@ -37,7 +39,7 @@ def _rotary(max_pos: int, head_dim: int):
 class Run:
     """Requests prefilled and decoded through a cache of their own, step by step."""
 
-    def __init__(self, qkv_rows: list, head_dim: int = HEAD_DIM):
+    def __init__(self, qkv_rows: list, head_dim: int = HEAD_DIM, page_dtype: str = "float32"):
         self.qkv = qkv_rows  # per request: [tokens, width] float32, the rows every step reads from
         self.d = head_dim
         blocks = [math.ceil(len(q) / BLOCK) for q in qkv_rows]
@@ -47,8 +49,10 @@ class Run:
             self.table[r, :n] = np.arange(start, start + n)
             start += n
         shape = [start, KV_HEADS, BLOCK, head_dim]
-        self.key_cache = paddle.zeros(shape, "float32")
-        self.value_cache = paddle.zeros(shape, "float32")
+        self.key_cache = paddle.zeros(shape, page_dtype)
+        self.value_cache = paddle.zeros(shape, page_dtype)
+        quantized = page_dtype != "float32"
+        self.scales = [paddle.zeros(shape[:3] if quantized else [1], "float32") for _ in range(2)]
         self.done = [0] * len(qkv_rows)
         self.cos, self.sin = _rotary(max(len(q) for q in qkv_rows) + 1, head_dim)
         self.out = [[] for _ in qkv_rows]
@@ -63,7 +67,7 @@ class Run:
             seq_lens_encoder=i32(encoder), seq_lens_decoder=i32(self.done), seq_lens_this_time=i32(counts),
             cu_seqlens_q=i32(np.concatenate([[0], np.cumsum(counts)])), block_tables=paddle.to_tensor(self.table),
             rotary_cos=self.cos, rotary_sin=self.sin, swa_head_mask=i32([1, 0]),
-            num_heads=KV_HEADS * GROUP, kv_num_heads=KV_HEADS, head_dim=self.d,
+            key_cache_scales=self.scales[0], value_cache_scales=self.scales[1], num_heads=KV_HEADS * GROUP, kv_num_heads=KV_HEADS, head_dim=self.d,
             sliding_window=WINDOW, sink_size=SINK, visit_all_pages=False,
         ).numpy()
         at = 0
@@ -86,25 +90,27 @@ def _cut(run: Run, r: int, pieces: list, others: int) -> None:
         run.step([c if i == r else 0 for i in range(others)])
 
 
-def _one_request_cut(pieces: list, head_dim: int = HEAD_DIM) -> np.ndarray:
-    run = Run([_qkv(0, TOKENS, head_dim)], head_dim)
+def _one_request_cut(pieces: list, head_dim: int = HEAD_DIM, page_dtype: str = "float32") -> np.ndarray:
+    run = Run([_qkv(0, TOKENS, head_dim)], head_dim, page_dtype)
     _cut(run, 0, pieces, 1)
     return run.outputs(0)
 
 
-def test_one_prefill_step_chunks_and_token_by_token_give_the_same_bits():
-    whole = _one_request_cut([TOKENS])
+@pytest.mark.parametrize("page_dtype", PAGE_DTYPES)
+def test_one_prefill_step_chunks_and_token_by_token_give_the_same_bits(page_dtype):
+    whole = _one_request_cut([TOKENS], page_dtype=page_dtype)
     assert np.isfinite(whole).all()
     # Chunks that split tiles (16 tokens) and pages (16 rows) anywhere, then decode one at a time.
-    chunked = _one_request_cut([5, 16, 1, 30, 33, 7] + [1] * (TOKENS - 92))
+    chunked = _one_request_cut([5, 16, 1, 30, 33, 7] + [1] * (TOKENS - 92), page_dtype=page_dtype)
     assert np.array_equal(whole, chunked)
-    assert np.array_equal(whole, _one_request_cut([1] * TOKENS))
+    assert np.array_equal(whole, _one_request_cut([1] * TOKENS, page_dtype=page_dtype))
 
 
-def test_batch_mates_do_not_change_a_requests_bits():
-    alone = _one_request_cut([TOKENS])
+@pytest.mark.parametrize("page_dtype", PAGE_DTYPES)
+def test_batch_mates_do_not_change_a_requests_bits(page_dtype):
+    alone = _one_request_cut([TOKENS], page_dtype=page_dtype)
     # The same request next to two others, in a mixed prefill + decode schedule.
-    run = Run([_qkv(7, 70), _qkv(0, TOKENS), _qkv(8, 90)])
+    run = Run([_qkv(7, 70), _qkv(0, TOKENS), _qkv(8, 90)], page_dtype=page_dtype)
     run.step([70, 0, 0])
     run.step([0, 60, 90])
     for _ in range(TOKENS - 60):
@@ -112,27 +118,32 @@ def test_batch_mates_do_not_change_a_requests_bits():
     assert np.array_equal(alone, run.outputs(1))
 
 
-@pytest.mark.parametrize("head_dim", [128, 256])
-def test_other_head_dims_tiles_match_token_by_token(head_dim):
+@pytest.mark.parametrize("head_dim, page_dtype", [(128, "float32"), (256, "float32"), (256, "int8")])
+def test_other_head_dims_tiles_match_token_by_token(head_dim, page_dtype):
     # Each head_dim has its own kernel variants (256, Gemma 3's: q blocks in two passes; 128 the
     # two-query weighted values).
-    whole = _one_request_cut([TOKENS], head_dim=head_dim)
-    assert np.array_equal(whole, _one_request_cut([3, 29] + [1] * (TOKENS - 32), head_dim=head_dim))
+    whole = _one_request_cut([TOKENS], head_dim=head_dim, page_dtype=page_dtype)
+    cut = _one_request_cut([3, 29] + [1] * (TOKENS - 32), head_dim=head_dim, page_dtype=page_dtype)
+    assert np.array_equal(whole, cut)
 
 
 _GENERIC_RUN = """
 import json, sys
 import numpy as np
 sys.path.insert(0, {tests!r})
-from test_attention_bits_do_not_depend_on_tiling import _one_request_cut
-np.save({path!r}, _one_request_cut(json.loads({pieces!r})))
+from test_attention_bits_do_not_depend_on_tiling import PAGE_DTYPES, _one_request_cut
+pieces = json.loads({pieces!r})
+np.save({path!r}, np.stack([_one_request_cut(pieces, page_dtype=p) for p in PAGE_DTYPES]))
 """
 
 
 def test_portable_kernels_give_the_avx512_bits(tmp_path, avx512_cpu):
+    # Every page format in one subprocess (the quantized pages' dequantization has AVX-512 paths too).
     pieces = [20, 1, 40] + [1] * (TOKENS - 61)
     path = str(tmp_path / "generic.npy")
     script = _GENERIC_RUN.format(tests=os.path.dirname(__file__), path=path, pieces=json.dumps(pieces))
     env = {**os.environ, "FD_CPU_ATTN_ISA": "generic"}
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=600)
-    assert np.array_equal(np.load(path), _one_request_cut(pieces))
+    generic = np.load(path)
+    for i, page_dtype in enumerate(PAGE_DTYPES):
+        assert np.array_equal(generic[i], _one_request_cut(pieces, page_dtype=page_dtype)), page_dtype

@@ -5,7 +5,9 @@ S > bs, which KV heads slide, TP 1 or 2), prompts built from a few shared prefix
 alphabet (so the prefix tree branches and prefix hits happen), EOS at a random output position
 before max_tokens, and aborts. It runs derandomized (the same examples on every run; a failure
 prints its example), and each test asserts at the end that preemption, eviction, prefix hits and
-SWA recycling actually happened over its examples.
+SWA recycling actually happened over its examples. The quantized rows size the cache from the
+bytes of the float32 one (--kv-cache-memory with int8 pages: ~3.6x the pages at head_dim 32), so the
+pool, the tables and the page-need arithmetic run on the quantized page count.
 
 The check does not use the cache manager's own bookkeeping: every step, each scheduled token's KV
 is "written" into a shadow memory at the page its table names (the content is the token prefix it
@@ -106,6 +108,24 @@ class ShadowMemory:
                         f"{r.request_id} head {h}: key {j} at {addr} holds another request's KV"
 
 
+def in_quantized_pages(make_config, quant):
+    """make_config, where num_gpu_blocks_override=n becomes the bytes of n float32 blocks held in `quant`
+    pages (--kv-cache-memory): the quantized sizing feeds the pool, the tables and the page-need arithmetic."""
+    if quant == "none":
+        return make_config
+
+    def make(mode, reserve=True, num_gpu_blocks_override=None, **kwargs):
+        as_float = make_config(mode, reserve=reserve, num_gpu_blocks_override=num_gpu_blocks_override, **kwargs)
+        block_bytes = as_float.cache_config.block_bytes(as_float.model_config,
+                                                        as_float.parallel_config.tensor_parallel_size)
+        cfg = make_config(mode, reserve=reserve, kv_cache_memory=num_gpu_blocks_override * block_bytes,
+                          kv_cache_quant_type=quant, **kwargs)
+        assert cfg.cache_config.num_gpu_blocks > 3.5 * num_gpu_blocks_override - 1  # 32 / 9 = 3.56x, floored
+        return cfg
+
+    return make
+
+
 def run_workload(make_config, mode, reserve, geometry, jobs, blocks, seen, speculate=False, **model_args):
     """`speculate`: every decoding request gets up to 3 drafts, right up to the next page boundary or
     window kill point and wrong after it (tests/scripted_proposer.py); the test plays the model."""
@@ -161,7 +181,7 @@ def run_workload(make_config, mode, reserve, geometry, jobs, blocks, seen, specu
             break
         assert t < 3000, "no progress"
     cm = rm.cache_manager
-    assert cm.num_free_pages == cm.num_total_pages
+    assert cm.num_free_pages == cm.num_total_pages == cfg.cache_config.num_gpu_blocks * rm.layout.num_kv_heads
     if reserve:
         assert rm.num_preemptions_total == 0  # reservation admission never preempts
     seen["examples"] += 1
@@ -184,16 +204,19 @@ EDGE_JOBS = [([3, 4, 5] * 6, 12, None, 0, None), ([3, 4, 5] * 6 + [4], 12, 5, 0,
              ([3, 4, 5] * 4, 8, None, 1, None), ([5] * 20, 10, 0, 2, 3)]
 
 
-@pytest.mark.parametrize("mode,reserve,expected", [
-    ("1d", False, {"preemptions", "prefix_hit_tokens", "evictions", "eos_finishes"}),
-    ("1d", True, {"prefix_hit_tokens", "evictions", "eos_finishes"}),
-    ("head_wise_recycle_off", False, {"preemptions", "prefix_hit_tokens", "evictions", "eos_finishes"}),
+@pytest.mark.parametrize("mode,reserve,expected,quant", [
+    ("1d", False, {"preemptions", "prefix_hit_tokens", "evictions", "eos_finishes"}, "none"),
+    ("1d", True, {"prefix_hit_tokens", "evictions", "eos_finishes"}, "none"),
+    ("head_wise_recycle_off", False, {"preemptions", "prefix_hit_tokens", "evictions", "eos_finishes"}, "none"),
     ("head_wise_recycle_on", False, {"preemptions", "prefix_hit_tokens", "evictions", "swa_recycled",
-                                     "eos_finishes"}),
-    ("head_wise_recycle_on", True, {"prefix_hit_tokens", "evictions", "swa_recycled", "eos_finishes"}),
+                                     "eos_finishes"}, "none"),
+    ("head_wise_recycle_on", True, {"prefix_hit_tokens", "evictions", "swa_recycled", "eos_finishes"}, "none"),
+    ("1d", False, {"prefix_hit_tokens", "eos_finishes"}, "int8"),
+    ("head_wise_recycle_on", False, {"prefix_hit_tokens", "swa_recycled", "eos_finishes"}, "block_wise_fp8"),
 ])
-def test_random_workloads_read_back_exactly_what_they_wrote(make_config, mode, reserve, expected):
+def test_random_workloads_read_back_exactly_what_they_wrote(make_config, mode, reserve, expected, quant):
     seen = collections.Counter()
+    make_config = in_quantized_pages(make_config, quant)
 
     @settings(max_examples=40, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -208,7 +231,7 @@ def test_random_workloads_read_back_exactly_what_they_wrote(make_config, mode, r
         run_workload(make_config, mode, reserve, geometry, jobs, -(-capacity // bs), seen)
 
     run()
-    print(f"\n{mode} reserve={reserve}: {dict(seen)}")
+    print(f"\n{mode} reserve={reserve} {quant}: {dict(seen)}")
     missing = {k for k in expected if seen[k] == 0}
     assert not missing, f"never exercised: {missing} ({dict(seen)})"
 
@@ -263,20 +286,24 @@ def slot_geometries(draw):
     return (bs, window, 0, sorted(swa), tp), [window if s else None for s in sliding]
 
 
-@pytest.mark.parametrize("mode,reserve,expected", [
-    ("1d", False, {"preemptions", "prefix_hit_tokens", "evictions", "layers_sharing_a_lane"}),
-    ("head_wise_recycle_off", False, {"preemptions", "prefix_hit_tokens", "evictions", "layers_sharing_a_lane"}),
+@pytest.mark.parametrize("mode,reserve,expected,quant", [
+    ("1d", False, {"preemptions", "prefix_hit_tokens", "evictions", "layers_sharing_a_lane"}, "none"),
+    ("head_wise_recycle_off", False, {"preemptions", "prefix_hit_tokens", "evictions", "layers_sharing_a_lane"},
+     "none"),
     ("head_wise_recycle_on", False, {"preemptions", "prefix_hit_tokens", "evictions", "swa_recycled",
-                                     "layers_sharing_a_lane", "lane_per_layer"}),
-    ("head_wise_recycle_on", True, {"prefix_hit_tokens", "evictions", "swa_recycled", "layers_sharing_a_lane"}),
+                                     "layers_sharing_a_lane", "lane_per_layer"}, "none"),
+    ("head_wise_recycle_on", True, {"prefix_hit_tokens", "evictions", "swa_recycled", "layers_sharing_a_lane"},
+     "none"),
+    ("head_wise_recycle_on", False, {"prefix_hit_tokens", "swa_recycled", "layers_sharing_a_lane"}, "int8"),
 ])
 def test_random_workloads_on_slot_layouts_read_back_exactly_what_they_wrote(make_config, monkeypatch, mode,
-                                                                            reserve, expected):
+                                                                            reserve, expected, quant):
     """The same shadow-memory check, one table row per slot: a slot's pages serve every (layer, KV
     head) pair of the slot, so reading each slot with its own type covers every pair."""
     from fastdeploy.model_executor.models import tiny_preset
 
     seen = collections.Counter()
+    make_config = in_quantized_pages(make_config, quant)
     base = tiny_preset.PRESETS[SLOT_PRESET]
 
     @settings(max_examples=25, deadline=None, derandomize=True, database=None,
@@ -295,6 +322,6 @@ def test_random_workloads_on_slot_layouts_read_back_exactly_what_they_wrote(make
         seen["lane_per_layer"] += lanes.num_lanes == lanes.num_layers
 
     run()
-    print(f"\nslots {mode} reserve={reserve}: {dict(seen)}")
+    print(f"\nslots {mode} reserve={reserve} {quant}: {dict(seen)}")
     missing = {k for k in expected if seen[k] == 0}
     assert not missing, f"never exercised: {missing} ({dict(seen)})"

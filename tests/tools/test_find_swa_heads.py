@@ -199,3 +199,19 @@ def test_below_window_check_tolerates_only_the_rounding_a_head_permutation_cause
     text["buckets"][0]["top1"] = 0.99
     assert ev.below_window_check(text, permuted_heads=True) == "FAIL"
     assert ev.below_window_check({**text, "exact_below_window": True}, permuted_heads=False) == "exact"
+
+
+def test_eval_runs_a_quantized_pages_arm_against_the_float32_pages_reference(planted_model):
+    """--kv-cache-quant-type: the same paged path with int8 pages, compared with float32 pages; the
+    positions below any window differ too (nothing is exact), so that check reads n/a."""
+    ev = _eval_module()
+    ev.CHUNK = 128
+    segs = _segments(n=1, length=300)
+    llm, _ = ev.build_llm(planted_model, None, "full", 400, prefix_caching=False)
+    ref = [ev.text_logprobs(llm, s) for s in segs]
+    llm, ran = ev.build_llm(planted_model, None, "full", 400, prefix_caching=False, quant="int8")
+    assert ran == "full" and llm.engine.fd_config.cache_config.kv_cache_quant_type == "int8"
+    m = ev.text_metrics([ev.text_logprobs(llm, s) for s in segs], segs, ref, 0)
+    assert 0 < m["kl_mean_past_window"] < 1e-2 and m["top1_past_window"] > 0.9
+    assert not m["exact_below_window"]
+    assert ev.below_window_check(m, permuted_heads=False, quantized=True) == "n/a (quantized pages)"

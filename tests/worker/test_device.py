@@ -211,7 +211,8 @@ def _small_inputs(head_wise: bool, d: int = 8, bs: int = 4):
     tensors = dict(qkv=qkv, key_cache=cache[0], value_cache=cache[1], seq_lens_encoder=ints(3),
                    seq_lens_decoder=ints(0), seq_lens_this_time=ints(3), cu_seqlens_q=ints(0, 3),
                    block_tables=paddle.to_tensor(table), rotary_cos=cos, rotary_sin=sin, swa_head_mask=ints(1, 0),
-                   kv_head_slots=ints(0, 1))
+                   kv_head_slots=ints(0, 1), key_cache_scales=op_module.no_scales(qkv.place),
+                   value_cache_scales=op_module.no_scales(qkv.place))
     attrs = dict(num_heads=nh, kv_num_heads=kvh, head_dim=d, sliding_window=2, sink_size=0)
     # one 3-token prompt; KV head 0 slides (window 2)
     return tensors, attrs

@@ -18,6 +18,15 @@ extern "C" {
 
 enum AppendAttnDtype { APPEND_ATTN_BF16 = 0, APPEND_ATTN_FP16 = 1 };
 
+// Page format of the caches (the values of fd_kvq::Format, custom_ops/cpu_ops/kv_quant.h): 16-bit
+// pages of `dtype`, or 8-bit codes (int8 / e4m3fn bytes) with one float32 scale per token row of
+// every page in key_cache_scales / value_cache_scales. Quantized pages need dtype bf16.
+enum AppendAttnCacheQuant {
+  APPEND_ATTN_CACHE_FLOAT = 0,
+  APPEND_ATTN_CACHE_INT8 = 1,
+  APPEND_ATTN_CACHE_FP8_E4M3 = 2,
+};
+
 // Return codes of append_attention_launch.
 enum AppendAttnStatus {
   APPEND_ATTN_OK = 0,
@@ -36,7 +45,7 @@ enum AppendAttnDeviceError {
 };
 
 typedef struct AppendAttnParams {
-  int dtype;               // AppendAttnDtype of qkv, caches and out
+  int dtype;               // AppendAttnDtype of qkv, out and float caches
   int token_num;           // rows of qkv / out
   int bsz;                 // request slots
   int num_heads;           // q heads
@@ -54,6 +63,7 @@ typedef struct AppendAttnParams {
                            // stitched per head by swa_head_mask
   int kv_slots;            // dim 1 of the caches and of a head-wise table (a lane's G slots,
                            // >= kv_num_heads); 0 means kv_num_heads
+  int cache_quant;         // AppendAttnCacheQuant of the caches
 } AppendAttnParams;
 
 typedef struct AppendAttnBuffers {
@@ -71,6 +81,8 @@ typedef struct AppendAttnBuffers {
   void* out;                      // [token_num, num_heads * head_dim]
   const int* kv_head_slots;       // [kv_num_heads]: slot (table row, cache slot) of each KV head,
                                   // distinct, < kv_slots; NULL means head h in slot h
+  float* key_cache_scales;        // quantized caches: [num_blocks, kv_slots, block_size], updated;
+  float* value_cache_scales;      // same; both NULL for float caches
 } AppendAttnBuffers;
 
 // Bytes of device workspace append_attention_launch needs for these parameters (on the current

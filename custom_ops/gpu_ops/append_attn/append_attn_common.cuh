@@ -1,16 +1,24 @@
-// Shared device helpers of the AppendAttention kernels: dtype conversion, block-table lookup, the
-// SWA visibility rule and the live-block arithmetic that decides which pages a query visits.
+// Shared device helpers of the AppendAttention kernels: dtype conversion, how a kernel reads cache
+// pages (float or quantized), block-table lookup, the SWA visibility rule and the live-block
+// arithmetic that decides which pages a query visits.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
 
+#include "../../cpu_ops/kv_quant.h"  // the quantized-page rule, shared with the CPU op
 #include "append_attn_api.cuh"
 
 namespace append_attn {
+
+static_assert(int(APPEND_ATTN_CACHE_FLOAT) == int(fd_kvq::kFloat) &&
+                  int(APPEND_ATTN_CACHE_INT8) == int(fd_kvq::kInt8) &&
+                  int(APPEND_ATTN_CACHE_FP8_E4M3) == int(fd_kvq::kE4M3),
+              "AppendAttnCacheQuant must keep fd_kvq::Format's values");
 
 // Everything a kernel reads, filled once by the launcher (passed by value as a kernel argument).
 struct Args {
@@ -25,6 +33,8 @@ struct Args {
   const float* rotary_sin;
   const int* swa_head_mask;
   const int* kv_head_slots;  // [kv_num_heads] or NULL (identity)
+  float* key_scales;         // quantized pages: one scale per token row of every page, else NULL
+  float* value_scales;
   float* q_rot;      // workspace [token_num, num_heads, head_dim]: rotated q * 1/sqrt(head_dim)
   int* tile_prefix;  // workspace [bsz + 1]: exclusive prefix of prefill tiles per request
   float* partial;    // workspace: decode split results, see decode_attention.cu
@@ -33,6 +43,7 @@ struct Args {
   int max_blocks_per_seq, head_wise_table, max_position;
   int sliding_window, sink_size, visit_all_pages;
   int decode_max_splits, decode_pages_per_split;
+  int cache_quant;  // AppendAttnCacheQuant
 };
 
 // swa_override for the attention kernels: kUseMask reads swa_head_mask; the dual-pass baseline
@@ -71,6 +82,72 @@ struct Num<__half> {
     return __floats2half2_rn(a, b);
   }
 };
+
+// How the attention kernels read cache elements: pages of T, or 8-bit codes times their row's scale
+// (page row r of the page at element offset `base` has its scale at index base / head_dim + r).
+// pair_bits loads two neighbouring elements, pair turns them into floats, eight does so for 8.
+template <typename T>
+struct FloatPages {
+  using Elem = T;
+  static constexpr bool kQuantized = false;
+  static __device__ __forceinline__ uint32_t pair_bits(const Elem* p) {
+    return *reinterpret_cast<const uint32_t*>(p);
+  }
+  static __device__ __forceinline__ float2 pair(uint32_t bits, float /*scale*/) {
+    return Num<T>::to_float2(*reinterpret_cast<const typename Num<T>::T2*>(&bits));
+  }
+  static __device__ __forceinline__ void eight(const Elem* p, float /*scale*/, float* out) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = pair(words[e], 1.f);
+      out[2 * e] = f.x;
+      out[2 * e + 1] = f.y;
+    }
+  }
+};
+
+// 8-bit pages: Decode(bits of 2 codes) -> their exact values as a float2.
+template <typename Code, typename Decode>
+struct BytePages {
+  using Elem = Code;
+  static constexpr bool kQuantized = true;
+  static __device__ __forceinline__ uint32_t pair_bits(const Elem* p) {
+    return *reinterpret_cast<const uint16_t*>(p);
+  }
+  static __device__ __forceinline__ float2 pair(uint32_t bits, float scale) {
+    const float2 v = Decode::values(bits & 0xFFFFu);
+    return make_float2(v.x * scale, v.y * scale);
+  }
+  static __device__ __forceinline__ void eight(const Elem* p, float scale, float* out) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const uint32_t halves[4] = {raw.x & 0xFFFFu, raw.x >> 16, raw.y & 0xFFFFu, raw.y >> 16};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = pair(halves[e], scale);
+      out[2 * e] = f.x;
+      out[2 * e + 1] = f.y;
+    }
+  }
+};
+
+struct Int8Pair {
+  static __device__ __forceinline__ float2 values(uint32_t bits) {
+    return make_float2(float(static_cast<int8_t>(bits & 0xFFu)), float(static_cast<int8_t>(bits >> 8)));
+  }
+};
+
+// e4m3fn -> half is exact: the hardware conversion on sm_89+, cuda_fp8.h's emulation before.
+struct E4M3Pair {
+  static __device__ __forceinline__ float2 values(uint32_t bits) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits), __NV_E4M3);
+    return __half22float2(__half2(h));
+  }
+};
+
+using Int8Pages = BytePages<int8_t, Int8Pair>;
+using E4M3Pages = BytePages<uint8_t, E4M3Pair>;
 
 // Records the first device-side error of a launch; later ones are dropped so the report names the
 // earliest culprit deterministically enough to debug a scheduler.
@@ -190,6 +267,9 @@ __device__ __forceinline__ int decode_num_splits(const Args& a, int count) {
 
 // Host-side launch entry points of the individual .cu files (defined there, called by launcher.cu).
 cudaError_t launch_rope_write_cache(const Args& a, int dtype, void* out, cudaStream_t stream);
+// Dynamic shared memory of the quantized cache write (rope_write_cache.cu): the launcher refuses
+// shapes that need more than a GPU has.
+size_t quantized_rope_write_smem_bytes(int num_heads, int kv_num_heads, int head_dim);
 cudaError_t launch_prefill_tiles(const Args& a, cudaStream_t stream);
 cudaError_t launch_prefill_attention(const Args& a, int dtype, int swa_override, void* out,
                                      cudaStream_t stream);

@@ -9,6 +9,9 @@
 //   acc  at partial[((s * bsz + r) * num_heads + qh) * head_dim + d]
 //   m, l at partial[acc_floats + ((s * bsz + r) * num_heads + qh) * 2 + {0, 1}]
 // with acc_floats = decode_max_splits * bsz * num_heads * head_dim.
+//
+// Pages are read through a codec P (append_attn_common.cuh): T pages as they are, or 8-bit codes
+// (half the bytes of a bf16 page) dequantized with their row's scale where they are used.
 #include "append_attn_common.cuh"
 
 namespace append_attn {
@@ -16,10 +19,11 @@ namespace {
 
 constexpr int kThreads = 128;
 
-template <typename T, int D, int BS>
+template <typename T, typename P, int D, int BS>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Args a, int swa_override) {
-  using T2 = typename Num<T>::T2;
-  constexpr int kKStride = D + 8;                 // 16-byte rows, staggered banks
+  using Elem = typename P::Elem;
+  constexpr int kVec = 16 / sizeof(Elem);         // elements per 16-byte load
+  constexpr int kKStride = D + kVec;              // 16-byte rows, staggered banks
   constexpr int kThreadsPerKey = kThreads / BS;   // q.k: threads sharing one key
   constexpr int kDimsPerThread = D / kThreadsPerKey;
   constexpr int kKeyGroups = kThreads / (D / 2);  // p.v: thread owns a dim pair, keys strided
@@ -47,7 +51,8 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Args a, int 
       a.visit_all_pages ? APPEND_ATTN_ERR_DEAD_ENTRY_MASKED : APPEND_ATTN_ERR_DEAD_ENTRY;
 
   __shared__ __align__(16) float q_s[kMaxGroup][D];
-  __shared__ __align__(16) T k_s[BS][kKStride];
+  __shared__ __align__(16) Elem k_s[BS][kKStride];
+  __shared__ float k_scale_s[BS];
   __shared__ float p_s[kMaxGroup][BS];
   __shared__ float row_m[kMaxGroup], row_l[kMaxGroup], row_scale[kMaxGroup];
   __shared__ float red_s[kKeyGroups][kMaxGroup][D];
@@ -72,8 +77,8 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Args a, int 
 #pragma unroll
   for (int g = 0; g < kMaxGroup; ++g) acc[g][0] = acc[g][1] = 0.f;
 
-  const T* k_cache = static_cast<const T*>(a.key_cache);
-  const T* v_cache = static_cast<const T*>(a.value_cache);
+  const Elem* k_cache = static_cast<const Elem*>(a.key_cache);
+  const Elem* v_cache = static_cast<const Elem*>(a.value_cache);
   for (int it = it_begin; it < it_end; ++it) {
     const int blk = live.nth(it);
     if (tid == 0) page_base_s = page_offset(a, req, head, blk, dead_code);
@@ -84,20 +89,21 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Args a, int 
 
     // V of this thread's keys is fetched first so its latency overlaps the q.k pass.
     uint32_t v_reg[kKeysPerThread];
+    float v_scale[kKeysPerThread];
 #pragma unroll
     for (int i = 0; i < kKeysPerThread; ++i) {
       const int key = pv_group + i * kKeyGroups;
-      v_reg[i] = key < n_valid
-                     ? reinterpret_cast<const uint32_t*>(v_cache + base + (long long)key * D)[pv_pair]
-                     : 0u;
+      v_reg[i] = key < n_valid ? P::pair_bits(v_cache + base + (long long)key * D + 2 * pv_pair) : 0u;
+      v_scale[i] = P::kQuantized && key < n_valid ? a.value_scales[base / D + key] : 0.f;
     }
-    for (int i = tid; i < BS * (D / 8); i += kThreads) {
-      const int key = i / (D / 8);
-      const int col8 = i % (D / 8);
+    for (int i = tid; i < BS * (D / kVec); i += kThreads) {
+      const int key = i / (D / kVec);
+      const int col = i % (D / kVec);
       uint4 kv = make_uint4(0, 0, 0, 0);
-      if (key < n_valid) kv = reinterpret_cast<const uint4*>(k_cache + base + (long long)key * D)[col8];
-      *reinterpret_cast<uint4*>(&k_s[key][col8 * 8]) = kv;
+      if (key < n_valid) kv = reinterpret_cast<const uint4*>(k_cache + base + (long long)key * D)[col];
+      *reinterpret_cast<uint4*>(&k_s[key][col * kVec]) = kv;
     }
+    if (P::kQuantized && tid < BS) k_scale_s[tid] = tid < n_valid ? a.key_scales[base / D + tid] : 0.f;
     __syncthreads();
 
     {
@@ -105,17 +111,11 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Args a, int 
 #pragma unroll
       for (int g = 0; g < kMaxGroup; ++g) dot[g] = 0.f;
       const int d0 = qk_part * kDimsPerThread;
+      const float k_scale = P::kQuantized ? k_scale_s[qk_key] : 1.f;
 #pragma unroll 2
       for (int d = 0; d < kDimsPerThread; d += 8) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(&k_s[qk_key][d0 + d]);
-        const T2* kp = reinterpret_cast<const T2*>(&raw);
         float kf[8];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = Num<T>::to_float2(kp[e]);
-          kf[2 * e] = f.x;
-          kf[2 * e + 1] = f.y;
-        }
+        P::eight(&k_s[qk_key][d0 + d], k_scale, kf);
 #pragma unroll
         for (int g = 0; g < kMaxGroup; ++g) {
           if (g < group) {
@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Args a, int 
 #pragma unroll
     for (int i = 0; i < kKeysPerThread; ++i) {
       const int key = pv_group + i * kKeyGroups;
-      const float2 v = Num<T>::to_float2(*reinterpret_cast<const T2*>(&v_reg[i]));
+      const float2 v = P::pair(v_reg[i], v_scale[i]);
 #pragma unroll
       for (int g = 0; g < kMaxGroup; ++g) {
         if (g < group) {
@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Args a, int 
         }
       }
     }
-    __syncthreads();  // the next page overwrites k_s, p_s, row_scale and page_base_s
+    __syncthreads();  // the next page overwrites k_s, k_scale_s, p_s, row_scale and page_base_s
   }
 
 #pragma unroll
@@ -260,22 +260,33 @@ __global__ void decode_merge_kernel(Args a, int swa_override, T* __restrict__ ou
   }
 }
 
-template <typename T, int D, int BS>
+template <typename T, typename P, int D, int BS>
 cudaError_t launch_kernel(const Args& a, int swa_override, cudaStream_t stream) {
   dim3 grid(a.decode_max_splits, a.bsz, a.kv_num_heads);
-  decode_attention_kernel<T, D, BS><<<grid, kThreads, 0, stream>>>(a, swa_override);
+  decode_attention_kernel<T, P, D, BS><<<grid, kThreads, 0, stream>>>(a, swa_override);
   return cudaGetLastError();
+}
+
+template <typename T, typename P>
+cudaError_t launch_shapes(const Args& a, int swa_override, cudaStream_t stream) {
+  if (a.head_dim == 64) {
+    return a.block_size == 64 ? launch_kernel<T, P, 64, 64>(a, swa_override, stream)
+                              : launch_kernel<T, P, 64, 16>(a, swa_override, stream);
+  }
+  return a.block_size == 64 ? launch_kernel<T, P, 128, 64>(a, swa_override, stream)
+                            : launch_kernel<T, P, 128, 16>(a, swa_override, stream);
 }
 
 template <typename T>
 cudaError_t launch_typed(const Args& a, int swa_override, void* out, cudaStream_t stream) {
   cudaError_t err;
-  if (a.head_dim == 64) {
-    err = a.block_size == 64 ? launch_kernel<T, 64, 64>(a, swa_override, stream)
-                             : launch_kernel<T, 64, 16>(a, swa_override, stream);
+  // Quantized pages come with bf16 compute only (the launcher checks it): half the kernels to build.
+  if (a.cache_quant == APPEND_ATTN_CACHE_INT8) {
+    err = launch_shapes<__nv_bfloat16, Int8Pages>(a, swa_override, stream);
+  } else if (a.cache_quant == APPEND_ATTN_CACHE_FP8_E4M3) {
+    err = launch_shapes<__nv_bfloat16, E4M3Pages>(a, swa_override, stream);
   } else {
-    err = a.block_size == 64 ? launch_kernel<T, 128, 64>(a, swa_override, stream)
-                             : launch_kernel<T, 128, 16>(a, swa_override, stream);
+    err = launch_shapes<T, FloatPages<T>>(a, swa_override, stream);
   }
   if (err != cudaSuccess) return err;
   dim3 grid(a.bsz, a.num_heads);

@@ -78,6 +78,26 @@ __global__ void fill_kernel(uint16_t* dst, size_t n, uint32_t seed, int dtype) {
   }
 }
 
+// Quantized pages for benchmarks: int8 codes in [-64, 63], or e4m3 bytes of magnitude < 2 (never the
+// NaN code), and every row's scale 1/64.
+__global__ void fill_bytes_kernel(uint8_t* dst, size_t n, uint32_t seed, int cache_quant) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    dst[i] = cache_quant == APPEND_ATTN_CACHE_INT8 ? (uint8_t)((h >> 8) & 0x7Fu) - 64
+                                                    : (uint8_t)(((h >> 8) & 0x3Fu) | ((h >> 16) & 0x80u));
+  }
+}
+
+__global__ void fill_scales_kernel(float* dst, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    dst[i] = 1.f / 64.f;
+  }
+}
+
 int report(char* msg, int msg_len, int status, const std::string& text) {
   if (msg != nullptr && msg_len > 0) snprintf(msg, (size_t)msg_len, "%s", text.c_str());
   return status;
@@ -109,7 +129,8 @@ int aa_device_count(void) {
 // params). With fill_on_device, qkv and the caches are generated on the device and host qkv /
 // caches / out may be NULL (benchmarks). Otherwise out and the caches are copied back after the
 // first run. Then `warmup` untimed and `iters` timed runs (re-running is idempotent: the same K/V
-// are rewritten); *avg_ms is the mean time of one launch.
+// are rewritten); *avg_ms is the mean time of one launch. Quantized caches (p->cache_quant) hold one
+// byte per element and come with key/value_cache_scales (host arrays, copied back like the caches).
 // Returns 0 ok, 1 launcher rejected the arguments, 2 device-side error (error_info, msg), 3 CUDA.
 int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on_device,
            int warmup, int iters, float* avg_ms, int* error_info, char* msg, int msg_len) {
@@ -119,6 +140,8 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   memset(error_info, 0, 4 * sizeof(int));
   if (avg_ms != nullptr) *avg_ms = 0.f;
   const size_t elt = 2;
+  const bool quantized = p->cache_quant != APPEND_ATTN_CACHE_FLOAT;
+  const size_t cache_elt = quantized ? 1 : 2;
   const size_t tokens = p->token_num > 0 ? (size_t)p->token_num : 0;
   const size_t qkv_elems = tokens * (size_t)(p->num_heads + 2 * p->kv_num_heads) * p->head_dim;
   const int slots = p->kv_slots > 0 ? p->kv_slots : p->kv_num_heads;
@@ -127,12 +150,15 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   const size_t table_elems = (size_t)p->bsz * (p->head_wise_table ? slots : 1) *
                              p->max_blocks_per_seq;
   const size_t rot_elems = (size_t)p->max_position * (p->head_dim / 2);
+  const size_t scale_elems = quantized ? cache_elems / p->head_dim : 0;
 
-  DeviceBuffer qkv, kc, vc, enc, dec, this_time, cu, tables, cos_t, sin_t, mask, head_slots, out, ws,
-      err;
+  DeviceBuffer qkv, kc, vc, ks, vs, enc, dec, this_time, cu, tables, cos_t, sin_t, mask, head_slots, out,
+      ws, err;
   HARNESS_CUDA(qkv.alloc(qkv_elems * elt));
-  HARNESS_CUDA(kc.alloc(cache_elems * elt));
-  HARNESS_CUDA(vc.alloc(cache_elems * elt));
+  HARNESS_CUDA(kc.alloc(cache_elems * cache_elt));
+  HARNESS_CUDA(vc.alloc(cache_elems * cache_elt));
+  HARNESS_CUDA(ks.alloc(scale_elems * sizeof(float)));
+  HARNESS_CUDA(vs.alloc(scale_elems * sizeof(float)));
   HARNESS_CUDA(enc.alloc(sizeof(int) * p->bsz));
   HARNESS_CUDA(dec.alloc(sizeof(int) * p->bsz));
   HARNESS_CUDA(this_time.alloc(sizeof(int) * p->bsz));
@@ -151,14 +177,29 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   if (fill_on_device) {
     fill_kernel<<<1024, 256>>>(qkv.as<uint16_t>(), qkv_elems, 1u, p->dtype);
     HARNESS_CUDA(cudaGetLastError());
-    fill_kernel<<<4096, 256>>>(kc.as<uint16_t>(), cache_elems, 2u, p->dtype);
-    HARNESS_CUDA(cudaGetLastError());
-    fill_kernel<<<4096, 256>>>(vc.as<uint16_t>(), cache_elems, 3u, p->dtype);
-    HARNESS_CUDA(cudaGetLastError());
+    if (quantized) {
+      fill_bytes_kernel<<<4096, 256>>>(kc.as<uint8_t>(), cache_elems, 2u, p->cache_quant);
+      HARNESS_CUDA(cudaGetLastError());
+      fill_bytes_kernel<<<4096, 256>>>(vc.as<uint8_t>(), cache_elems, 3u, p->cache_quant);
+      HARNESS_CUDA(cudaGetLastError());
+      fill_scales_kernel<<<1024, 256>>>(ks.as<float>(), scale_elems);
+      HARNESS_CUDA(cudaGetLastError());
+      fill_scales_kernel<<<1024, 256>>>(vs.as<float>(), scale_elems);
+      HARNESS_CUDA(cudaGetLastError());
+    } else {
+      fill_kernel<<<4096, 256>>>(kc.as<uint16_t>(), cache_elems, 2u, p->dtype);
+      HARNESS_CUDA(cudaGetLastError());
+      fill_kernel<<<4096, 256>>>(vc.as<uint16_t>(), cache_elems, 3u, p->dtype);
+      HARNESS_CUDA(cudaGetLastError());
+    }
   } else {
     HARNESS_CUDA(qkv.upload(host->qkv));
     HARNESS_CUDA(kc.upload(host->key_cache));
     HARNESS_CUDA(vc.upload(host->value_cache));
+    if (quantized) {
+      HARNESS_CUDA(ks.upload(host->key_cache_scales));
+      HARNESS_CUDA(vs.upload(host->value_cache_scales));
+    }
     HARNESS_CUDA(out.upload(host->out));  // keeps the caller's poison visible to the check
   }
   HARNESS_CUDA(enc.upload(host->seq_lens_encoder));
@@ -184,6 +225,8 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   d.rotary_sin = sin_t.as<const float>();
   d.swa_head_mask = mask.as<const int>();
   d.kv_head_slots = host->kv_head_slots != nullptr ? head_slots.as<const int>() : nullptr;
+  d.key_cache_scales = quantized ? ks.as<float>() : nullptr;
+  d.value_cache_scales = quantized ? vs.as<float>() : nullptr;
   d.out = out.get();
 
   const cudaStream_t stream = 0;
@@ -202,6 +245,10 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
     HARNESS_CUDA(out.download(host->out));
     HARNESS_CUDA(kc.download(host->key_cache));
     HARNESS_CUDA(vc.download(host->value_cache));
+    if (quantized) {
+      HARNESS_CUDA(ks.download(host->key_cache_scales));
+      HARNESS_CUDA(vs.download(host->value_cache_scales));
+    }
   }
 
   if (iters > 0) {

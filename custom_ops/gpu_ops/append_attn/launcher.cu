@@ -93,6 +93,20 @@ std::string validate(const AppendAttnParams& p) {
              p.sliding_window, p.sink_size);
     return buf;
   }
+  if (p.cache_quant < APPEND_ATTN_CACHE_FLOAT || p.cache_quant > APPEND_ATTN_CACHE_FP8_E4M3) {
+    snprintf(buf, sizeof(buf), "cache_quant %d unknown (0 float, 1 int8, 2 e4m3)", p.cache_quant);
+    return buf;
+  }
+  if (p.cache_quant != APPEND_ATTN_CACHE_FLOAT && p.dtype != APPEND_ATTN_BF16) {
+    return "quantized caches (cache_quant != 0) need dtype bf16";
+  }
+  // The quantized cache write stages a token's rows in shared memory (227 KB on sm_90, 163 on sm_80).
+  if (p.cache_quant != APPEND_ATTN_CACHE_FLOAT &&
+      quantized_rope_write_smem_bytes(p.num_heads, p.kv_num_heads, p.head_dim) > 160 * 1024) {
+    snprintf(buf, sizeof(buf), "quantized caches: %d q + %d kv heads of head_dim %d need more shared memory "
+             "than the cache write has", p.num_heads, p.kv_num_heads, p.head_dim);
+    return buf;
+  }
   if (p.token_num < 0 || p.bsz < 1 || p.bsz > 65535 || p.num_blocks < 1 ||
       p.max_blocks_per_seq < 1 || p.max_position < 1 || p.kv_num_heads > 65535) {
     snprintf(buf, sizeof(buf),
@@ -174,6 +188,10 @@ extern "C" int append_attention_launch(const AppendAttnParams* params,
       b.rotary_sin == nullptr || b.swa_head_mask == nullptr || b.out == nullptr) {
     return fail(APPEND_ATTN_INVALID_ARGUMENT, "a required device buffer is NULL");
   }
+  if (p.cache_quant != APPEND_ATTN_CACHE_FLOAT &&
+      (b.key_cache_scales == nullptr || b.value_cache_scales == nullptr)) {
+    return fail(APPEND_ATTN_INVALID_ARGUMENT, "quantized caches need key_cache_scales and value_cache_scales");
+  }
 
   unsigned char* ws = static_cast<unsigned char*>(workspace);
   Args a;
@@ -188,6 +206,9 @@ extern "C" int append_attention_launch(const AppendAttnParams* params,
   a.rotary_sin = b.rotary_sin;
   a.swa_head_mask = b.swa_head_mask;
   a.kv_head_slots = b.kv_head_slots;
+  a.key_scales = p.cache_quant != APPEND_ATTN_CACHE_FLOAT ? b.key_cache_scales : nullptr;
+  a.value_scales = p.cache_quant != APPEND_ATTN_CACHE_FLOAT ? b.value_cache_scales : nullptr;
+  a.cache_quant = p.cache_quant;
   a.q_rot = reinterpret_cast<float*>(ws + layout.q_rot);
   a.tile_prefix = reinterpret_cast<int*>(ws + layout.tile_prefix);
   a.partial = reinterpret_cast<float*>(ws + layout.partial);

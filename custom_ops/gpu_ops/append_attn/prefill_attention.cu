@@ -3,7 +3,9 @@
 // One thread block = one tile of up to 64 / G consecutive new tokens of one request times the G q
 // heads of one KV head (64 rows), so each K/V page read from memory serves every row of the tile.
 // The block walks only the tile's live blocks (see LiveBlocks) in chunks of 64 keys, with an
-// online softmax in fp32; K, V and the scores live in shared memory, fp32 CUDA-core math.
+// online softmax in fp32; K, V and the scores live in shared memory, fp32 CUDA-core math. Pages
+// are read through a codec P (append_attn_common.cuh): quantized pages stay 8-bit in shared memory
+// with their rows' scales next to them, dequantized where they are used.
 #include "append_attn_common.cuh"
 
 namespace append_attn {
@@ -42,26 +44,29 @@ __host__ __device__ constexpr size_t align16(size_t x) { return (x + 15) / 16 * 
 
 // Shared memory layout (bytes). Row strides are padded so the threads of a warp that read
 // different rows of the same column hit different banks.
-template <typename T, int D>
+template <typename Elem, int D>
 struct PrefillSmem {
   static constexpr int kQStride = D + 2;  // floats
-  static constexpr int kKStride = D + 2;  // elements of T (an odd number of 32-bit words)
+  static constexpr int kKStride = D + 4 / sizeof(Elem);  // elements: an odd number of 32-bit words
   static constexpr int kPStride = kChunkKeys + 1;
   static constexpr size_t kQ = 0;
   static constexpr size_t kP = align16(kQ + sizeof(float) * kPrefillRows * kQStride);
   static constexpr size_t kK = align16(kP + sizeof(float) * kPrefillRows * kPStride);
-  static constexpr size_t kV = align16(kK + sizeof(T) * kChunkKeys * kKStride);
-  static constexpr size_t kKeyPos = align16(kV + sizeof(T) * kChunkKeys * D);
+  static constexpr size_t kV = align16(kK + sizeof(Elem) * kChunkKeys * kKStride);
+  static constexpr size_t kKeyPos = align16(kV + sizeof(Elem) * kChunkKeys * D);
   static constexpr size_t kPageBase = align16(kKeyPos + sizeof(int) * kChunkKeys);
   static constexpr size_t kPageBlock = align16(kPageBase + sizeof(long long) * kChunkKeys);
-  static constexpr size_t kBytes = align16(kPageBlock + sizeof(int) * kChunkKeys);
+  static constexpr size_t kKScale = align16(kPageBlock + sizeof(int) * kChunkKeys);
+  static constexpr size_t kVScale = align16(kKScale + sizeof(float) * kChunkKeys);
+  static constexpr size_t kBytes = align16(kVScale + sizeof(float) * kChunkKeys);
 };
 
-template <typename T, int D, int BS>
+template <typename T, typename P, int D, int BS>
 __global__ void __launch_bounds__(kThreads)
     prefill_attention_kernel(Args a, int swa_override, T* __restrict__ out) {
   using T2 = typename Num<T>::T2;
-  using L = PrefillSmem<T, D>;
+  using Elem = typename P::Elem;
+  using L = PrefillSmem<Elem, D>;
   constexpr int kPagesPerChunk = kChunkKeys / BS;
   constexpr int kDimPairsPerThread = D / 16;  // a thread owns dims 16 * j + 2 * tk + {0, 1}
 
@@ -72,11 +77,13 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) unsigned char smem[];
   float* q_s = reinterpret_cast<float*>(smem + L::kQ);
   float* p_s = reinterpret_cast<float*>(smem + L::kP);
-  T* k_s = reinterpret_cast<T*>(smem + L::kK);
-  T* v_s = reinterpret_cast<T*>(smem + L::kV);
+  Elem* k_s = reinterpret_cast<Elem*>(smem + L::kK);
+  Elem* v_s = reinterpret_cast<Elem*>(smem + L::kV);
   int* key_pos_s = reinterpret_cast<int*>(smem + L::kKeyPos);
   long long* page_base_s = reinterpret_cast<long long*>(smem + L::kPageBase);
   int* page_block_s = reinterpret_cast<int*>(smem + L::kPageBlock);
+  float* k_scale_s = reinterpret_cast<float*>(smem + L::kKScale);
+  float* v_scale_s = reinterpret_cast<float*>(smem + L::kVScale);
 
   // Which request and token range this tile covers. Later tiles see more keys, so a request's
   // tiles run last-first to start the longest blocks early.
@@ -141,8 +148,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int j = 0; j < 2 * kDimPairsPerThread; ++j) acc[i][j] = 0.f;
   }
 
-  const T* k_cache = static_cast<const T*>(a.key_cache);
-  const T* v_cache = static_cast<const T*>(a.value_cache);
+  const Elem* k_cache = static_cast<const Elem*>(a.key_cache);
+  const Elem* v_cache = static_cast<const Elem*>(a.value_cache);
   const int n_chunks = (live.count + kPagesPerChunk - 1) / kPagesPerChunk;
   for (int c = 0; c < n_chunks; ++c) {
     if (tid < kPagesPerChunk) {
@@ -166,24 +173,43 @@ __global__ void __launch_bounds__(kThreads)
       const int pg = key / BS;
       const long long base = page_base_s[pg];
       const int kpos = page_block_s[pg] * BS + key % BS;
-      uint4 kv = make_uint4(0, 0, 0, 0);
-      uint4 vv = make_uint4(0, 0, 0, 0);
-      if (base >= 0 && kpos <= pos_last) {
-        const long long off = base + (long long)(key % BS) * D;
-        kv = reinterpret_cast<const uint4*>(k_cache + off)[col8];
-        vv = reinterpret_cast<const uint4*>(v_cache + off)[col8];
-      }
+      const bool valid = base >= 0 && kpos <= pos_last;
+      const long long off = base + (long long)(key % BS) * D + col8 * 8;
       uint32_t* kd = reinterpret_cast<uint32_t*>(k_s + key * L::kKStride + col8 * 8);
-      kd[0] = kv.x;
-      kd[1] = kv.y;
-      kd[2] = kv.z;
-      kd[3] = kv.w;
-      *reinterpret_cast<uint4*>(v_s + key * D + col8 * 8) = vv;
+      if constexpr (sizeof(Elem) == 2) {  // 8 elements: 16 bytes
+        uint4 kv = make_uint4(0, 0, 0, 0);
+        uint4 vv = make_uint4(0, 0, 0, 0);
+        if (valid) {
+          kv = *reinterpret_cast<const uint4*>(k_cache + off);
+          vv = *reinterpret_cast<const uint4*>(v_cache + off);
+        }
+        kd[0] = kv.x;
+        kd[1] = kv.y;
+        kd[2] = kv.z;
+        kd[3] = kv.w;
+        *reinterpret_cast<uint4*>(v_s + key * D + col8 * 8) = vv;
+      } else {  // 8 one-byte codes: 8 bytes
+        uint2 kv = make_uint2(0, 0);
+        uint2 vv = make_uint2(0, 0);
+        if (valid) {
+          kv = *reinterpret_cast<const uint2*>(k_cache + off);
+          vv = *reinterpret_cast<const uint2*>(v_cache + off);
+        }
+        kd[0] = kv.x;
+        kd[1] = kv.y;
+        *reinterpret_cast<uint2*>(v_s + key * D + col8 * 8) = vv;
+      }
     }
     if (tid < kChunkKeys) {
       const int pg = tid / BS;
       const int kpos = page_block_s[pg] * BS + tid % BS;
-      key_pos_s[tid] = (page_base_s[pg] >= 0 && kpos <= pos_last) ? kpos : -1;
+      const bool valid = page_base_s[pg] >= 0 && kpos <= pos_last;
+      key_pos_s[tid] = valid ? kpos : -1;
+      if (P::kQuantized) {
+        const long long row = page_base_s[pg] / D + tid % BS;  // the row's scale index
+        k_scale_s[tid] = valid ? a.key_scales[row] : 0.f;
+        v_scale_s[tid] = valid ? a.value_scales[row] : 0.f;
+      }
     }
     __syncthreads();
 
@@ -198,8 +224,8 @@ __global__ void __launch_bounds__(kThreads)
       const float2 q1 = *reinterpret_cast<const float2*>(q_s + (tr + 32) * L::kQStride + d);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float2 kf = Num<T>::to_float2(
-            *reinterpret_cast<const T2*>(k_s + (tk + 8 * j) * L::kKStride + d));
+        const int key = tk + 8 * j;
+        const float2 kf = P::pair(P::pair_bits(k_s + key * L::kKStride + d), P::kQuantized ? k_scale_s[key] : 1.f);
         s[0][j] += q0.x * kf.x + q0.y * kf.y;
         s[1][j] += q1.x * kf.x + q1.y * kf.y;
       }
@@ -242,10 +268,10 @@ __global__ void __launch_bounds__(kThreads)
     for (int key = 0; key < kChunkKeys; ++key) {
       const float p0 = p_s[tr * L::kPStride + key];
       const float p1 = p_s[(tr + 32) * L::kPStride + key];
+      const float v_scale = P::kQuantized ? v_scale_s[key] : 1.f;
 #pragma unroll
       for (int j = 0; j < kDimPairsPerThread; ++j) {
-        const float2 v =
-            Num<T>::to_float2(*reinterpret_cast<const T2*>(v_s + key * D + 16 * j + 2 * tk));
+        const float2 v = P::pair(P::pair_bits(v_s + key * D + 16 * j + 2 * tk), v_scale);
         acc[0][2 * j] += p0 * v.x;
         acc[0][2 * j + 1] += p0 * v.y;
         acc[1][2 * j] += p1 * v.x;
@@ -270,10 +296,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, int D, int BS>
+template <typename T, typename P, int D, int BS>
 cudaError_t launch_kernel(const Args& a, int swa_override, void* out, cudaStream_t stream) {
-  constexpr size_t kSmem = PrefillSmem<T, D>::kBytes;
-  auto kernel = prefill_attention_kernel<T, D, BS>;
+  constexpr size_t kSmem = PrefillSmem<typename P::Elem, D>::kBytes;
+  auto kernel = prefill_attention_kernel<T, P, D, BS>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem);
   if (err != cudaSuccess) return err;
@@ -287,14 +313,26 @@ cudaError_t launch_kernel(const Args& a, int swa_override, void* out, cudaStream
   return cudaGetLastError();
 }
 
+template <typename T, typename P>
+cudaError_t launch_shapes(const Args& a, int swa_override, void* out, cudaStream_t stream) {
+  if (a.head_dim == 64) {
+    return a.block_size == 64 ? launch_kernel<T, P, 64, 64>(a, swa_override, out, stream)
+                              : launch_kernel<T, P, 64, 16>(a, swa_override, out, stream);
+  }
+  return a.block_size == 64 ? launch_kernel<T, P, 128, 64>(a, swa_override, out, stream)
+                            : launch_kernel<T, P, 128, 16>(a, swa_override, out, stream);
+}
+
 template <typename T>
 cudaError_t launch_typed(const Args& a, int swa_override, void* out, cudaStream_t stream) {
-  if (a.head_dim == 64) {
-    return a.block_size == 64 ? launch_kernel<T, 64, 64>(a, swa_override, out, stream)
-                              : launch_kernel<T, 64, 16>(a, swa_override, out, stream);
+  // Quantized pages come with bf16 compute only (the launcher checks it).
+  if (a.cache_quant == APPEND_ATTN_CACHE_INT8) {
+    return launch_shapes<__nv_bfloat16, Int8Pages>(a, swa_override, out, stream);
   }
-  return a.block_size == 64 ? launch_kernel<T, 128, 64>(a, swa_override, out, stream)
-                            : launch_kernel<T, 128, 16>(a, swa_override, out, stream);
+  if (a.cache_quant == APPEND_ATTN_CACHE_FP8_E4M3) {
+    return launch_shapes<__nv_bfloat16, E4M3Pages>(a, swa_override, out, stream);
+  }
+  return launch_shapes<T, FloatPages<T>>(a, swa_override, out, stream);
 }
 
 }  // namespace

@@ -1,12 +1,36 @@
 // Step (a): RoPE on the new q and k (interleaved pairs), new K/V written into the paged cache.
 // Rotated q goes to a float workspace, pre-scaled by 1/sqrt(head_dim), so the attention kernels
 // read it once per tile without re-rotating and keep fp32 precision (the CPU op's math).
+// Quantized pages (cache_quant) take the CPU op's rule, the same header (kv_quant.h): each row's
+// absmax scale, codes rounded to nearest even; int8 keys and the queries Hadamard-rotated.
 #include "append_attn_common.cuh"
 
 namespace append_attn {
 namespace {
 
 constexpr int kThreads = 128;
+
+// Request and position of qkv row `token`: false for a row no request owns (its output row is
+// zeroed here, so every output element is written) and for a position past the rotary tables
+// (recorded); both cache-write kernels start here.
+template <typename T>
+__device__ __forceinline__ bool locate_token(const Args& a, int token, T* out, int* req_out, int* pos_out) {
+  const int req = find_request(a.cu_seqlens_q, a.bsz, token);
+  const int local = req < 0 ? 0 : token - a.cu_seqlens_q[req];
+  if (req < 0 || local >= a.seq_lens_this_time[req]) {
+    const int width = a.num_heads * a.head_dim;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) out[(long long)token * width + i] = Num<T>::from_float(0.f);
+    return false;
+  }
+  const int pos = a.seq_lens_decoder[req] + local;
+  if (pos < 0 || pos >= a.max_position) {
+    if (threadIdx.x == 0) record_error(a.error_info, APPEND_ATTN_ERR_POSITION, req, -1, pos);
+    return false;
+  }
+  *req_out = req;
+  *pos_out = pos;
+  return true;
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -18,21 +42,8 @@ __global__ void __launch_bounds__(kThreads)
   const int nh = a.num_heads;
   const int kvh = a.kv_num_heads;
 
-  const int req = find_request(a.cu_seqlens_q, a.bsz, token);
-  const int local = req < 0 ? 0 : token - a.cu_seqlens_q[req];
-  if (req < 0 || local >= a.seq_lens_this_time[req]) {
-    // A row no request owns gets zeros: every output element is written.
-    T2* row_out = reinterpret_cast<T2*>(out + (long long)token * nh * D);
-    for (int i = threadIdx.x; i < nh * pairs; i += blockDim.x) {
-      row_out[i] = Num<T>::from_float2(0.f, 0.f);
-    }
-    return;
-  }
-  const int pos = a.seq_lens_decoder[req] + local;
-  if (pos < 0 || pos >= a.max_position) {
-    if (threadIdx.x == 0) record_error(a.error_info, APPEND_ATTN_ERR_POSITION, req, -1, pos);
-    return;
-  }
+  int req, pos;
+  if (!locate_token(a, token, out, &req, &pos)) return;
 
   const T2* row = reinterpret_cast<const T2*>(static_cast<const T*>(a.qkv) +
                                               (long long)token * (nh + 2 * kvh) * D);
@@ -66,6 +77,83 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Quantized pages: one block per token. The token's rotated q and k rows and its v rows are staged
+// in shared memory ([rows][D + 1] floats: one thread walks a row without bank conflicts); a thread
+// per row applies the Hadamard rotation (int8) and takes the absmax of each K/V row, then every
+// thread writes codes. Shared memory: quantized_smem_bytes().
+template <typename T, typename Code>
+__global__ void __launch_bounds__(kThreads)
+    rope_write_quantized_kernel(Args a, float q_scale, T* __restrict__ out) {
+  const int token = blockIdx.x;
+  const int D = a.head_dim;
+  const int pairs = D / 2;
+  const int nh = a.num_heads;
+  const int kvh = a.kv_num_heads;
+  const int stride = D + 1;
+  extern __shared__ float rows_s[];  // q rows, k rows, v rows, then 2 * kvh scales
+  float* q_s = rows_s;
+  float* k_s = q_s + nh * stride;
+  float* v_s = k_s + kvh * stride;
+  float* scale_s = v_s + kvh * stride;  // [kvh] K scales, then [kvh] V scales
+
+  int req, pos;
+  if (!locate_token(a, token, out, &req, &pos)) return;
+  const T* row = static_cast<const T*>(a.qkv) + (long long)token * (nh + 2 * kvh) * D;
+  const float* cos_row = a.rotary_cos + (long long)pos * pairs;
+  const float* sin_row = a.rotary_sin + (long long)pos * pairs;
+  for (int i = threadIdx.x; i < (nh + kvh) * pairs; i += blockDim.x) {
+    const int r = i / pairs;
+    const int p = i % pairs;
+    const float x0 = Num<T>::to_float(row[r * D + 2 * p]);
+    const float x1 = Num<T>::to_float(row[r * D + 2 * p + 1]);
+    float* dst = (r < nh ? q_s + r * stride : k_s + (r - nh) * stride) + 2 * p;
+    dst[0] = x0 * cos_row[p] - x1 * sin_row[p];
+    dst[1] = x1 * cos_row[p] + x0 * sin_row[p];
+  }
+  for (int i = threadIdx.x; i < kvh * D; i += blockDim.x) {
+    v_s[(i / D) * stride + i % D] = Num<T>::to_float(row[(nh + kvh) * D + i]);
+  }
+  __syncthreads();
+
+  const fd_kvq::Format format = fd_kvq::format_of<Code>();
+  const bool rotate = fd_kvq::rotates_keys(format, D);
+  for (int r = threadIdx.x; r < nh + 2 * kvh; r += blockDim.x) {
+    float* x = rows_s + r * stride;
+    if (rotate && r < nh + kvh) fd_kvq::hadamard_in_place(x, D);
+    if (r >= nh) {
+      float absmax = 0.f;
+      for (int i = 0; i < D; ++i) absmax = fmaxf(absmax, fabsf(x[i]));
+      scale_s[r - nh] = fd_kvq::scale_for(absmax, format);
+    }
+  }
+  __syncthreads();
+
+  // q . k is unchanged when both are rotated: H q / D pairs with H k (the 1 / D is exact).
+  const float q_mul = rotate ? q_scale / static_cast<float>(D) : q_scale;
+  for (int i = threadIdx.x; i < nh * D; i += blockDim.x) {
+    a.q_rot[(long long)token * nh * D + i] = q_s[(i / D) * stride + i % D] * q_mul;
+  }
+  const int block = pos / a.block_size;
+  const long long row_in_block = pos % a.block_size;
+  Code* k_cache = static_cast<Code*>(a.key_cache);
+  Code* v_cache = static_cast<Code*>(a.value_cache);
+  for (int i = threadIdx.x; i < kvh * D; i += blockDim.x) {
+    const int h = i / D;
+    const int d = i % D;
+    const long long base = page_offset(a, req, h, block, APPEND_ATTN_ERR_DEAD_ENTRY);
+    if (base < 0) continue;  // recorded; never write through a -1 entry
+    const long long dst = base + row_in_block * D + d;
+    k_cache[dst] = fd_kvq::code_of<Code>(k_s[h * stride + d], scale_s[h]);
+    v_cache[dst] = fd_kvq::code_of<Code>(v_s[h * stride + d], scale_s[kvh + h]);
+  }
+  for (int h = threadIdx.x; h < kvh; h += blockDim.x) {
+    const long long base = page_offset(a, req, h, block, APPEND_ATTN_ERR_DEAD_ENTRY);
+    if (base < 0) continue;
+    a.key_scales[base / D + row_in_block] = scale_s[h];
+    a.value_scales[base / D + row_in_block] = scale_s[kvh + h];
+  }
+}
+
 template <typename T>
 cudaError_t launch_typed(const Args& a, void* out, cudaStream_t stream) {
   const float q_scale = 1.0f / sqrtf(static_cast<float>(a.head_dim));
@@ -73,10 +161,28 @@ cudaError_t launch_typed(const Args& a, void* out, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+template <typename Code>
+cudaError_t launch_quantized(const Args& a, void* out, cudaStream_t stream) {
+  const float q_scale = 1.0f / sqrtf(static_cast<float>(a.head_dim));
+  const size_t smem = quantized_rope_write_smem_bytes(a.num_heads, a.kv_num_heads, a.head_dim);
+  auto kernel = rope_write_quantized_kernel<__nv_bfloat16, Code>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<a.token_num, kThreads, smem, stream>>>(a, q_scale, static_cast<__nv_bfloat16*>(out));
+  return cudaGetLastError();
+}
+
 }  // namespace
+
+size_t quantized_rope_write_smem_bytes(int num_heads, int kv_num_heads, int head_dim) {
+  return sizeof(float) * ((size_t)(num_heads + 2 * kv_num_heads) * (head_dim + 1) + 2 * kv_num_heads);
+}
 
 cudaError_t launch_rope_write_cache(const Args& a, int dtype, void* out, cudaStream_t stream) {
   if (a.token_num == 0) return cudaSuccess;
+  // Quantized pages come with bf16 compute only (the launcher checks it).
+  if (a.cache_quant == APPEND_ATTN_CACHE_INT8) return launch_quantized<int8_t>(a, out, stream);
+  if (a.cache_quant == APPEND_ATTN_CACHE_FP8_E4M3) return launch_quantized<fd_kvq::e4m3>(a, out, stream);
   return dtype == APPEND_ATTN_BF16 ? launch_typed<__nv_bfloat16>(a, out, stream)
                                    : launch_typed<__half>(a, out, stream);
 }

@@ -3,8 +3,10 @@
 Under tensor parallelism this is one rank's backend, in that rank's worker process: it owns the
 rank's `H / tp` KV heads (and their query heads, which arrive as the rank's qkv columns) and the
 cache for them, addressed by rank-local page ids. The cache is the slot layout's k lanes
-(cache_manager/slots.py), each `[num_blocks, G, block_size, head_dim]` for K and for V; a layer
-reads and writes its lane through its head -> slot map (one lane per layer, G = H / tp and slot h
+(cache_manager/slots.py), each `[num_blocks, G, block_size, head_dim]` for K and for V (quantized
+pages, --kv-cache-quant-type: int8 / float8_e4m3fn codes plus float32 scales `[num_blocks, G,
+block_size]` for K and for V, one per token row of every page); a layer reads and writes its lane
+through its head -> slot map (one lane per layer, G = H / tp and slot h
 = head h for a model whose layers all look alike). Every layer passes its own sliding heads,
 window and sink (sliding layers of the model as much as head-wise SWA heads).
 """
@@ -16,7 +18,7 @@ import paddle
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.ops import append_attention
 from fastdeploy.model_executor.layers.attention.ops.append_attention import _call, check_device_errors, \
-    cpu_op_arguments, cpu_op_attrs, new_error_info
+    cpu_op_arguments, cpu_op_attrs, new_error_info, no_scales
 from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import load_cpu_ops
 from fastdeploy.model_executor.layers.attention.swa_spec import attention_type_table, row_attention_args
 from fastdeploy.model_executor.tensor_parallel import local_kv_heads
@@ -32,11 +34,21 @@ class AppendAttentionBackend:
         self.head_dim = model.head_dim
         slots = fd_config.slot_layout
         shape = [cache.num_gpu_blocks, slots.slots_per_rank, cache.block_size, model.head_dim]
-        self.lane_keys = [paddle.zeros(shape, dtype=cache.cache_dtype) for _ in range(slots.num_lanes)]
-        self.lane_values = [paddle.zeros(shape, dtype=cache.cache_dtype) for _ in range(slots.num_lanes)]
+        self.lane_keys = [paddle.zeros(shape, dtype=cache.page_dtype) for _ in range(slots.num_lanes)]
+        self.lane_values = [paddle.zeros(shape, dtype=cache.page_dtype) for _ in range(slots.num_lanes)]
+        # A page's scales sit at its own (block, slot) cell: whatever moves the page moves them.
+        if cache.quantized:
+            self.lane_key_scales = [paddle.zeros(shape[:3], "float32") for _ in range(slots.num_lanes)]
+            self.lane_value_scales = [paddle.zeros(shape[:3], "float32") for _ in range(slots.num_lanes)]
+        else:  # float pages: the op's 1-element placeholders
+            place = self.lane_keys[0].place
+            self.lane_key_scales = [no_scales(place)] * slots.num_lanes
+            self.lane_value_scales = [no_scales(place)] * slots.num_lanes
         # Per layer: its lane (layers of one lane share the tensors, in disjoint slots).
         self.key_caches = [self.lane_keys[lane] for lane in slots.lane_of_layer]
         self.value_caches = [self.lane_values[lane] for lane in slots.lane_of_layer]
+        self.key_scales = [self.lane_key_scales[lane] for lane in slots.lane_of_layer]
+        self.value_scales = [self.lane_value_scales[lane] for lane in slots.lane_of_layer]
         self.rotary = rotary  # (cos, sin) per layer
         heads = local_kv_heads(model.num_key_value_heads, tp_rank, tp)
         types = attention_type_table(model)
@@ -74,12 +86,14 @@ class AppendAttentionBackend:
                            seq_lens_encoder=meta.seq_lens_encoder, seq_lens_decoder=meta.seq_lens_decoder,
                            seq_lens_this_time=meta.seq_lens_this_time, cu_seqlens_q=meta.cu_seqlens_q,
                            block_tables=table, rotary_cos=cos, rotary_sin=sin, swa_head_mask=swa_head_mask,
-                           kv_head_slots=head_slots)
+                           kv_head_slots=head_slots, key_cache_scales=self.key_scales[layer_id],
+                           value_cache_scales=self.value_scales[layer_id])
             return _call(self.cpu_op, *cpu_op_arguments(tensors, self.cpu_attrs[layer_id]))[0]
         return append_attention(
             qkv, self.key_caches[layer_id], self.value_caches[layer_id], meta.seq_lens_encoder,
             meta.seq_lens_decoder, meta.seq_lens_this_time, meta.cu_seqlens_q, table, cos, sin,
-            swa_head_mask, head_slots, num_heads=self.num_heads, kv_num_heads=self.kv_num_heads,
+            swa_head_mask, head_slots, self.key_scales[layer_id], self.value_scales[layer_id],
+            num_heads=self.num_heads, kv_num_heads=self.kv_num_heads,
             head_dim=self.head_dim, sliding_window=window, sink_size=sink,
             visit_all_pages=self.dual_pass, dual_pass=self.dual_pass, error_info=self.error_info)
 

@@ -8,8 +8,10 @@ those tokens; ``block_tables`` is either the 1-D table ``[bsz, max_blocks]``
 or the head-wise page table ``[bsz, G, max_blocks]`` (told apart by rank);
 ``kv_head_slots`` (int32 ``[kv_num_heads]``, distinct slots < G; None = head h
 in slot h) says which slot, i.e. which table row and which place in a block,
-holds each KV head of this layer. Returns ``[token_num, num_heads * head_dim]``
-in the dtype of ``qkv``.
+holds each KV head of this layer. Quantized pages (int8 or float8_e4m3fn caches) carry
+``key_cache_scales``/``value_cache_scales``, float32 ``[num_blocks, G, block_size]`` (one scale
+per token row of every page, written with the row); float caches take a 1-element placeholder
+there (None = made here). Returns ``[token_num, num_heads * head_dim]`` in the dtype of ``qkv``.
 
 One entry for both devices (docs/architecture.md): the place of ``qkv`` picks the CPU op
 (custom_ops/cpu_ops) or the CUDA op (custom_ops/gpu_ops); both receive the tensors
@@ -27,7 +29,11 @@ import paddle
 from .cpu_op_loader import load_cpu_ops
 
 TENSOR_ARGS = ("qkv", "key_cache", "value_cache", "seq_lens_encoder", "seq_lens_decoder", "seq_lens_this_time",
-               "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin", "swa_head_mask", "kv_head_slots")
+               "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin", "swa_head_mask", "kv_head_slots",
+               "key_cache_scales", "value_cache_scales")
+SCALE_ARGS = ("key_cache_scales", "value_cache_scales")
+# Cache dtypes that hold quantized pages (the scales' dtype is float32).
+QUANTIZED_CACHE_DTYPES = (paddle.int8, paddle.float8_e4m3fn)
 # The attributes of both ops, in order; the CPU op takes all but the last (it has one pass only).
 ATTR_ARGS = ("num_heads", "kv_num_heads", "head_dim", "sliding_window", "sink_size", "visit_all_pages", "dual_pass")
 
@@ -35,9 +41,13 @@ ATTR_ARGS = ("num_heads", "kv_num_heads", "head_dim", "sliding_window", "sink_si
 def op_arguments(tensors: dict, *, num_heads: int, kv_num_heads: int, head_dim: int, sliding_window: int,
                  sink_size: int, visit_all_pages: bool = False, dual_pass: bool = False) -> tuple:
     """(tensors in op order, attributes in op order): the argument contract of both ops. Without
-    ``kv_head_slots`` head h uses slot h (the per-head layout)."""
+    ``kv_head_slots`` head h uses slot h (the per-head layout); float caches without scales get the
+    placeholder."""
     if tensors.get("kv_head_slots") is None and tensors.get("qkv") is not None:
         tensors = {**tensors, "kv_head_slots": identity_head_slots(int(kv_num_heads), tensors["qkv"].place)}
+    cache = tensors.get("key_cache")
+    if cache is not None and cache.dtype not in QUANTIZED_CACHE_DTYPES:
+        tensors = {**tensors, **{name: no_scales(cache.place) for name in SCALE_ARGS if tensors.get(name) is None}}
     missing = [name for name in TENSOR_ARGS if tensors.get(name) is None]
     if missing:
         raise ValueError(f"append_attention: missing tensor argument(s) {', '.join(missing)}")
@@ -95,6 +105,12 @@ def select_op(place, dual_pass: bool = False):
     raise ValueError(f"append_attention: no op for tensors on {place} (CPU and CUDA GPUs only)")
 
 
+def no_scales(place) -> paddle.Tensor:
+    """The scale argument of a float cache: a 1-element float32 placeholder (the ops' arity is fixed;
+    docs/op_contract.md says why it is not an optional input)."""
+    return paddle.to_tensor(np.zeros(1, np.float32), place=place)
+
+
 def identity_head_slots(kv_num_heads: int, place) -> paddle.Tensor:
     """kv_head_slots of the per-head layout: KV head h in slot (table row) h."""
     return paddle.to_tensor(np.arange(kv_num_heads, dtype=np.int32), place=place)
@@ -126,6 +142,8 @@ def append_attention(
     rotary_sin: paddle.Tensor,
     swa_head_mask: paddle.Tensor,
     kv_head_slots: Optional[paddle.Tensor] = None,
+    key_cache_scales: Optional[paddle.Tensor] = None,
+    value_cache_scales: Optional[paddle.Tensor] = None,
     *,
     num_heads: int,
     kv_num_heads: int,
@@ -153,7 +171,7 @@ def append_attention(
         dict(qkv=qkv, key_cache=key_cache, value_cache=value_cache, seq_lens_encoder=seq_lens_encoder,
              seq_lens_decoder=seq_lens_decoder, seq_lens_this_time=seq_lens_this_time, cu_seqlens_q=cu_seqlens_q,
              block_tables=block_tables, rotary_cos=rotary_cos, rotary_sin=rotary_sin, swa_head_mask=swa_head_mask,
-             kv_head_slots=kv_head_slots),
+             kv_head_slots=kv_head_slots, key_cache_scales=key_cache_scales, value_cache_scales=value_cache_scales),
         num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim, sliding_window=sliding_window,
         sink_size=sink_size, visit_all_pages=visit_all_pages, dual_pass=dual_pass)
     op, on_gpu = select_op(qkv.place, dual_pass)
@@ -173,9 +191,13 @@ def validate_append_attention_inputs(*tensors: paddle.Tensor, rules: str, check_
     """Runs only the input checks shared by the CPU op and the CUDA wrapper
     (custom_ops/cpu_ops/append_attention_checks.h) on CPU tensors, with the
     ``rules`` of the ``"cpu"`` op or the ``"gpu"`` wrapper (its dtypes; its place
-    rule too unless ``check_place=False``). Raises ``ValueError`` like the op."""
-    if len(tensors) == len(TENSOR_ARGS) - 1:  # no kv_head_slots: the per-head layout
-        tensors = (*tensors, identity_head_slots(int(kv_num_heads), tensors[0].place))
+    rule too unless ``check_place=False``). Raises ``ValueError`` like the op. ``tensors`` may stop
+    before ``kv_head_slots`` or before the scales (the defaults of op_arguments)."""
+    if len(tensors) < len(TENSOR_ARGS) - len(SCALE_ARGS) - 1:
+        raise ValueError(f"validate_append_attention_inputs: expected at least {len(TENSOR_ARGS) - 3} tensors")
+    named = dict(zip(TENSOR_ARGS, tensors))
+    tensors, _ = op_arguments(named, num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim,
+                              sliding_window=sliding_window, sink_size=sink_size)
     if rules not in ("cpu", "gpu"):
         raise ValueError(f"rules must be 'cpu' or 'gpu', got {rules!r}")
     attrs = (int(num_heads), int(kv_num_heads), int(head_dim), int(sliding_window), int(sink_size),

@@ -1,0 +1,104 @@
+"""`kv_cache_quant_type` at start-up: where the type comes from (the flag wins over the checkpoint's
+quantization_config), the one-line errors, and what a quantized page costs in the cache sizing:
+8-bit K/V plus a float32 scale per token and KV head, so at equal --kv-cache-memory head_dim 64
+holds 4 * 64 / (64 + 4) = 3.76x the float32 pages (1.88x bfloat16's), and the scheduler, the page
+pool and /metrics all count those pages."""
+
+import json
+import logging
+
+import pytest
+
+from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.model_executor.models.tiny_preset import TINY_GPU_PRESET_NAME, TINY_PRESET_CONFIG
+
+MEMORY = 64 * 1024 * 1024
+
+
+def build(monkeypatch, **kwargs):
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "0")
+    return EngineArgs(**kwargs).create_engine_config()
+
+
+def checkpoint(tmp_path, section):
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_PRESET_CONFIG, "quantization_config": section}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("quant", ["none", "int8", "block_wise_fp8", "INT8"])
+def test_the_flag_names_the_page_format(monkeypatch, quant):
+    cache = build(monkeypatch, kv_cache_quant_type=quant).cache_config
+    assert cache.kv_cache_quant_type == quant.lower()
+    assert cache.page_dtype == {"none": "float32", "int8": "int8", "block_wise_fp8": "float8_e4m3fn"}[quant.lower()]
+
+
+def test_the_checkpoints_quantization_config_is_read_and_the_flag_wins(monkeypatch, tmp_path):
+    model = checkpoint(tmp_path, {"kv_cache_quant_type": "block_wise_fp8"})
+    assert build(monkeypatch, model=model).cache_config.kv_cache_quant_type == "block_wise_fp8"
+    assert build(monkeypatch, model=model, kv_cache_quant_type="int8").cache_config.kv_cache_quant_type == "int8"
+    assert build(monkeypatch, model=model, kv_cache_quant_type="none").cache_config.kv_cache_quant_type == "none"
+    assert build(monkeypatch).cache_config.kv_cache_quant_type == "none"  # no section: float pages
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kv_cache_quant_type="int3"), r"kv_cache_quant_type='int3' is not supported: choose one of none, int8, "
+                                       r"block_wise_fp8$"),
+    (dict(kv_cache_quant_type="int4_zp"), "an upstream type with calibrated static scales or 4-bit pages"),
+    (dict(kv_cache_quant_type="int8", cache_dtype="bfloat16"),
+     "kv_cache_quant_type=int8 stores 8-bit pages with float32 scales, but --cache-dtype bfloat16"),
+    (dict(kv_cache_quant_type="block_wise_fp8", cache_dtype="float16"), "cache_dtype=float16 needs --device gpu"),
+])
+def test_impossible_combinations_stop_the_start_up_with_one_line(monkeypatch, kwargs, message):
+    with pytest.raises(ValueError, match=message) as info:
+        build(monkeypatch, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_the_dense_oracle_backend_refuses_quantized_pages(monkeypatch):
+    monkeypatch.setenv("FD_ATTENTION_BACKEND", "NATIVE_ATTN")
+    with pytest.raises(ValueError, match="NATIVE_ATTN backend keeps float K/V per request"):
+        build(monkeypatch, kv_cache_quant_type="int8")
+
+
+def test_the_gpu_needs_bfloat16_compute_for_quantized_pages():
+    from fastdeploy.model_executor.layers.quantization.kv_cache import check_kv_cache_quant_type
+
+    check_kv_cache_quant_type("int8", "bfloat16", "bfloat16", "APPEND_ATTN", "gpu", "bfloat16")
+    with pytest.raises(ValueError, match="with bfloat16 compute only, but --dtype resolved to float16"):
+        check_kv_cache_quant_type("int8", "float16", "float16", "APPEND_ATTN", "gpu", "float16")
+
+
+def test_an_unsupported_type_in_the_checkpoint_says_how_to_override_it(monkeypatch, tmp_path):
+    model = checkpoint(tmp_path, {"kv_cache_quant_type": "fp8"})
+    with pytest.raises(ValueError, match=r"the checkpoint's quantization_config.kv_cache_quant_type='fp8' .* "
+                                         r"pass --kv-cache-quant-type to override it"):
+        build(monkeypatch, model=model)
+    assert build(monkeypatch, model=model, kv_cache_quant_type="int8").cache_config.quantized
+
+
+def test_equal_kv_memory_holds_3_76x_the_float32_pages_at_head_dim_64(monkeypatch):
+    blocks = {q: build(monkeypatch, model=TINY_GPU_PRESET_NAME, num_gpu_blocks_override=None, kv_cache_memory=MEMORY,
+                       kv_cache_quant_type=q).cache_config.num_gpu_blocks for q in ("none", "int8", "block_wise_fp8")}
+    bf16 = build(monkeypatch, model=TINY_GPU_PRESET_NAME, kv_cache_memory=MEMORY, cache_dtype="bfloat16")
+    assert blocks["int8"] == blocks["block_wise_fp8"]
+    assert blocks["int8"] / blocks["none"] == pytest.approx(4 * 64 / 68, rel=1e-3)
+    assert blocks["int8"] / bf16.cache_config.num_gpu_blocks == pytest.approx(2 * 64 / 68, rel=1e-3)
+    assert blocks["int8"] >= 3.5 * blocks["none"]
+
+
+def test_the_start_up_log_names_the_type_the_page_bytes_and_the_pages(monkeypatch, caplog):
+    from fastdeploy import LLM
+
+    caplog.set_level(logging.INFO, logger="fastdeploy")
+    llm = LLM(model=TINY_GPU_PRESET_NAME, kv_cache_quant_type="int8", kv_cache_memory=MEMORY, block_size=16,
+              max_model_len=256)
+    blocks = llm.engine.fd_config.cache_config.num_gpu_blocks
+    # 2 layers x (K and V) x 16 tokens x (64 int8 + a 4-byte scale) per page; 4 KV heads = 4 slots.
+    line = f"KV cache: int8 pages (int8 K/V + a float32 scale per token and KV head), {2 * 2 * 16 * 68} bytes per " \
+           f"page, {4 * blocks} pages per rank ({blocks} blocks x 4 slots) from --kv-cache-memory {MEMORY} bytes"
+    assert line in caplog.text
+    stats = llm.engine.get_stats()  # the scheduler, the pool and /metrics count the same pages
+    assert stats["kv_pages_total"] == 4 * blocks == llm.engine.scheduler.cache_manager.num_total_pages
+    backend = llm.engine.runner.attn_backend
+    assert backend.key_caches[0].dtype.name == "INT8" and backend.key_caches[0].shape == [blocks, 4, 16, 64]
+    assert backend.key_scales[0].shape == [blocks, 4, 16] and backend.value_scales[1].dtype.name == "FLOAT32"
