@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from fastdeploy import envs
+from fastdeploy.json_flag import json_object
 from fastdeploy.model_executor.models.architectures import ACTIVATIONS, ERNIE4_5, Architecture, architecture
 from fastdeploy.model_executor.models.named_models import NAMED_MODELS
 from fastdeploy.model_executor.models.tiny_preset import PRESETS, TINY_PRESET_NAME, default_preset
@@ -43,13 +44,7 @@ class HeadWiseSWAConfig:
     @classmethod
     def from_dict(cls, spec: Any, num_kv_heads: int, num_layers: Optional[int] = None) -> "HeadWiseSWAConfig":
         where = "head_wise_swa"
-        if isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: not valid JSON ({exc.msg} at char {exc.pos})") from None
-        if not isinstance(spec, dict):
-            raise ValueError(f"{where}: expected an object with sliding_window, sink_size, swa_kv_heads")
+        spec = json_object(spec, where, "with sliding_window, sink_size, swa_kv_heads")
         unknown = set(spec) - {"sliding_window", "sink_size", "swa_kv_heads"}
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")

@@ -8,9 +8,10 @@ requests than that (a batched step is compute-bound: drafts then cost real work,
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from fastdeploy.json_flag import json_object
 
 METHODS = ("ngram",)
 # Upstream FastDeploy's older spelling of the n-gram method.
@@ -33,15 +34,9 @@ class SpeculativeConfig:
         with one line naming the field."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config: not valid JSON ({exc.msg} at character {exc.pos})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        if isinstance(value, str) and not value.strip():
+            return None
+        value = json_object(value, "speculative_config", "with method and num_speculative_tokens")
         if not value:
             return None
         fields = {}

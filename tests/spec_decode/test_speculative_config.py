@@ -33,7 +33,7 @@ def test_the_batch_size_threshold_turns_drafts_off_above_it():
 
 @pytest.mark.parametrize("value,message", [
     ('{"method": "ngram",', "not valid JSON"),
-    ("[1]", "must be a JSON object"),
+    ("[1]", "expected a JSON object"),
     ({"num_speculative_tokens": 2}, "'method' is required"),
     ({"method": "mtp"}, "method 'mtp' is not supported"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
