@@ -158,11 +158,22 @@ def assert_openai_error(resp: httpx.Response, status: int, param: Optional[str] 
     return err
 
 
+def named_model_path(name: str) -> str:
+    """The GGUF file of a named real model; the test skips (saying how to install it) without its package."""
+    from fastdeploy.model_executor.models.named_models import resolve
+
+    try:
+        return resolve(name)
+    except ValueError as exc:
+        pytest.skip(str(exc))
+
+
 @pytest.fixture(scope="session")
 def helpers():
     return types.SimpleNamespace(assert_openai_error=assert_openai_error, wait_until=wait_until,
                                  parse_prometheus=parse_prometheus_text, POLL_TIMEOUT_S=POLL_TIMEOUT_S,
-                                 SHUTDOWN_TIMEOUT_S=SHUTDOWN_TIMEOUT_S, REQUEST_TIMEOUT_S=REQUEST_TIMEOUT_S, REPO=REPO)
+                                 SHUTDOWN_TIMEOUT_S=SHUTDOWN_TIMEOUT_S, REQUEST_TIMEOUT_S=REQUEST_TIMEOUT_S, REPO=REPO,
+                                 named_model_path=named_model_path)
 
 
 @pytest.fixture(scope="module")

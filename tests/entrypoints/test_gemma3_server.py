@@ -15,13 +15,8 @@ GAUGES = ("fastdeploy:kv_pages_total", "fastdeploy:kv_pages_free", "fastdeploy:n
 
 
 @pytest.fixture(scope="module")
-def server(server_factory):
-    from fastdeploy.model_executor.models.named_models import resolve
-
-    try:
-        path = resolve("gemma-3-270m")
-    except ValueError as exc:
-        pytest.skip(str(exc))
+def server(server_factory, helpers):
+    path = helpers.named_model_path("gemma-3-270m")
     # The suite's base flags size the cache for the tiny preset; a 4096-token context needs more blocks.
     return server_factory("--model", path, "--max-model-len", "4096", "--num-gpu-blocks-override", "512",
                           "--max-num-batched-tokens", "2048", env={"FD_HEAD_WISE_KV_CACHE": "1"})

@@ -7,13 +7,8 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def server(server_factory):
-    from fastdeploy.model_executor.models.named_models import resolve
-
-    try:
-        path = resolve("smollm2-135m-instruct")
-    except ValueError as exc:
-        pytest.skip(str(exc))
+def server(server_factory, helpers):
+    path = helpers.named_model_path("smollm2-135m-instruct")
     # The base flags squeeze the cache for the tiny preset; 64 blocks of 16 tokens hold a short chat.
     return server_factory("--model", path, "--max-model-len", "512", env={"FD_HEAD_WISE_KV_CACHE": "0"})
 
