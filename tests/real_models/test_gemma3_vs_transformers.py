@@ -55,3 +55,36 @@ def test_gemma3_gguf_text_prompts_give_transformers_ids_and_greedy_tokens(monkey
     assert llm.engine.get_stats()["spec_decode_num_accepted_tokens_total"] > 0
     # Every dense layer on the file's blocks (Q5_0, Q8_0, Q4_K, Q6_K; q/k rows permuted with their blocks).
     assert all(layer.storage.startswith("gguf ") for layer in llm.engine.runner.model.dense_layers())
+
+
+# A Gemma-style chat template that writes <bos> itself (the instruction-tuned files carry one like it).
+BOS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
+                "else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+                "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_a_template_that_writes_bos_gives_transformers_prompt_ids_offline_and_over_http(gemma3_path,
+                                                                                      gemma3_reference):
+    """The file's tokenizer adds <bos> to raw prompts; a chat is not a raw prompt, so under a template that
+    writes <bos> the prompt holds one, as transformers' apply_chat_template gives it. Checked on both
+    paths: LLM.chat and the server's engine loop (which once encoded the rendered text as a raw prompt)."""
+    import multiprocessing
+
+    from fastdeploy.entrypoints.openai.engine_client import AddPayload, EngineInfo, _EngineLoop
+    from fastdeploy.input.chat_template import JinjaChatTemplate
+
+    tokenizer, _ = gemma3_reference
+    messages = [{"role": "user", "content": "Name a  colour."}, {"role": "assistant", "content": "Blue."},
+                {"role": "user", "content": "Another one, please."}]
+    expected = tokenizer.apply_chat_template(messages, chat_template=BOS_TEMPLATE, add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)
+    assert expected.count(tokenizer.bos_token_id) == 1
+    llm = LLM(model=gemma3_path, max_model_len=256, block_size=16)
+    ours = llm.engine.tokenizer
+    ours.chat_template = JinjaChatTemplate(BOS_TEMPLATE, ours.special_tokens)
+    offline = llm.chat(messages, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    assert list(offline.prompt_token_ids) == list(expected)
+    queues = multiprocessing.get_context("spawn")
+    loop = _EngineLoop(llm.engine, EngineInfo("gemma", 256, ours.vocab_size), queues.Queue(), queues.Queue())
+    loop._add("served", AddPayload(prompt=None, messages=messages, sampling={"max_tokens": 1}))
+    assert list(llm.engine.scheduler.requests["served"].prompt_token_ids) == list(expected)
