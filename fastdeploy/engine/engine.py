@@ -155,15 +155,15 @@ class LLMEngine:
         progressed = self.scheduler.update_from_output(batch, tokens, logprobs)
         new_tokens = 0
         for request in progressed:
-            num_new = len(request.output_token_ids) - before[request.request_id]
-            if request.sampling_params.stop:
+            if request.sampling_params.stop:  # may end the output inside the step's accepted drafts
+                num_new = len(request.output_token_ids) - before[request.request_id]
                 text = self._stop_strings_token_by_token(request, num_new)
             else:
                 text = self.tokenizer.decode_incremental(request.output_token_ids, request.detokenize_state)
+            new_tokens += len(request.output_token_ids) - before[request.request_id]
             if request.is_finished:
                 self.runner.release(request.request_id)
             outputs.append(self._output(request, text))
-            new_tokens += len(request.output_token_ids) - before[request.request_id]
         self.generation_tokens_total += new_tokens
         self._activity.step_finished(new_tokens, self.get_stats, busy=self.has_unfinished_requests())
         return outputs
