@@ -71,7 +71,8 @@ def run_arm(args, flags: dict, quant: str = "none") -> dict:
             "blocks": cfg.cache_config.num_gpu_blocks, "pages": rm.cache_manager.num_total_pages,
             "page_bytes": cfg.cache_config.block_bytes(cfg.model_config, 1) // cfg.slot_layout.slots_per_rank,
             "peak_running": peak, "engine_steps": steps, "pages_per_request": need,
-            "recycled": rm.swa_pages_recycled_total, "chunk_limit": rm.max_chunk, "alone": pages_held_alone(cfg, args)}
+            "recycled": rm.swa_pages_recycled_total, "cut_chunk": rm.cut_chunk,
+            "cut_steps": rm.cut_chunk_steps_total, "alone": pages_held_alone(cfg, args)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -105,11 +106,12 @@ def main(argv=None) -> None:
     for arm in ("off", "on"):
         r = res[arm]
         print(f"{arm:>3}: {r['layout']}; {r['pages']} pages, {r['pages_per_request']} per request (one-token steps); "
-              f"peak running {r['peak_running']}, engine steps {r['engine_steps']}, pages recycled {r['recycled']}")
+              f"peak running {r['peak_running']}, engine steps {r['engine_steps']}, pages recycled {r['recycled']}, "
+              f"steps with chunks cut to {r['cut_chunk']} tokens {r['cut_steps']}")
     print(f"concurrency OFF -> ON {out['concurrency_gain']:.2f}x (page-need ceiling {out['ceiling']:.2f}x), "
           f"engine steps {off['engine_steps']} -> {on['engine_steps']}")
     print(f"one request alone, ON / OFF pages: prefill peak {on['alone']['prefill']} / {off['alone']['prefill']} = "
-          f"{out['prefill_peak_share']:.2f} (chunks of {on['chunk_limit']} / {off['chunk_limit']} tokens), "
+          f"{out['prefill_peak_share']:.2f} (alone, nothing waits: chunks of {args.max_num_batched_tokens} tokens), "
           f"decode peak {on['alone']['decode']} / {off['alone']['decode']} = {out['decode_peak_share']:.2f}")
     if len(runs) > 1 or args.kv_cache_memory is not None:
         base = off["peak_running"]

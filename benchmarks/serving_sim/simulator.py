@@ -165,11 +165,13 @@ def ceiling(settings: EngineSettings, workload: Workload) -> dict:
     chunk, pages = fd.scheduler_config.max_num_batched_tokens, fd.cache_config.num_gpu_blocks * on.heads_per_rank
     reqs = workload.requests()
 
-    def mean_peak(layout):
-        return statistics.fmean(max(_peak(layout, r.input_len, r.output_len, chunk)) for r in reqs)
+    def mean_peak(layout, max_chunk=None):
+        if max_chunk is None:  # the engine's chunk rule: the window only where it lets more run
+            max_chunk = layout.chunk_for(chunk, lambda c: running(layout, c))
+        return statistics.fmean(max(_peak(layout, r.input_len, r.output_len, max_chunk)) for r in reqs)
 
-    def running(layout):
-        return min(fd.scheduler_config.max_num_seqs, pages / mean_peak(layout))
+    def running(layout, max_chunk=None):
+        return min(fd.scheduler_config.max_num_seqs, pages / mean_peak(layout, max_chunk))
 
     run_off, run_on = running(off), running(on)
     return {"running_off": run_off, "running_on": run_on, "ceiling": run_on / run_off, "pages_per_rank": pages,

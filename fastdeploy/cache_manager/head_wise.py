@@ -108,11 +108,15 @@ class PageLayout:
 
     def rank_head_counts(self) -> list:
         """Per rank: (heads that keep every page, heads that recycle)."""
+        return list(self._rank_head_counts)
+
+    @cached_property
+    def _rank_head_counts(self) -> tuple:  # read by every page-need call: computed once
         counts = [[self.heads_per_rank, 0] for _ in range(self.tensor_parallel_size)]
         for h in self.recycling_heads:
             counts[self.rank_of(h)][0] -= 1
             counts[self.rank_of(h)][1] += 1
-        return [tuple(c) for c in counts]
+        return tuple(tuple(c) for c in counts)
 
     # -- the one page-need function ------------------------------------------------------------
     def dead_blocks(self, num_processed: int) -> int:
@@ -152,20 +156,29 @@ class PageLayout:
             best = min(best, max_len * self.block_size - num_processed)
         return max(0, best)
 
-    def chunk_limit(self, budget: int) -> int:
-        """Most tokens one request computes in one step, within a step's token budget.
-
-        A prefill chunk of c tokens holds window + c tokens in every recycling head until its step
-        ends. Where recycling heads outnumber the keeping ones, that transient, not the request's
-        decode need, would decide how many requests fit (Gemma 3, a 4k prompt in 2048-token chunks:
-        0.68 of 1-D's pages at the chunk's end, 0.28 once decoding). There a chunk is capped at the
-        window (whole blocks), so the peak stays near twice the window per recycling head; the budget
-        still fills, with the chunks of several requests.
-        """
-        n_full, n_rec = max(self.rank_head_counts(), key=lambda counts: counts[1])
-        if not self.recycle or n_rec <= n_full:
+    def cut_chunk(self, budget: int) -> int:
+        """The chunk a prefill is cut to when pages are short: the window in whole blocks (at least one
+        block, at most the budget); the budget itself where nothing recycles (a cut frees nothing)."""
+        if not self.recycling_heads:
             return budget
         return min(budget, max(self.block_size, self.block_size * cdiv(self.window, self.block_size)))
+
+    def chunk_for(self, budget: int, running_with) -> int:
+        """The one chunk rule: one request's prefill chunk fills the step's budget, unless cutting it to
+        the window lets more requests run.
+
+        A chunk of c tokens holds window + c tokens in every recycling head until its step ends, so where
+        pages bind, long chunks turn the prefill transient, not the decode need, into what decides how many
+        requests fit (Gemma 3, a 4k prompt in 2048-token chunks: 0.68 of 1-D's pages at the chunk's end,
+        0.28 once decoding). Where pages are to spare, a cut only makes prefill slower (a GPU's cost per
+        token falls with the chunk's length). `running_with(chunk)` counts the requests that run with that
+        chunk (the scheduler: the waiting requests this step admits; the page tables: the steady state);
+        the cut is taken only when it counts more.
+        """
+        cut = self.cut_chunk(budget)
+        if cut < budget and (more := running_with(cut)) and more > running_with(budget):
+            return cut
+        return budget
 
     @cached_property
     def recycling_live_max(self) -> int:
@@ -229,8 +242,12 @@ def predicted_concurrency(fd_config, input_len: int, output_len: int) -> dict:
     chunk = fd_config.scheduler_config.max_num_batched_tokens
     max_seqs = fd_config.scheduler_config.max_num_seqs
 
+    def running(layout: PageLayout, max_chunk: int) -> int:
+        return min(max_seqs, pages_per_rank // max(layout.peak_pages_per_rank(input_len, output_len, max_chunk)))
+
     def peak(layout: PageLayout) -> int:
-        return max(layout.peak_pages_per_rank(input_len, output_len, layout.chunk_limit(chunk)))
+        max_chunk = layout.chunk_for(chunk, lambda c: running(layout, c))
+        return max(layout.peak_pages_per_rank(input_len, output_len, max_chunk))
 
     run_off, run_on = (min(max_seqs, pages_per_rank // peak(layout)) for layout in (off, on))
     return {
@@ -256,7 +273,8 @@ def rank_ceilings(fd_config, input_len: int, output_len: int) -> dict:
     on = replace(on, recycle=bool(on.swa_kv_heads))
     off = replace(on, recycle=False)
     chunk = fd_config.scheduler_config.max_num_batched_tokens
-    peak_off, peak_on = (layout.peak_pages_per_rank(input_len, output_len, layout.chunk_limit(chunk))
+    # A ceiling is the gain where pages bind, and there the rule cuts whenever the cut lowers the peak.
+    peak_off, peak_on = (layout.peak_pages_per_rank(input_len, output_len, layout.cut_chunk(chunk))
                          for layout in (off, on))
     return {
         "swa_heads_per_rank": [n_rec for _, n_rec in on.rank_head_counts()],

@@ -153,7 +153,8 @@ class Request:
         self.num_registered_blocks = 0
         self.prefix_match: Optional[tuple] = None
         self.num_cached_tokens = 0
-        self.peak_memo: Optional[tuple] = None  # ((num_tokens, max_new), peak pages per rank)
+        self.peak_memo: dict = {}  # (num_tokens, max_new, chunk) -> peak pages per rank
+        self.admitted_chunk = 0  # the scheduler's prefill chunk when it admitted the request (chunk rule)
         self.projection_memo: Optional[tuple] = None  # (last position, recycling-head page bound x bs)
         self.computed_high_water = 0  # most tokens ever computed; a preemption makes it recompute them
         self.generator = None  # numpy Generator for sampling, set by the engine (seeded or not)

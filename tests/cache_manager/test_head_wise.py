@@ -133,19 +133,35 @@ def test_peak_bounds_any_real_chunking():
         assert seen <= peak
 
 
-def test_a_chunk_is_capped_at_the_window_only_where_recycling_heads_outnumber_the_keeping_ones():
-    # 3 of 4 heads recycle: a chunk holds window + chunk tokens in each of them, so it is capped at
-    # the window rounded up to whole blocks (6 -> 8 with 4-token blocks), and never below one block.
+def test_the_cut_chunk_is_the_window_in_whole_blocks_wherever_heads_recycle():
+    # A cut chunk holds the window rounded up to whole blocks (6 -> 8 with 4-token blocks), never below
+    # one block and never above the budget, in every layout with a recycling head.
+    assert layout(swa_kv_heads=(0, 1, 2)).cut_chunk(2048) == 8
+    assert layout(swa_kv_heads=(0, 1, 2)).cut_chunk(5) == 5
+    assert layout(swa_kv_heads=(0, 1, 2), window=1).cut_chunk(2048) == 4
+    assert layout(swa_kv_heads=(0,)).cut_chunk(2048) == 8  # a minority of sliding heads too
+    assert layout(tensor_parallel_size=2, swa_kv_heads=(0, 2)).cut_chunk(2048) == 8
+    # Nothing recycles: a cut would free nothing, so the budget is the only chunk.
+    assert layout(swa_kv_heads=(0, 1, 2), recycle=False).cut_chunk(2048) == 2048
+    # The cut lowers a long prompt's peak to about twice the window per recycling head.
     mostly = layout(swa_kv_heads=(0, 1, 2))
-    assert mostly.chunk_limit(2048) == 8 and mostly.chunk_limit(5) == 5
-    assert layout(swa_kv_heads=(0, 1, 2), window=1).chunk_limit(2048) == 4
-    # Half or fewer recycle, recycling off, or no tensor-parallel rank where they outnumber: the budget.
-    assert layout(swa_kv_heads=(0, 1)).chunk_limit(2048) == 2048
-    assert layout(swa_kv_heads=(0, 1, 2), recycle=False).chunk_limit(2048) == 2048
-    assert layout(tensor_parallel_size=2, swa_kv_heads=(0, 2)).chunk_limit(2048) == 2048
-    assert layout(tensor_parallel_size=2, swa_kv_heads=(0, 1)).chunk_limit(2048) == 8  # rank 0: both recycle
-    # The cap lowers a long prompt's peak to about twice the window per recycling head.
     assert mostly.peak_pages_per_rank(64, 4, 8) < mostly.peak_pages_per_rank(64, 4, 64)
+
+
+def test_the_chunk_rule_cuts_only_when_the_cut_lets_more_requests_run():
+    lay = layout(swa_kv_heads=(0, 1, 2))
+    asked = []
+
+    def running_with(counts):
+        return lambda chunk: asked.append(chunk) or counts[chunk]
+
+    assert lay.chunk_for(2048, running_with({8: 3, 2048: 2})) == 8
+    assert lay.chunk_for(2048, running_with({8: 2, 2048: 2})) == 2048  # pages to spare: no cut
+    assert lay.chunk_for(2048, running_with({8: 0, 2048: 0})) == 2048  # nothing the cut would admit
+    assert set(asked) == {8, 2048}
+    # No recycling head: the budget without asking.
+    asked.clear()
+    assert layout(swa_kv_heads=(0,), recycle=False).chunk_for(2048, running_with({})) == 2048 and not asked
 
 
 def test_table_length_is_ceiling_division():

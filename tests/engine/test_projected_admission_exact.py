@@ -115,8 +115,8 @@ def test_the_fit_check_sees_the_peak_just_before_the_longest_curves_end_though_a
 # 4 * 4 * min(ceil(21/4), 3) = 48 units. Newcomers with prompts of 8 or 16 (10 outputs) claim 48
 # too; their whole first chunk needs, at n = 0, 4 heads x ceil(len/4) pages: 32 units for 8 tokens,
 # 64 for 16. A 1-token request (1 output) claims 4 * 4 * 1 = 16 and its chunk needs 16.
-# Recycling heads outnumber the keeping ones here, so one request's chunk is capped at the window
-# (PageLayout.chunk_limit): a 16-token prompt runs in chunks of 8.
+# Where a newcomer waits on pages and chunks cut to the window (8 tokens) would admit it, the step's
+# chunks are cut (the chunk rule, PageLayout.chunk_for); otherwise a 16-token prompt runs whole.
 
 def run_two_newcomers(blocks, prompt_len):
     rm = manager(blocks, enable_prefix_caching=False)
@@ -127,7 +127,7 @@ def run_two_newcomers(blocks, prompt_len):
     return rm, step(rm)
 
 
-def test_a_chunk_of_a_mostly_sliding_request_is_capped_at_the_window_so_it_fits_its_own_claim():
+def test_chunks_are_cut_to_the_window_when_that_admits_the_second_newcomer_too():
     # 7 blocks = 112 units; slack 112 - 48 = 64. Uncapped, n's 16-token chunk would need all 64 and
     # n2 would wait; capped at W = 8 it needs 32 <= its claim 48 and borrows nothing, leaving
     # 112 - 48 - 48 = 16: exactly n2's claim and chunk (16 > 16 is false), so both are admitted.

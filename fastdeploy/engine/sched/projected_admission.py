@@ -17,6 +17,7 @@ Page counts here are in units of pages x block_size, so the curves stay integer.
 from __future__ import annotations
 
 import heapq
+import itertools
 from typing import Optional
 
 from fastdeploy.cache_manager.head_wise import PageLayout, table_length
@@ -26,11 +27,10 @@ from fastdeploy.engine.request import Request
 class PageCurves:
     """The curves of one scheduler's running requests and this step's unclaimed pages (the slack)."""
 
-    def __init__(self, layout: PageLayout, capacity: list, max_first_chunk: int, running: list):
+    def __init__(self, layout: PageLayout, capacity: list, running: list):
         self.layout = layout
         self.block_size = layout.block_size
         self.capacity = capacity  # pages per rank
-        self.max_first_chunk = max_first_chunk  # the token budget of one step
         self.running = running  # the scheduler's running list, read where the slack is first needed
         self.head_counts = layout.rank_head_counts()
         self.new_step()
@@ -77,25 +77,54 @@ class PageCurves:
     def running_curves(self) -> list:
         return [self.curve(r, r.num_computed_tokens) for r in self.running]
 
-    def admit(self, request: Request, start: int) -> Optional[list]:
+    def admit(self, request: Request, start: int, max_chunk: int) -> Optional[list]:
         """The newcomer's U(0) if its curve fits beside the running ones now and at every future step;
         None if it must wait. On an idle cache it is always admitted (add_request checked its peak)."""
         curve = self.curve(request, start)
         own = self.claim(curve)
         slack = self.unclaimed()
-        if self.running:
-            # Its first chunk must run whole now (so admitting more never squeezes prefill into tiny
-            # chunks; later chunks find the same pages again once the SWA ones are recycled)...
-            first = min(request.num_tokens - start, self.max_first_chunk)
-            need = self.layout.pages_per_rank(start, first)
-            bs = self.block_size
-            if any(max(o, p * bs) > s for o, p, s in zip(own, need, slack)):
-                return None
-            if not self.fit(self.curves + [curve]):  # ...and its curve must fit beside the others'
-                return None
+        if self.running and not self._fits(curve, own, start, min(request.num_tokens - start, max_chunk),
+                                           slack, self.curves):
+            return None
         self.slack = [s - o for s, o in zip(slack, own)]
         self.curves.append(curve)
         return own
+
+    def _fits(self, curve: tuple, own: list, start: int, first: int, slack: list, curves: list) -> bool:
+        # Its first chunk must run whole now (so admitting more never squeezes prefill into tiny
+        # chunks; later chunks find the same pages again once the SWA ones are recycled)...
+        need = self.layout.pages_per_rank(start, first)
+        if any(max(o, p * self.block_size) > s for o, p, s in zip(own, need, slack)):
+            return False
+        return self.fit(curves + [curve])  # ...and its curve must fit beside the others'
+
+    def admissions_with(self, max_chunk: int, budget: int, waiting, seats: int) -> int:
+        """How many of `waiting`, in order and at most `seats`, `admit` would take at this step's start if
+        every prefill chunk were at most `max_chunk` tokens: the running requests take their chunks (and
+        their transients from the slack, as take_transient would) first. Changes nothing."""
+        bs, slack, curves = self.block_size, list(self.unclaimed()), list(self.curves)
+        for request in self.running:
+            n = request.num_computed_tokens
+            take = min(request.num_tokens - n, max_chunk, budget)
+            budget -= take
+            if take > 1:
+                own = self.claim(self.curve(request, n))
+                need = self.layout.pages_per_rank(n, take)
+                slack = [s - min(s, max(0, p * bs - o)) for s, p, o in zip(slack, need, own)]
+        count = 0
+        for request in itertools.islice(waiting, seats):
+            if budget <= 0:
+                break
+            curve = self.curve(request, 0)
+            own = self.claim(curve)
+            first = min(request.num_tokens, max_chunk)
+            if (self.running or count) and not self._fits(curve, own, 0, first, slack, curves):
+                break
+            need = self.layout.pages_per_rank(0, first)
+            slack = [s - max(o, p * bs) for s, o, p in zip(slack, own, need)]
+            curves.append(curve)
+            budget, count = budget - min(first, budget), count + 1
+        return count
 
     def take_transient(self, n: int, num_new: int, own: list) -> int:
         """Largest chunk <= num_new whose pages beyond the request's own claim `own` (x bs, per rank)

@@ -36,6 +36,7 @@ because allocation evicts them on demand.
 from __future__ import annotations
 
 import collections
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -93,7 +94,10 @@ class ResourceManagerV1:
         self.block_size = fd_config.cache_config.block_size
         self.max_num_seqs = fd_config.scheduler_config.max_num_seqs
         self.max_num_batched_tokens = fd_config.scheduler_config.max_num_batched_tokens
-        self.max_chunk = self.layout.chunk_limit(self.max_num_batched_tokens)  # one request's tokens per step
+        # One request's tokens per step: the budget, or the window where pages are short (_step_chunk).
+        self.cut_chunk = self.layout.cut_chunk(self.max_num_batched_tokens)
+        self.max_chunk = self.max_num_batched_tokens  # this step's, set by schedule()
+        self.cut_chunk_steps_total = 0  # steps whose prefill chunks were cut to let a waiting request run
         self.max_model_len = fd_config.model_config.max_model_len
         self.admission_policy = fd_config.admission_policy
         self.reserve_output_pages = self.admission_policy == "reserve"
@@ -102,10 +106,9 @@ class ResourceManagerV1:
         self._capacity = [self.pages_per_rank] * self.layout.tensor_parallel_size
         self.waiting: collections.deque = collections.deque()
         self.running: list = []
-        self.projection = (PageCurves(self.layout, self._capacity, self.max_chunk, self.running)
-                           if self.projected else None)
+        self.projection = PageCurves(self.layout, self._capacity, self.running) if self.projected else None
         self.requests: dict = {}
-        self._reserved_per_rank = [0] * self.layout.tensor_parallel_size
+        self._reserved_per_rank = [0] * self.layout.tensor_parallel_size  # the running requests' peaks
         self._recycling_heads = self.layout.recycling_heads
         # Running requests whose processed tokens reached next_recycle_at, noted where their
         # progress is recorded so the recycle pass need not scan every running request.
@@ -143,7 +146,7 @@ class ResourceManagerV1:
             raise ValueError(f"request {request.request_id!r}: prompt ({request.num_prompt_tokens} tokens) plus "
                              f"max_tokens ({request.sampling_params.max_tokens}) exceeds max_model_len="
                              f"{self.max_model_len}")
-        peak = self._peak_pages(request)
+        peak = self._peak_pages(request, self.cut_chunk)  # the rule cuts chunks when pages are short
         if max(peak) > self.pages_per_rank:
             raise ValueError(f"request {request.request_id!r} needs up to {max(peak)} KV pages per rank but the "
                              f"cache has {self.pages_per_rank}; lower max_tokens or give the cache more blocks")
@@ -184,11 +187,12 @@ class ResourceManagerV1:
         budget = self.max_num_batched_tokens
         if self.projection:
             self.projection.new_step()
+        self.max_chunk = self._step_chunk()
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget, self.max_chunk)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget, self._chunk_of(request))
             if num_new > 1:  # a prefill or recompute chunk; one token always fits (add_request checked it)
                 num_new = self._fit_chunk(request, num_new, len(self.running) - i - 1)
             while not self._grow_tables(request, num_new):
@@ -220,6 +224,40 @@ class ResourceManagerV1:
                 and self.speculative_config.speculates_with(len(self.running)):
             self._add_drafts(batch, budget)
         return batch
+
+    # -- the chunk rule (PageLayout.chunk_for) -------------------------------------------------
+    def _step_chunk(self) -> int:
+        """This step's prefill chunk: the budget, cut to the window only when the cut admits more of the
+        waiting requests now (the dry runs below mirror admission; they change nothing)."""
+        budget = self.max_num_batched_tokens
+        if self.cut_chunk == budget or not self.waiting or len(self.running) >= self.max_num_seqs:
+            return budget
+        chunk = self.layout.chunk_for(budget, self._admissions_with)
+        self.cut_chunk_steps_total += chunk < budget
+        return chunk
+
+    def _chunk_of(self, request: Request) -> int:
+        """A running request's chunk: this step's, or under reservation the one its reserved peak assumed."""
+        return request.admitted_chunk if self.reserve_output_pages else self.max_chunk
+
+    def _admissions_with(self, chunk: int) -> int:
+        """How many waiting requests, in order, this step would admit were every prefill chunk at most
+        `chunk` tokens (prefix hits not counted: the dry run assumes none).
+
+        On-demand admission takes a request whenever its first chunk fits and preempts when decodes
+        outgrow the cache, so a request it lets in may not stay: there, as under reservation, a request
+        counts only if its whole-life peak fits beside the running ones' peaks, so a cut counts only where
+        it makes room for a request that can run to its end without pushing another out."""
+        seats = min(self.max_num_seqs - len(self.running), len(self.waiting))
+        if self.projected:
+            return self.projection.admissions_with(chunk, self.max_num_batched_tokens, self.waiting, seats)
+        reserved, count = self._reserved_per_rank, 0
+        for request in itertools.islice(self.waiting, seats):
+            peak = self._peak_pages(request, chunk)
+            if any(r + p > self.pages_per_rank for r, p in zip(reserved, peak)):
+                break
+            reserved, count = [r + p for r, p in zip(reserved, peak)], count + 1
+        return count
 
     # -- speculative decoding ------------------------------------------------------------------
     def _add_drafts(self, batch: ScheduledBatch, budget: int) -> None:
@@ -402,14 +440,14 @@ class ResourceManagerV1:
     def _admit(self, request: Request, budget: int) -> Optional[int]:
         """Give a waiting request its cached prefix and first chunk; the chunk's size, or None if it must wait."""
         if self.reserve_output_pages:  # checked first: it does not depend on the prefix hit
-            peak = self._peak_pages(request)
+            peak = self._peak_pages(request, self.max_chunk)
             if any(r + p > self.pages_per_rank for r, p in zip(self._reserved_per_rank, peak)):
                 return None
         hit = self._match_prefix(request) if self.prefix_caching else ()
         start = len(hit) * self.block_size
         own = None
         if self.projected:
-            own = self.projection.admit(request, start)
+            own = self.projection.admit(request, start, self.max_chunk)
             if own is None:
                 return None
         num_new = min(request.num_tokens - start, budget, self.max_chunk)
@@ -437,18 +475,22 @@ class ResourceManagerV1:
             self.prefix_cache_query_requests_total += 1
             self.prefix_cache_hit_requests_total += request.num_computed_tokens > 0
             request.num_cached_tokens = request.num_computed_tokens
-        if self.reserve_output_pages:
+        request.admitted_chunk = self.max_chunk
+        if not self.projected:  # reservation admits by it; on-demand's chunk rule reads the sum (above)
+            peak = self._peak_pages(request, self.max_chunk)
             request.reserved_pages_per_rank = peak
             self._reserved_per_rank = [r + p for r, p in zip(self._reserved_per_rank, peak)]
         return num_new
 
-    def _peak_pages(self, request: Request) -> list:
+    def _peak_pages(self, request: Request, chunk: int) -> list:
         # Memoised: a blocked queue head is re-checked every step and only changes when preempted.
-        key = (request.num_tokens, request.max_new_tokens)
-        if request.peak_memo is None or request.peak_memo[0] != key:
-            request.peak_memo = (key, self.layout.peak_pages_per_rank(request.num_tokens, request.max_new_tokens,
-                                                                     self.max_chunk))
-        return request.peak_memo[1]
+        key = (request.num_tokens, request.max_new_tokens, chunk)
+        peak = request.peak_memo.get(key)
+        if peak is None:
+            if len(request.peak_memo) > 4:  # lengths changed (a preemption): older entries are stale
+                request.peak_memo.clear()
+            peak = request.peak_memo[key] = self.layout.peak_pages_per_rank(*key)
+        return peak
 
     def _reset_tables(self, request: Request) -> None:
         request.block_tables = []
@@ -616,11 +658,12 @@ class ResourceManagerV1:
         if self.projected and not self.projection.fit(self.projection.running_curves()):
             raise AssertionError("projected admission: the running requests' page curves overflow the cache "
                                  "at some future step")
-        if self.reserve_output_pages:
+        if not self.projected:  # on-demand sums the running peaks too (its chunk rule), unbounded
             sums = [0] * len(self._reserved_per_rank)
             for request in self.running:
                 sums = [s + p for s, p in zip(sums, request.reserved_pages_per_rank)]
-            if sums != self._reserved_per_rank or any(s > self.pages_per_rank for s in sums):
+            over = self.reserve_output_pages and any(s > self.pages_per_rank for s in sums)
+            if sums != self._reserved_per_rank or over:
                 raise AssertionError(f"reservations {self._reserved_per_rank} != sum {sums} or over capacity")
 
 
