@@ -18,7 +18,11 @@ MAX_TOKENS = 16
 
 
 def prompts():
-    return [[3 + (i * 37 + n * 11 + (i * i) % 23) % 250 for i in range(n)] for n in PROMPT_LENGTHS]
+    varied = [[3 + (i * 37 + n * 11 + (i * i) % 23) % 250 for i in range(n)] for n in PROMPT_LENGTHS]
+    return varied + [[5, 6, 7, 8] * 40]  # a repetitive one, whose n-gram drafts get accepted
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}
 
 
 def generate(monkeypatch, backend, mode, **engine_args):
@@ -55,6 +59,15 @@ def test_the_cuda_kernels_on_the_cpu_serve_the_cpu_ops_greedy_tokens(monkeypatch
         if first is not None:  # only a near tie of the float32 oracle may go the other way
             top = sorted(logprobs[first].values(), reverse=True)
             assert top[0] - top[1] < NEAR_TIE, (first, logprobs[first])
+
+
+def test_speculative_verification_through_the_cuda_kernels_keeps_the_tokens(monkeypatch, oracles):
+    """Drafts verified as multi-token rows (the prefill kernel) with sliding pages recycled on the
+    accepted count: the tokens of plain decoding."""
+    tokens, engine = generate(monkeypatch, "CUDA_ON_CPU", "head_wise_recycle_on", speculative_config=SPEC)
+    assert tokens == oracles[0]
+    stats = engine.get_stats()
+    assert stats["spec_decode_num_accepted_tokens_total"] > 0 and stats["swa_pages_recycled_total"] > 0
 
 
 def test_cuda_on_cpu_refuses_a_head_dim_the_kernels_lack(monkeypatch):
