@@ -61,6 +61,23 @@ def test_the_cuda_kernels_on_the_cpu_serve_the_cpu_ops_greedy_tokens(monkeypatch
             assert top[0] - top[1] < NEAR_TIE, (first, logprobs[first])
 
 
+@pytest.fixture(scope="module")
+def int8_oracle():
+    mp = pytest.MonkeyPatch()
+    try:
+        tokens, _ = generate(mp, "APPEND_ATTN", "1d", kv_cache_quant_type="int8", cache_dtype="float32")
+    finally:
+        mp.undo()
+    return tokens
+
+
+@pytest.mark.parametrize("mode", ["1d", "head_wise_recycle_on"])
+def test_int8_pages_through_the_cuda_kernels_give_the_cpu_ops_tokens(monkeypatch, int8_oracle, mode):
+    """The same int8 codes and scales (written by the CUDA cache-write kernel here, by the CPU op there)."""
+    tokens, _ = generate(monkeypatch, "CUDA_ON_CPU", mode, kv_cache_quant_type="int8")
+    assert tokens == int8_oracle
+
+
 def test_speculative_verification_through_the_cuda_kernels_keeps_the_tokens(monkeypatch, oracles):
     """Drafts verified as multi-token rows (the prefill kernel) with sliding pages recycled on the
     accepted count: the tokens of plain decoding."""
