@@ -18,9 +18,25 @@ import tempfile
 import time
 from pathlib import Path
 
+import importlib.util
+
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_by_path(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The CPU build of the kernels and the C ABI's ctypes structs live with the engine's loader (one copy);
+# loaded by path, so this harness stays free of Paddle.
+cuda_on_cpu = _load_by_path(
+    "fd_cuda_on_cpu_loader", REPO_ROOT / "fastdeploy" / "model_executor" / "layers" / "attention" / "ops" /
+    "cuda_on_cpu_loader.py")
 SOURCE_DIR = REPO_ROOT / "custom_ops" / "gpu_ops" / "append_attn"
 LIB_NAME = "libappend_attn_harness.so"
 SHARED_HEADER = REPO_ROOT / "custom_ops" / "cpu_ops" / "kv_quant.h"  # the quantized-page rule, included
@@ -35,42 +51,8 @@ NVCC_FLAGS = ("-std=c++17", "-O3", "-Xcompiler", "-fPIC")
 BF16 = 0
 FP16 = 1
 
-PARAM_FIELDS = (
-    "dtype",
-    "token_num",
-    "bsz",
-    "num_heads",
-    "kv_num_heads",
-    "head_dim",
-    "block_size",
-    "num_blocks",
-    "max_blocks_per_seq",
-    "head_wise_table",
-    "max_position",
-    "sliding_window",
-    "sink_size",
-    "visit_all_pages",
-    "dual_pass",
-    "kv_slots",
-    "cache_quant",
-)
-BUFFER_FIELDS = (
-    "qkv",
-    "key_cache",
-    "value_cache",
-    "seq_lens_encoder",
-    "seq_lens_decoder",
-    "seq_lens_this_time",
-    "cu_seqlens_q",
-    "block_tables",
-    "rotary_cos",
-    "rotary_sin",
-    "swa_head_mask",
-    "out",
-    "kv_head_slots",
-    "key_cache_scales",
-    "value_cache_scales",
-)
+PARAM_FIELDS = cuda_on_cpu.PARAM_FIELDS
+BUFFER_FIELDS = cuda_on_cpu.BUFFER_FIELDS
 
 # AppendAttnCacheQuant: float pages of `dtype`, or int8 / e4m3fn bytes with a float32 scale per row.
 CACHE_FLOAT, CACHE_INT8, CACHE_FP8_E4M3 = 0, 1, 2
@@ -82,15 +64,12 @@ ERR_OUT_OF_RANGE = 3
 ERR_POSITION = 4
 
 
-class _Params(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int) for name in PARAM_FIELDS]
-
+class _Params(cuda_on_cpu.AppendAttnParams):
     def __init__(self, **fields):
         super().__init__(**{"cache_quant": CACHE_FLOAT, **fields})  # older callers name no page format
 
 
-class _Buffers(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in BUFFER_FIELDS]
+_Buffers = cuda_on_cpu.AppendAttnBuffers
 
 
 # restype and argtypes of every C entry point ctypes calls, as declared in append_attn_api.cuh (the
@@ -101,6 +80,13 @@ C_ABI = {
     "append_attention_launch": (ctypes.c_int, [ctypes.POINTER(_Params), ctypes.POINTER(_Buffers), ctypes.c_void_p,
                                                ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p]),
     "append_attention_last_error": (ctypes.c_char_p, []),
+}
+# The CUDA-on-CPU executor's controls (custom_ops/gpu_ops/cuda_on_cpu/launch.cpp), in its builds only.
+EXECUTOR_ABI = {
+    "cuda_on_cpu_set_orders": (ctypes.c_int, [ctypes.c_char_p]),
+    "cuda_on_cpu_set_threads": (None, [ctypes.c_int]),
+    "cuda_on_cpu_races": (ctypes.c_char_p, []),
+    "cuda_on_cpu_clear_races": (None, []),
 }
 HARNESS_ABI = {
     "aa_device_count": (ctypes.c_int, []),
@@ -172,7 +158,28 @@ def build(out_dir: Path, jobs: int = 2, nvcc: str | None = None) -> BuildResult:
     return BuildResult(lib, {name: secs for name, secs, _ in results}, time.perf_counter() - started)
 
 
-def _source_key() -> str:
+# ---- the same sources on the CPU: the CUDA-on-CPU executor (custom_ops/gpu_ops/cuda_on_cpu) ----
+EXECUTOR_DIR = cuda_on_cpu.EXECUTOR_DIR
+CPU_FLAGS = cuda_on_cpu.CPU_FLAGS
+find_cuda_include = cuda_on_cpu.find_cuda_include
+
+
+def build_on_cpu(out_dir: Path, jobs: int = 2, source_dir: Path = SOURCE_DIR, extra_flags=(),
+                 reuse_from: Path | None = None) -> BuildResult:
+    """The kernels (every .cu of `source_dir`) compiled as C++ for the CUDA-on-CPU executor
+    (cuda_on_cpu_loader.build; `reuse_from`: a build of the unchanged sources to take objects from)."""
+    started = time.perf_counter()
+    try:
+        lib, seconds = cuda_on_cpu.build(out_dir, jobs=jobs, source_dir=source_dir, extra_flags=extra_flags,
+                                         reuse_from=reuse_from)
+    except cuda_on_cpu.BuildError as e:
+        raise BuildError(str(e)) from e
+    return BuildResult(lib, seconds, time.perf_counter() - started)
+
+
+def _source_key(on_cpu: bool = False) -> str:
+    if on_cpu:
+        return cuda_on_cpu.source_key()
     digest = hashlib.sha256()
     for path in [*sorted(SOURCE_DIR.glob("*.cu*")), SHARED_HEADER]:
         digest.update(path.name.encode())
@@ -181,14 +188,16 @@ def _source_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def cached_build(jobs: int | None = None) -> Path:
-    """The harness library for the current sources, built once per source hash in the temp dir."""
-    final = Path(tempfile.gettempdir()) / f"fd_append_attn_harness_{_source_key()}"
+def cached_build(jobs: int | None = None, on_cpu: bool = False) -> Path:
+    """The harness library for the current sources (nvcc, or on_cpu: the CUDA-on-CPU executor),
+    built once per source hash in the temp dir."""
+    kind = "cpu_" if on_cpu else ""
+    final = Path(tempfile.gettempdir()) / f"fd_append_attn_harness_{kind}{_source_key(on_cpu)}"
     if (final / LIB_NAME).is_file():
         return final / LIB_NAME
     shutil.rmtree(final, ignore_errors=True)  # leftovers of an interrupted build
     staging = Path(tempfile.mkdtemp(prefix="fd_append_attn_build_"))
-    build(staging, jobs=jobs or max(2, os.cpu_count() or 2))
+    (build_on_cpu if on_cpu else build)(staging, jobs=jobs or max(2, os.cpu_count() or 2))
     try:
         os.replace(staging, final)
     except OSError:  # another process won the race; use its build
@@ -271,11 +280,16 @@ class RunResult:
     value_cache: np.ndarray | None
     key_cache_scales: np.ndarray | None = None
     value_cache_scales: np.ndarray | None = None
+    races: str = ""  # CUDA-on-CPU executor: launches whose results depend on the thread order
 
 
 class Harness:
     def __init__(self, library: Path | str):
         self.lib = bind(bind(ctypes.CDLL(str(library)), C_ABI), HARNESS_ABI)
+        # A build of the CUDA-on-CPU executor: every launch runs under several thread orders.
+        self.on_cpu = hasattr(self.lib, "cuda_on_cpu_races")
+        if self.on_cpu:
+            bind(self.lib, EXECUTOR_ABI)
 
     def device_count(self) -> int:
         return self.lib.aa_device_count()
@@ -294,8 +308,16 @@ class Harness:
         fill_on_device: bool = False,
         warmup: int = 0,
         iters: int = 0,
+        orders: str | None = None,
     ) -> RunResult:
-        """Runs one step; outputs are fresh arrays (the case is left untouched)."""
+        """Runs one step; outputs are fresh arrays (the case is left untouched). On the CUDA-on-CPU
+        executor every launch runs under `orders` (default: CUDA_ON_CPU_ORDERS, else
+        "forward,reverse") and RunResult.races lists the launches whose results differ."""
+        if self.on_cpu:
+            spec = orders or os.environ.get("CUDA_ON_CPU_ORDERS") or "forward,reverse"
+            if self.lib.cuda_on_cpu_set_orders(spec.encode()) != 0:
+                raise ValueError(f"bad thread orders {spec!r}")
+            self.lib.cuda_on_cpu_clear_races()
         p = _Params(**case.params)
         keep = []  # contiguous host arrays must outlive the call
 
@@ -347,7 +369,9 @@ class Harness:
             len(msg),
         )
         ok = status == 0 and host
+        races = self.lib.cuda_on_cpu_races().decode() if self.on_cpu else ""
         return RunResult(
+            races=races,
             status=status,
             error_info=tuple(info),
             message=msg.value.decode(errors="replace"),
