@@ -106,6 +106,13 @@ C_ABI = {
     "append_attention_last_error": (ctypes.c_char_p, []),
     "append_attention_dynamic_smem_bytes": (ctypes.c_size_t, [ctypes.POINTER(_Params), ctypes.c_int]),
 }
+# The CUDA-on-CPU executor's controls (custom_ops/gpu_ops/cuda_on_cpu/launch.cpp), in its builds only.
+EXECUTOR_ABI = {
+    "cuda_on_cpu_set_orders": (ctypes.c_int, [ctypes.c_char_p]),
+    "cuda_on_cpu_set_threads": (None, [ctypes.c_int]),
+    "cuda_on_cpu_races": (ctypes.c_char_p, []),
+    "cuda_on_cpu_clear_races": (None, []),
+}
 HARNESS_ABI = {
     "aa_device_count": (ctypes.c_int, []),
     "aa_run": (ctypes.c_int, [ctypes.POINTER(_Params), ctypes.POINTER(_Buffers), ctypes.c_int, ctypes.c_int,
@@ -179,32 +186,120 @@ def build(out_dir: Path, jobs: int = 2, nvcc: str | None = None, extra_flags: tu
                        {name: log for name, _, _, log in results})
 
 
-def _source_key() -> str:
+# ---- the same sources on the CPU: the CUDA-on-CPU executor (custom_ops/gpu_ops/cuda_on_cpu) ----
+EXECUTOR_DIR = REPO_ROOT / "custom_ops" / "gpu_ops" / "cuda_on_cpu"
+# -fno-strict-aliasing: the kernels move 16-bit and 8-bit data through 32/64/128-bit words, which
+# nvcc allows; -Wno-sign-compare: threadIdx is unsigned, as under nvcc, which does not warn.
+CPU_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas",
+             "-Wno-sign-compare", "-Werror")
+
+
+def find_cuda_include() -> Path | None:
+    """The toolkit's headers (cuda_bf16.h, cuda_fp8.h, ...), which the executor compiles with g++."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = find_nvcc()
+    if nvcc:
+        candidates.insert(0, str(Path(nvcc).resolve().parents[1]))
+    for root in candidates:
+        if root and (Path(root) / "include" / "cuda_bf16.h").is_file():
+            return Path(root) / "include"
+    return None
+
+
+def _object_name(src: Path) -> str:
+    return src.parent.name + "_" + src.stem + ".o"
+
+
+def _reusable_object(src: Path, source_dir: Path, reuse_from: Path | None) -> Path | None:
+    """An object of a previous build of SOURCE_DIR that `src` would compile to unchanged: the
+    executor's runtime, or a .cu whose text and whose folder's .cuh headers equal SOURCE_DIR's."""
+    if reuse_from is None or not (Path(reuse_from) / _object_name(src)).is_file():
+        return None
+    if src.parent != EXECUTOR_DIR:
+        for path in [src, *Path(source_dir).glob("*.cuh")]:
+            original = SOURCE_DIR / path.name
+            if not original.is_file() or original.read_bytes() != path.read_bytes():
+                return None
+    return Path(reuse_from) / _object_name(src)
+
+
+def build_on_cpu(out_dir: Path, jobs: int = 2, source_dir: Path = SOURCE_DIR, extra_flags=(),
+                 reuse_from: Path | None = None) -> BuildResult:
+    """Compiles every .cu under `source_dir` as C++ against the executor's header, and the executor's
+    runtime, into one shared library with the harness's C ABI (-z defs: a CUDA call the executor
+    lacks fails the link with its name). With `reuse_from` (a build of the unchanged sources),
+    only what differs from them is compiled again (a copy of the sources with one kernel edited)."""
+    include = find_cuda_include()
+    if include is None:
+        raise BuildError("the CUDA toolkit headers (cuda_bf16.h) were not found")
+    cxx = os.environ.get("CXX") or "g++"
+    if extra_flags:
+        reuse_from = None  # objects built without the flags do not fit
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    common = [cxx, *CPU_FLAGS, *extra_flags, f"-I{include}", f"-I{EXECUTOR_DIR}"]
+    units = [(src, ["-x", "c++", "-include", str(EXECUTOR_DIR / "cuda_on_cpu.h")]) for src in
+             sorted(Path(source_dir).glob("*.cu"))]
+    units += [(src, []) for src in sorted(EXECUTOR_DIR.glob("*.cpp"))]
+
+    def compile_one(unit) -> tuple[str, float, Path]:
+        src, lang = unit
+        reused = _reusable_object(src, source_dir, reuse_from)
+        if reused is not None:
+            return src.name, 0.0, reused
+        obj = out_dir / _object_name(src)
+        cmd = [*common, *lang, "-c", str(src), "-o", str(obj)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BuildError(f"{cxx} failed on {src.name}:\n{' '.join(cmd)}\n{proc.stderr}")
+        return src.name, time.perf_counter() - t0, obj
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        results = list(pool.map(compile_one, units))
+    lib = out_dir / LIB_NAME
+    link = [cxx, "-shared", "-Wl,-z,defs", "-o", str(lib), *[str(obj) for _, _, obj in results], "-lpthread"]
+    proc = subprocess.run(link, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"link failed:\n{' '.join(link)}\n{proc.stderr}")
+    return BuildResult(lib, {name: secs for name, secs, _ in results}, time.perf_counter() - started)
+
+
+def _source_key(on_cpu: bool = False) -> str:
     digest = hashlib.sha256()
-    for path in [*sorted(SOURCE_DIR.glob("*.cu*")), SHARED_HEADER]:
+    paths = [*sorted(SOURCE_DIR.glob("*.cu*")), SHARED_HEADER]
+    if on_cpu:
+        paths += sorted(EXECUTOR_DIR.glob("*"))
+    for path in paths:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
-    digest.update(" ".join(NVCC_FLAGS + GENCODES + RESOURCE_FLAGS).encode())
+    digest.update(" ".join(CPU_FLAGS if on_cpu else NVCC_FLAGS + GENCODES + RESOURCE_FLAGS).encode())
     return digest.hexdigest()[:16]
 
 
-def cached_build(jobs: int | None = None) -> Path:
-    """The harness library for the current sources, built once per source hash in the temp dir. Next
-    to it: <source stem>.resource_usage.txt (nvcc's report) and keep/<stem>.compute_XX.ptx."""
-    final = Path(tempfile.gettempdir()) / f"fd_append_attn_harness_{_source_key()}"
+def cached_build(jobs: int | None = None, on_cpu: bool = False) -> Path:
+    """The harness library for the current sources (nvcc, or on_cpu: the CUDA-on-CPU executor),
+    built once per source hash in the temp dir. Next to an nvcc build: <source stem>.resource_usage.txt
+    (nvcc's report) and keep/<stem>.compute_XX.ptx (benchmarks/kernel_resources.py)."""
+    kind = "cpu_" if on_cpu else ""
+    final = Path(tempfile.gettempdir()) / f"fd_append_attn_harness_{kind}{_source_key(on_cpu)}"
     if (final / LIB_NAME).is_file():
         return final / LIB_NAME
     shutil.rmtree(final, ignore_errors=True)  # leftovers of an interrupted build
     staging = Path(tempfile.mkdtemp(prefix="fd_append_attn_build_"))
-    keep = staging / "keep"
-    keep.mkdir()
-    result = build(staging, jobs=jobs or max(2, os.cpu_count() or 2),
-                   extra_flags=(*RESOURCE_FLAGS, f"--keep-dir={keep}"))
-    for name, log in result.compile_logs.items():
-        (staging / f"{Path(name).stem}.resource_usage.txt").write_text(log)
-    for path in keep.iterdir():  # of nvcc's intermediates only the PTX is read
-        if path.suffix != ".ptx":
-            path.unlink()
+    jobs = jobs or max(2, os.cpu_count() or 2)
+    if on_cpu:
+        build_on_cpu(staging, jobs=jobs)
+    else:
+        keep = staging / "keep"
+        keep.mkdir()
+        result = build(staging, jobs=jobs, extra_flags=(*RESOURCE_FLAGS, f"--keep-dir={keep}"))
+        for name, log in result.compile_logs.items():
+            (staging / f"{Path(name).stem}.resource_usage.txt").write_text(log)
+        for path in keep.iterdir():  # of nvcc's intermediates only the PTX is read
+            if path.suffix != ".ptx":
+                path.unlink()
     try:
         os.replace(staging, final)
     except OSError:  # another process won the race; use its build
@@ -287,11 +382,16 @@ class RunResult:
     value_cache: np.ndarray | None
     key_cache_scales: np.ndarray | None = None
     value_cache_scales: np.ndarray | None = None
+    races: str = ""  # CUDA-on-CPU executor: launches whose results depend on the thread order
 
 
 class Harness:
     def __init__(self, library: Path | str):
         self.lib = bind(bind(ctypes.CDLL(str(library)), C_ABI), HARNESS_ABI)
+        # A build of the CUDA-on-CPU executor: every launch runs under several thread orders.
+        self.on_cpu = hasattr(self.lib, "cuda_on_cpu_races")
+        if self.on_cpu:
+            bind(self.lib, EXECUTOR_ABI)
 
     def device_count(self) -> int:
         return self.lib.aa_device_count()
@@ -310,8 +410,16 @@ class Harness:
         fill_on_device: bool = False,
         warmup: int = 0,
         iters: int = 0,
+        orders: str | None = None,
     ) -> RunResult:
-        """Runs one step; outputs are fresh arrays (the case is left untouched)."""
+        """Runs one step; outputs are fresh arrays (the case is left untouched). On the CUDA-on-CPU
+        executor every launch runs under `orders` (default: CUDA_ON_CPU_ORDERS, else
+        "forward,reverse") and RunResult.races lists the launches whose results differ."""
+        if self.on_cpu:
+            spec = orders or os.environ.get("CUDA_ON_CPU_ORDERS") or "forward,reverse"
+            if self.lib.cuda_on_cpu_set_orders(spec.encode()) != 0:
+                raise ValueError(f"bad thread orders {spec!r}")
+            self.lib.cuda_on_cpu_clear_races()
         p = _Params(**case.params)
         keep = []  # contiguous host arrays must outlive the call
 
@@ -363,7 +471,9 @@ class Harness:
             len(msg),
         )
         ok = status == 0 and host
+        races = self.lib.cuda_on_cpu_races().decode() if self.on_cpu else ""
         return RunResult(
+            races=races,
             status=status,
             error_info=tuple(info),
             message=msg.value.decode(errors="replace"),

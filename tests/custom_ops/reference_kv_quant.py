@@ -108,7 +108,8 @@ def quantized_pages(rows: np.ndarray, fmt: str, keys: bool):
 
 def pages_from_codes(codes: np.ndarray, scales: np.ndarray, fmt: str, keys: bool) -> np.ndarray:
     """float64 values of stored pages (int8 keys rotated back exactly)."""
-    values = codes.astype(np.float64) if fmt == "int8" else e4m3_values(codes.view(np.uint8))
+    # The codes' bytes, whatever array holds them (the harness returns uint8): int8 codes are signed.
+    values = codes.view(np.int8).astype(np.float64) if fmt == "int8" else e4m3_values(codes.view(np.uint8))
     rows = values * scales[..., None].astype(np.float32).astype(np.float64)
     if keys and rotates_keys(fmt, rows.shape[-1]):
         rows = hadamard(rows) / rows.shape[-1]

@@ -1,4 +1,8 @@
-"""CUDA AppendAttention vs the float64 reference, on a GPU (skipped cleanly without one).
+"""CUDA AppendAttention vs the float64 reference: on a GPU where one is visible, else the same
+kernel sources on the CPU through the CUDA-on-CPU executor (custom_ops/gpu_ops/cuda_on_cpu), the
+same ctypes harness and C ABI. On the executor every launch runs under two thread orders (forward
+and reverse between barriers, and the blocks likewise) and must leave the same bytes: a difference
+is a race, reported with the kernel's name.
 
 Every case starts from fresh random inputs (the seed is in each failure message), NaN in every
 cache row that holds no token (unwritten rows, recycled pages, free pages) and NaN in the output,
@@ -19,10 +23,11 @@ import gpu_harness  # noqa: E402
 from gpu_harness import BF16, FP16, from_storage  # noqa: E402
 from gpu_reference import build_case, reference, relative_error  # noqa: E402
 
-pytestmark = [
-    pytest.mark.skipif(gpu_harness.find_nvcc() is None, reason="nvcc not found"),
-    pytest.mark.skipif(gpu_harness.driver_gpu_count() == 0, reason="no GPU visible"),
-]
+ON_GPU = gpu_harness.find_nvcc() is not None and gpu_harness.driver_gpu_count() > 0
+pytestmark = pytest.mark.skipif(
+    not ON_GPU and gpu_harness.find_cuda_include() is None,
+    reason="neither a GPU nor the CUDA toolkit's headers (the CPU executor compiles against them)",
+)
 
 TOLERANCE = {BF16: 1e-2, FP16: 2e-3}
 CACHE_RTOL = {BF16: 1e-2, FP16: 2e-3}  # one storage ulp of the rotated K
@@ -30,8 +35,8 @@ CACHE_RTOL = {BF16: 1e-2, FP16: 2e-3}  # one storage ulp of the rotated K
 
 @pytest.fixture(scope="module")
 def harness():
-    h = gpu_harness.Harness(gpu_harness.cached_build())
-    # The module already skipped unless the driver sees a GPU, so a runtime that sees none is broken.
+    h = gpu_harness.Harness(gpu_harness.cached_build(on_cpu=not ON_GPU))
+    # On a GPU the driver sees one, so a runtime that sees none is broken; the executor is one device.
     assert h.device_count() > 0, "the driver sees a GPU but the CUDA runtime sees no device"
     return h
 
@@ -54,6 +59,7 @@ def check(harness, case, rng):
     ref_out, ref_k, ref_v = reference(case)
     result = harness.run(case)
     assert result.status == 0, f"seed {rng.seed_value}: {result.message}"
+    assert not result.races, f"seed {rng.seed_value}: {result.races}"
     got = from_storage(result.out, dtype).reshape(ref_out.shape)
     assert np.isfinite(got).all(), f"seed {rng.seed_value}: NaN/unwritten output"
     err = relative_error(result.out, ref_out, dtype)
@@ -321,6 +327,7 @@ def test_quantized_pages_match_float64_attention(harness, rng, fmt, requests, he
     q = quantize_case(case, fmt)
     result = harness.run(q)
     assert result.status == 0, f"seed {rng.seed_value}: {result.message}"
+    assert not result.races, f"seed {rng.seed_value}: {result.races}"
     got = from_storage(result.out, BF16).reshape(loose.shape)
     assert np.isfinite(got).all(), f"seed {rng.seed_value}: NaN/unwritten output"
     p = case.params
@@ -334,7 +341,7 @@ def test_quantized_pages_match_float64_attention(harness, rng, fmt, requests, he
     tight = tight.reshape(loose.shape)
     err_tight = float(np.linalg.norm(got - tight) / np.linalg.norm(tight))
     err_loose = float(np.linalg.norm(got - loose) / np.linalg.norm(loose))
-    print(f"[gpu {fmt}] vs dequantized {err_tight:.2e}, vs original values {err_loose:.2e}")
+    print(f"[{'cpu executor' if harness.on_cpu else 'gpu'} {fmt}] vs dequantized {err_tight:.2e}, vs original values {err_loose:.2e}")
     assert err_tight < TOLERANCE[BF16], f"seed {rng.seed_value}: {err_tight:.3g} against the dequantized pages"
     assert err_loose < QUANT_TOLERANCE[fmt], f"seed {rng.seed_value}: {err_loose:.3g} against the float values"
     # Pages nobody wrote keep their NaN scales: no stray writes.
@@ -346,3 +353,135 @@ def test_quantized_pages_match_float64_attention(harness, rng, fmt, requests, he
                 entry = case.block_tables[r, h, t // block_size]
                 written.reshape(-1, block_size)[entry, t % block_size] = True
     assert np.isnan(result.key_cache_scales[untouched & ~written]).all(), f"seed {rng.seed_value}"
+
+
+# -- what the kernels serve beyond plain prefill / decode --------------------------------------------
+@pytest.mark.parametrize("window, sink", [(48, 20), (16, 0), (5, 3)])
+def test_speculative_verification_rows_match_reference(harness, rng, window, sink):
+    """Decode rows with several tokens per request (a target model verifying k drafts as one piece):
+    the drafts straddle block edges and the sliding window's edge, and the SWA head's pages recycled
+    on the accepted (processed) count, which is what the scheduler may free under speculation."""
+    case = build_case(rng, [(300, 4), (77, 3), (129, 1), (47, 2), (31, 5), (200, 6)], num_heads=8,
+                      kv_num_heads=2, head_dim=64, block_size=16, sliding_window=window, sink_size=sink,
+                      swa_heads=(0,))
+    check(harness, case, rng)
+
+
+@pytest.mark.parametrize("num_heads, kv_num_heads, swa_heads", [
+    (2, 1, (0,)),     # 6 q / 3 KV heads over 3 ranks: a rank's one sliding head
+    (2, 1, ()),       # ... a rank whose one head is full
+    (3, 1, (0,)),     # 9 / 3 over 3 ranks: group size 3
+    (6, 2, (1,)),     # 18 / 6 over 3 ranks: 2 KV heads, group 3, one sliding
+    (4, 2, (0, 1)),   # 12 / 6 over 3 ranks: both of the rank's heads sliding
+])
+def test_tensor_parallel_head_slices_match_reference(harness, rng, num_heads, kv_num_heads, swa_heads):
+    """The head counts one tensor-parallel rank sees (odd groups, a single KV head, all-sliding or
+    all-full ranks), head-wise tables with recycling."""
+    case = build_case(rng, [(0, 37), (150, 1), (90, 3), (64, 16)], num_heads=num_heads,
+                      kv_num_heads=kv_num_heads, head_dim=64, block_size=16, sliding_window=40, sink_size=4,
+                      swa_heads=swa_heads)
+    check(harness, case, rng)
+
+
+def _layer_of_lane(case, heads, slots):
+    """The case's KV heads `heads` as one layer of the lane: its q/k/v columns, its heads' slots."""
+    p = case.params
+    d, kvh, group = p["head_dim"], p["kv_num_heads"], p["num_heads"] // p["kv_num_heads"]
+    q_cols = [np.arange((h * group + g) * d, (h * group + g + 1) * d) for h in heads for g in range(group)]
+    k_cols = [(p["num_heads"] + h) * d + np.arange(d) for h in heads]
+    v_cols = [(p["num_heads"] + kvh + h) * d + np.arange(d) for h in heads]
+    cols = np.concatenate(q_cols + k_cols + v_cols)
+    out_cols = np.concatenate(q_cols)
+    layer = dataclasses.replace(
+        case, qkv=np.ascontiguousarray(case.qkv[:, cols]), swa_head_mask=case.swa_head_mask[list(heads)].copy(),
+        kv_head_slots=np.array(slots, np.int32), out=np.ascontiguousarray(case.out[:, out_cols]),
+    ).with_params(num_heads=len(heads) * group, kv_num_heads=len(heads), kv_slots=kvh)
+    return layer, out_cols
+
+
+def test_a_lane_whose_slots_mix_sliding_and_full_heads(harness, rng):
+    """A lane of 3 slots (2 sliding, 1 full, as Gemma 3's layers share one): two layers take turns on
+    the same cache and table, one with the sliding slots (their dead pages -1 in the table), one with
+    the full slot. Each writes only its slots' rows and reads only its own; together they equal
+    attention over all three heads."""
+    case = build_case(rng, [(0, 33), (300, 1), (129, 3), (90, 17)], num_heads=6, kv_num_heads=3, head_dim=64,
+                      block_size=16, sliding_window=32, sink_size=4, swa_heads=(0, 2))
+    # request 1 (301 tokens, 19 blocks): the sliding slots' rows have recycled entries, the full slot's none
+    assert (case.block_tables[1, [0, 2], :19] == -1).any(axis=1).all() and (case.block_tables[1, 1, :19] >= 0).all()
+    ref_out, ref_k, ref_v = reference(case)
+    sliding, sliding_cols = _layer_of_lane(case, (0, 2), (0, 2))
+    full, full_cols = _layer_of_lane(case, (1,), (1,))
+    a = harness.run(sliding)
+    assert a.status == 0 and not a.races, (a.message, a.races)
+    b = harness.run(dataclasses.replace(full, key_cache=a.key_cache, value_cache=a.value_cache))
+    assert b.status == 0 and not b.races, (b.message, b.races)
+    got = np.empty_like(from_storage(case.out, BF16))
+    got[:, sliding_cols] = from_storage(a.out, BF16)
+    got[:, full_cols] = from_storage(b.out, BF16)
+    err = float(np.linalg.norm(got.reshape(ref_out.shape) - ref_out) / np.linalg.norm(ref_out))
+    assert err < TOLERANCE[BF16], f"seed {rng.seed_value}: relative error {err:.3g}"
+    for got_cache, ref_cache in ((b.key_cache, ref_k), (b.value_cache, ref_v)):
+        np.testing.assert_allclose(from_storage(got_cache, BF16).reshape(ref_cache.shape), ref_cache,
+                                   rtol=CACHE_RTOL[BF16], atol=CACHE_RTOL[BF16], equal_nan=True,
+                                   err_msg=f"seed {rng.seed_value}")
+
+
+# -- the executor's own promises: races are found, planted bugs fail the checks ----------------------
+# These run on the executor even where a GPU is visible (it needs only the toolkit's headers).
+import kernel_mutants  # noqa: E402
+
+needs_headers = pytest.mark.skipif(gpu_harness.find_cuda_include() is None,
+                                   reason="the CUDA toolkit's headers are needed")
+
+
+@pytest.fixture(scope="module")
+def executor():
+    return gpu_harness.Harness(gpu_harness.cached_build(on_cpu=True))
+
+
+@needs_headers
+def test_the_reference_checks_pass_under_shuffled_thread_orders(executor, rng):
+    case = kernel_mutants.mixed_case(rng)
+    ref_out, _, _ = reference(case)
+    result = executor.run(case, orders="shuffle:1,shuffle:2,reverse")
+    assert result.status == 0 and not result.races, (result.message, result.races)
+    assert relative_error(result.out, ref_out, BF16) < TOLERANCE[BF16]
+
+
+@needs_headers
+def test_a_removed_barrier_is_reported_as_a_race_naming_the_kernel(tmp_path):
+    """The real decode kernel with the barrier after thread 0 looks up the page removed: threads that
+    run before thread 0 read a stale page base, so the two orders disagree and the launch is named."""
+    library = kernel_mutants.build_mutant(tmp_path, kernel_mutants.MUTANTS["missing_barrier_after_page_lookup"])
+    report = kernel_mutants.run_case_in_child(library, "mixed", seed=3)
+    assert "crashed" not in report, report
+    assert "race in decode_attention_kernel<T, P, D, BS>" in report["races"], report
+    assert "decode_attention.cu" in report["races"]
+    forward_only = kernel_mutants.run_case_in_child(library, "mixed", seed=3, orders="forward")
+    assert forward_only["races"] == ""  # one order cannot see it: the comparison is what finds it
+
+
+@needs_headers
+def test_an_off_by_one_at_the_window_edge_fails_the_reference_check(tmp_path):
+    mutant = kernel_mutants.MUTANTS["decode_window_edge_off_by_one"]
+    report = kernel_mutants.run_case_in_child(kernel_mutants.build_mutant(tmp_path, mutant), mutant.case, seed=3)
+    assert kernel_mutants.caught(report, mutant.case), report
+    unmutated = kernel_mutants.run_case_in_child(gpu_harness.cached_build(on_cpu=True), mutant.case, seed=3)
+    assert not kernel_mutants.caught(unmutated, mutant.case), unmutated  # the case itself passes
+
+
+@needs_headers
+@pytest.mark.parametrize("source, name", [
+    ("__constant__ float table[4];", "__constant__"),
+    ("__global__ void k(int* x) { atomicAdd(x, 1); }", "atomicAdd"),
+    ("__global__ void k(float* x) { x[0] = __shfl_down_sync(0xffffffffu, x[0], 1); }", "__shfl_down_sync"),
+    ("__global__ void k(const float* x, float* y) { y[0] = __ldg(x); }", "__ldg"),
+    ("__global__ void k(float* x) { x[0] = __syncthreads_count(1); }", "__syncthreads_count"),
+    ("void f(float** p) { cudaMallocManaged(reinterpret_cast<void**>(p), 4); }", "cudaMallocManaged"),
+])
+def test_an_unimplemented_cuda_construct_fails_the_executor_build_with_its_name(tmp_path, source, name):
+    (tmp_path / "snippet.cu").write_text(source + "\n")
+    with pytest.raises(gpu_harness.BuildError) as failure:
+        gpu_harness.build_on_cpu(tmp_path / "build", source_dir=tmp_path,
+                                 reuse_from=gpu_harness.cached_build(on_cpu=True).parent)
+    assert name in str(failure.value)

@@ -13,6 +13,18 @@
 #include "../../cpu_ops/kv_quant.h"  // the quantized-page rule, shared with the CPU op
 #include "append_attn_api.cuh"
 
+// Every launch site is written CUDA_LAUNCH(grid, block, smem, stream, kernel)(args...): under nvcc
+// the triple-chevron launch; the CUDA-on-CPU executor (custom_ops/gpu_ops/cuda_on_cpu, docs/gpu.md)
+// defines it first to run the kernel on the CPU.
+#ifndef CUDA_LAUNCH
+#define CUDA_LAUNCH(grid, block, smem, stream, ...) __VA_ARGS__<<<grid, block, smem, stream>>>
+#endif
+
+// The block's dynamic shared memory, for every kernel that takes some (one file-scope declaration
+// instead of a block-scope `extern __shared__` per kernel: the host compiler of the CUDA-on-CPU
+// executor can give this one name a definition, but not a block-scope extern in an unnamed namespace).
+extern __shared__ __align__(16) unsigned char dynamic_shared_memory[];
+
 namespace append_attn {
 
 static_assert(int(APPEND_ATTN_CACHE_FLOAT) == int(fd_kvq::kFloat) &&

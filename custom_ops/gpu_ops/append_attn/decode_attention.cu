@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(Args a, int swa_overr
 template <typename T, typename P, int D, int BS>
 cudaError_t launch_kernel(const Args& a, int swa_override, cudaStream_t stream) {
   dim3 grid(a.decode_max_splits, a.bsz, a.kv_num_heads);
-  decode_attention_kernel<T, P, D, BS><<<grid, kThreads, 0, stream>>>(a, swa_override);
+  CUDA_LAUNCH(grid, kThreads, 0, stream, decode_attention_kernel<T, P, D, BS>)(a, swa_override);
   return cudaGetLastError();
 }
 
@@ -303,7 +303,7 @@ cudaError_t launch_typed(const Args& a, int swa_override, void* out, cudaStream_
   }
   if (err != cudaSuccess) return err;
   dim3 grid(a.bsz, a.num_heads);
-  decode_merge_kernel<T><<<grid, a.head_dim, 0, stream>>>(a, swa_override, static_cast<T*>(out));
+  CUDA_LAUNCH(grid, a.head_dim, 0, stream, decode_merge_kernel<T>)(a, swa_override, static_cast<T*>(out));
   return cudaGetLastError();
 }
 

@@ -179,21 +179,21 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   HARNESS_CUDA(ws.alloc(ws_bytes));
 
   if (fill_on_device) {
-    fill_kernel<<<1024, 256>>>(qkv.as<uint16_t>(), qkv_elems, 1u, p->dtype);
+    CUDA_LAUNCH(1024, 256, 0, 0, fill_kernel)(qkv.as<uint16_t>(), qkv_elems, 1u, p->dtype);
     HARNESS_CUDA(cudaGetLastError());
     if (quantized) {
-      fill_bytes_kernel<<<4096, 256>>>(kc.as<uint8_t>(), cache_elems, 2u, p->cache_quant);
+      CUDA_LAUNCH(4096, 256, 0, 0, fill_bytes_kernel)(kc.as<uint8_t>(), cache_elems, 2u, p->cache_quant);
       HARNESS_CUDA(cudaGetLastError());
-      fill_bytes_kernel<<<4096, 256>>>(vc.as<uint8_t>(), cache_elems, 3u, p->cache_quant);
+      CUDA_LAUNCH(4096, 256, 0, 0, fill_bytes_kernel)(vc.as<uint8_t>(), cache_elems, 3u, p->cache_quant);
       HARNESS_CUDA(cudaGetLastError());
-      fill_scales_kernel<<<1024, 256>>>(ks.as<float>(), scale_elems);
+      CUDA_LAUNCH(1024, 256, 0, 0, fill_scales_kernel)(ks.as<float>(), scale_elems);
       HARNESS_CUDA(cudaGetLastError());
-      fill_scales_kernel<<<1024, 256>>>(vs.as<float>(), scale_elems);
+      CUDA_LAUNCH(1024, 256, 0, 0, fill_scales_kernel)(vs.as<float>(), scale_elems);
       HARNESS_CUDA(cudaGetLastError());
     } else {
-      fill_kernel<<<4096, 256>>>(kc.as<uint16_t>(), cache_elems, 2u, p->dtype);
+      CUDA_LAUNCH(4096, 256, 0, 0, fill_kernel)(kc.as<uint16_t>(), cache_elems, 2u, p->dtype);
       HARNESS_CUDA(cudaGetLastError());
-      fill_kernel<<<4096, 256>>>(vc.as<uint16_t>(), cache_elems, 3u, p->dtype);
+      CUDA_LAUNCH(4096, 256, 0, 0, fill_kernel)(vc.as<uint16_t>(), cache_elems, 3u, p->dtype);
       HARNESS_CUDA(cudaGetLastError());
     }
   } else {

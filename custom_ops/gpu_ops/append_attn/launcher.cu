@@ -137,10 +137,10 @@ cudaError_t launch_stitch_heads(const Args& a, int dtype, const void* swa_out, v
                                 cudaStream_t stream) {
   if (a.token_num == 0) return cudaSuccess;
   if (dtype == APPEND_ATTN_BF16) {
-    stitch_heads_kernel<__nv_bfloat16><<<a.token_num, 256, 0, stream>>>(
+    CUDA_LAUNCH(a.token_num, 256, 0, stream, stitch_heads_kernel<__nv_bfloat16>)(
         a, static_cast<const __nv_bfloat16*>(swa_out), static_cast<__nv_bfloat16*>(out));
   } else {
-    stitch_heads_kernel<__half><<<a.token_num, 256, 0, stream>>>(
+    CUDA_LAUNCH(a.token_num, 256, 0, stream, stitch_heads_kernel<__half>)(
         a, static_cast<const __half*>(swa_out), static_cast<__half*>(out));
   }
   return cudaGetLastError();

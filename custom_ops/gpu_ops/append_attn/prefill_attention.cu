@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
   const int head = blockIdx.y;
   if (tile >= a.tile_prefix[a.bsz]) return;
 
-  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* smem = dynamic_shared_memory;
   float* q_s = reinterpret_cast<float*>(smem + L::kQ);
   float* p_s = reinterpret_cast<float*>(smem + L::kP);
   Elem* k_s = reinterpret_cast<Elem*>(smem + L::kK);
@@ -311,7 +311,7 @@ cudaError_t launch_kernel(const Args& a, int swa_override, void* out, cudaStream
   // on the device and surplus blocks exit at once.
   const int grid_x = (a.token_num + tokens_per_tile - 1) / tokens_per_tile + a.bsz;
   dim3 grid(grid_x, a.kv_num_heads);
-  kernel<<<grid, kThreads, kSmem, stream>>>(a, swa_override, static_cast<T*>(out));
+  CUDA_LAUNCH(grid, kThreads, kSmem, stream, prefill_attention_kernel<T, P, D, BS>)(a, swa_override, static_cast<T*>(out));
   return cudaGetLastError();
 }
 
@@ -367,7 +367,7 @@ size_t prefill_attention_smem_bytes(int cache_quant, int head_dim) {
 
 cudaError_t launch_prefill_tiles(const Args& a, cudaStream_t stream) {
   const int group = a.num_heads / a.kv_num_heads;
-  prefill_tile_prefix_kernel<<<1, 1024, 0, stream>>>(a.seq_lens_this_time, a.bsz,
+  CUDA_LAUNCH(1, 1024, 0, stream, prefill_tile_prefix_kernel)(a.seq_lens_this_time, a.bsz,
                                                      kPrefillRows / group, a.tile_prefix);
   return cudaGetLastError();
 }

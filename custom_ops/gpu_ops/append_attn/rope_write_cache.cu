@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kThreads)
   const int nh = a.num_heads;
   const int kvh = a.kv_num_heads;
   const int stride = D + 1;
-  extern __shared__ float rows_s[];  // q rows, k rows, v rows, then 2 * kvh scales
+  float* rows_s = reinterpret_cast<float*>(dynamic_shared_memory);  // q rows, k rows, v rows, then 2 * kvh scales
   float* q_s = rows_s;
   float* k_s = q_s + nh * stride;
   float* v_s = k_s + kvh * stride;
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T>
 cudaError_t launch_typed(const Args& a, void* out, cudaStream_t stream) {
   const float q_scale = 1.0f / sqrtf(static_cast<float>(a.head_dim));
-  rope_write_cache_kernel<T><<<a.token_num, kThreads, 0, stream>>>(a, q_scale, static_cast<T*>(out));
+  CUDA_LAUNCH(a.token_num, kThreads, 0, stream, rope_write_cache_kernel<T>)(a, q_scale, static_cast<T*>(out));
   return cudaGetLastError();
 }
 
@@ -168,7 +168,7 @@ cudaError_t launch_quantized(const Args& a, void* out, cudaStream_t stream) {
   auto kernel = rope_write_quantized_kernel<__nv_bfloat16, Code>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (err != cudaSuccess) return err;
-  kernel<<<a.token_num, kThreads, smem, stream>>>(a, q_scale, static_cast<__nv_bfloat16*>(out));
+  CUDA_LAUNCH(a.token_num, kThreads, smem, stream, rope_write_quantized_kernel<__nv_bfloat16, Code>)(a, q_scale, static_cast<__nv_bfloat16*>(out));
   return cudaGetLastError();
 }
 
