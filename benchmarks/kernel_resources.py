@@ -233,7 +233,7 @@ def markdown(report: dict) -> str:
                      f"{a['static_smem_bytes']} + {a['dynamic_smem_bytes']} | {a['threads']} | {both('blocks_per_sm')} | "
                      f"{both('warps_per_sm')} | {both('limited_by')} |")
     regs, blocks = (max(t[i] for t in twins) if twins else 0 for i in (0, 1))
-    note = (f"\nTwo values: sm_80 / sm_90. The fp16 twins of the float-page kernels differ from these by at most "
+    note = (f"\n\nTwo values: sm_80 / sm_90. The fp16 twins of the float-page kernels differ from these by at most "
             f"{regs} registers and {blocks} blocks per SM (every row: --json).")
     return "\n".join(lines) + note
 
