@@ -193,10 +193,22 @@ class FDConfig:
             model = self.model_config
             check_gpu_attention_shapes(model.head_dim, self.cache_config.block_size, model.num_attention_heads,
                                        model.num_key_value_heads, model.preset)
+        if self.attention_backend == "CUDA_ON_CPU":
+            # The CUDA op's kernels on the CPU: the shapes they exist for, and the GPU's page format.
+            if self.device != "cpu":
+                raise ValueError("FD_ATTENTION_BACKEND=CUDA_ON_CPU runs the CUDA kernels on the CPU: use --device cpu "
+                                 "(on a GPU the default APPEND_ATTN runs them there)")
+            model = self.model_config
+            check_gpu_attention_shapes(model.head_dim, self.cache_config.block_size, model.num_attention_heads,
+                                       model.num_key_value_heads, model.preset)
+            if not self.cache_config.quantized and self.cache_config.cache_dtype != "bfloat16":
+                raise ValueError("FD_ATTENTION_BACKEND=CUDA_ON_CPU keeps bfloat16 pages, as the CUDA op on a GPU; "
+                                 f"got --cache-dtype {self.cache_config.cache_dtype}")
         if self.device == "cpu" and self.cache_config.cache_dtype == "float16":
             raise ValueError("cache_dtype=float16 needs --device gpu; the CPU op stores float32 or bfloat16")
         kv_quant.check_kv_cache_quant_type(self.cache_config.kv_cache_quant_type, self.cache_config.cache_dtype,
-                                           default_cache_dtype(self.device, self.model_config.dtype),
+                                           default_cache_dtype(self.device, self.model_config.dtype,
+                                                               self.attention_backend),
                                            self.attention_backend, self.device, self.model_config.dtype)
         if self.head_wise_attn == "DUAL_PASS":
             # Upstream's baseline: two kernel passes over one shared 1-D table. Only the CUDA op has

@@ -65,8 +65,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # The device when --device / LLM(device=...) is not given: AUTO (the GPU when Paddle has CUDA and
     # sees one), GPU or CPU. The test suite pins CPU (tests/conftest.py); GPU tests ask for the GPU.
     "FD_DEVICE": _choice_flag("FD_DEVICE", "AUTO", ("AUTO", "GPU", "CPU")),
-    # Attention backend: APPEND_ATTN (paged custom op) or NATIVE_ATTN (dense reference, the oracle).
-    "FD_ATTENTION_BACKEND": _choice_flag("FD_ATTENTION_BACKEND", "APPEND_ATTN", ("APPEND_ATTN", "NATIVE_ATTN")),
+    # Attention backend: APPEND_ATTN (paged custom op), NATIVE_ATTN (dense reference, the oracle) or
+    # CUDA_ON_CPU (the CUDA op's kernels executed on the CPU, bf16 or 8-bit pages as on a GPU; slow).
+    "FD_ATTENTION_BACKEND": _choice_flag("FD_ATTENTION_BACKEND", "APPEND_ATTN",
+                                         ("APPEND_ATTN", "NATIVE_ATTN", "CUDA_ON_CPU")),
     # Head-wise SWA on the GPU: SINGLE_PASS (one kernel pass, each head its own window) or DUAL_PASS
     # (upstream's baseline: an all-SWA and an all-full pass over the 1-D table, stitched per head).
     "FD_HEAD_WISE_ATTN": _choice_flag("FD_HEAD_WISE_ATTN", "SINGLE_PASS", ("SINGLE_PASS", "DUAL_PASS")),

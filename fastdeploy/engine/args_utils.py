@@ -46,7 +46,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 kv_cache_memory=self.kv_cache_memory,
-                cache_dtype=self.cache_dtype or default_cache_dtype(device, model_config.dtype),
+                cache_dtype=self.cache_dtype or default_cache_dtype(device, model_config.dtype, envs.FD_ATTENTION_BACKEND),
                 kv_cache_quant_type=self.kv_cache_quant_type,
                 enable_prefix_caching=self.enable_prefix_caching,
             ),

@@ -82,9 +82,12 @@ def collective_backend(device: str) -> str:
     return "nccl" if device == "gpu" else "gloo"
 
 
-def default_cache_dtype(device: str, compute_dtype: str) -> str:
+def default_cache_dtype(device: str, compute_dtype: str, attention_backend: str = "APPEND_ATTN") -> str:
     """`--cache-dtype` left unset: float32 on the CPU (its op's fastest storage); on the GPU the
-    compute dtype, which the CUDA op requires of its caches."""
+    compute dtype, which the CUDA op requires of its caches; bfloat16 for the CUDA kernels executed on
+    the CPU (FD_ATTENTION_BACKEND=CUDA_ON_CPU), the pages a GPU would hold."""
+    if attention_backend == "CUDA_ON_CPU":
+        return "bfloat16"
     return compute_dtype if device == "gpu" else "float32"
 
 

@@ -18,9 +18,25 @@ import tempfile
 import time
 from pathlib import Path
 
+import importlib.util
+
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_by_path(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The CPU build of the kernels and the C ABI's ctypes structs live with the engine's loader (one copy);
+# loaded by path, so this harness stays free of Paddle.
+cuda_on_cpu = _load_by_path(
+    "fd_cuda_on_cpu_loader", REPO_ROOT / "fastdeploy" / "model_executor" / "layers" / "attention" / "ops" /
+    "cuda_on_cpu_loader.py")
 SOURCE_DIR = REPO_ROOT / "custom_ops" / "gpu_ops" / "append_attn"
 LIB_NAME = "libappend_attn_harness.so"
 SHARED_HEADER = REPO_ROOT / "custom_ops" / "cpu_ops" / "kv_quant.h"  # the quantized-page rule, included
@@ -38,42 +54,8 @@ RESOURCE_FLAGS = ("--resource-usage", "--keep")
 BF16 = 0
 FP16 = 1
 
-PARAM_FIELDS = (
-    "dtype",
-    "token_num",
-    "bsz",
-    "num_heads",
-    "kv_num_heads",
-    "head_dim",
-    "block_size",
-    "num_blocks",
-    "max_blocks_per_seq",
-    "head_wise_table",
-    "max_position",
-    "sliding_window",
-    "sink_size",
-    "visit_all_pages",
-    "dual_pass",
-    "kv_slots",
-    "cache_quant",
-)
-BUFFER_FIELDS = (
-    "qkv",
-    "key_cache",
-    "value_cache",
-    "seq_lens_encoder",
-    "seq_lens_decoder",
-    "seq_lens_this_time",
-    "cu_seqlens_q",
-    "block_tables",
-    "rotary_cos",
-    "rotary_sin",
-    "swa_head_mask",
-    "out",
-    "kv_head_slots",
-    "key_cache_scales",
-    "value_cache_scales",
-)
+PARAM_FIELDS = cuda_on_cpu.PARAM_FIELDS
+BUFFER_FIELDS = cuda_on_cpu.BUFFER_FIELDS
 
 # AppendAttnCacheQuant: float pages of `dtype`, or int8 / e4m3fn bytes with a float32 scale per row.
 CACHE_FLOAT, CACHE_INT8, CACHE_FP8_E4M3 = 0, 1, 2
@@ -85,15 +67,12 @@ ERR_OUT_OF_RANGE = 3
 ERR_POSITION = 4
 
 
-class _Params(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int) for name in PARAM_FIELDS]
-
+class _Params(cuda_on_cpu.AppendAttnParams):
     def __init__(self, **fields):
         super().__init__(**{"cache_quant": CACHE_FLOAT, **fields})  # older callers name no page format
 
 
-class _Buffers(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in BUFFER_FIELDS]
+_Buffers = cuda_on_cpu.AppendAttnBuffers
 
 
 # restype and argtypes of every C entry point ctypes calls, as declared in append_attn_api.cuh (the
@@ -187,94 +166,32 @@ def build(out_dir: Path, jobs: int = 2, nvcc: str | None = None, extra_flags: tu
 
 
 # ---- the same sources on the CPU: the CUDA-on-CPU executor (custom_ops/gpu_ops/cuda_on_cpu) ----
-EXECUTOR_DIR = REPO_ROOT / "custom_ops" / "gpu_ops" / "cuda_on_cpu"
-# -fno-strict-aliasing: the kernels move 16-bit and 8-bit data through 32/64/128-bit words, which
-# nvcc allows; -Wno-sign-compare: threadIdx is unsigned, as under nvcc, which does not warn.
-CPU_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas",
-             "-Wno-sign-compare", "-Werror")
-
-
-def find_cuda_include() -> Path | None:
-    """The toolkit's headers (cuda_bf16.h, cuda_fp8.h, ...), which the executor compiles with g++."""
-    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    nvcc = find_nvcc()
-    if nvcc:
-        candidates.insert(0, str(Path(nvcc).resolve().parents[1]))
-    for root in candidates:
-        if root and (Path(root) / "include" / "cuda_bf16.h").is_file():
-            return Path(root) / "include"
-    return None
-
-
-def _object_name(src: Path) -> str:
-    return src.parent.name + "_" + src.stem + ".o"
-
-
-def _reusable_object(src: Path, source_dir: Path, reuse_from: Path | None) -> Path | None:
-    """An object of a previous build of SOURCE_DIR that `src` would compile to unchanged: the
-    executor's runtime, or a .cu whose text and whose folder's .cuh headers equal SOURCE_DIR's."""
-    if reuse_from is None or not (Path(reuse_from) / _object_name(src)).is_file():
-        return None
-    if src.parent != EXECUTOR_DIR:
-        for path in [src, *Path(source_dir).glob("*.cuh")]:
-            original = SOURCE_DIR / path.name
-            if not original.is_file() or original.read_bytes() != path.read_bytes():
-                return None
-    return Path(reuse_from) / _object_name(src)
+EXECUTOR_DIR = cuda_on_cpu.EXECUTOR_DIR
+CPU_FLAGS = cuda_on_cpu.CPU_FLAGS
+find_cuda_include = cuda_on_cpu.find_cuda_include
 
 
 def build_on_cpu(out_dir: Path, jobs: int = 2, source_dir: Path = SOURCE_DIR, extra_flags=(),
                  reuse_from: Path | None = None) -> BuildResult:
-    """Compiles every .cu under `source_dir` as C++ against the executor's header, and the executor's
-    runtime, into one shared library with the harness's C ABI (-z defs: a CUDA call the executor
-    lacks fails the link with its name). With `reuse_from` (a build of the unchanged sources),
-    only what differs from them is compiled again (a copy of the sources with one kernel edited)."""
-    include = find_cuda_include()
-    if include is None:
-        raise BuildError("the CUDA toolkit headers (cuda_bf16.h) were not found")
-    cxx = os.environ.get("CXX") or "g++"
-    if extra_flags:
-        reuse_from = None  # objects built without the flags do not fit
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """The kernels (every .cu of `source_dir`) compiled as C++ for the CUDA-on-CPU executor
+    (cuda_on_cpu_loader.build; `reuse_from`: a build of the unchanged sources to take objects from)."""
     started = time.perf_counter()
-    common = [cxx, *CPU_FLAGS, *extra_flags, f"-I{include}", f"-I{EXECUTOR_DIR}"]
-    units = [(src, ["-x", "c++", "-include", str(EXECUTOR_DIR / "cuda_on_cpu.h")]) for src in
-             sorted(Path(source_dir).glob("*.cu"))]
-    units += [(src, []) for src in sorted(EXECUTOR_DIR.glob("*.cpp"))]
-
-    def compile_one(unit) -> tuple[str, float, Path]:
-        src, lang = unit
-        reused = _reusable_object(src, source_dir, reuse_from)
-        if reused is not None:
-            return src.name, 0.0, reused
-        obj = out_dir / _object_name(src)
-        cmd = [*common, *lang, "-c", str(src), "-o", str(obj)]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise BuildError(f"{cxx} failed on {src.name}:\n{' '.join(cmd)}\n{proc.stderr}")
-        return src.name, time.perf_counter() - t0, obj
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        results = list(pool.map(compile_one, units))
-    lib = out_dir / LIB_NAME
-    link = [cxx, "-shared", "-Wl,-z,defs", "-o", str(lib), *[str(obj) for _, _, obj in results], "-lpthread"]
-    proc = subprocess.run(link, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise BuildError(f"link failed:\n{' '.join(link)}\n{proc.stderr}")
-    return BuildResult(lib, {name: secs for name, secs, _ in results}, time.perf_counter() - started)
+    try:
+        lib, seconds = cuda_on_cpu.build(out_dir, jobs=jobs, source_dir=source_dir, extra_flags=extra_flags,
+                                         reuse_from=reuse_from)
+    except cuda_on_cpu.BuildError as e:
+        raise BuildError(str(e)) from e
+    return BuildResult(lib, seconds, time.perf_counter() - started)
 
 
 def _source_key(on_cpu: bool = False) -> str:
-    digest = hashlib.sha256()
-    paths = [*sorted(SOURCE_DIR.glob("*.cu*")), SHARED_HEADER]
     if on_cpu:
-        paths += sorted(EXECUTOR_DIR.glob("*"))
-    for path in paths:
+        return cuda_on_cpu.source_key()
+    digest = hashlib.sha256()
+    for path in [*sorted(SOURCE_DIR.glob("*.cu*")), SHARED_HEADER]:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
-    digest.update(" ".join(CPU_FLAGS if on_cpu else NVCC_FLAGS + GENCODES + RESOURCE_FLAGS).encode())
+    digest.update(" ".join(NVCC_FLAGS + GENCODES + RESOURCE_FLAGS).encode())
     return digest.hexdigest()[:16]
 
 

@@ -7,6 +7,10 @@ def get_attention_backend(fd_config, rotary: list, tp_rank: int = 0):
         from fastdeploy.model_executor.layers.attention.native_attn_backend import NativeAttentionBackend
 
         return NativeAttentionBackend(fd_config, rotary, tp_rank)
+    if fd_config.attention_backend == "CUDA_ON_CPU":
+        from fastdeploy.model_executor.layers.attention.cuda_on_cpu_backend import CudaOnCpuAttentionBackend
+
+        return CudaOnCpuAttentionBackend(fd_config, rotary, tp_rank)
     from fastdeploy.model_executor.layers.attention.append_attn_backend import AppendAttentionBackend
 
     return AppendAttentionBackend(fd_config, rotary, tp_rank)

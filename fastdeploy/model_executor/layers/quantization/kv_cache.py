@@ -74,7 +74,7 @@ def check_kv_cache_quant_type(quant_type: str, cache_dtype: str, default_cache_d
     if cache_dtype != default_cache_dtype:
         raise ValueError(f"kv_cache_quant_type={quant_type} stores 8-bit pages with float32 scales, but "
                          f"--cache-dtype {cache_dtype} asks for {cache_dtype} pages: pass one of the two")
-    if attention_backend != "APPEND_ATTN":
+    if attention_backend not in ("APPEND_ATTN", "CUDA_ON_CPU"):
         raise ValueError(f"kv_cache_quant_type={quant_type} quantizes the paged cache of FD_ATTENTION_BACKEND="
                          f"APPEND_ATTN; the {attention_backend} backend keeps float K/V per request")
 
