@@ -18,7 +18,7 @@ GPU_WHEEL_HINT = ("install the GPU wheel `paddlepaddle-gpu` (the CPU wheel `padd
 GPU_ATTENTION_DTYPES = ("bfloat16", "float16")
 # The shapes its kernels exist for (validate() in custom_ops/gpu_ops/append_attn/launcher.cu, kMaxGroup
 # in append_attn_common.cuh); anything else fails every step, so it is refused at start-up.
-GPU_ATTENTION_HEAD_DIMS = (64, 128)
+GPU_ATTENTION_HEAD_DIMS = (64, 128, 256)  # 256: Gemma 3
 GPU_ATTENTION_BLOCK_SIZES = (16, 64)
 GPU_ATTENTION_MAX_GROUP = 8  # query heads per KV head
 
@@ -101,6 +101,12 @@ def check_gpu_attention_dtypes(compute_dtype: str, cache_dtype: str) -> None:
                          f"({compute_dtype}), got {cache_dtype}")
 
 
+def _one_of(values) -> str:
+    """'64, 128 or 256' for a start-up message."""
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
 def check_gpu_attention_shapes(head_dim: int, block_size: int, num_heads: int, kv_heads: int,
                                preset: str | None = None) -> None:
     """Start-up check for the paged backend on the GPU: the CUDA op's kernels exist for these shapes
@@ -109,12 +115,12 @@ def check_gpu_attention_shapes(head_dim: int, block_size: int, num_heads: int, k
 
     if head_dim not in GPU_ATTENTION_HEAD_DIMS:
         twin = f"; use --model {GPU_TWIN[preset]} (this preset with head_dim 64)" if preset in GPU_TWIN else ""
-        raise ValueError(f"--device gpu: the CUDA attention op supports head_dim "
-                         f"{' or '.join(map(str, GPU_ATTENTION_HEAD_DIMS))}, but the model has head_dim {head_dim}"
+        raise ValueError(f"--device gpu: the CUDA attention op supports head_dim {_one_of(GPU_ATTENTION_HEAD_DIMS)}, "
+                         f"but the model has head_dim {head_dim}"
                          f"{twin}; or run it with --device cpu or FD_ATTENTION_BACKEND=NATIVE_ATTN")
     if block_size not in GPU_ATTENTION_BLOCK_SIZES:
         raise ValueError(f"--device gpu: the CUDA attention op supports --block-size "
-                         f"{' or '.join(map(str, GPU_ATTENTION_BLOCK_SIZES))}, got {block_size}")
+                         f"{_one_of(GPU_ATTENTION_BLOCK_SIZES)}, got {block_size}")
     if num_heads // kv_heads > GPU_ATTENTION_MAX_GROUP:
         raise ValueError(f"--device gpu: the CUDA attention op supports at most {GPU_ATTENTION_MAX_GROUP} query "
                          f"heads per KV head, the model has {num_heads} / {kv_heads} = {num_heads // kv_heads}; "

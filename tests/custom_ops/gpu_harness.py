@@ -47,6 +47,9 @@ GENCODES = (
     "-gencode=arch=compute_90,code=[sm_90,compute_90]",
 )
 NVCC_FLAGS = ("-std=c++17", "-O3", "-Xcompiler", "-fPIC")
+# What the cached build keeps besides the library: ptxas's per-kernel report (registers, spills, static
+# shared memory) and the PTX (launch bounds), read by benchmarks/kernel_resources.py. No codegen change.
+RESOURCE_FLAGS = ("--resource-usage", "--keep")
 
 BF16 = 0
 FP16 = 1
@@ -80,6 +83,7 @@ C_ABI = {
     "append_attention_launch": (ctypes.c_int, [ctypes.POINTER(_Params), ctypes.POINTER(_Buffers), ctypes.c_void_p,
                                                ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p]),
     "append_attention_last_error": (ctypes.c_char_p, []),
+    "append_attention_dynamic_smem_bytes": (ctypes.c_size_t, [ctypes.POINTER(_Params), ctypes.c_int]),
 }
 # The CUDA-on-CPU executor's controls (custom_ops/gpu_ops/cuda_on_cpu/launch.cpp), in its builds only.
 EXECUTOR_ABI = {
@@ -128,10 +132,12 @@ class BuildResult:
     library: Path
     compile_seconds: dict[str, float]  # per source file
     wall_seconds: float
+    compile_logs: dict[str, str] = dataclasses.field(default_factory=dict)  # nvcc's stdout + stderr per file
 
 
-def build(out_dir: Path, jobs: int = 2, nvcc: str | None = None) -> BuildResult:
-    """Compiles every .cu under append_attn/ separately (sm_80 + sm_90) and links the harness."""
+def build(out_dir: Path, jobs: int = 2, nvcc: str | None = None, extra_flags: tuple[str, ...] = ()) -> BuildResult:
+    """Compiles every .cu under append_attn/ separately (sm_80 + sm_90) and links the harness.
+    extra_flags go to every compile (benchmarks/kernel_resources.py: --resource-usage)."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise BuildError("nvcc not found")
@@ -139,23 +145,24 @@ def build(out_dir: Path, jobs: int = 2, nvcc: str | None = None) -> BuildResult:
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 
-    def compile_one(src: Path) -> tuple[str, float, Path]:
+    def compile_one(src: Path) -> tuple[str, float, Path, str]:
         obj = out_dir / (src.stem + ".o")
-        cmd = [nvcc, *NVCC_FLAGS, *GENCODES, "-c", str(src), "-o", str(obj)]
+        cmd = [nvcc, *NVCC_FLAGS, *GENCODES, *extra_flags, "-c", str(src), "-o", str(obj)]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise BuildError(f"nvcc failed on {src.name}:\n{' '.join(cmd)}\n{proc.stderr}")
-        return src.name, time.perf_counter() - t0, obj
+        return src.name, time.perf_counter() - t0, obj, proc.stdout + proc.stderr
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         results = list(pool.map(compile_one, cuda_sources()))
     lib = out_dir / LIB_NAME
-    link = [nvcc, "-shared", "-o", str(lib), *[str(obj) for _, _, obj in results]]
+    link = [nvcc, "-shared", "-o", str(lib), *[str(obj) for _, _, obj, _ in results]]
     proc = subprocess.run(link, capture_output=True, text=True)
     if proc.returncode != 0:
         raise BuildError(f"link failed:\n{' '.join(link)}\n{proc.stderr}")
-    return BuildResult(lib, {name: secs for name, secs, _ in results}, time.perf_counter() - started)
+    return BuildResult(lib, {name: secs for name, secs, _, _ in results}, time.perf_counter() - started,
+                       {name: log for name, _, _, log in results})
 
 
 # ---- the same sources on the CPU: the CUDA-on-CPU executor (custom_ops/gpu_ops/cuda_on_cpu) ----
@@ -184,20 +191,32 @@ def _source_key(on_cpu: bool = False) -> str:
     for path in [*sorted(SOURCE_DIR.glob("*.cu*")), SHARED_HEADER]:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
-    digest.update(" ".join(NVCC_FLAGS + GENCODES).encode())
+    digest.update(" ".join(NVCC_FLAGS + GENCODES + RESOURCE_FLAGS).encode())
     return digest.hexdigest()[:16]
 
 
 def cached_build(jobs: int | None = None, on_cpu: bool = False) -> Path:
     """The harness library for the current sources (nvcc, or on_cpu: the CUDA-on-CPU executor),
-    built once per source hash in the temp dir."""
+    built once per source hash in the temp dir. Next to an nvcc build: <source stem>.resource_usage.txt
+    (nvcc's report) and keep/<stem>.compute_XX.ptx (benchmarks/kernel_resources.py)."""
     kind = "cpu_" if on_cpu else ""
     final = Path(tempfile.gettempdir()) / f"fd_append_attn_harness_{kind}{_source_key(on_cpu)}"
     if (final / LIB_NAME).is_file():
         return final / LIB_NAME
     shutil.rmtree(final, ignore_errors=True)  # leftovers of an interrupted build
     staging = Path(tempfile.mkdtemp(prefix="fd_append_attn_build_"))
-    (build_on_cpu if on_cpu else build)(staging, jobs=jobs or max(2, os.cpu_count() or 2))
+    jobs = jobs or max(2, os.cpu_count() or 2)
+    if on_cpu:
+        build_on_cpu(staging, jobs=jobs)
+    else:
+        keep = staging / "keep"
+        keep.mkdir()
+        result = build(staging, jobs=jobs, extra_flags=(*RESOURCE_FLAGS, f"--keep-dir={keep}"))
+        for name, log in result.compile_logs.items():
+            (staging / f"{Path(name).stem}.resource_usage.txt").write_text(log)
+        for path in keep.iterdir():  # of nvcc's intermediates only the PTX is read
+            if path.suffix != ".ptx":
+                path.unlink()
     try:
         os.replace(staging, final)
     except OSError:  # another process won the race; use its build

@@ -46,8 +46,8 @@ MUTANTS = {
         "append_attn_common.cuh", "lb.count = lb.sink_end + (last + 1 - lb.win_begin);",
         "lb.count = lb.sink_end + (last - lb.win_begin);", "mixed", "the newest live block is not visited"),
     "swapped_kv_scales_decode": Mutant(
-        "decode_attention.cu", "v_scale[i] = P::kQuantized && key < n_valid ? a.value_scales[base / D + key] : 0.f;",
-        "v_scale[i] = P::kQuantized && key < n_valid ? a.key_scales[base / D + key] : 0.f;",
+        "decode_attention.cu", "v_scale_s[tid] = tid < n_valid ? a.value_scales[base / D + tid] : 0.f;",
+        "v_scale_s[tid] = tid < n_valid ? a.key_scales[base / D + tid] : 0.f;",
         "int8", "decode reads V codes with the K scales"),
     "missing_barrier_after_page_lookup": Mutant(
         "decode_attention.cu",

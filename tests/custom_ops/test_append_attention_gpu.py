@@ -77,7 +77,7 @@ def check(harness, case, rng):
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16])
-@pytest.mark.parametrize("head_dim, num_heads", [(64, 16), (128, 10)])
+@pytest.mark.parametrize("head_dim, num_heads", [(64, 16), (128, 10), (256, 8)])
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_prefill_matches_reference(harness, rng, dtype, head_dim, num_heads, block_size):
     case = build_case(
@@ -96,14 +96,17 @@ def test_prefill_matches_reference(harness, rng, dtype, head_dim, num_heads, blo
 
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_decode_with_split_kv_matches_reference(harness, rng, dtype, block_size):
+@pytest.mark.parametrize("head_dim, num_heads, kv_num_heads", [(128, 20, 4), (256, 4, 1)],
+                         ids=["hd128_ernie", "hd256_gemma3"])
+def test_decode_with_split_kv_matches_reference(harness, rng, dtype, block_size, head_dim, num_heads,
+                                                kv_num_heads):
     case = build_case(
         rng,
         [(1000, 1), (517, 1), (64, 1), (63, 1), (3, 1)],
         dtype=dtype,
-        num_heads=20,
-        kv_num_heads=4,
-        head_dim=128,
+        num_heads=num_heads,
+        kv_num_heads=kv_num_heads,
+        head_dim=head_dim,
         block_size=block_size,
         sliding_window=200,
         sink_size=16,
@@ -111,25 +114,33 @@ def test_decode_with_split_kv_matches_reference(harness, rng, dtype, block_size)
     check(harness, case, rng)
 
 
+# (num_heads, kv_num_heads, head_dim, sliding_window, sink_size, swa_heads): a GQA shape with sinks, and
+# Gemma 3 270M's sliding layer (4 q heads on 1 KV head of 256 dims, window 512, no sink), whose
+# longest request here (450 + 64 tokens) runs past its window.
+MIXED_SHAPES = {"hd128": (8, 4, 128, 48, 20, (0, 2)), "gemma3_270m": (4, 1, 256, 512, 0, (0,))}
+
+
+@pytest.mark.parametrize("shape", list(MIXED_SHAPES))
 @pytest.mark.parametrize(
     "head_wise, scatter, recycle",
     [(True, True, True), (True, False, False), (False, True, False)],
     ids=["head_wise_scattered_recycled", "head_wise_contiguous", "one_d"],
 )
 def test_mixed_batch_of_prefill_chunks_decodes_and_idle_slots(
-    harness, rng, head_wise, scatter, recycle
+    harness, rng, head_wise, scatter, recycle, shape
 ):
+    num_heads, kv_num_heads, head_dim, window, sink, swa_heads = MIXED_SHAPES[shape]
     requests = [(0, 90), (300, 1), (77, 0), (200, 33), (129, 1), (0, 1), (450, 64)]
     case = build_case(
         rng,
         requests,
-        num_heads=8,
-        kv_num_heads=4,
-        head_dim=128,
+        num_heads=num_heads,
+        kv_num_heads=kv_num_heads,
+        head_dim=head_dim,
         block_size=16,
-        sliding_window=48,
-        sink_size=20,
-        swa_heads=(0, 2),
+        sliding_window=window,
+        sink_size=sink,
+        swa_heads=swa_heads,
         head_wise=head_wise,
         scatter=scatter,
         recycle=recycle,
@@ -304,6 +315,7 @@ QUANT_TOLERANCE = {"int8": 2.5e-2, "block_wise_fp8": 7e-2}
     ([(0, 150), (0, 37), (0, 1)], 64, 16),                      # prefill tiles
     ([(1000, 1), (517, 1), (64, 1), (63, 1), (3, 1)], 128, 64),  # split-KV decode
     ([(0, 33), (300, 1), (0, 0), (90, 17)], 64, 64),            # mixed, an idle slot, a chunk over cache
+    ([(0, 40), (700, 1), (130, 9)], 256, 16),                   # head_dim 256 (Gemma 3): prefill + decode
 ])
 def test_quantized_pages_match_float64_attention(harness, rng, fmt, requests, head_dim, block_size):
     """Float64 attention over the values the kernels read (the pages they wrote included): bf16

@@ -107,6 +107,7 @@ def test_launcher_requires_the_advertised_workspace(built):
     assert single > 0
     assert harness.workspace_bytes(_valid_params(dual_pass=1)) > single  # stitch buffer
     assert harness.workspace_bytes(_valid_params(head_dim=96)) == 0
+    assert harness.workspace_bytes(_valid_params(head_dim=256, num_heads=4, kv_num_heads=1)) > 0  # Gemma 3
     status, message = _launch_status(ctypes.CDLL(str(built.library)), params)
     assert status == 1 and "workspace" in message
 

@@ -106,13 +106,14 @@ def test_shapes_the_cuda_op_has_no_kernels_for_are_start_up_errors_on_the_gpu():
     from fastdeploy.worker.device import check_gpu_attention_shapes
 
     # tiny-moe has head_dim 16: every step would fail inside the CUDA op; say so at start-up.
-    with pytest.raises(ValueError, match=r"head_dim 64 or 128, but the model has head_dim 16.*--model tiny-moe-hd64"):
+    with pytest.raises(ValueError, match=r"head_dim 64, 128 or 256, but the model has head_dim 16.*--model tiny-moe-hd64"):
         _gpu_config("tiny-moe")
     with pytest.raises(ValueError, match="--block-size 16 or 64, got 32"):
         _gpu_config(block_size=32)
     with pytest.raises(ValueError, match="at most 8 query heads per KV head"):
         check_gpu_attention_shapes(128, 64, 36, 4)
     check_gpu_attention_shapes(128, 64, 20, 4)  # ERNIE-4.5-21B-A3B
+    check_gpu_attention_shapes(256, 64, 4, 1)  # Gemma 3 270M
     assert EngineArgs(device="cpu", model="tiny-moe").create_engine_config().model_config.head_dim == 16
 
 

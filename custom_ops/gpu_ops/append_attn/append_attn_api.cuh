@@ -50,7 +50,7 @@ typedef struct AppendAttnParams {
   int bsz;                 // request slots
   int num_heads;           // q heads
   int kv_num_heads;        // KV heads (num_heads % kv_num_heads == 0, group size 1..8)
-  int head_dim;            // 64 or 128
+  int head_dim;            // 64, 128 or 256
   int block_size;          // 16 or 64
   int num_blocks;          // dim 0 of the caches
   int max_blocks_per_seq;  // last dim of block_tables
@@ -88,6 +88,22 @@ typedef struct AppendAttnBuffers {
 // Bytes of device workspace append_attention_launch needs for these parameters (on the current
 // device: the decode split count depends on its SM count).
 size_t append_attention_workspace_bytes(const AppendAttnParams* params);
+
+// The kernels a step launches, for append_attention_dynamic_smem_bytes.
+enum AppendAttnKernel {
+  APPEND_ATTN_KERNEL_ROPE_WRITE = 0,     // rope_write_cache_kernel / rope_write_quantized_kernel
+  APPEND_ATTN_KERNEL_PREFILL_TILES = 1,  // prefill_tile_prefix_kernel
+  APPEND_ATTN_KERNEL_PREFILL = 2,        // prefill_attention_kernel
+  APPEND_ATTN_KERNEL_DECODE = 3,         // decode_attention_kernel
+  APPEND_ATTN_KERNEL_DECODE_MERGE = 4,   // decode_merge_kernel
+  APPEND_ATTN_KERNEL_STITCH = 5,         // stitch_heads_kernel (dual pass)
+};
+
+// Dynamic shared memory per thread block (bytes) that `kernel` is launched with for these
+// parameters, from the constants the launches use: what a tool checks against a GPU's per-block
+// limit without a GPU (benchmarks/kernel_resources.py). 0 for a kernel launched without any, for
+// unsupported parameters and for an unknown kernel.
+size_t append_attention_dynamic_smem_bytes(const AppendAttnParams* params, int kernel);
 
 // Enqueues the whole step on `stream` and returns without synchronizing. error_info is 4 device
 // ints, cleared by the call; read them after the stream completes and pass them to

@@ -283,6 +283,9 @@ cudaError_t launch_rope_write_cache(const Args& a, int dtype, void* out, cudaStr
 // shapes that need more than a GPU has.
 size_t quantized_rope_write_smem_bytes(int num_heads, int kv_num_heads, int head_dim);
 cudaError_t launch_prefill_tiles(const Args& a, cudaStream_t stream);
+// Dynamic shared memory of the prefill attention kernel for this page format and head_dim
+// (prefill_attention.cu, the bytes its launch passes); 0 for an unsupported head_dim.
+size_t prefill_attention_smem_bytes(int cache_quant, int head_dim);
 cudaError_t launch_prefill_attention(const Args& a, int dtype, int swa_override, void* out,
                                      cudaStream_t stream);
 cudaError_t launch_decode_attention(const Args& a, int dtype, int swa_override, void* out,

@@ -19,8 +19,10 @@ namespace {
 
 constexpr int kThreads = 128;
 
+// Min 1 block per SM: lets ptxas take the registers it needs; left to its default it spilled
+// (head_dim 128, block 16 on sm_90: benchmarks/kernel_resources.py).
 template <typename T, typename P, int D, int BS>
-__global__ void __launch_bounds__(kThreads) decode_attention_kernel(Args a, int swa_override) {
+__global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(Args a, int swa_override) {
   using Elem = typename P::Elem;
   constexpr int kVec = 16 / sizeof(Elem);         // elements per 16-byte load
   constexpr int kKStride = D + kVec;              // 16-byte rows, staggered banks
@@ -50,13 +52,18 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Args a, int 
   const int dead_code =
       a.visit_all_pages ? APPEND_ATTN_ERR_DEAD_ENTRY_MASKED : APPEND_ATTN_ERR_DEAD_ENTRY;
 
+  // k_s is dead after the page loop (its last barrier) and red_s only lives after it, so they
+  // share bytes: at head_dim 256 the two together would pass the 48 KB of static shared memory.
+  constexpr size_t kKBytes = sizeof(Elem) * BS * kKStride;
+  constexpr size_t kRedBytes = sizeof(float) * kKeyGroups * kMaxGroup * D;
   __shared__ __align__(16) float q_s[kMaxGroup][D];
-  __shared__ __align__(16) Elem k_s[BS][kKStride];
-  __shared__ float k_scale_s[BS];
+  __shared__ __align__(16) unsigned char k_red_s[kKBytes > kRedBytes ? kKBytes : kRedBytes];
+  __shared__ float k_scale_s[BS], v_scale_s[BS];  // quantized pages: the rows' scales
   __shared__ float p_s[kMaxGroup][BS];
   __shared__ float row_m[kMaxGroup], row_l[kMaxGroup], row_scale[kMaxGroup];
-  __shared__ float red_s[kKeyGroups][kMaxGroup][D];
   __shared__ long long page_base_s;
+  auto k_s = reinterpret_cast<Elem (*)[kKStride]>(k_red_s);
+  auto red_s = reinterpret_cast<float (*)[kMaxGroup][D]>(k_red_s);
 
   const int tid = threadIdx.x;
   for (int i = tid; i < kMaxGroup * D; i += kThreads) {
@@ -87,14 +94,13 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Args a, int 
     // Rows past the query's position are not written yet and may hold anything (even NaN).
     const int n_valid = base < 0 ? 0 : min(BS, pos - blk * BS + 1);
 
-    // V of this thread's keys is fetched first so its latency overlaps the q.k pass.
+    // V of this thread's keys is fetched first so its latency overlaps the q.k pass (their scales
+    // go to shared memory: kKeysPerThread registers fewer, 64 at head_dim 256 with block 64).
     uint32_t v_reg[kKeysPerThread];
-    float v_scale[kKeysPerThread];
 #pragma unroll
     for (int i = 0; i < kKeysPerThread; ++i) {
       const int key = pv_group + i * kKeyGroups;
       v_reg[i] = key < n_valid ? P::pair_bits(v_cache + base + (long long)key * D + 2 * pv_pair) : 0u;
-      v_scale[i] = P::kQuantized && key < n_valid ? a.value_scales[base / D + key] : 0.f;
     }
     for (int i = tid; i < BS * (D / kVec); i += kThreads) {
       const int key = i / (D / kVec);
@@ -103,7 +109,10 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Args a, int 
       if (key < n_valid) kv = reinterpret_cast<const uint4*>(k_cache + base + (long long)key * D)[col];
       *reinterpret_cast<uint4*>(&k_s[key][col * kVec]) = kv;
     }
-    if (P::kQuantized && tid < BS) k_scale_s[tid] = tid < n_valid ? a.key_scales[base / D + tid] : 0.f;
+    if (P::kQuantized && tid < BS) {
+      k_scale_s[tid] = tid < n_valid ? a.key_scales[base / D + tid] : 0.f;
+      v_scale_s[tid] = tid < n_valid ? a.value_scales[base / D + tid] : 0.f;
+    }
     __syncthreads();
 
     {
@@ -184,7 +193,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Args a, int 
 #pragma unroll
     for (int i = 0; i < kKeysPerThread; ++i) {
       const int key = pv_group + i * kKeyGroups;
-      const float2 v = P::pair(v_reg[i], v_scale[i]);
+      const float2 v = P::pair(v_reg[i], P::kQuantized ? v_scale_s[key] : 0.f);
 #pragma unroll
       for (int g = 0; g < kMaxGroup; ++g) {
         if (g < group) {
@@ -194,7 +203,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Args a, int 
         }
       }
     }
-    __syncthreads();  // the next page overwrites k_s, k_scale_s, p_s, row_scale and page_base_s
+    __syncthreads();  // the next page overwrites k_s, the scales, p_s, row_scale and page_base_s
   }
 
 #pragma unroll
@@ -222,9 +231,9 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Args a, int 
   }
 }
 
-// One block per (request, q head), one thread per dim.
+// One block per (request, q head), one thread per dim (head_dim <= 256 threads).
 template <typename T>
-__global__ void decode_merge_kernel(Args a, int swa_override, T* __restrict__ out) {
+__global__ void __launch_bounds__(256) decode_merge_kernel(Args a, int swa_override, T* __restrict__ out) {
   const int req = blockIdx.x;
   const int qh = blockIdx.y;
   if (a.seq_lens_this_time[req] != 1) return;
@@ -272,6 +281,10 @@ cudaError_t launch_shapes(const Args& a, int swa_override, cudaStream_t stream) 
   if (a.head_dim == 64) {
     return a.block_size == 64 ? launch_kernel<T, P, 64, 64>(a, swa_override, stream)
                               : launch_kernel<T, P, 64, 16>(a, swa_override, stream);
+  }
+  if (a.head_dim == 256) {  // Gemma 3
+    return a.block_size == 64 ? launch_kernel<T, P, 256, 64>(a, swa_override, stream)
+                              : launch_kernel<T, P, 256, 16>(a, swa_override, stream);
   }
   return a.block_size == 64 ? launch_kernel<T, P, 128, 64>(a, swa_override, stream)
                             : launch_kernel<T, P, 128, 16>(a, swa_override, stream);

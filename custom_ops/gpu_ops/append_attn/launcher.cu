@@ -68,8 +68,8 @@ Layout make_layout(const AppendAttnParams& p) {
 std::string validate(const AppendAttnParams& p) {
   char buf[256];
   if (p.dtype != APPEND_ATTN_BF16 && p.dtype != APPEND_ATTN_FP16) return "dtype must be bf16 or fp16";
-  if (p.head_dim != 64 && p.head_dim != 128) {
-    snprintf(buf, sizeof(buf), "head_dim %d unsupported (64 or 128)", p.head_dim);
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) {
+    snprintf(buf, sizeof(buf), "head_dim %d unsupported (64, 128 or 256)", p.head_dim);
     return buf;
   }
   if (p.block_size != 16 && p.block_size != 64) {
@@ -120,7 +120,7 @@ std::string validate(const AppendAttnParams& p) {
 
 // Dual pass: copy the SWA pass's output over the full pass's for the SWA heads.
 template <typename T>
-__global__ void stitch_heads_kernel(Args a, const T* __restrict__ swa_out, T* __restrict__ out) {
+__global__ void __launch_bounds__(256) stitch_heads_kernel(Args a, const T* __restrict__ swa_out, T* __restrict__ out) {
   const int token = blockIdx.x;
   if (find_request(a.cu_seqlens_q, a.bsz, token) < 0) return;  // zeroed by the RoPE kernel
   const int group = a.num_heads / a.kv_num_heads;
@@ -161,6 +161,21 @@ using namespace append_attn;
 extern "C" size_t append_attention_workspace_bytes(const AppendAttnParams* params) {
   if (params == nullptr || !validate(*params).empty()) return 0;
   return make_layout(*params).total;
+}
+
+extern "C" size_t append_attention_dynamic_smem_bytes(const AppendAttnParams* params, int kernel) {
+  if (params == nullptr || !validate(*params).empty()) return 0;
+  const AppendAttnParams& p = *params;
+  switch (kernel) {
+    case APPEND_ATTN_KERNEL_ROPE_WRITE:  // only the quantized write stages rows in shared memory
+      return p.cache_quant == APPEND_ATTN_CACHE_FLOAT
+                 ? 0
+                 : quantized_rope_write_smem_bytes(p.num_heads, p.kv_num_heads, p.head_dim);
+    case APPEND_ATTN_KERNEL_PREFILL:
+      return prefill_attention_smem_bytes(p.cache_quant, p.head_dim);
+    default:  // the other kernels are launched with 0 bytes of dynamic shared memory
+      return 0;
+  }
 }
 
 extern "C" int append_attention_launch(const AppendAttnParams* params,

@@ -61,8 +61,10 @@ struct PrefillSmem {
   static constexpr size_t kBytes = align16(kVScale + sizeof(float) * kChunkKeys);
 };
 
+// At head_dim 256 shared memory allows one block per SM anyway: min 1 block lets ptxas take the
+// registers it needs (left to its default it spilled with e4m3 pages on sm_80); 0 = ptxas's default.
 template <typename T, typename P, int D, int BS>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
     prefill_attention_kernel(Args a, int swa_override, T* __restrict__ out) {
   using T2 = typename Num<T>::T2;
   using Elem = typename P::Elem;
@@ -298,7 +300,7 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T, typename P, int D, int BS>
 cudaError_t launch_kernel(const Args& a, int swa_override, void* out, cudaStream_t stream) {
-  constexpr size_t kSmem = PrefillSmem<typename P::Elem, D>::kBytes;
+  constexpr size_t kSmem = PrefillSmem<typename P::Elem, D>::kBytes;  // = prefill_attention_smem_bytes
   auto kernel = prefill_attention_kernel<T, P, D, BS>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem);
@@ -319,6 +321,10 @@ cudaError_t launch_shapes(const Args& a, int swa_override, void* out, cudaStream
     return a.block_size == 64 ? launch_kernel<T, P, 64, 64>(a, swa_override, out, stream)
                               : launch_kernel<T, P, 64, 16>(a, swa_override, out, stream);
   }
+  if (a.head_dim == 256) {  // Gemma 3
+    return a.block_size == 64 ? launch_kernel<T, P, 256, 64>(a, swa_override, out, stream)
+                              : launch_kernel<T, P, 256, 16>(a, swa_override, out, stream);
+  }
   return a.block_size == 64 ? launch_kernel<T, P, 128, 64>(a, swa_override, out, stream)
                             : launch_kernel<T, P, 128, 16>(a, swa_override, out, stream);
 }
@@ -336,6 +342,28 @@ cudaError_t launch_typed(const Args& a, int swa_override, void* out, cudaStream_
 }
 
 }  // namespace
+
+namespace {
+template <int D>
+size_t smem_bytes_of(int cache_quant) {
+  if (cache_quant == APPEND_ATTN_CACHE_INT8) return PrefillSmem<Int8Pages::Elem, D>::kBytes;
+  if (cache_quant == APPEND_ATTN_CACHE_FP8_E4M3) return PrefillSmem<E4M3Pages::Elem, D>::kBytes;
+  return PrefillSmem<FloatPages<__nv_bfloat16>::Elem, D>::kBytes;  // fp16 pages: the same bytes
+}
+}  // namespace
+
+size_t prefill_attention_smem_bytes(int cache_quant, int head_dim) {
+  switch (head_dim) {
+    case 64:
+      return smem_bytes_of<64>(cache_quant);
+    case 128:
+      return smem_bytes_of<128>(cache_quant);
+    case 256:
+      return smem_bytes_of<256>(cache_quant);
+    default:
+      return 0;
+  }
+}
 
 cudaError_t launch_prefill_tiles(const Args& a, cudaStream_t stream) {
   const int group = a.num_heads / a.kv_num_heads;

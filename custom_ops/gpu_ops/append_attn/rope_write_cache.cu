@@ -81,8 +81,9 @@ __global__ void __launch_bounds__(kThreads)
 // in shared memory ([rows][D + 1] floats: one thread walks a row without bank conflicts); a thread
 // per row applies the Hadamard rotation (int8) and takes the absmax of each K/V row, then every
 // thread writes codes. Shared memory: quantized_smem_bytes().
+// Min 1 block per SM: left to its default ptxas spilled a few bytes (int8 on sm_90).
 template <typename T, typename Code>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     rope_write_quantized_kernel(Args a, float q_scale, T* __restrict__ out) {
   const int token = blockIdx.x;
   const int D = a.head_dim;

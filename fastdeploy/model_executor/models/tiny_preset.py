@@ -80,7 +80,7 @@ TINY_SLIDING_PRESET_CONFIG = {
     "seed": 2026,
 }
 
-# The CUDA AppendAttention op has kernels for head_dim 64 and 128 only (worker/device.py), so the
+# The CUDA AppendAttention op has kernels for head_dim 64, 128 and 256 only (worker/device.py), so the
 # GPU runs twins of the presets with head_dim 64: same layers, heads, SWA spec and seed, wider
 # heads (different random weights). Without --model the GPU serves the dense twin; the GPU-vs-CPU
 # checks name a twin on both devices so that they compare one model.
