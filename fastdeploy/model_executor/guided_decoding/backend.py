@@ -128,6 +128,7 @@ class LLGuidanceBackend:
         self._lltokenizer = None  # built at the first constrained request (a vocabulary walk)
         self._compiled: OrderedDict = OrderedDict()
         self.compile_seconds_total = 0.0
+        self.tokenizer_build_seconds = None
         self.cache_hits = self.cache_misses = 0
 
     @property
@@ -138,8 +139,9 @@ class LLGuidanceBackend:
             tokens = _TokenList(self._tokenizer, self.vocab_size, self.eos_ids)
             self._lltokenizer = llg.LLTokenizer(llg.TokenizerWrapper(tokens), n_vocab=self.vocab_size,
                                                 eos_token=self.eos_ids)
+            self.tokenizer_build_seconds = time.perf_counter() - start
             logger.info("guided decoding: llguidance %s tokenizer over %d tokens built in %.2f s", llg.__version__,
-                        self.vocab_size, time.perf_counter() - start)
+                        self.vocab_size, self.tokenizer_build_seconds)
         return self._lltokenizer
 
     def matcher(self, params: GuidedDecodingParams):

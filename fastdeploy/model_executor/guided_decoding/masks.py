@@ -12,12 +12,14 @@ on or off. After sampling, `GrammarState.accept` advances the matcher by the tok
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import numpy as np
 
+logger = logging.getLogger("fastdeploy.guided_decoding")
 _pool: Optional[ThreadPoolExecutor] = None
 _executor = None
 _lock = threading.Lock()
@@ -79,8 +81,9 @@ class GrammarState:
 class StepMasks:
     """The masks of one step's constrained rows, being computed while the model runs."""
 
-    def __init__(self, future):
+    def __init__(self, future, work: list):
         self._future = future
+        self._work = work
 
     @classmethod
     def start(cls, batch) -> Optional["StepMasks"]:
@@ -90,11 +93,17 @@ class StepMasks:
         if not work:
             return None
         pool, executor = _workers()
-        return cls(pool.submit(_compute, executor, work))
+        return cls(pool.submit(_compute, executor, work), work)
 
     def result(self) -> dict:
-        """{batch index: bool [1 + drafts, vocab] allowed tokens}."""
-        return self._future.result()
+        """{batch index: bool [1 + drafts, vocab] allowed tokens}. Should llguidance fail, the step's
+        constrained requests get nothing allowed, so each fails alone (sampler: every token is banned)
+        and the engine and the free requests go on."""
+        try:
+            return self._future.result()
+        except Exception:
+            logger.exception("guided decoding: computing the token masks failed")
+            return {i: np.zeros((1 + len(drafts), state.vocab_size), bool) for i, state, drafts in self._work}
 
 
 def _compute(executor, work: list) -> dict:
