@@ -4,7 +4,9 @@ One engine, N requests at once (default 8), greedy, every request generating exa
 tokens in both arms: free text with ignore_eos, and a JSON schema (an array of at least 100 records)
 that cannot close before max_tokens. The arms alternate round by round, the order flipped each
 round, so a machine shared with other work slows both alike. Decode tok/s is the batch's output
-tokens over the time from the last request's first token to the end. Then compile time: each schema
+tokens over the time from the last request's first token to the end (wall time, and CPU time of the
+process: the second is less at the mercy of other jobs), and each step's milliseconds outside the
+model's forward pass (the engine's own work: scheduling, masks, sampling). Then compile time: each schema
 compiled from its text into a matcher on a cold cache, and the same request again (a cache hit: a
 copy of the cached matcher), plus the one-off build of llguidance's tokenizer for the vocabulary.
 
@@ -51,25 +53,55 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class ForwardClock:
+    """Time spent in the model's forward pass (the ranks' execute_model): the rest of a step is the
+    engine's own work, where a grammar's cost shows without the forward pass's noise."""
+
+    def __init__(self, runner):
+        self.seconds, self.steps = 0.0, 0
+        forward = runner.ranks.execute_model
+
+        def timed(step):
+            start = time.perf_counter()
+            try:
+                return forward(step)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.steps += 1
+
+        runner.ranks.execute_model = timed
+
+
 def _run_batch(llm, params, n: int) -> dict:
     """Submit n chat requests at once, step the engine to the end; decode tok/s after the last first token."""
     engine, tokenizer = llm.engine, llm.engine.tokenizer
+    clock = engine.runner.forward_clock
+    forward_s, steps = clock.seconds, clock.steps
     prompt = tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     ids = [f"bench-{time.monotonic_ns()}-{i}" for i in range(n)]
     start = time.perf_counter()
     for rid in ids:
         engine.add_request(rid, prompt, params)
     first, tokens, texts = {}, {}, {}
+    cpu_start = None
     while len(texts) < n:
         for out in engine.step():
-            first.setdefault(out.request_id, time.perf_counter())
+            if out.request_id not in first:
+                first[out.request_id] = time.perf_counter()
+                cpu_start = time.process_time()  # ends as the CPU time when the last first token came
             tokens[out.request_id] = len(out.outputs.token_ids)
             if out.finished:
                 texts[out.request_id] = out.outputs.text
-    end = time.perf_counter()
+    end, cpu_end = time.perf_counter(), time.process_time()
     decode_start = max(first.values())
     decode_tokens = sum(tokens.values()) - n  # the tokens after each request's first
-    return {"decode_tok_s": decode_tokens / (end - decode_start), "total_s": end - start,
+    # Per CPU second of this process (all its threads) too: less at the mercy of other jobs on a shared
+    # machine than wall time, and it counts the grammar threads' work.
+    forward_s, steps = clock.seconds - forward_s, clock.steps - steps
+    return {"decode_tok_s": decode_tokens / (end - decode_start),
+            "ms_per_step_outside_forward": (end - start - forward_s) / steps * 1e3,
+            "ms_per_step_forward": forward_s / steps * 1e3,
+            "decode_tok_per_cpu_s": decode_tokens / (cpu_end - cpu_start), "total_s": end - start,
             "tokens": sum(tokens.values()), "texts": [texts[r] for r in ids]}
 
 
@@ -103,26 +135,38 @@ def main(argv=None) -> int:
     model = None if args.model in ("", "None") else args.model
     llm = LLM(model, max_num_seqs=args.concurrency, kv_cache_memory=args.kv_cache_memory,
               max_model_len=args.max_tokens + 128)
+    llm.engine.runner.forward_clock = ForwardClock(llm.engine.runner)
     arms = {"free": SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True),
             "json_schema": SamplingParams(temperature=0, max_tokens=args.max_tokens,
                                           guided_decoding=GuidedDecodingParams(json=THROUGHPUT_SCHEMA))}
     _run_batch(llm, arms["json_schema"], args.concurrency)  # warm-up: tokenizer build, compile, caches
     _run_batch(llm, arms["free"], args.concurrency)
     rows = {name: [] for name in arms}
-    ratios = []
+    cpu_rows = {name: [] for name in arms}
+    outside = {name: [] for name in arms}
+    ratios, cpu_ratios = [], []
     for r in range(args.rounds):
         order = list(arms) if r % 2 == 0 else list(arms)[::-1]
         got = {name: _run_batch(llm, arms[name], args.concurrency) for name in order}
         for name in arms:
             rows[name].append(got[name]["decode_tok_s"])
+            cpu_rows[name].append(got[name]["decode_tok_per_cpu_s"])
+            outside[name].append(got[name]["ms_per_step_outside_forward"])
         ratios.append(got["json_schema"]["decode_tok_s"] / got["free"]["decode_tok_s"])
+        cpu_ratios.append(got["json_schema"]["decode_tok_per_cpu_s"] / got["free"]["decode_tok_per_cpu_s"])
         assert all(t.startswith("[") for t in got["json_schema"]["texts"]), got["json_schema"]["texts"][0][:80]
         print(f"round {r}: free {got['free']['decode_tok_s']:.1f} tok/s, json_schema "
-              f"{got['json_schema']['decode_tok_s']:.1f} tok/s, ratio {ratios[-1]:.3f}", flush=True)
+              f"{got['json_schema']['decode_tok_s']:.1f} tok/s, ratio {ratios[-1]:.3f}; per CPU second "
+              f"{got['free']['decode_tok_per_cpu_s']:.1f} vs {got['json_schema']['decode_tok_per_cpu_s']:.1f}, "
+              f"ratio {cpu_ratios[-1]:.3f}; ms per step outside the forward pass {outside['free'][-1]:.1f} vs "
+              f"{outside['json_schema'][-1]:.1f} (forward {got['free']['ms_per_step_forward']:.0f} ms)", flush=True)
     compiled = compile_times(llm.engine.guided)
     result = {"model": args.model, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
               "rounds": args.rounds, "decode_tok_s": {k: statistics.median(v) for k, v in rows.items()},
               "per_round": rows, "ratio_per_round": ratios, "ratio_median": statistics.median(ratios),
+              "decode_tok_per_cpu_s": {k: statistics.median(v) for k, v in cpu_rows.items()},
+              "cpu_ratio_per_round": cpu_ratios, "cpu_ratio_median": statistics.median(cpu_ratios),
+              "ms_per_step_outside_forward": {k: statistics.median(v) for k, v in outside.items()},
               "compile": compiled, "example_output": got["json_schema"]["texts"][0][:200]}
     print(json.dumps({k: v for k, v in result.items() if k != "per_round"}, indent=1))
     if args.json:
