@@ -8,7 +8,8 @@ tokens over the time from the last request's first token to the end (wall time, 
 process: the second is less at the mercy of other jobs), and each step's milliseconds outside the
 model's forward pass (the engine's own work: scheduling, masks, sampling). Then compile time: each schema
 compiled from its text into a matcher on a cold cache, and the same request again (a cache hit: a
-copy of the cached matcher), plus the one-off build of llguidance's tokenizer for the vocabulary.
+copy of the cached matcher), the one-off build of llguidance's tokenizer for the vocabulary, and the
+time to compute one step's masks for N requests.
 
     python benchmarks/bench_structured_outputs.py --model smollm2-135m-instruct --json /tmp/structured.json
     python benchmarks/bench_structured_outputs.py --model smollm2-135m-instruct --concurrency 8 --rounds 5
@@ -124,7 +125,32 @@ def compile_times(backend) -> dict:
             colds.append((t1 - t0) * 1e3)
             hits.append((time.perf_counter() - t1) * 1e3)
         result["schemas"][name] = {"compile_ms": statistics.median(colds), "cache_hit_ms": statistics.median(hits)}
+    result["mask_ms"] = mask_times(backend)
     return result
+
+
+def mask_times(backend, rows: int = 8) -> float:
+    """Median ms to compute one step's masks for `rows` requests under the throughput schema, the
+    matchers walking a realistic answer token by token (each step a new parser state, as in decoding):
+    the work the background thread does beside each forward pass."""
+    from fastdeploy.model_executor.guided_decoding import GuidedDecodingParams
+    from fastdeploy.model_executor.guided_decoding.masks import GrammarState, _compute, _workers
+
+    answer = backend._tokenizer.encode("[" + ",".join(
+        f'{{"id":{i},"name":"User {i}","email":"user{i}@example.com","active":true,"role":"editor",'
+        f'"tags":["a","b"]}}' for i in range(4)))
+    states = [GrammarState(backend.matcher(GuidedDecodingParams(json=THROUGHPUT_SCHEMA)), backend.vocab_size,
+                           backend.eos_ids) for _ in range(rows)]
+    _, executor = _workers()
+    work = [(i, state, []) for i, state in enumerate(states)]
+    times = []
+    for token in answer:
+        start = time.perf_counter()
+        _compute(executor, work)
+        times.append((time.perf_counter() - start) * 1e3)
+        for state in states:
+            state.accept([token])
+    return statistics.median(times)
 
 
 def main(argv=None) -> int:

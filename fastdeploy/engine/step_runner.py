@@ -110,7 +110,7 @@ class StepRunner:
         step = self.build_step_input(batch)
         masks = StepMasks.start(batch)  # grammar masks, computed while the model runs
         out = self.ranks.execute_model(step)
-        allowed = masks.result() if masks is not None else {}
+        banned = masks.result() if masks is not None else {}
         tokens, logprobs = [None] * len(batch.requests), [None] * len(batch.requests)
         failures: dict = {}
         row = other = 0  # the request's first sampled row; its first row among the logits
@@ -123,10 +123,10 @@ class StepRunner:
                 greedy = out.greedy_tokens[row:row + num_rows]
                 sample_row = lambda j, accepted: (int(greedy[j]), None)  # noqa: E731
             else:
-                logits, rows_allowed = out.logits[other:other + num_rows], allowed.get(i)
+                logits, rows_banned = out.logits[other:other + num_rows], banned.get(i)
                 sample_row = lambda j, accepted: sample_one(  # noqa: E731
                     logits[j], AcceptedHistory(request, accepted), self.eos_token_id,
-                    None if rows_allowed is None else rows_allowed[j])
+                    None if rows_banned is None else rows_banned[j])
                 other += num_rows
             row += num_rows
             try:

@@ -2,8 +2,8 @@
 
 Each step, `StepMasks.start(batch)` hands the constrained requests' matchers to a background
 thread, which has llguidance fill one bitmask row per sampled row (its worker threads, outside the
-GIL) while the model runs; `result()` gives each request a bool [rows, vocab] array of allowed
-tokens. Free requests in the same batch cost nothing. With drafts (n-gram speculation), row j's
+GIL) while the model runs; `result()` gives each request a bool [rows, vocab] array of the tokens
+its grammar bans (the inversion is done there too, off the sampling path). Free requests in the same batch cost nothing. With drafts (n-gram speculation), row j's
 mask is the matcher's after drafts 1..j: llguidance walks the drafts and rolls itself back, and the
 scheduler only proposes drafts the grammar accepts (`GrammarState.valid_drafts`), so verification
 samples every row exactly as one-by-one decoding would and the output is the same with speculation
@@ -96,14 +96,14 @@ class StepMasks:
         return cls(pool.submit(_compute, executor, work), work)
 
     def result(self) -> dict:
-        """{batch index: bool [1 + drafts, vocab] allowed tokens}. Should llguidance fail, the step's
-        constrained requests get nothing allowed, so each fails alone (sampler: every token is banned)
-        and the engine and the free requests go on."""
+        """{batch index: bool [1 + drafts, vocab], True where the grammar bans the token}. Should
+        llguidance fail, the step's constrained requests get every token banned, so each fails alone
+        (sampler: every token is banned) and the engine and the free requests go on."""
         try:
             return self._future.result()
         except Exception:
             logger.exception("guided decoding: computing the token masks failed")
-            return {i: np.zeros((1 + len(drafts), state.vocab_size), bool) for i, state, drafts in self._work}
+            return {i: np.ones((1 + len(drafts), state.vocab_size), bool) for i, state, drafts in self._work}
 
 
 def _compute(executor, work: list) -> dict:
@@ -120,9 +120,7 @@ def _compute(executor, work: list) -> dict:
     if drafted:  # llguidance takes only non-empty draft lists here
         fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, bits)
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, count=vocab, bitorder="little").view(bool)
-    masks = {}
     for (i, state, drafts), first in zip(work, firsts):
-        rows = allowed[first:first + 1 + len(drafts)]
-        state.finish_rows(rows)
-        masks[i] = rows
-    return masks
+        state.finish_rows(allowed[first:first + 1 + len(drafts)])
+    banned = ~allowed
+    return {i: banned[first:first + 1 + len(drafts)] for (i, _, drafts), first in zip(work, firsts)}

@@ -16,9 +16,9 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-def sample_one(logits: np.ndarray, request, eos_token_id, allowed: Optional[np.ndarray] = None) -> tuple:
+def sample_one(logits: np.ndarray, request, eos_token_id, banned: Optional[np.ndarray] = None) -> tuple:
     """(token, logprobs dict or None) for one request's logits [vocab] (float32, not modified).
-    `allowed`: bool [vocab], the tokens a grammar allows here (guided decoding); the rest are banned."""
+    `banned`: bool [vocab], the tokens a grammar forbids here (guided decoding)."""
     params = request.sampling_params
     scores = logits.astype(np.float64)
     if params.logit_bias:
@@ -30,8 +30,8 @@ def sample_one(logits: np.ndarray, request, eos_token_id, allowed: Optional[np.n
     np.nan_to_num(scores, copy=False, nan=-np.inf, posinf=np.finfo(np.float64).max, neginf=-np.inf)
     if len(request.output_token_ids) < params.min_tokens:
         scores[[t for t in min_tokens_bans(params, eos_token_id) if 0 <= t < scores.shape[0]]] = -np.inf
-    if allowed is not None:
-        scores[~allowed] = -np.inf
+    if banned is not None:
+        np.putmask(scores, banned, -np.inf)  # several times faster than boolean indexing
     if np.isneginf(scores).all():
         raise ValueError("every token is banned (min_tokens with stop_token_ids covering the vocabulary, or a "
                          "grammar that allows only the end before min_tokens)")
