@@ -45,11 +45,13 @@ setup(
         "tokenizers",  # the checkpoint's tokenizer.json, and tokenizer.model converted to the same pipeline
         "sentencepiece",  # reads tokenizer.model (its protobuf comes with paddle)
         "gguf",  # llama.cpp's reader for GGUF model files: their metadata, tokenizer and tensors
+        "llguidance>=1.0",  # structured outputs' grammar engine (no torch): masks JSON schemas, regexes, grammars
     ],
     extras_require={
         # scipy-openblas32: the OpenBLAS the CPU GEMM op links (fastdeploy/model_executor/layers/blas_gemm.py).
         "cpu": ["paddlepaddle>=3.0", "scipy-openblas32>=0.3.27"],
         "test": ["pytest", "hypothesis", "openai", "aiohttp", "requests", "matplotlib", "pyyaml", "tokenizers",
+                 "jsonschema",  # validates the structured outputs (tests/entrypoints/test_structured_outputs.py)
                  # The oracle for checkpoints, MoE routing and chat templates. 1.2.0: no numpy/tokenizers
                  # upper pins (0.4.x pins numpy<=1.26.4, tokenizers<0.22) and runs on paddlepaddle 3.3.
                  "paddleformers==1.2.0",

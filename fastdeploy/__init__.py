@@ -10,7 +10,7 @@ from fastdeploy.paddle_env import quiet_paddle_import_warnings, require_paddle
 quiet_paddle_import_warnings()
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "GuidedDecodingParams"]
 
 
 def __getattr__(name):
@@ -23,4 +23,8 @@ def __getattr__(name):
         from fastdeploy.engine.request import SamplingParams
 
         return SamplingParams
+    if name == "GuidedDecodingParams":
+        from fastdeploy.model_executor.guided_decoding.params import GuidedDecodingParams
+
+        return GuidedDecodingParams
     raise AttributeError(f"module 'fastdeploy' has no attribute {name!r}")

@@ -96,6 +96,7 @@ class FDConfig:
     device: str = "cpu"  # resolved by --device (worker/device.py): "gpu" or "cpu"
     head_wise_attn: str = "SINGLE_PASS"  # FD_HEAD_WISE_ATTN: SINGLE_PASS or DUAL_PASS (upstream's baseline)
     speculative_config: Any = None  # spec_decode.config.SpeculativeConfig, or None: no speculation
+    guided_decoding_backend: str = "auto"  # --guided-decoding-backend (model_executor/guided_decoding/backend.py)
 
     def __post_init__(self) -> None:
         self._validate()

@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 from fastdeploy import envs
 from fastdeploy.config import (ADMISSION_POLICIES, COMPUTE_DTYPES, DEFAULT_ADMISSION_POLICY, CacheConfig, FDConfig,
                                ModelConfig, ParallelConfig, SchedulerConfig)
+from fastdeploy.model_executor.guided_decoding.backend import BACKENDS, check_backend
 from fastdeploy.spec_decode.config import SpeculativeConfig
 from fastdeploy.worker.device import DEVICE_CHOICES, default_cache_dtype, resolve_device
 
@@ -34,6 +35,7 @@ class EngineArgs:
     admission_policy: Optional[str] = None  # None: FD_ADMISSION_POLICY, else FD_RESERVE_OUTPUT_PAGES, else default
     device: Optional[str] = None  # None: FD_DEVICE (default auto)
     speculative_config: Union[None, str, dict] = None  # spec_decode/config.py; None: no speculation
+    guided_decoding_backend: str = "auto"  # structured outputs: auto (llguidance) or off
 
     def create_engine_config(self) -> FDConfig:
         """Validate every flag (env flags included) and build the config; raises ValueError naming the field."""
@@ -60,6 +62,7 @@ class EngineArgs:
             admission_policy=self.admission_policy,
             device=device,
             speculative_config=SpeculativeConfig.parse(self.speculative_config),
+            guided_decoding_backend=check_backend(self.guided_decoding_backend),
         )
 
     @staticmethod
@@ -119,6 +122,10 @@ class EngineArgs:
                             "looking the last N..M tokens up in the request's own prompt and output, verified in "
                             "one step; off in steps with more than B running requests (vLLM's prompt_lookup_max/"
                             "min are accepted for N/M). Greedy and seeded outputs are unchanged")
+        g.add_argument("--guided-decoding-backend", choices=list(BACKENDS), default=d.guided_decoding_backend,
+                       help="grammar engine of structured outputs (response_format json_schema / json_object, "
+                            "guided_json, guided_regex, guided_choice, guided_grammar): auto and llguidance (guidance "
+                            "is vLLM's name for it) use llguidance; off rejects constrained requests")
         return parser
 
     @classmethod

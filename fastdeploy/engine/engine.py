@@ -17,6 +17,8 @@ from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 from fastdeploy.engine.stop_strings import find_stop, releasable
 from fastdeploy.input.tokenizer_loader import load_tokenizer
 from fastdeploy.log_format import restyle_paddle_handlers
+from fastdeploy.model_executor.guided_decoding.backend import LLGuidanceBackend
+from fastdeploy.model_executor.guided_decoding.drafts import GrammarBoundProposer
 from fastdeploy.model_executor.layers.sampler import min_tokens_bans
 
 logger = logging.getLogger("fastdeploy.engine")
@@ -35,6 +37,12 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_config)
         self.scheduler = ResourceManagerV1(fd_config)
         self.runner = StepRunner(fd_config)
+        self.guided = None  # guided decoding's grammar engine (llguidance), unless turned off
+        if fd_config.guided_decoding_backend != "off":
+            self.guided = LLGuidanceBackend(self.tokenizer, self.model_config.vocab_size,
+                                            self.model_config.eos_token_ids)
+            if self.scheduler.proposer is not None:  # drafts stop at the first token the grammar forbids
+                self.scheduler.proposer = GrammarBoundProposer(self.scheduler.proposer)
         self._seeds = np.random.default_rng()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -110,6 +118,10 @@ class LLMEngine:
                              f"{sampling_params.max_tokens} for the completion): the total exceeds "
                              f"max_model_len={max_len}. Reduce the prompt or max_tokens.")
         request = Request(request_id, token_ids, sampling_params, eos_token_id=self.model_config.eos_token_ids)
+        if sampling_params.guided_decoding is not None:
+            if self.guided is None:
+                raise ValueError("guided decoding is off on this server (--guided-decoding-backend off)")
+            request.grammar = self.guided.grammar_state(sampling_params)  # ValueError if it cannot compile
         seed = sampling_params.seed
         request.generator = np.random.default_rng(seed if seed is not None else self._seeds.integers(2 ** 63))
         self.scheduler.add_request(request)

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from fastdeploy.model_executor.guided_decoding.params import GuidedDecodingParams
+
 
 # Most top-k logprobs a request may ask for (vLLM's limit; OpenAI allows 5 for completions, 20 for chat).
 MAX_LOGPROBS = 20
@@ -46,6 +48,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Structured output (upstream FastDeploy's field): the output must match a JSON schema, regex,
+    # choice list or grammar (model_executor/guided_decoding/).
+    guided_decoding: Optional[GuidedDecodingParams] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -89,6 +94,10 @@ class SamplingParams:
                 isinstance(self.logit_bias, dict) and all(_is_int(t) for t in self.logit_bias)
                 and all(_is_number(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values())):
             bad("logit_bias", f"must map token ids to numbers in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]")
+        if self.guided_decoding is not None:
+            if not isinstance(self.guided_decoding, GuidedDecodingParams):
+                bad("guided_decoding", "must be a GuidedDecodingParams")
+            self.guided_decoding.validate()
 
 
 def _is_int(v) -> bool:
@@ -159,6 +168,7 @@ class Request:
         self.computed_high_water = 0  # most tokens ever computed; a preemption makes it recompute them
         self.generator = None  # numpy Generator for sampling, set by the engine (seeded or not)
         self.draft_state = None  # the draft proposer's index of this request's tokens (spec_decode/)
+        self.grammar = None  # guided decoding: its matcher (guided_decoding/masks.py GrammarState), set by the engine
         self.detokenize_state = [0, ""]  # incremental detokenization: [tokens decoded, their text]
         self.stop_checked = 0  # characters of the output text searched for stop strings so far
         self.num_preemptions = 0

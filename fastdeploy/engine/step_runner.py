@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from fastdeploy.engine.sched.resource_manager_v1 import ScheduledBatch
+from fastdeploy.model_executor.guided_decoding.masks import StepMasks
 from fastdeploy.model_executor.layers.sampler import has_penalties, is_greedy, sample_one
 from fastdeploy.spec_decode.verify import AcceptedHistory, accept_drafts
 from fastdeploy.worker.step_input import StepInput
@@ -107,7 +108,9 @@ class StepRunner:
         {index: error message} of requests whose sampling failed: they get no token). A request
         with drafts gets lists: its accepted drafts and the next token, with their logprobs."""
         step = self.build_step_input(batch)
+        masks = StepMasks.start(batch)  # grammar masks, computed while the model runs
         out = self.ranks.execute_model(step)
+        banned = masks.result() if masks is not None else {}
         tokens, logprobs = [None] * len(batch.requests), [None] * len(batch.requests)
         failures: dict = {}
         row = other = 0  # the request's first sampled row; its first row among the logits
@@ -120,9 +123,10 @@ class StepRunner:
                 greedy = out.greedy_tokens[row:row + num_rows]
                 sample_row = lambda j, accepted: (int(greedy[j]), None)  # noqa: E731
             else:
-                logits = out.logits[other:other + num_rows]
+                logits, rows_banned = out.logits[other:other + num_rows], banned.get(i)
                 sample_row = lambda j, accepted: sample_one(  # noqa: E731
-                    logits[j], AcceptedHistory(request, accepted), self.eos_token_id)
+                    logits[j], AcceptedHistory(request, accepted), self.eos_token_id,
+                    None if rows_banned is None else rows_banned[j])
                 other += num_rows
             row += num_rows
             try:
@@ -130,6 +134,8 @@ class StepRunner:
                     tokens[i], logprobs[i] = accept_drafts(drafts, sample_row)
                 else:
                     tokens[i], logprobs[i] = sample_row(0, [])
+                if getattr(request, "grammar", None) is not None:
+                    request.grammar.accept(tokens[i] if drafts else [tokens[i]])
             except Exception as exc:  # one request's parameters must not stop the batch
                 failures[i] = f"{type(exc).__name__}: {exc}"
         return tokens, logprobs, failures
@@ -138,4 +144,4 @@ class StepRunner:
 def _argmax_is_enough(request) -> bool:
     params = request.sampling_params
     return (is_greedy(params) and params.logprobs is None and not params.logit_bias and not has_penalties(params)
-            and len(request.output_token_ids) >= params.min_tokens)
+            and len(request.output_token_ids) >= params.min_tokens and getattr(request, "grammar", None) is None)

@@ -95,8 +95,11 @@ BAD_REQUESTS = [
     ("chat_top_logprobs_without_logprobs", CHAT, _json({"messages": USER_MSG, "top_logprobs": 2}), 400, None),
     ("chat_tools", CHAT, _json({"messages": USER_MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}),
      400, "tools"),
-    ("chat_json_response_format", CHAT, _json({"messages": USER_MSG, "response_format": {"type": "json_object"}}),
-     400, "response_format"),
+    ("chat_unknown_response_format", CHAT, _json({"messages": USER_MSG, "response_format": {"type": "yaml"}}),
+     400, None),
+    ("chat_json_schema_that_cannot_compile", CHAT, _json({"messages": USER_MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}}), 400, None),
+    ("regex_that_cannot_compile", COMPLETIONS, _json({"prompt": "hi", "guided_regex": "(unclosed"}), 400, None),
 ]
 
 

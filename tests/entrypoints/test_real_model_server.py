@@ -46,3 +46,24 @@ def test_completion_continues_a_raw_prompt_in_english(server):
     assert resp.status_code == 200, resp.text
     text = resp.json()["choices"][0]["text"]
     assert any(color in text for color in ("red", "blue", "green", "yellow")), text
+
+
+CITY = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 40}, "country": {"type": "string", "maxLength": 40},
+    "population_millions": {"type": "number"}, "is_capital": {"type": "boolean"}},
+    "required": ["city", "country", "population_millions", "is_capital"], "additionalProperties": False}
+
+
+def test_json_schema_chat_answer_conforms_on_the_real_model(server):
+    """Structured outputs through SmolLM2's own GGUF vocabulary (llguidance built from its token bytes)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    resp = server.http.post("/v1/chat/completions", json={
+        "model": server.model_name(), "max_tokens": 80, "temperature": 0,
+        "messages": [{"role": "user", "content": "Give facts about Paris as JSON."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}})
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"  # the grammar let <|im_end|> end the turn once the object closed
+    answer = json.loads(choice["message"]["content"])
+    jsonschema.validate(answer, CITY)
+    assert answer["city"] == "Paris"

@@ -2,7 +2,7 @@
 
 Requests are validated here, before anything reaches the engine, so every client mistake becomes a
 4xx with an OpenAI-style error body. Fields OpenAI defines but this engine cannot honour (best_of
-other than n, echo, suffix, tools, JSON response formats) are rejected by name instead of being
+other than n, echo, suffix, tools) are rejected by name instead of being
 silently ignored; unknown extra fields are ignored, as OpenAI clients send many optional ones.
 
 Completions take a string, a list of token ids, or a list of either (one choice per prompt and n,
@@ -26,6 +26,7 @@ from fastdeploy.engine.request import (
     MAX_STOP_STRING_LENGTH,
     MAX_STOP_STRINGS,
 )
+from fastdeploy.entrypoints.openai.response_format import guided_decoding_of
 from fastdeploy.input.tokenizer import CHAT_ROLES
 
 
@@ -107,6 +108,13 @@ class _Request(BaseModel):
     logit_bias: Optional[dict[str, float]] = None  # JSON keys are strings: {"50256": -100}
     user: Optional[str] = None
     metadata: Optional[dict[str, Any]] = None
+    # Structured outputs (response_format.py): OpenAI's response_format, or upstream's guided_* fields.
+    response_format: Optional[dict] = None
+    guided_json: Optional[Union[dict, str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_json_object: Optional[bool] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -117,6 +125,11 @@ class _Request(BaseModel):
             if merged:
                 data = {**data, **merged}
         return data
+
+    @model_validator(mode="after")
+    def _guided_decoding_compiles(self):
+        guided_decoding_of(self)  # a 400 naming the problem, before the engine sees the request
+        return self
 
     @field_validator("stop", mode="wrap")
     @classmethod
@@ -164,6 +177,7 @@ class _Request(BaseModel):
             "frequency_penalty": self.frequency_penalty or 0.0,
             "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
             "logit_bias": {int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None,
+            "guided_decoding": guided_decoding_of(self),
         }
         if self.temperature is not None:
             kw["temperature"] = self.temperature
@@ -262,20 +276,12 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: Optional[list] = None
-    response_format: Optional[dict] = None
 
     @field_validator("tools")
     @classmethod
     def _no_tools(cls, v):
         if v:
             raise ValueError("tool calling is not supported")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_responses_only(cls, v):
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError(f"only response_format type 'text' is supported, got {v.get('type')!r}")
         return v
 
     @model_validator(mode="after")
