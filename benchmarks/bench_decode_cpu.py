@@ -16,7 +16,7 @@ The checkpoint (ERNIE-4.5 layout, ~540 MB) is written once to --model-dir and re
 
 With --head-wise-ab, two engines of the same model take the same prompts, one with
 FD_HEAD_WISE_KV_CACHE=0 and one with 1 (a named model's calibrated head-wise configuration applies to
-the second only); once both are prefilled they take decode steps in turn (off, on, off, on...), and
+the second only); once both are prefilled they take decode steps in turn (off, on, on, off, off, on...), and
 every step is split into its host parts (schedule: recycling and admission; the step input with its
 tables; the buffer fill; the attention calls; the rest of the forward; the update) so that what
 the flag adds per step is visible. Each row prints the weight bytes from the engines' load logs.
@@ -228,7 +228,8 @@ def head_wise_ab(args) -> list:
                 engines[flag] = llm.engine
             vocab = engines[0].model_config.vocab_size
             prompts = [rng.integers(3, min(vocab, 30000), input_len).tolist() for _ in range(n)]
-            params = SamplingParams(temperature=0, max_tokens=args.decode_steps + 4, ignore_eos=True)
+            # Enough tokens for the timed steps, the repeated parts' two steps and chunked prefill's early tokens.
+            params = SamplingParams(temperature=0, max_tokens=args.decode_steps + 16, ignore_eos=True)
             for flag, engine in engines.items():
                 engine.add_request(f"warm-{flag}", prompts[0][:8], SamplingParams(temperature=0, max_tokens=2))
                 while engine.has_unfinished_requests():
@@ -244,8 +245,9 @@ def head_wise_ab(args) -> list:
                 parts[flag] = StepParts(engine)
             times = {f: [] for f in engines}
             split = {f: [] for f in engines}
-            for _ in range(args.decode_steps):
-                for flag, engine in engines.items():
+            for i in range(args.decode_steps):
+                for flag in (0, 1) if i % 2 == 0 else (1, 0):  # alternate which arm goes first
+                    engine = engines[flag]
                     parts[flag].take()
                     t0 = time.perf_counter()
                     engine.step()
