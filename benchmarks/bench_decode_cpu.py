@@ -9,7 +9,17 @@ cProfile and prints the top entries, to see what a step costs besides the GEMMs.
     python benchmarks/bench_decode_cpu.py --model smollm2-135m-instruct --kv-cache-quant-types none int8 \
         --concurrency 8 --input-len 4096 --decode-steps 24   # decode steps over float32 vs int8 KV pages
 
+    python benchmarks/bench_decode_cpu.py --model smollm2-135m-instruct --head-wise-ab \
+        --concurrency 1 8 32 --input-lens 128 3000 --decode-steps 24   # FD_HEAD_WISE_KV_CACHE=0 vs 1
+
 The checkpoint (ERNIE-4.5 layout, ~540 MB) is written once to --model-dir and reused.
+
+With --head-wise-ab, two engines of the same model take the same prompts, one with
+FD_HEAD_WISE_KV_CACHE=0 and one with 1 (a named model's calibrated head-wise configuration applies to
+the second only); once both are prefilled they take decode steps in turn (off, on, on, off, off, on...), and
+every step is split into its host parts (schedule: recycling and admission; the step input with its
+tables; the buffer fill; the attention calls; the rest of the forward; the update) so that what
+the flag adds per step is visible. Each row prints the weight bytes from the engines' load logs.
 
 With --kv-cache-quant-types, one engine per KV page format (--kv-cache-quant-type) takes the same N
 prompts; once every prompt is prefilled, the engines take decode steps in turn (A, B, A, B...), each
@@ -126,6 +136,154 @@ def decode_steps_by_format(args) -> list:
     return rows
 
 
+class StepParts:
+    """Wall time of a step's parts, by wrapping the engine's own methods (no change to the engine)."""
+
+    PARTS = ("schedule", "step_input", "buffers", "attention", "forward", "update")
+
+    def __init__(self, engine):
+        runner = engine.runner.ranks
+        self.times = {p: 0.0 for p in self.PARTS}
+        self._wrap(engine.scheduler, "schedule", "schedule")
+        self._wrap(engine.runner, "build_step_input", "step_input")
+        self._wrap(runner, "build_forward_meta", "buffers")
+        self._wrap(runner.attn_backend, "forward", "attention")
+        self._wrap(runner.model, "forward", "forward")
+        self._wrap(engine.scheduler, "update_from_output", "update")
+
+    def _wrap(self, obj, name: str, part: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                self.times[part] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+    def take(self) -> dict:
+        out, self.times = self.times, {p: 0.0 for p in self.PARTS}
+        return out
+
+
+def host_parts_repeated(engine, reps: int) -> dict:
+    """Median ms of the host parts that can be rerun on one scheduled decode batch without changing
+    anything (the step input with its tables, the buffer fill, every layer's attention call: it writes
+    the same K/V into the same page cells): far less noise than a whole step. The batch then runs."""
+    import paddle
+
+    runner, ranks = engine.runner, engine.runner.ranks
+    batch = engine.scheduler.schedule()
+
+    def median_ms(fn) -> float:
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts)) * 1e3
+
+    step = runner.build_step_input(batch)
+    meta = ranks.build_forward_meta(step)
+    cfg = engine.model_config
+    width = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    qkv = paddle.to_tensor(np.random.default_rng(0).standard_normal((int(step.cu_seqlens_q[-1]), width))
+                           .astype(np.float32))
+    backend, layers = ranks.attn_backend, range(cfg.num_hidden_layers)
+    out = {"step_input": median_ms(lambda: runner.build_step_input(batch)),
+           "buffers": median_ms(lambda: ranks.build_forward_meta(step)),
+           "attention_all_layers": median_ms(lambda: [backend.forward(l, qkv, meta) for l in layers])}
+    tokens, logprobs, _ = runner.execute(batch)  # the real step, so the engine stays consistent
+    engine.scheduler.update_from_output(batch, tokens, logprobs)
+    return out
+
+
+def head_wise_ab(args) -> list:
+    """Flag off vs on: median decode step and its host parts, steps interleaved, per (N, context)."""
+    import gc
+    import logging
+
+    from fastdeploy import LLM, SamplingParams, envs
+
+    rows = []
+    for input_len in args.input_lens:
+        for n in args.concurrency:
+            engines, parts, storage = {}, {}, {}
+            rng = np.random.default_rng(input_len + n)
+            blocks = n * -(-(input_len + args.decode_steps + 8) // 16) + 8  # the same KV blocks in both arms
+            for flag in (0, 1):
+                records = []
+                handler = logging.Handler()
+                handler.emit = lambda record: records.append(record.getMessage())
+                logging.getLogger("fastdeploy.model").addHandler(handler)
+                with envs.override(FD_HEAD_WISE_KV_CACHE=flag):
+                    llm = LLM(model=args.model or write_checkpoint(args.model_dir), block_size=16, max_num_seqs=n,
+                              max_model_len=input_len + args.decode_steps + 16, max_num_batched_tokens=2048,
+                              num_gpu_blocks_override=blocks, enable_prefix_caching=False)
+                logging.getLogger("fastdeploy.model").removeHandler(handler)
+                storage[flag] = next((m.split(": ", 1)[1] for m in records if m.startswith("dense layers:")),
+                                     llm.engine.runner.model.dense_layer_storage())
+                engines[flag] = llm.engine
+            vocab = engines[0].model_config.vocab_size
+            prompts = [rng.integers(3, min(vocab, 30000), input_len).tolist() for _ in range(n)]
+            # Enough tokens for the timed steps, the repeated parts' two steps and chunked prefill's early tokens.
+            params = SamplingParams(temperature=0, max_tokens=args.decode_steps + 16, ignore_eos=True)
+            for flag, engine in engines.items():
+                engine.add_request(f"warm-{flag}", prompts[0][:8], SamplingParams(temperature=0, max_tokens=2))
+                while engine.has_unfinished_requests():
+                    engine.step()
+                for i, prompt in enumerate(prompts):
+                    engine.add_request(f"{flag}-{i}", prompt, params)
+                t0 = time.perf_counter()
+                while any(r.num_computed_tokens <= r.num_prompt_tokens for r in engine.scheduler.running) or \
+                        len(engine.scheduler.running) < n:
+                    engine.step()
+                print(f"[flag {flag}] {n} x {input_len} prompt tokens prefilled in {time.perf_counter() - t0:.1f} s",
+                      flush=True)
+                parts[flag] = StepParts(engine)
+            times = {f: [] for f in engines}
+            split = {f: [] for f in engines}
+            for i in range(args.decode_steps):
+                for flag in (0, 1) if i % 2 == 0 else (1, 0):  # alternate which arm goes first
+                    engine = engines[flag]
+                    parts[flag].take()
+                    t0 = time.perf_counter()
+                    engine.step()
+                    times[flag].append(time.perf_counter() - t0)
+                    split[flag].append(parts[flag].take())
+            repeated = {}
+            for _ in range(2):  # interleaved too
+                for flag, engine in engines.items():
+                    got = host_parts_repeated(engine, args.repeats)
+                    repeated[flag] = {k: min(v, repeated.get(flag, got)[k]) for k, v in got.items()}
+            off = float(np.median(times[0]))
+            for flag in engines:
+                med = float(np.median(times[flag]))
+                part_ms = {p: float(np.median([s[p] for s in split[flag]])) * 1e3 for p in StepParts.PARTS}
+                part_ms["dense"] = part_ms["forward"] - part_ms["attention"]
+                # Host time: the step outside the model's GEMMs and attention calls.
+                part_ms["host"] = float(np.median([t - s["forward"] for t, s in zip(times[flag], split[flag])])) * 1e3
+                row = {"head_wise_kv_cache": flag, "concurrency": n, "context": input_len,
+                       "weights": storage[flag], "median_step_ms": med * 1e3, "decode_tok_per_s": n / med,
+                       "speed_x_off": off / med, "parts_ms": part_ms, "repeated_ms": repeated[flag]}
+                rows.append(row)
+                print(f"N={n:<3} ctx={input_len:<5} flag {flag}: {med * 1e3:7.2f} ms/step {n / med:7.1f} tok/s "
+                      f"x{off / med:.3f} of off | host {part_ms['host']:.2f} ms (schedule {part_ms['schedule']:.2f}, "
+                      f"step input {part_ms['step_input']:.2f}, buffers {part_ms['buffers']:.2f}, update "
+                      f"{part_ms['update']:.2f}) attention {part_ms['attention']:.2f} dense {part_ms['dense']:.2f} | "
+                      f"weights {storage[flag]}", flush=True)
+                r = repeated[flag]
+                print(f"{'':22}repeated on one batch: step input {r['step_input']:.3f} ms, buffers {r['buffers']:.3f} "
+                      f"ms, attention (all layers) {r['attention_all_layers']:.3f} ms", flush=True)
+            for engine in engines.values():
+                engine.close()
+            del engines, parts
+            gc.collect()
+    return rows
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
@@ -140,11 +298,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="compare decode steps over these KV page formats (one engine each, steps interleaved)")
     ap.add_argument("--decode-steps", type=int, default=24, help="timed decode steps per format")
     ap.add_argument("--kv-cache-memory", type=int, default=4 << 30, help="KV bytes of each engine (formats)")
+    ap.add_argument("--head-wise-ab", action="store_true",
+                    help="FD_HEAD_WISE_KV_CACHE=0 vs 1 on the same prompts, decode steps interleaved, with each "
+                         "step's host parts, at every --concurrency and --input-lens")
+    ap.add_argument("--repeats", type=int, default=50, help="--head-wise-ab: reruns of each repeatable host part")
+    ap.add_argument("--input-lens", type=int, nargs="+", default=[128, 3000],
+                    help="prompt lengths (contexts) of --head-wise-ab")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.head_wise_ab:
+        rows = head_wise_ab(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return
     if args.kv_cache_quant_types:
         rows = decode_steps_by_format(args)
         if args.json:

@@ -1,20 +1,27 @@
 """Where each layer's SWA KV heads sit at load time: the per-layer KV-head orders of the served model.
 
-The paged backend and the page model see one set of SWA heads for every layer (a page is one KV
-head's slot in all layers, design §3). A spec that lists different heads per layer (§13) is served
-by permuting each layer's KV heads — a KV head moves with its GQA query heads, its q/k/v rows and
-its o_proj columns (tensor_parallel.permute_kv_heads) — so that its SWA heads land in the slots layer
-0's SWA heads occupy. Attention is per head and o_proj sums over heads, so the outputs do not
-change. `--balance-swa-heads` then permutes whole slots the same way in every layer so that the
-ranks share the SWA heads. Both steps compose into one order per layer (ModelConfig.kv_head_orders).
+The paged backend and the page model see one set of sliding *slots* for every layer (a page is one
+slot's `block_size` tokens in every lane, design §14). A spec that lists different heads per layer
+(§13) needs each layer's SWA heads in the slots layer 0's SWA heads occupy. On one rank that is the
+slot layout's job alone (cache_manager/slots.py): the attention op takes each layer's KV head -> slot
+map (`kv_head_slots`), so the weights stay in the checkpoint's order and keep the file's format
+(GGUF blocks, bf16 / fp16) — nothing is permuted and the flag costs no weight bytes.
+
+Under tensor parallelism a head's position also decides its rank, so there the heads still move:
+each layer's KV heads are permuted (a KV head with its GQA query heads, its q/k/v rows and its o_proj
+columns) so that its SWA heads land in layer 0's SWA slots, and `--balance-swa-heads` then permutes
+whole slots the same way in every layer so that the ranks share the SWA heads. Both steps compose
+into one order per layer (ModelConfig.kv_head_orders), which each rank applies together with its
+slice as one row / column selection that keeps the file's format (tensor_parallel.rank_tensor).
+Attention is per head and o_proj sums over heads, so the outputs do not change.
 
 NATIVE_ATTN, the dense oracle, masks per (layer, head) and needs no shared slots: there the
 per-layer heads stay where the checkpoint has them, any pattern (uneven counts too) is evaluable,
 and only balancing permutes.
 
 Uneven counts (layers sliding different numbers of heads) cannot share slots by permutation; they
-stay where the checkpoint has them and the slot layout serves them (cache_manager/slots.py: fewer
-lanes, several layers per lane, each head in a slot of its own type).
+stay where the checkpoint has them and the slot layout serves them (fewer lanes, several layers per
+lane, each head in a slot of its own type).
 """
 
 from __future__ import annotations
@@ -30,12 +37,14 @@ def place_swa_heads(model, attention_backend: str, tp: int, balance: bool):
     """The model config with the load-time KV-head orders this backend serves (the same object when
     nothing moves). Idempotent: a placed config places to itself."""
     spec = model.head_wise_swa
-    if (spec is not None and attention_backend != DENSE_BACKEND and not spec.same_in_every_layer
+    if (spec is not None and tp > 1 and attention_backend != DENSE_BACKEND and not spec.same_in_every_layer
             and len({len(heads) for heads in spec.layer_kv_heads}) == 1):
         model = reorder_kv_heads(model, aligning_orders(spec.layer_kv_heads, model.num_key_value_heads))
     if balance:
         if spec is None:
             raise ValueError("balance_swa_heads: the model declares no SWA KV heads to balance")
+        if tp == 1:
+            return model  # one rank holds every head: nothing to balance
         if not model.swa_kv_heads:
             raise ValueError("balance_swa_heads: no KV head slides in every layer, so no page can be recycled "
                              "and there is nothing to balance")

@@ -76,24 +76,29 @@ def layer_of(name: str):
     return int(m.group(1)) if m else None
 
 
+def _head_index(order: list, width: int) -> np.ndarray:
+    """Rows (or columns) of whole heads `width` wide, in `order`."""
+    return (np.asarray(order, dtype=np.int64)[:, None] * width + np.arange(width)).ravel()
+
+
 def _permute_one(name: str, w, cfg, order):
     if order is None or list(order) == list(range(cfg.num_key_value_heads)):
         return w
-    kv, d, h = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
-    group = cfg.num_attention_heads // kv * d  # query rows per KV head
-    order = list(order)
+    group = cfg.num_attention_heads // cfg.num_key_value_heads * cfg.head_dim  # query rows per KV head
     if name.endswith(COLUMN_HEADS_Q):  # [rows, in] or a bias [rows]
-        return _reshape(_take(_reshape(w, (kv, group, -1)), order, 0), tuple(w.shape))
+        return _take(w, _head_index(order, group), 0)
     if name.endswith(COLUMN_HEADS_KV):
-        return _reshape(_take(_reshape(w, (kv, d, -1)), order, 0), tuple(w.shape))
+        return _take(w, _head_index(order, cfg.head_dim), 0)
     if name.endswith(ROW_HEADS):
-        return _reshape(_take(_reshape(w, (h, kv, group)), order, 1), tuple(w.shape))
+        return _take(w, _head_index(order, group), 1)
     return w
 
 
 def rank_tensor(name: str, w, cfg, rank: int, tp: int):
     """What rank `rank` keeps of one checkpoint tensor: permuted to its layer's load-time KV-head
-    order, then sliced. Applied to each tensor as it is read, so a rank never holds the whole model."""
+    order, then sliced. Applied to each tensor as it is read, so a rank never holds the whole model.
+    Both steps are row / column selections that keep the tensor's dtype and a GGUF tensor's blocks
+    (layers/gguf_blocks.py): a rank computes with the file's format, as one process does."""
     layer = layer_of(name)
     order = None if layer is None or cfg.kv_head_orders is None else cfg.layer_kv_head_order(layer)
     return _shard_one(name, _permute_one(name, w, cfg, order), cfg, rank, tp)
@@ -111,40 +116,41 @@ def _shard_one(name: str, w, cfg, rank: int, tp: int):
     q_rows = cfg.num_attention_heads // tp * cfg.head_dim
     kv_rows = cfg.num_key_value_heads // tp * cfg.head_dim
     if name.endswith(COLUMN_HEADS_Q):
-        part = w[rank * q_rows:(rank + 1) * q_rows]
-    elif name.endswith(COLUMN_HEADS_KV):
-        part = w[rank * kv_rows:(rank + 1) * kv_rows]
-    elif name.endswith(ROW_HEADS):
-        part = w[:, rank * q_rows:(rank + 1) * q_rows]
-    elif name.endswith(COLUMN_FFN):  # dense MLP, every routed expert, the shared experts
+        return _take(w, np.arange(rank * q_rows, (rank + 1) * q_rows), 0)
+    if name.endswith(COLUMN_HEADS_KV):
+        return _take(w, np.arange(rank * kv_rows, (rank + 1) * kv_rows), 0)
+    if name.endswith(ROW_HEADS):
+        return _take(w, np.arange(rank * q_rows, (rank + 1) * q_rows), 1)
+    if name.endswith(COLUMN_FFN):  # dense MLP, every routed expert, the shared experts
         n = w.shape[0] // tp
-        part = w[rank * n:(rank + 1) * n]
-    elif name.endswith(ROW_FFN):
+        return _take(w, np.arange(rank * n, (rank + 1) * n), 0)
+    if name.endswith(ROW_FFN):
         n = w.shape[1] // tp
-        part = w[:, rank * n:(rank + 1) * n]
-    elif name.endswith(VOCAB):
+        return _take(w, np.arange(rank * n, (rank + 1) * n), 1)
+    if name.endswith(VOCAB):
         lo, hi, per = vocab_slice(cfg.vocab_size, rank, tp)
-        part = _pad_rows(w[lo:hi], per)  # the last shard is padded with zero rows
-    else:
-        return w  # replicated: norms, the MoE router and its correction bias
-    return _copy(part)
+        return _pad_rows(_take(w, np.arange(lo, hi), 0), per)  # the last shard is padded with zero rows
+    return w  # replicated: norms, the MoE router and its correction bias
 
 
-# numpy and Paddle tensors alike (the loader yields Paddle tensors, bfloat16 included).
+# numpy and Paddle tensors alike (the loader yields Paddle tensors, bfloat16 included). Every selection
+# returns a copy (so the full tensor can be freed) in the tensor's own dtype.
 def _is_numpy(w) -> bool:
     return isinstance(w, np.ndarray)
 
 
-def _reshape(w, shape: tuple):
-    return w.reshape(shape) if _is_numpy(w) else w.reshape(list(shape))
-
-
-def _take(w, index: list, axis: int):
+def _take(w, index: np.ndarray, axis: int):
+    """Rows (axis 0) or columns (axis 1) `index` of `w`; a GGUF tensor's blocks go along (rows always,
+    columns in whole groups; else the float copy alone serves: layers/linear.py logs the format)."""
     if _is_numpy(w):
         return np.take(w, index, axis=axis)
     import paddle
 
-    return paddle.index_select(w, paddle.to_tensor(index, dtype="int64"), axis=axis)
+    out = paddle.index_select(w, paddle.to_tensor(index, dtype="int64"), axis=axis)
+    blocks = getattr(w, "gguf_blocks", None)
+    if blocks is not None:
+        out.gguf_blocks = blocks.take_rows(index) if axis == 0 else blocks.take_columns(index)
+    return out
 
 
 def _pad_rows(w, rows: int):
@@ -155,11 +161,11 @@ def _pad_rows(w, rows: int):
         return np.concatenate([w, np.zeros((extra,) + tuple(w.shape[1:]), w.dtype)])
     import paddle
 
-    return paddle.concat([w, paddle.zeros([extra] + list(w.shape[1:]), dtype=w.dtype)], axis=0)
-
-
-def _copy(w):
-    return np.ascontiguousarray(w) if _is_numpy(w) else w.clone()
+    out = paddle.concat([w, paddle.zeros([extra] + list(w.shape[1:]), dtype=w.dtype)], axis=0)
+    blocks = getattr(w, "gguf_blocks", None)
+    if blocks is not None:
+        out.gguf_blocks = blocks.pad_rows(rows)
+    return out
 
 
 def balanced_kv_head_order(num_kv_heads: int, swa_kv_heads, tp: int) -> list:

@@ -175,6 +175,17 @@ def test_bench_decode_cpu_reports_tokens_per_second(tmp_path):
     assert [r["output_tokens"] for r in result] == [4, 8] and all(r["tok_per_s"] > 0 for r in result)
 
 
+def test_bench_decode_cpu_head_wise_ab_times_both_flags_interleaved_with_host_parts(tmp_path):
+    out = tmp_path / "flag.json"
+    stdout = run("bench_decode_cpu.py", "--model", "tiny-moe", "--head-wise-ab", "--concurrency", "1", "2",
+                 "--input-lens", "8", "--decode-steps", "3", "--repeats", "2", "--json", str(out))
+    rows = json.loads(out.read_text())
+    assert [(r["concurrency"], r["head_wise_kv_cache"]) for r in rows] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert all(r["weights"].endswith(" MB") and r["decode_tok_per_s"] > 0 for r in rows)
+    assert all(set(r["parts_ms"]) >= {"schedule", "step_input", "buffers", "attention", "host"} for r in rows)
+    assert "repeated on one batch" in stdout
+
+
 def test_bench_speculative_runs_both_arms_interleaved_with_identical_tokens(tmp_path):
     out = tmp_path / "spec.json"
     stdout = run("bench_speculative.py", "--model", "tiny-moe", "--rounds", "2", "--max-tokens", "8",

@@ -1,14 +1,14 @@
 """Per-layer SWA heads (design §13): the paged backend serves a spec that slides different KV heads in
-different layers by permuting each layer's KV heads into shared slots at load; the dense NATIVE_ATTN
-oracle runs the unpermuted checkpoint with one mask per (layer, head). Greedy tokens must agree in
-every memory mode."""
+different layers by mapping each layer's KV heads to shared slots (the op's `kv_head_slots`), the
+weights left in the checkpoint's order; the dense NATIVE_ATTN oracle runs the same checkpoint with one
+mask per (layer, head). Greedy tokens must agree in every memory mode."""
 
 import pytest
 
 from greedy_run import MODES, greedy_tokens
 
 # The tiny preset: 2 layers, 4 KV heads. Layer 0 slides heads 1 and 3, layer 1 heads 0 and 2, so
-# serving must move layer 1's heads 0, 2 into slots 1, 3 (order (1, 0, 3, 2)).
+# serving must put layer 1's heads 0, 2 into slots 1, 3 (head -> slot map (1, 0, 3, 2)).
 SPEC = {"sliding_window": 32, "sink_size": 4, "swa_kv_heads": [[1, 3], [0, 2]]}
 PROMPT_LENGTHS = [7, 40, 130, 300]  # past the window of 32 by up to ~9x
 MAX_TOKENS = 16
@@ -38,18 +38,20 @@ def unpermuted_oracle():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_permuted_paged_model_matches_the_unpermuted_per_layer_oracle(monkeypatch, unpermuted_oracle, mode):
+def test_slot_mapped_paged_model_matches_the_per_layer_oracle(monkeypatch, unpermuted_oracle, mode):
     tokens, engine = generate(monkeypatch, "APPEND_ATTN", *MODES[mode])
     model = engine.model_config
-    assert model.kv_head_orders == ((0, 1, 2, 3), (1, 0, 3, 2))
-    assert model.swa_kv_heads == (1, 3) and model.head_wise_swa.layer_kv_heads == ((1, 3), (1, 3))
+    assert model.kv_head_orders is None  # no weight moves: the op's head -> slot map lines the heads up
+    assert [model.layer_swa_kv_heads(l) for l in range(2)] == [(1, 3), (0, 2)]
+    slots = engine.fd_config.slot_layout
+    assert slots.num_lanes == 2 and slots.head_slots == ((0, 1, 2, 3), (1, 0, 3, 2))
     assert tokens == unpermuted_oracle
     if mode == "head_wise_recycle_on":
         assert engine.get_stats()["swa_pages_recycled_total"] > 0
 
 
 def test_the_oracle_depends_on_which_heads_slide_in_each_layer(monkeypatch, unpermuted_oracle):
-    """Without the per-layer permutation the paged model would slide layer 0's heads in every layer:
+    """Without the per-layer slot map the paged model would slide layer 0's heads in every layer:
     that is a different model, so the comparison above can fail."""
     same_everywhere = dict(SPEC, swa_kv_heads=[1, 3])
     tokens, _ = generate(monkeypatch, "NATIVE_ATTN", spec=same_everywhere)

@@ -150,12 +150,24 @@ def test_uneven_per_layer_counts_stay_in_place_and_the_slot_layout_serves_them(m
     assert model.swa_kv_heads == () and model.kv_head_orders is None
 
 
-def test_per_layer_heads_are_moved_to_layer_zeros_slots_for_the_paged_backend(monkeypatch):
-    model = build(monkeypatch, head_wise_swa_config=dict(PER_LAYER, swa_kv_heads=[[3, 1], [2, 0]])).model_config
-    assert model.kv_head_orders == ((0, 1, 2, 3), (1, 0, 3, 2))
-    assert model.swa_kv_heads == (1, 3) and [model.layer_swa_kv_heads(l) for l in range(2)] == [(1, 3), (1, 3)]
+def test_per_layer_heads_keep_their_place_and_the_slot_map_puts_them_in_layer_zeros_slots(monkeypatch):
+    """One rank: no weight moves (the file's format is kept); the op's head -> slot map lines the SWA heads up."""
+    cfg = build(monkeypatch, head_wise_swa_config=dict(PER_LAYER, swa_kv_heads=[[3, 1], [2, 0]]))
+    model, slots = cfg.model_config, cfg.slot_layout
+    assert model.kv_head_orders is None
+    assert [model.layer_swa_kv_heads(l) for l in range(2)] == [(1, 3), (0, 2)]
+    assert slots.num_lanes == 2 and slots.head_slots == ((0, 1, 2, 3), (1, 0, 3, 2))
+    assert [slots.slot_types[s].sliding for s in range(4)] == [False, True, False, True]
     same = build(monkeypatch, head_wise_swa_config=dict(PER_LAYER, swa_kv_heads=[[2], [2]])).model_config
     assert same.kv_head_orders is None and same.swa_kv_heads == (2,)  # nothing to move
+
+
+def test_per_layer_heads_move_to_layer_zeros_slots_under_tensor_parallelism(monkeypatch):
+    """Two ranks: a head's position decides its rank, so the heads themselves move (in the file's format)."""
+    model = build(monkeypatch, tensor_parallel_size=2,
+                  head_wise_swa_config=dict(PER_LAYER, swa_kv_heads=[[3, 1], [2, 0]])).model_config
+    assert model.kv_head_orders == ((0, 1, 2, 3), (1, 0, 3, 2))
+    assert model.swa_kv_heads == (1, 3) and [model.layer_swa_kv_heads(l) for l in range(2)] == [(1, 3), (1, 3)]
 
 
 def test_per_layer_placement_composes_with_balancing_and_is_idempotent(monkeypatch):

@@ -147,14 +147,42 @@ def test_per_layer_orders_move_each_layers_heads_with_their_biases_and_keep_its_
 
 
 def test_rank_tensor_permutes_by_the_layer_number_in_the_name(make_config):
-    model = make_config(num_gpu_blocks_override=4, head_wise_swa_config={
+    # Two ranks: a head's position decides its rank, so layer 1's SWA head 3 moves to layer 0's SWA slot.
+    model = make_config(num_gpu_blocks_override=4, tensor_parallel_size=2, head_wise_swa_config={
         "sliding_window": 8, "sink_size": 0, "swa_kv_heads": [[1], [3]]}).model_config
     assert model.kv_head_orders == ((0, 1, 2, 3), (0, 3, 1, 2))
     w = random_checkpoint(model)
     name = "model.layers.1.self_attn.v_proj.weight"
     d = model.head_dim
-    got = tp_.rank_tensor(name, w[name], model, 0, 1)
+    got = tp_.rank_tensor(name, w[name], model, 0, 2)
     np.testing.assert_array_equal(got[d:2 * d], w[name][3 * d:4 * d])  # slot 1 holds layer 1's SWA head 3
     zero = "model.layers.0.self_attn.v_proj.weight"
-    np.testing.assert_array_equal(tp_.rank_tensor(zero, w[zero], model, 0, 1), w[zero])
+    np.testing.assert_array_equal(tp_.rank_tensor(zero, w[zero], model, 0, 2), w[zero][:2 * d])
     assert tp_.layer_of("model.layers.12.mlp.up_proj.weight") == 12 and tp_.layer_of("model.norm.weight") is None
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K"])
+def test_a_ranks_permuted_slice_keeps_the_gguf_blocks_of_every_projection(make_config, qtype):
+    """Permuting KV heads and slicing for a rank select whole rows, and o_proj / down_proj columns in whole
+    head_dim-wide groups: the rank keeps the file's blocks (no float32 copy), and they dequantize to
+    exactly the float32 rows and columns it selects."""
+    from test_gguf_blocks import dequantized, random_gguf_tensor, rebuilt
+
+    import paddle
+
+    from fastdeploy.model_executor.layers import gguf_blocks
+
+    model = make_config(num_gpu_blocks_override=4, tensor_parallel_size=2, head_wise_swa_config={
+        "sliding_window": 8, "sink_size": 0, "swa_kv_heads": [[1], [3]]}).model_config
+    for name, shape in (("model.layers.1.self_attn.q_proj.weight", (8 * 32, 256)),
+                        ("model.layers.1.self_attn.k_proj.weight", (4 * 32, 256)),
+                        ("model.layers.1.self_attn.o_proj.weight", (256, 8 * 32)),
+                        ("model.layers.1.mlp.down_proj.weight", (256, 512)),
+                        ("model.embed_tokens.weight", (259, 256))):
+        source = random_gguf_tensor(qtype, *shape)
+        full = paddle.to_tensor(dequantized(source))
+        full.gguf_blocks = gguf_blocks.from_gguf(source)
+        for rank in range(2):
+            part = tp_.rank_tensor(name, full, model, rank, 2)
+            assert part.gguf_blocks is not None, name
+            assert np.array_equal(rebuilt(part.gguf_blocks).view(np.int32), part.numpy().view(np.int32)), name

@@ -62,3 +62,24 @@ def smollm2_reference(smollm2_path):
 @pytest.fixture(scope="session")
 def gemma3_reference(gemma3_path):
     return _transformers_model(gemma3_path)
+
+
+def _smollm2_engine(flag: int):
+    from fastdeploy import LLM, envs
+
+    _gguf_of("smollm2-135m-instruct")  # skips without the package
+    with envs.override(FD_HEAD_WISE_KV_CACHE=flag):
+        return LLM(model="smollm2-135m-instruct", max_model_len=1024, max_num_seqs=8, block_size=16)
+
+
+@pytest.fixture(scope="session")
+def smollm2_flag_off():
+    """`--model smollm2-135m-instruct` with FD_HEAD_WISE_KV_CACHE=0: the full-attention model."""
+    return _smollm2_engine(0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_flag_on():
+    """`--model smollm2-135m-instruct` with FD_HEAD_WISE_KV_CACHE=1: its shipped (calibrated) head-wise
+    configuration, one sliding KV head per layer, a different one from layer to layer."""
+    return _smollm2_engine(1)

@@ -40,8 +40,34 @@ class BlockWeight:
         return tuple(self.q.shape)
 
     def take_rows(self, index: np.ndarray) -> "BlockWeight":
-        """The weight with rows `index` (a load-time row permutation)."""
+        """The weight with rows `index` (a load-time row permutation or a rank's slice)."""
         return BlockWeight(self.q[index], self.scale[index], None if self.offset is None else self.offset[index],
+                           self.group, self.source)
+
+    def take_columns(self, index: np.ndarray) -> Optional["BlockWeight"]:
+        """The weight with input columns `index`, when they move in whole groups (each run of `group`
+        indices is one group of the source, in order): a KV head's o_proj columns (head_dim wide) or a
+        rank's slice. None when a group would be cut (the caller keeps a float copy instead)."""
+        index = np.asarray(index, dtype=np.int64)
+        g = self.group
+        if index.size % g:
+            return None
+        runs = index.reshape(-1, g)
+        if np.any(runs[:, 0] % g) or np.any(runs - runs[:, :1] != np.arange(g)):
+            return None
+        groups = runs[:, 0] // g
+        return BlockWeight(np.ascontiguousarray(self.q[:, index]), np.ascontiguousarray(self.scale[:, groups]),
+                           None if self.offset is None else np.ascontiguousarray(self.offset[:, groups]),
+                           g, self.source)
+
+    def pad_rows(self, rows: int) -> "BlockWeight":
+        """The weight with zero rows appended up to `rows` (they dequantize to 0.0: a vocab shard's padding)."""
+        extra = rows - self.q.shape[0]
+
+        def pad(a):
+            return np.concatenate([a, np.zeros((extra,) + a.shape[1:], a.dtype)]) if extra else a
+
+        return BlockWeight(pad(self.q), pad(self.scale), None if self.offset is None else pad(self.offset),
                            self.group, self.source)
 
 
