@@ -114,8 +114,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     rng = random.Random(args.seed)
-    sets = {"pydoc_next_sentence": next_sentence_items(rng, 40), "pydoc_perplexity": perplexity_docs(24),
-            "pydoc_recall": recall_items(rng, 30)}
+    sets = {"pydoc_next_sentence": next_sentence_items(rng, 12), "pydoc_perplexity": perplexity_docs(8),
+            "pydoc_recall": recall_items(rng, 12)}
     for name, rows in sets.items():
         with open(os.path.join(args.out, f"{name}.jsonl"), "w") as f:
             for row in rows:
