@@ -107,11 +107,15 @@ def recall_items(rng: random.Random, n: int) -> list:
     return items[:n]
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(HERE, "data"), help="folder for the jsonl files")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     rng = random.Random(args.seed)
     sets = {"pydoc_next_sentence": next_sentence_items(rng, 12), "pydoc_perplexity": perplexity_docs(8),

@@ -36,7 +36,7 @@ def test_lm_eval_local_completions_runs_every_task_kind(server, helpers, tmp_pat
     args = (f"model={server.model_name()},base_url={server.base_url}/v1/completions,tokenizer_backend=remote,"
             f"max_length=384,num_concurrent=1,max_retries=1")
     run = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
-                          "--include_path", str(tmp_path), "--tasks", ",".join(TASKS), "--limit", "2",
+                          "--include_path", str(tmp_path), "--tasks", ",".join(TASKS), "--limit", "1",
                           "--output_path", str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -45,6 +45,6 @@ def test_lm_eval_local_completions_runs_every_task_kind(server, helpers, tmp_pat
     assert 0.0 <= mc["acc,none"] <= 1.0
     assert math.isfinite(ppl["word_perplexity,none"]) and ppl["word_perplexity,none"] > 1.0
     assert 0.0 <= gen["exact_match,first_four_words"] <= 1.0
-    # Every request reached the engine: 2 documents x 4 choices, >= 2 rolling windows, 2 generations.
+    # Every request reached the engine: 4 choices, >= 2 rolling windows (a ~6,000-byte document), 1 generation.
     finished = sum(v for k, v in server.metrics().items() if k.startswith("fastdeploy:request_success_total"))
-    assert finished >= 12
+    assert finished >= 7
