@@ -7,8 +7,9 @@ the tasks run where hub data sets cannot be reached. Every context is long enoug
 - pydoc_next_sentence (multiple_choice, loglikelihood): a ~2,600-character passage, then which of
   four sentences comes next (the true one, three from other topics);
 - pydoc_perplexity (loglikelihood_rolling): whole ~6,000-character documents, word perplexity;
-- pydoc_recall (generate_until): a ~2,600-character passage, then its own first words again; the
-  model continues with the passage's next four words (copying from ~600 tokens back).
+- pydoc_recall (generate_until): a ~3,000-character passage, then a run of its words from ~400
+  characters in (past a 64-token sink) again; the model continues with the four words that followed
+  them there (copying from ~650 tokens back).
 
 Usage (from the repository root): python benchmarks/lm_eval_tasks/make_data.py [--out DIR]
 The choice of passages is seeded, so the files are the same for the same Python version.
@@ -24,6 +25,7 @@ import re
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PASSAGE_CHARS = 2600
+RECALL_CHARS, CUE_FROM = 3000, 400  # pydoc_recall: ~750-token passages, the cue from ~100 tokens in
 DOC_CHARS = 6000
 SENTENCE = re.compile(r"(?<=[a-z0-9)][.!?])\s+(?=[A-Z])")
 
@@ -80,18 +82,20 @@ def perplexity_docs(n: int) -> list:
 
 
 def recall_items(rng: random.Random, n: int) -> list:
+    """A passage, then a run of its words from past the sink (~100 tokens in), which lies ~650 tokens
+    before the repeat: outside a 512-token window; the target is the four words that followed it."""
     items = []
     for name, text in topics():
-        last = -PASSAGE_CHARS
+        last = -RECALL_CHARS
         for first, _ in prose_sentences(text):
-            if first + PASSAGE_CHARS + 400 > len(text):
+            if first + RECALL_CHARS + 400 > len(text):
                 break
-            if first < last + PASSAGE_CHARS:
+            if first < last + RECALL_CHARS:
                 continue  # a topic's two passages do not overlap
             last = first
-            passage = text[first:first + PASSAGE_CHARS]
-            words = list(re.finditer(r"\S+", passage))
-            # The cue: the passage's first words, up to a word whose next four follow on the same line.
+            passage = text[first:first + RECALL_CHARS]
+            words = [w for w in re.finditer(r"\S+", passage) if w.start() >= CUE_FROM]
+            # The cue: 20+ words, up to a word whose next four follow on the same line.
             for k in range(20, 40):
                 cue_end = words[k - 1].end()
                 rest = words[k:k + 4]
@@ -99,7 +103,7 @@ def recall_items(rng: random.Random, n: int) -> list:
                     break
             else:
                 continue
-            items.append({"topic": name, "context": passage.rstrip() + "\n\n" + passage[:cue_end],
+            items.append({"topic": name, "context": passage.rstrip() + "\n\n" + passage[words[0].start():cue_end],
                           "target": " ".join(w.group() for w in rest)})
             if sum(item["topic"] == name for item in items) == 2:
                 break  # two per topic at most
