@@ -63,7 +63,11 @@ setup(
                  # whose GGUF loader tokenizes Gemma 3 as llama.cpp does (5.3.0 cut its words into
                  # pieces), which paddleformers 1.2.0 declares it does not support (<5.4) though its
                  # ERNIE oracle passes on it (tests/model_executor/test_paddleformers_oracle.py).
-                 "torch==2.13.0", "accelerate==1.15.0"],
+                 "torch==2.13.0", "accelerate==1.15.0",
+                 # lm-evaluation-harness against the server (tests/entrypoints/test_lm_eval_harness.py,
+                 # docs/accuracy_with_lm_eval.md). Its `datasets` needs pyarrow >= 24; pyarrow 26 refuses to
+                 # import next to numpy 1.x (paddleformers' fast_dataindex pins numpy<=1.26.4); 24.0.0 imports.
+                 "lm-eval[api]==0.4.13", "pyarrow==24.0.0"],
         "bench": ["aiohttp", "matplotlib", "pyyaml"],
         "mutation": ["mutmut>=3.8"],  # tools/mutation_test.py (docs/mutation_testing.md), not CI
         # benchmarks/gpu_check.py's Paddle-free A/B (device buffers); pick the wheel of your CUDA major

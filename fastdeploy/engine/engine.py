@@ -236,6 +236,8 @@ class LLMEngine:
                 finish_reason=request.finish_reason,
             ),
             finished=request.is_finished,
+            prompt_logprobs=None if request.sampling_params.prompt_logprobs is None
+            else request.prompt_logprobs or [None] * request.num_prompt_tokens,
             metrics={"arrival_time": request.arrival_time, "first_token_time": request.first_token_time,
                      "num_preemptions": request.num_preemptions, "num_cached_tokens": request.num_cached_tokens},
         )

@@ -51,6 +51,10 @@ class SamplingParams:
     # Structured output (upstream FastDeploy's field): the output must match a JSON schema, regex,
     # choice list or grammar (model_executor/guided_decoding/).
     guided_decoding: Optional[GuidedDecodingParams] = None
+    # vLLM's prompt_logprobs: for every prompt position after the first, the log-prob of the prompt's
+    # token there and of the k most likely ones (0: the prompt's token only). Costs an LM-head pass
+    # over every prompt row, so only requests that ask pay it (engine/prompt_logprobs.py).
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -77,6 +81,9 @@ class SamplingParams:
             bad("seed", "must be an integer")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.stop_token_ids is not None and not all(_is_int(t) for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of integers")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -125,6 +132,9 @@ class RequestOutput:
     finished: bool = False
     prompt: Optional[str] = None
     metrics: dict = field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first, else
+    # {token id: logprob} of that token and the top k (vLLM's shape, floats for Logprob objects).
+    prompt_logprobs: Optional[list] = None
 
 
 class Request:
@@ -146,6 +156,7 @@ class Request:
                                        (eos_token_id,) if isinstance(eos_token_id, int) else eos_token_id)
         self.output_token_ids: list = []
         self.output_logprobs: list = []
+        self.prompt_logprobs: Optional[list] = None  # filled by position as prompt chunks run
         self.status = RequestStatus.WAITING
         self.finish_reason: Optional[str] = None
         self.num_computed_tokens = 0

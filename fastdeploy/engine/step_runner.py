@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fastdeploy.engine.prompt_logprobs import attach_prompt_rows, store_prompt_logprobs
 from fastdeploy.engine.sched.resource_manager_v1 import ScheduledBatch
 from fastdeploy.model_executor.guided_decoding.masks import StepMasks
 from fastdeploy.model_executor.layers.sampler import has_penalties, is_greedy, sample_one
@@ -97,11 +98,13 @@ class StepRunner:
             for i, s in enumerate(scheduled):
                 tables_1d[i, :len(s.request.block_tables)] = s.request.block_tables
 
-        return StepInput(
+        step = StepInput(
             input_ids=ids, seq_lens_encoder=encoder, seq_lens_decoder=np.array(starts, np.int32),
             seq_lens_this_time=np.array(lengths, np.int32), cu_seqlens_q=cu, block_tables=tables_1d,
             block_tables_head_wise=tables_hw, sample_rows=sample_rows, greedy=greedy,
             slot_ids=[self._slot(s.request.request_id) for s in scheduled])
+        attach_prompt_rows(step, scheduled)
+        return step
 
     def execute(self, batch: ScheduledBatch) -> tuple:
         """Run one step; returns (token per scheduled request or None, logprobs per request or None,
@@ -111,6 +114,7 @@ class StepRunner:
         masks = StepMasks.start(batch)  # grammar masks, computed while the model runs
         out = self.ranks.execute_model(step)
         banned = masks.result() if masks is not None else {}
+        store_prompt_logprobs(batch.requests, step, out.prompt_logprobs)
         tokens, logprobs = [None] * len(batch.requests), [None] * len(batch.requests)
         failures: dict = {}
         row = other = 0  # the request's first sampled row; its first row among the logits

@@ -73,6 +73,7 @@ class JinjaChatTemplate:
         except TemplateError as exc:
             raise ValueError(f"chat template does not parse: {exc}") from None
         self.special_tokens = dict(special_tokens)
+        self.source = source  # served by GET /tokenizer_info
         self._error = TemplateError
 
     def render(self, messages: list, add_generation_prompt: bool = True) -> str:

@@ -17,6 +17,7 @@ from fastdeploy.model_executor.models.decoder import CausalLM
 from fastdeploy.model_executor.tensor_parallel import local_kv_heads
 from fastdeploy.worker.device import paddle_device_name
 from fastdeploy.worker.host_memory import keep_freed_host_memory
+from fastdeploy.worker.prompt_logprobs import capture_prompt_rows
 from fastdeploy.worker.step_buffers import StepBufferLayout, StepBuffers
 from fastdeploy.worker.step_input import StepInput, StepOutput
 
@@ -57,16 +58,20 @@ class ModelRunner:
     def execute_model(self, step: StepInput) -> StepOutput:
         """Run one step on this rank. Every rank returns the same answer (the logits are gathered);
         only rank 0's is sent back."""
-        logits = self.model.forward(self.build_forward_meta(step))
+        with capture_prompt_rows(self.model, step) as capture:
+            logits = self.model.forward(self.build_forward_meta(step))
         end_step = getattr(self.attn_backend, "end_step", None)
         if end_step is not None:
             end_step()
+        prompt = capture.logprobs() if capture is not None else None
         greedy = np.full(len(step.greedy), -1, np.int64)
         if len(step.greedy) and step.greedy.all():
             # argmax where the logits are (the GPU): only the tokens cross over.
             greedy[:] = paddle.argmax(logits, axis=-1).numpy()
-            return StepOutput(greedy_tokens=greedy, logits=np.zeros((0, logits.shape[-1]), np.float32))
+            return StepOutput(greedy_tokens=greedy, logits=np.zeros((0, logits.shape[-1]), np.float32),
+                              prompt_logprobs=prompt)
         host = logits.numpy()
         if step.greedy.any():
             greedy[step.greedy] = np.argmax(host[step.greedy], axis=-1)
-        return StepOutput(greedy_tokens=greedy, logits=np.ascontiguousarray(host[~step.greedy]))
+        return StepOutput(greedy_tokens=greedy, logits=np.ascontiguousarray(host[~step.greedy]),
+                          prompt_logprobs=prompt)

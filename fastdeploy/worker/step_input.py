@@ -28,6 +28,11 @@ class StepInput:
                                     # row of its piece for a request verifying drafts)
     greedy: np.ndarray              # bool [num_sampled]: plain argmax is this request's whole sampler
     slot_ids: list                  # persistent slot per request (the dense reference backend's storage)
+    # Prompt log-probs (engine/prompt_logprobs.py): rows whose next-token log-probs are wanted, the
+    # token each row is scored against, and how many top entries to return (the step's largest k).
+    prompt_rows: Optional[np.ndarray] = None     # int64 [num_prompt_rows]
+    prompt_targets: Optional[np.ndarray] = None  # int64 [num_prompt_rows]
+    prompt_top_k: int = 0
 
     def for_rank(self, rank: int, tp: int) -> "StepInput":
         """This step as rank `rank` of `tp` sees it: head-wise rows of its KV heads only (1-D block
@@ -55,3 +60,6 @@ class StepOutput:
 
     greedy_tokens: np.ndarray  # int64 [num_sampled]
     logits: np.ndarray         # float32 [num_not_greedy, vocab], in sample-row order
+    # For StepInput.prompt_rows: (target logprob float32 [R], top ids int64 [R, k], top logprobs
+    # float32 [R, k]); None when the step asked for none.
+    prompt_logprobs: Optional[tuple] = None

@@ -443,7 +443,9 @@ class ResourceManagerV1:
             peak = self._peak_pages(request, self.max_chunk)
             if any(r + p > self.pages_per_rank for r, p in zip(self._reserved_per_rank, peak)):
                 return None
-        hit = self._match_prefix(request) if self.prefix_caching else ()
+        # A request scoring its prompt computes every position (engine/prompt_logprobs.py).
+        hit = self._match_prefix(request) if self.prefix_caching and request.sampling_params.prompt_logprobs is None \
+            else ()
         start = len(hit) * self.block_size
         own = None
         if self.projected:

@@ -1,4 +1,5 @@
-"""What makes the API server safe to expose: an API key on every /v1/* route, a request-body limit.
+"""What makes the API server safe to expose: an API key on every /v1/* route (and vLLM's tokenizer
+routes), a request-body limit.
 
 Plain ASGI middleware (BaseHTTPMiddleware would interfere with streaming disconnects). /health,
 /metrics and /version stay open, as in vLLM: load balancers and Prometheus probe them without a
@@ -16,6 +17,7 @@ from starlette.responses import JSONResponse
 from fastdeploy.entrypoints.openai.protocol import APIError
 
 PROTECTED_PREFIX = "/v1"
+PROTECTED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")  # vLLM's names: outside /v1
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
@@ -67,7 +69,7 @@ class APIKeyGuard:
 
 
 def _is_protected(path: str) -> bool:
-    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/") or path.rstrip("/") in PROTECTED_PATHS
 
 
 class BodySizeLimit:

@@ -1,9 +1,10 @@
 """OpenAI-compatible HTTP server: `python -m fastdeploy.entrypoints.openai.api_server [--model DIR]`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
+POST /tokenize, POST /detokenize, GET /tokenizer_info (vLLM's; serving_tokenization.py),
 GET /health (200 once the engine process is ready, 503 while starting, after it died, or while
 shutting down), GET /metrics (Prometheus text; also on --metrics-port when that differs).
-With --api-key (or FD_API_KEY) every /v1/* route needs `Authorization: Bearer <key>`; bodies over
+With --api-key (or FD_API_KEY) every /v1/* and tokenizer route needs `Authorization: Bearer <key>`; bodies over
 --max-request-body-bytes get 413 (access_control.py).
 
 Every error a client can cause is a 4xx with an OpenAI error body; the engine runs in its own
@@ -52,6 +53,11 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion, engine_error_to_api_error
+from fastdeploy.entrypoints.openai.serving_tokenization import (
+    DetokenizeRequest,
+    OpenAIServingTokenization,
+    TokenizeRequest,
+)
 from fastdeploy.log_format import configure_logging, uvicorn_log_config
 from fastdeploy.paddle_env import require_paddle
 
@@ -197,10 +203,12 @@ def parse_request(model_cls, obj: dict):
 
 def build_app(client: EngineClient, metrics: ServerMetrics, api_port: Optional[int] = None,
               on_startup_failure=None, api_keys: Sequence[str] = (),
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready: Optional[Callable[[], None]] = None) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready: Optional[Callable[[], None]] = None,
+              model_config=None) -> FastAPI:
     """The ASGI app. When api_port is given, requests arriving on any other port (the metrics
     port) may only reach /metrics and /health. With api_keys, /v1/* needs one of them. on_ready
-    runs once, when the engine process is ready (when /health turns 200)."""
+    runs once, when the engine process is ready (when /health turns 200). model_config: the engine's
+    (its tokenizer serves the tokenizer routes); None: built from the client's engine args."""
 
     async def announce_ready():
         while client.info is None:
@@ -221,6 +229,7 @@ def build_app(client: EngineClient, metrics: ServerMetrics, api_port: Optional[i
     app = FastAPI(title="FastDeploy OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
     completions = OpenAIServingCompletion(client)
     chat = OpenAIServingChat(client)
+    tokenization = _tokenization(client, model_config)
 
     app.state.max_body_bytes = max_body_bytes
     if api_port is not None:
@@ -258,6 +267,20 @@ def build_app(client: EngineClient, metrics: ServerMetrics, api_port: Optional[i
         request = parse_request(ChatCompletionRequest, await read_json_object(raw_request))
         return await chat.create_chat_completion(request, raw_request)
 
+    @app.post("/tokenize")
+    async def tokenize(raw_request: Request) -> Response:
+        request = parse_request(TokenizeRequest, await read_json_object(raw_request))
+        return JSONResponse(tokenization.tokenize(request))
+
+    @app.post("/detokenize")
+    async def detokenize(raw_request: Request) -> Response:
+        request = parse_request(DetokenizeRequest, await read_json_object(raw_request))
+        return JSONResponse(tokenization.detokenize(request))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        return JSONResponse(tokenization.info())
+
     @app.get("/v1/models")
     async def list_models() -> Response:
         client.check_available()
@@ -282,6 +305,17 @@ def build_app(client: EngineClient, metrics: ServerMetrics, api_port: Optional[i
         return PlainTextResponse(metrics.render(client.stats, client.num_in_flight), media_type=CONTENT_TYPE)
 
     return app
+
+
+def _tokenization(client: EngineClient, model_config) -> OpenAIServingTokenization:
+    """The tokenizer routes' handler, with the tokenizer the engine process loads for the same config."""
+    from fastdeploy.input.tokenizer_loader import load_tokenizer
+
+    if model_config is None:
+        model_config = client.engine_args.create_engine_config().model_config
+    fallback = int(model_config.max_model_len)
+    return OpenAIServingTokenization(load_tokenizer(model_config), int(model_config.vocab_size),
+                                     lambda: client.info.max_model_len if client.info is not None else fallback)
 
 
 class MetricsPortGuard:
@@ -349,7 +383,7 @@ def main(argv: Optional[list] = None) -> int:
     configure_logging(args.log_level)
     engine_args = EngineArgs.from_cli_args(args)
     try:
-        engine_args.create_engine_config()  # fail on a bad flag before opening any port
+        fd_config = engine_args.create_engine_config()  # fail on a bad flag before opening any port
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -377,7 +411,8 @@ def main(argv: Optional[list] = None) -> int:
 
     app = build_app(client, metrics, api_port=args.port,
                     on_startup_failure=lambda reason: server_box[0].fail_startup(reason),
-                    api_keys=api_keys, max_body_bytes=args.max_request_body_bytes, on_ready=announce_ready)
+                    api_keys=api_keys, max_body_bytes=args.max_request_body_bytes, on_ready=announce_ready,
+                    model_config=fd_config.model_config)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             log_config=uvicorn_log_config(args.log_level))

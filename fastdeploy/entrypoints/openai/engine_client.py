@@ -67,6 +67,7 @@ class AddPayload:
     prompt: Any                       # str or list[int]; ignored when messages is set
     messages: Optional[list] = None   # chat: rendered with the engine's chat template
     sampling: dict = field(default_factory=dict)  # SamplingParams kwargs; max_tokens None = fill context
+    echo: bool = False                # completions echo: the first output carries the prompt's text
 
 
 @dataclass
@@ -92,6 +93,10 @@ class EngineOutput:
     # output (its newest token); clients derive server-side TTFT / ITL / E2E latency from it.
     arrival_time: float = 0.0
     num_cached_tokens: int = 0                  # prompt tokens served from the prefix cache
+    # Echo (first output only): the prompt's text, and with prompt_logprobs one TokenLogprob per prompt
+    # token (the first has logprob None and no top entries).
+    prompt_text: Optional[str] = None
+    prompt_logprobs: Optional[list] = None
 
 
 @dataclass
@@ -158,6 +163,7 @@ class _EngineLoop:
         self.outputs_q = outputs_q
         self.logprobs_sent: dict[str, int] = {}   # request id -> logprob entries already shipped
         self.wants_logprobs: dict[str, int] = {}  # request id -> top-k asked for
+        self.echo_pending: dict[str, Optional[str]] = {}  # request id -> its prompt string (None: token ids)
         self.last_stats = 0.0
         self.was_busy = False
         self.parent = multiprocessing.parent_process()
@@ -220,11 +226,14 @@ class _EngineLoop:
         if params.logprobs is not None:
             self.wants_logprobs[request_id] = params.logprobs
             self.logprobs_sent[request_id] = 0
+        if payload.echo:
+            self.echo_pending[request_id] = prompt if isinstance(prompt, str) else None
         self.outputs_q.put(("added", request_id))
 
     def _forget(self, request_id: str) -> None:
         self.wants_logprobs.pop(request_id, None)
         self.logprobs_sent.pop(request_id, None)
+        self.echo_pending.pop(request_id, None)
 
     def _convert(self, out) -> EngineOutput:
         comp = out.outputs
@@ -237,6 +246,11 @@ class _EngineLoop:
         )
         if out.request_id in self.wants_logprobs:
             converted.new_logprobs = self._new_logprobs(out.request_id, comp)
+        if out.request_id in self.echo_pending:
+            text = self.echo_pending.pop(out.request_id)
+            converted.prompt_text = self.engine.tokenizer.decode(out.prompt_token_ids) if text is None else text
+            if out.prompt_logprobs is not None:
+                converted.prompt_logprobs = self._prompt_logprobs(out)
         if out.finished:
             self._forget(out.request_id)
         return converted
@@ -255,6 +269,20 @@ class _EngineLoop:
             entries.append(TokenLogprob(token=text, logprob=None if chosen is None else _finite(chosen), bytes=raw,
                                         top=[_top_entry(tokenizer, t, lp) for t, lp in top]))
         self.logprobs_sent[request_id] = sent + len(entries)
+        return entries
+
+    def _prompt_logprobs(self, out) -> list:
+        k = self.wants_logprobs.get(out.request_id, 0)
+        tokenizer = self.engine.tokenizer
+        entries = []
+        for token_id, dist in zip(out.prompt_token_ids, out.prompt_logprobs):
+            text, raw = token_text_and_bytes(tokenizer, token_id)
+            if dist is None:  # the first token: nothing before it to predict it
+                entries.append(TokenLogprob(token=text, logprob=None, top=[], bytes=raw))
+                continue
+            top = sorted(dist.items(), key=lambda kv: kv[1], reverse=True)[:k]
+            entries.append(TokenLogprob(token=text, logprob=_finite(dist[token_id]), bytes=raw,
+                                        top=[_top_entry(tokenizer, t, lp) for t, lp in top]))
         return entries
 
     def _publish_stats(self, min_interval: float) -> None:

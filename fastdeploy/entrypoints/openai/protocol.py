@@ -2,7 +2,7 @@
 
 Requests are validated here, before anything reaches the engine, so every client mistake becomes a
 4xx with an OpenAI-style error body. Fields OpenAI defines but this engine cannot honour (best_of
-other than n, echo, suffix, tools) are rejected by name instead of being
+other than n, suffix, tools) are rejected by name instead of being
 silently ignored; unknown extra fields are ignored, as OpenAI clients send many optional ones.
 
 Completions take a string, a list of token ids, or a list of either (one choice per prompt and n,
@@ -205,18 +205,27 @@ class StreamOptions(BaseModel):
 class CompletionRequest(_Request):
     # Strict: JSON true/false or 5.0 is no token id (lax mode would read them as 1, 0, 5).
     prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
-    max_tokens: Optional[int] = Field(default=None, ge=1)  # None: up to max_model_len, as upstream
+    # None: up to max_model_len, as upstream; 0: score the prompt only (echo, see serving_completion.py)
+    max_tokens: Optional[int] = Field(default=None, ge=0)
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion; with logprobs, the prompt's logprobs too
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 
-    @field_validator("echo", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _unsupported(cls, v, info):
         if v:
             raise ValueError(f"{info.field_name} is not supported")
         return v
+
+    @model_validator(mode="after")
+    def _zero_max_tokens_scores_the_prompt(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 generates nothing: it needs echo=true (scoring the prompt)")
+        if self.max_tokens == 0 and self.stream:
+            raise ValueError("max_tokens=0 (scoring the prompt) is not supported with stream=true")
+        return self
 
     @model_validator(mode="after")
     def _best_of_is_n(self):

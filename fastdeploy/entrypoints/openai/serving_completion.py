@@ -18,6 +18,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from fastdeploy.entrypoints.openai import completion_echo as echo
 from fastdeploy.entrypoints.openai.engine_client import (
     AddPayload,
     ConcurrencyLimitError,
@@ -239,6 +240,8 @@ class OpenAIServing:
             lasts: list = [None] * n
             entries: list[list[TokenLogprob]] = [[] for _ in range(n)]
             async for index, out in choices:
+                if lasts[index] is not None and out.prompt_text is None:  # echo: only the first output has it
+                    out = replace(out, prompt_text=lasts[index].prompt_text, prompt_logprobs=lasts[index].prompt_logprobs)
                 lasts[index] = out
                 entries[index].extend(out.new_logprobs or ())
             return lasts, entries
@@ -282,8 +285,8 @@ class OpenAIServing:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
-        sampling = request.sampling_kwargs(request.max_tokens, request.logprobs)
-        payloads = [AddPayload(prompt=prompt, sampling=sampling) for prompt in request.prompts]
+        sampling = echo.engine_sampling(request)
+        payloads = [AddPayload(prompt=prompt, sampling=sampling, echo=request.echo) for prompt in request.prompts]
         return await self.serve(request, raw_request, id_prefix="cmpl", chunk_object="text_completion",
                                 payloads=payloads, stream_body=self._stream, respond=self._respond)
 
@@ -291,15 +294,21 @@ class OpenAIServingCompletion(OpenAIServing):
     def _respond(request: CompletionRequest, request_id: str, created: int, model: str, lasts: list,
                  entries: list) -> CompletionResponse:
         choices = []
+        scoring_only = echo.scoring_only(request)
         for index, (last, choice_entries) in enumerate(zip(lasts, entries)):
+            prefix, prompt_entries = echo.echo_prefix(request, last)
+            text = prefix + ("" if scoring_only else last.text)
             logprobs = None
             if request.logprobs is not None:
                 logprobs = CompletionLogprobs()
-                _extend_logprobs(logprobs, choice_entries, 0)
-            choices.append(CompletionChoice(index=index, text=last.text, logprobs=logprobs,
-                                            finish_reason=last.finish_reason))
+                _extend_logprobs(logprobs, prompt_entries, 0)
+                if not scoring_only:
+                    _extend_logprobs(logprobs, choice_entries, len(prefix))
+            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                            finish_reason=echo.finish_reason(request, last)))
+        usage = usage_of(lasts, request.n)
         return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                  usage=usage_of(lasts, request.n))
+                                  usage=echo.scoring_usage(usage) if scoring_only else usage)
 
     @staticmethod
     async def _stream(request: CompletionRequest, choices: ChoiceStreams,
@@ -312,12 +321,17 @@ class OpenAIServingCompletion(OpenAIServing):
         token_offsets = [0] * len(choices.streams)
         lasts: dict = {}
         async for index, out in choices:
+            first = index not in lasts
             lasts[index] = out
             piece = texts[index].delta(out.text, out.finished)
+            prefix, prompt_entries = echo.echo_prefix(request, out) if first else ("", [])
+            piece = prefix + piece
             logprobs = None
-            if request.logprobs is not None and out.new_logprobs:
+            if request.logprobs is not None and (out.new_logprobs or prompt_entries):
                 logprobs = CompletionLogprobs()
-                token_offsets[index] = _extend_logprobs(logprobs, out.new_logprobs, token_offsets[index])
+                _extend_logprobs(logprobs, prompt_entries, 0)
+                token_offsets[index] = _extend_logprobs(logprobs, out.new_logprobs or (),
+                                                        token_offsets[index] + len(prefix))
             yield chunks.chunk({"index": index, "text": piece,
                                 "logprobs": logprobs.model_dump() if logprobs else None,
                                 "finish_reason": out.finish_reason if out.finished else None,
