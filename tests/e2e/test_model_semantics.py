@@ -239,10 +239,10 @@ def test_a_request_whose_sampling_fails_is_aborted_and_the_batch_goes_on(engine,
     # Validation leaves no known input that breaks sampling, so a failure is injected for one request.
     real_sample_one = step_runner.sample_one
 
-    def failing_for_doomed(logits, request, eos_token_id):
+    def failing_for_doomed(logits, request, eos_token_id, banned=None):
         if request.request_id == "doomed":
             raise FloatingPointError("injected")
-        return real_sample_one(logits, request, eos_token_id)
+        return real_sample_one(logits, request, eos_token_id, banned)
 
     monkeypatch.setattr(step_runner, "sample_one", failing_for_doomed)
     engine.add_request("ok", [5, 6], SamplingParams(temperature=0.7, seed=1, max_tokens=4, ignore_eos=True))

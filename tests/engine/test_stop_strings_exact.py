@@ -34,7 +34,7 @@ def script(monkeypatch):
     """script(request_id, text): that request samples the bytes of `text`, one per step, then FILLER."""
     scripts = {}
 
-    def scripted_sample(logits, request, eos_token_id):
+    def scripted_sample(logits, request, eos_token_id, banned=None):
         tokens, n = scripts[request.request_id], len(request.output_token_ids)
         return (tokens[n] if n < len(tokens) else byte_tokens(FILLER)[0]), None
 
