@@ -43,6 +43,17 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
 
 
+
+def add_and_prefill(engine, name, prompts: list, params) -> float:
+    """Queue the prompts and step until every one of them decodes; the seconds that took."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{name}-{i}", prompt, params)
+    t0 = time.perf_counter()
+    while any(r.num_computed_tokens <= r.num_prompt_tokens for r in engine.scheduler.running) or \
+            len(engine.scheduler.running) < len(prompts):
+        engine.step()
+    return time.perf_counter() - t0
+
 def _shapes(c) -> dict:
     """The checkpoint's tensors, `[out, in]` (the names every supported architecture shares)."""
     h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -110,13 +121,8 @@ def decode_steps_by_format(args) -> list:
     prompts = [rng.integers(3, min(vocab, 30000), args.input_len).tolist() for _ in range(n)]
     params = SamplingParams(temperature=0, max_tokens=args.decode_steps + 4, ignore_eos=True)
     for quant, engine in engines.items():
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"{quant}-{i}", prompt, params)
-        t0 = time.perf_counter()
-        while any(r.num_computed_tokens <= r.num_prompt_tokens for r in engine.scheduler.running) or \
-                len(engine.scheduler.running) < n:
-            engine.step()
-        print(f"[{quant}] {n} x {args.input_len} prompt tokens prefilled in {time.perf_counter() - t0:.1f} s; "
+        seconds = add_and_prefill(engine, quant, prompts, params)
+        print(f"[{quant}] {n} x {args.input_len} prompt tokens prefilled in {seconds:.1f} s; "
               f"{engine.get_stats()['kv_pages_total']} KV pages", flush=True)
     times = {q: [] for q in engines}
     for _ in range(args.decode_steps):
@@ -234,14 +240,8 @@ def head_wise_ab(args) -> list:
                 engine.add_request(f"warm-{flag}", prompts[0][:8], SamplingParams(temperature=0, max_tokens=2))
                 while engine.has_unfinished_requests():
                     engine.step()
-                for i, prompt in enumerate(prompts):
-                    engine.add_request(f"{flag}-{i}", prompt, params)
-                t0 = time.perf_counter()
-                while any(r.num_computed_tokens <= r.num_prompt_tokens for r in engine.scheduler.running) or \
-                        len(engine.scheduler.running) < n:
-                    engine.step()
-                print(f"[flag {flag}] {n} x {input_len} prompt tokens prefilled in {time.perf_counter() - t0:.1f} s",
-                      flush=True)
+                seconds = add_and_prefill(engine, flag, prompts, params)
+                print(f"[flag {flag}] {n} x {input_len} prompt tokens prefilled in {seconds:.1f} s", flush=True)
                 parts[flag] = StepParts(engine)
             times = {f: [] for f in engines}
             split = {f: [] for f in engines}
