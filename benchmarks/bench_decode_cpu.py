@@ -43,7 +43,6 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
 
 
-
 def add_and_prefill(engine, name, prompts: list, params) -> float:
     """Queue the prompts and step until every one of them decodes; the seconds that took."""
     for i, prompt in enumerate(prompts):
@@ -53,6 +52,7 @@ def add_and_prefill(engine, name, prompts: list, params) -> float:
             len(engine.scheduler.running) < len(prompts):
         engine.step()
     return time.perf_counter() - t0
+
 
 def _shapes(c) -> dict:
     """The checkpoint's tensors, `[out, in]` (the names every supported architecture shares)."""
