@@ -80,3 +80,19 @@ def test_a_reserved_request_keeps_the_chunk_its_reservation_assumed():
     step(rm)
     assert step(rm) == [("a", CUT, CUT), ("b", CUT, CUT)]
     assert rm.max_chunk == BUDGET
+
+
+def test_the_rules_dry_runs_and_the_admission_fit_a_newcomers_curve_once_per_step(monkeypatch):
+    # a and b run; c arrives. The dry runs with cut and with whole chunks and the admission itself all ask
+    # whether c's curve fits beside the two running curves: one O(n log n) fit answers all three.
+    from fastdeploy.engine.sched.projected_admission import PageCurves
+
+    rm = manager(16, "projected")
+    step(rm)
+    rm.add_request(Request("c", [3, 4, 5, 6], SamplingParams(max_tokens=50, ignore_eos=True), eos_token_id=2))
+    fitted = []
+    real_fit = PageCurves.fit
+    monkeypatch.setattr(PageCurves, "fit", lambda self, curves, limits=None: fitted.append(len(curves))
+                        or real_fit(self, curves, limits))
+    assert [s.request.request_id for s in rm.schedule().requests] == ["a", "b", "c"]
+    assert fitted == [3]

@@ -39,6 +39,9 @@ class PageCurves:
         """Forget the last step's slack and curves; the first reader this step recomputes them."""
         self.slack: Optional[list] = None  # unclaimed pages left this step, per rank (x block_size)
         self.curves: Optional[list] = None  # the running requests' curves at this step's start
+        # Whether a newcomer's curve fits beside the running ones alone, by curve: the chunk rule's dry runs
+        # and the admission that follows ask it of the same queue head in one step.
+        self._fits_beside_running: dict = {}
 
     def curve(self, request: Request, n: int) -> tuple:
         """(L, x, y, decoding, rounding) of a request with `n` tokens computed. On a rank with f keeping
@@ -67,6 +70,7 @@ class PageCurves:
         """Pages (x bs, per rank) that no running request's curve claims now, less transients granted."""
         if self.slack is None:
             self.curves = self.running_curves()
+            self._num_running_curves = len(self.curves)
             bs = self.block_size
             slack = [c * bs for c in self.capacity]
             for curve in self.curves:
@@ -96,7 +100,12 @@ class PageCurves:
         need = self.layout.pages_per_rank(start, first)
         if any(max(o, p * self.block_size) > s for o, p, s in zip(own, need, slack)):
             return False
-        return self.fit(curves + [curve])  # ...and its curve must fit beside the others'
+        if len(curves) != self._num_running_curves:  # ...and its curve must fit beside the others'
+            return self.fit(curves + [curve])  # (a list that already holds this step's newcomers)
+        fits = self._fits_beside_running.get(curve)
+        if fits is None:
+            fits = self._fits_beside_running[curve] = self.fit(curves + [curve])
+        return fits
 
     def admissions_with(self, max_chunk: int, budget: int, waiting, seats: int) -> int:
         """How many of `waiting`, in order and at most `seats`, `admit` would take at this step's start if
