@@ -309,14 +309,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.head_wise_ab:
-        rows = head_wise_ab(args)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=2)
-        return
-    if args.kv_cache_quant_types:
-        rows = decode_steps_by_format(args)
+    mode = head_wise_ab if args.head_wise_ab else decode_steps_by_format if args.kv_cache_quant_types else None
+    if mode is not None:
+        rows = mode(args)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=2)

@@ -138,7 +138,7 @@ class StepRunner:
                     tokens[i], logprobs[i] = accept_drafts(drafts, sample_row)
                 else:
                     tokens[i], logprobs[i] = sample_row(0, [])
-                if getattr(request, "grammar", None) is not None:
+                if request.grammar is not None:
                     request.grammar.accept(tokens[i] if drafts else [tokens[i]])
             except Exception as exc:  # one request's parameters must not stop the batch
                 failures[i] = f"{type(exc).__name__}: {exc}"
@@ -148,4 +148,4 @@ class StepRunner:
 def _argmax_is_enough(request) -> bool:
     params = request.sampling_params
     return (is_greedy(params) and params.logprobs is None and not params.logit_bias and not has_penalties(params)
-            and len(request.output_token_ids) >= params.min_tokens and getattr(request, "grammar", None) is None)
+            and len(request.output_token_ids) >= params.min_tokens and request.grammar is None)

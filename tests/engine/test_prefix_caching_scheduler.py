@@ -39,6 +39,21 @@ def test_hits_happen_in_the_workload_below(make_config):
     assert rm.stats()["prefix_cache_hit_tokens_total"] == 2 * 56
 
 
+def test_a_request_scoring_its_prompt_skips_the_prefix_cache_and_is_not_counted_as_a_miss(make_config):
+    rm = ResourceManagerV1(make_config("head_wise_recycle_on", num_gpu_blocks_override=28, block_size=8,
+                                       head_wise_swa_config=SWA))
+    for i, scored in enumerate((None, 0, None)):
+        rm.add_request(Request(f"r{i}", PREFIXES[0][:60] + [i + 3],
+                               SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=scored)))
+        while rm.has_unfinished_requests():
+            batch = rm.schedule()
+            rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
+    stats = rm.stats()
+    # r1 computes all 61 positions and is no query; r2 finds r0's (and r1's) 56 cached tokens.
+    assert stats["prefix_cache_query_requests_total"] == 2 and stats["prefix_cache_hit_requests_total"] == 1
+    assert stats["prefix_cache_hit_tokens_total"] == 56 and stats["prefix_cache_query_tokens_total"] == 2 * 61
+
+
 @pytest.mark.parametrize("mode,reserve,tp", [
     ("1d", False, 1), ("1d", True, 1), ("head_wise_recycle_off", False, 1),
     ("head_wise_recycle_on", False, 1), ("head_wise_recycle_on", True, 1), ("head_wise_recycle_on", False, 2),

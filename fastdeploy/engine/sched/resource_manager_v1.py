@@ -443,9 +443,10 @@ class ResourceManagerV1:
             peak = self._peak_pages(request, self.max_chunk)
             if any(r + p > self.pages_per_rank for r, p in zip(self._reserved_per_rank, peak)):
                 return None
-        # A request scoring its prompt computes every position (engine/prompt_logprobs.py).
-        hit = self._match_prefix(request) if self.prefix_caching and request.sampling_params.prompt_logprobs is None \
-            else ()
+        # A request scoring its prompt computes every position (engine/prompt_logprobs.py): no lookup, and it
+        # counts neither as a query nor as a miss of the prefix cache.
+        queried = self.prefix_caching and request.sampling_params.prompt_logprobs is None
+        hit = self._match_prefix(request) if queried else ()
         start = len(hit) * self.block_size
         own = None
         if self.projected:
@@ -471,7 +472,7 @@ class ResourceManagerV1:
         if not self._grow_tables(request, num_new):
             self._release(request)
             return None
-        if self.prefix_caching:
+        if queried:
             self.prefix_cache_query_tokens_total += request.num_tokens
             self.prefix_cache_hit_tokens_total += request.num_computed_tokens
             self.prefix_cache_query_requests_total += 1

@@ -14,5 +14,5 @@ class GrammarBoundProposer:
 
     def propose(self, request, max_drafts: int) -> list:
         drafts = self.proposer.propose(request, max_drafts)
-        grammar = getattr(request, "grammar", None)
+        grammar = request.grammar
         return grammar.valid_drafts(drafts) if grammar is not None and drafts else drafts

@@ -89,7 +89,7 @@ class StepMasks:
     def start(cls, batch) -> Optional["StepMasks"]:
         """None when no request of `batch` samples under a grammar (the free path: nothing to do)."""
         work = [(i, s.request.grammar, list(s.draft_token_ids)) for i, s in enumerate(batch.requests)
-                if s.samples and getattr(s.request, "grammar", None) is not None]
+                if s.samples and s.request.grammar is not None]
         if not work:
             return None
         pool, executor = _workers()
