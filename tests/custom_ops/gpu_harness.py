@@ -11,14 +11,13 @@ import concurrent.futures
 import ctypes
 import dataclasses
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
 import tempfile
 import time
 from pathlib import Path
-
-import importlib.util
 
 import numpy as np
 
@@ -37,9 +36,7 @@ def _load_by_path(name: str, path: Path):
 cuda_on_cpu = _load_by_path(
     "fd_cuda_on_cpu_loader", REPO_ROOT / "fastdeploy" / "model_executor" / "layers" / "attention" / "ops" /
     "cuda_on_cpu_loader.py")
-SOURCE_DIR = REPO_ROOT / "custom_ops" / "gpu_ops" / "append_attn"
-LIB_NAME = "libappend_attn_harness.so"
-SHARED_HEADER = REPO_ROOT / "custom_ops" / "cpu_ops" / "kv_quant.h"  # the quantized-page rule, included
+SOURCE_DIR, LIB_NAME, SHARED_HEADER = cuda_on_cpu.SOURCE_DIR, cuda_on_cpu.LIB_NAME, cuda_on_cpu.SHARED_HEADER
 
 # SASS for sm_80 and sm_90 plus compute_90 PTX, so a newer GPU can still JIT the kernels.
 GENCODES = (

@@ -7,6 +7,7 @@ import os
 import sys
 
 import pytest
+from pydoc_data.topics import topics
 
 from fastdeploy.model_executor.layers.attention.ops.cuda_on_cpu_loader import find_cuda_include
 
@@ -16,15 +17,23 @@ from greedy_run import MODES, greedy_tokens  # noqa: E402
 pytestmark = pytest.mark.skipif(find_cuda_include() is None,
                                 reason="the CUDA toolkit's headers (cuda_bf16.h) are needed to build the kernels")
 
-# token ids, not text: this checks the attention path, the tokenizer has its own tests. <bos> first.
-PROMPTS = [[2] + [100 + (i * 37 + (i * i) % 23) % 5000 for i in range(620)], [2, 651, 6974, 236764, 1164]]
+# Text, as users send it: a short prompt and prose past the 512-token window (pages recycle while it decodes).
+# (The ~700-token slice test_gemma3_vs_transformers.py checks: no space run where transformers and llama.cpp differ.)
+_PROSE = " ".join(topics.values())  # pydoc_data.topics: English prose in every Python
+PROMPTS = ["The capital of France is", _PROSE[:3300]]
 MAX_TOKENS = 6
 
 
-def test_gemma3_on_the_head_dim_256_cuda_kernels_gives_the_cpu_ops_tokens(monkeypatch, gemma3_path):
+@pytest.mark.parametrize("mode", ["1d", "head_wise_recycle_on"])
+def test_gemma3_on_the_head_dim_256_cuda_kernels_gives_the_cpu_ops_tokens(monkeypatch, gemma3_path,
+                                                                          gemma3_reference, mode):
     args = dict(model=gemma3_path, block_size=64, max_model_len=1024, max_num_seqs=2, num_gpu_blocks_override=128)
-    mode = MODES["head_wise_recycle_on"]
-    want, _ = greedy_tokens(monkeypatch, PROMPTS, MAX_TOKENS, "APPEND_ATTN", *mode, cache_dtype="bfloat16", **args)
-    got, engine = greedy_tokens(monkeypatch, PROMPTS, MAX_TOKENS, "CUDA_ON_CPU", *mode, **args)
-    assert engine.get_stats()["swa_pages_recycled_total"] > 0  # the window's edge was crossed
+    want, _ = greedy_tokens(monkeypatch, PROMPTS, MAX_TOKENS, "APPEND_ATTN", *MODES[mode], cache_dtype="bfloat16",
+                            **args)
+    got, engine = greedy_tokens(monkeypatch, PROMPTS, MAX_TOKENS, "CUDA_ON_CPU", *MODES[mode], **args)
+    tokenizer, _ = gemma3_reference
+    ids = [tokenizer.encode(text) for text in PROMPTS]  # transformers' ids of the text (its <bos> first)
+    assert [engine.tokenizer.encode_prompt(text) for text in PROMPTS] == ids and len(ids[1]) > 512
+    if mode != "1d":
+        assert engine.get_stats()["swa_pages_recycled_total"] > 0  # the window's edge was crossed
     assert got == want

@@ -38,25 +38,30 @@ class CudaOnCpuAttentionBackend(AppendAttentionBackend):
         # One order unless asked: the race check (several orders) snapshots only the harness's buffers.
         self.lib.cuda_on_cpu_set_orders(os.environ.get("CUDA_ON_CPU_ORDERS", "forward").encode())
         self.quantized = fd_config.cache_config.quantized
+        # The kernels read float32 rotary tables: converted once (layers share one pair), not per call.
+        float32 = {}
+        self.rotary32 = [tuple(float32.setdefault(id(t), t.astype("float32").contiguous()) for t in pair)
+                         for pair in rotary]
         self._workspace = np.zeros(0, np.uint8)
         self._error_info = np.zeros(4, np.int32)
+        self._step_meta, self._step_ints = None, None  # the step's int32 lengths and table, for every layer
 
     def _bind_cpu_op(self):
         return None  # forward calls the CUDA kernels' C ABI instead
 
     def forward(self, layer_id: int, qkv: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         table = meta.block_tables_head_wise if meta.block_tables_head_wise is not None else meta.block_tables
-        swa_head_mask, window, sink, head_slots = self.layer_args[layer_id]
-        cos, sin = self.rotary[layer_id]
+        mask, window, sink, slots = self.layer_args[layer_id]  # int32 already (AppendAttentionBackend)
+        cos32, sin32 = self.rotary32[layer_id]
         key_cache, value_cache = self.key_caches[layer_id], self.value_caches[layer_id]
         q16 = qkv.astype(paddle.bfloat16).contiguous()
         token_num = int(q16.shape[0])
         out = paddle.empty([token_num, self.num_heads * self.head_dim], dtype=paddle.bfloat16)
-        ints = [t.astype("int32").contiguous() for t in (meta.seq_lens_encoder, meta.seq_lens_decoder,
-                                                         meta.seq_lens_this_time, meta.cu_seqlens_q, table,
-                                                         swa_head_mask, head_slots)]
-        enc, dec, this_time, cu, table32, mask, slots = ints
-        cos32, sin32 = cos.astype("float32").contiguous(), sin.astype("float32").contiguous()
+        if meta is not self._step_meta:  # the first layer of a step
+            self._step_meta = meta
+            self._step_ints = [t.astype("int32").contiguous() for t in (
+                meta.seq_lens_encoder, meta.seq_lens_decoder, meta.seq_lens_this_time, meta.cu_seqlens_q, table)]
+        enc, dec, this_time, cu, table32 = self._step_ints
         params = AppendAttnParams(
             dtype=_BF16, token_num=token_num, bsz=int(this_time.shape[0]), num_heads=self.num_heads,
             kv_num_heads=self.kv_num_heads, head_dim=self.head_dim, block_size=int(key_cache.shape[2]),
@@ -83,6 +88,3 @@ class CudaOnCpuAttentionBackend(AppendAttentionBackend):
             raise ValueError(f"CUDA_ON_CPU: append_attention_launch: {self.lib.append_attention_last_error().decode()}")
         check_device_errors(self._error_info)  # launches are synchronous: the error is there now
         return out.astype(qkv.dtype)
-
-    def end_step(self) -> None:
-        pass

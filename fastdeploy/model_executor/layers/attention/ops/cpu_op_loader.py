@@ -104,12 +104,14 @@ def _build_key(sources: list[Path], flags: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
+def op_cache_root() -> Path:
+    """Where every compiled op library is kept: $FD_CUSTOM_OP_DIR, or ~/.cache/fastdeploy/custom_ops."""
+    return Path(os.environ.get("FD_CUSTOM_OP_DIR") or Path.home() / ".cache" / "fastdeploy" / "custom_ops")
+
+
 def build_dir(lib: CpuOpLibrary = ATTENTION_OPS) -> Path:
-    root = os.environ.get("FD_CUSTOM_OP_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "fastdeploy", "custom_ops"
-    )
     includes, ldflags, version = lib.link()
-    return Path(root) / (lib.dir_prefix + _build_key(_sources(lib), [*compile_flags(), *includes, *ldflags, version]))
+    return op_cache_root() / (lib.dir_prefix + _build_key(_sources(lib), [*compile_flags(), *includes, *ldflags, version]))
 
 
 def _check_compiler(what: str = ATTENTION_OPS.what) -> None:

@@ -20,6 +20,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -140,15 +141,19 @@ def source_key() -> str:
 @lru_cache(maxsize=1)
 def load_cuda_on_cpu() -> ctypes.CDLL:
     """The engine's library (built on first use, about a minute on 2 cores), with the C ABI declared."""
-    from .cpu_op_loader import _locked
+    from .cpu_op_loader import _locked, op_cache_root
 
-    root = Path(os.environ.get("FD_CUSTOM_OP_DIR") or Path.home() / ".cache" / "fastdeploy" / "custom_ops")
-    out = root / f"cuda_on_cpu-{source_key()}"
-    with _locked(root / f"cuda_on_cpu-{source_key()}.lock"):
+    root, key = op_cache_root(), source_key()
+    out = root / f"cuda_on_cpu-{key}"
+    with _locked(root / f"cuda_on_cpu-{key}.lock"):
         if not (out / LIB_NAME).is_file():
             print(f"[fastdeploy] compiling the CUDA kernels for the CPU executor into {out} (first use only)...",
                   flush=True)
-            build(out, jobs=max(1, min(4, os.cpu_count() or 1)))
+            # Built aside and moved in whole: an interrupted build never leaves a library that looks finished.
+            staging = Path(tempfile.mkdtemp(prefix=f"cuda_on_cpu-{key}.", dir=root))
+            build(staging, jobs=max(1, min(4, os.cpu_count() or 1)))
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(staging, out)
     lib = ctypes.CDLL(str(out / LIB_NAME))
     lib.append_attention_workspace_bytes.restype = ctypes.c_size_t
     lib.append_attention_workspace_bytes.argtypes = [ctypes.POINTER(AppendAttnParams)]
