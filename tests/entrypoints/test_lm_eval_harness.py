@@ -2,7 +2,8 @@
 task kinds of benchmarks/lm_eval_tasks/ against the server: multiple choice (loglikelihood), rolling
 perplexity (loglikelihood_rolling) and generation (generate_until). It needs /tokenizer_info,
 /tokenize, /detokenize and completions echo with prompt logprobs; before those it failed on every
-loglikelihood task. Skips without lm-eval: pip install "lm-eval[api]==0.4.13"."""
+loglikelihood task. Both memory modes: with head-wise recycling the scores are what the sliding heads see.
+lm-eval comes with the test extra (pip install -e ".[test]")."""
 
 import json
 import math
@@ -15,9 +16,10 @@ import pytest
 TASKS = ("pydoc_next_sentence", "pydoc_perplexity", "pydoc_recall")
 
 
-@pytest.fixture(scope="module")
-def server(server_factory):
-    return server_factory()
+@pytest.fixture(scope="module", params=["1d", "head_wise_recycle_on"])
+def server(request, server_factory):
+    flag = "0" if request.param == "1d" else "1"
+    return server_factory(env={"FD_HEAD_WISE_KV_CACHE": flag, "FD_HEAD_WISE_SWA_RECYCLE": "1"})
 
 
 def _tasks_in(folder: Path, repo: Path) -> None:
@@ -31,7 +33,7 @@ def _tasks_in(folder: Path, repo: Path) -> None:
 
 
 def test_lm_eval_local_completions_runs_every_task_kind(server, helpers, tmp_path):
-    pytest.importorskip("lm_eval.evaluator", reason='needs lm-eval: pip install "lm-eval[api]==0.4.13"')
+    import lm_eval.evaluator  # noqa: F401 (the test extra installs it: a missing one fails here, never skips)
     _tasks_in(tmp_path, helpers.REPO)
     args = (f"model={server.model_name()},base_url={server.base_url}/v1/completions,tokenizer_backend=remote,"
             f"max_length=384,num_concurrent=1,max_retries=1")
