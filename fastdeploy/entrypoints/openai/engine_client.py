@@ -259,31 +259,25 @@ class _EngineLoop:
         # Decoding token strings here keeps the tokenizer in one process.
         sent = self.logprobs_sent.get(request_id, 0)
         k = self.wants_logprobs[request_id]
-        entries = []
-        tokenizer = self.engine.tokenizer
-        for token_id, dist in zip(comp.token_ids[sent:], (comp.logprobs or [])[sent:]):
-            dist = dist or {}
-            top = sorted(dist.items(), key=lambda kv: kv[1], reverse=True)[:k]
-            chosen = dist.get(token_id)
-            text, raw = token_text_and_bytes(tokenizer, token_id)
-            entries.append(TokenLogprob(token=text, logprob=None if chosen is None else _finite(chosen), bytes=raw,
-                                        top=[_top_entry(tokenizer, t, lp) for t, lp in top]))
+        entries = [self._entry(token_id, dist or {}, k)
+                   for token_id, dist in zip(comp.token_ids[sent:], (comp.logprobs or [])[sent:])]
         self.logprobs_sent[request_id] = sent + len(entries)
         return entries
 
     def _prompt_logprobs(self, out) -> list:
+        # The first prompt token has nothing before it to predict it: its dist is None.
         k = self.wants_logprobs.get(out.request_id, 0)
+        return [self._entry(token_id, dist, k) for token_id, dist in zip(out.prompt_token_ids, out.prompt_logprobs)]
+
+    def _entry(self, token_id: int, dist, k: int) -> TokenLogprob:
+        """One token's entry: its logprob in `dist` (None where absent) and the k most likely of `dist`."""
         tokenizer = self.engine.tokenizer
-        entries = []
-        for token_id, dist in zip(out.prompt_token_ids, out.prompt_logprobs):
-            text, raw = token_text_and_bytes(tokenizer, token_id)
-            if dist is None:  # the first token: nothing before it to predict it
-                entries.append(TokenLogprob(token=text, logprob=None, top=[], bytes=raw))
-                continue
-            top = sorted(dist.items(), key=lambda kv: kv[1], reverse=True)[:k]
-            entries.append(TokenLogprob(token=text, logprob=_finite(dist[token_id]), bytes=raw,
-                                        top=[_top_entry(tokenizer, t, lp) for t, lp in top]))
-        return entries
+        text, raw = token_text_and_bytes(tokenizer, token_id)
+        dist = dist or {}
+        chosen = dist.get(token_id)
+        top = sorted(dist.items(), key=lambda kv: kv[1], reverse=True)[:k]
+        return TokenLogprob(token=text, logprob=None if chosen is None else _finite(chosen), bytes=raw,
+                            top=[_top_entry(tokenizer, t, lp) for t, lp in top])
 
     def _publish_stats(self, min_interval: float) -> None:
         if time.monotonic() - self.last_stats >= min_interval:
