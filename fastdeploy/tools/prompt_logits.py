@@ -9,10 +9,9 @@ from the step's start; chunked prefill, paging and recycling are whatever the en
 from __future__ import annotations
 
 import numpy as np
-import paddle
 
 from fastdeploy.engine.request import SamplingParams
-from fastdeploy.worker.prompt_logprobs import log_softmax  # noqa: F401 (also this module's API)
+from fastdeploy.worker.prompt_logprobs import log_softmax, row_logprobs  # noqa: F401 (log_softmax: this module's API too)
 
 
 class _Collector:
@@ -25,11 +24,7 @@ class _Collector:
         start, n = meta.starts[0], meta.lengths[0]
         if start >= self.num_tokens:  # a decode step after the prompt: not a prompt position
             return
-        rows = hidden.shape[0]
-        padded = -(-rows // 8) * 8  # the model's row alignment keeps results batch-independent
-        if padded != rows:
-            hidden = paddle.concat([hidden, paddle.zeros([padded - rows, hidden.shape[1]], hidden.dtype)])
-        self.on_rows(start, log_softmax(self.model.lm_logits(hidden)[:n].numpy()))
+        self.on_rows(start, row_logprobs(self.model, hidden)[:n])
 
 
 def prompt_logprobs(llm, token_ids: list, on_rows) -> None:

@@ -18,13 +18,23 @@ import paddle
 
 # Rows per LM-head pass (a multiple of the model's row alignment of 8): 256 x 49152 float32 = 48 MiB.
 ROW_BLOCK = 256
-ROW_ALIGN = 8  # padded to this, as tools/prompt_logits.py does, so a row's result is batch-independent
+ROW_ALIGN = 8  # the model's row alignment: padded to it, a row's result is batch-independent
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise, in numpy: Paddle's CPU log_softmax over a 50k-wide axis takes seconds per row block."""
     shifted = logits - logits.max(axis=-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def row_logprobs(model, hidden: paddle.Tensor) -> np.ndarray:
+    """Next-token log-probs [rows, vocab] of final hidden states, through the model's own final norm and
+    LM head; rows padded to ROW_ALIGN, so a row's result does not depend on how many come with it."""
+    rows = hidden.shape[0]
+    padded = -(-rows // ROW_ALIGN) * ROW_ALIGN
+    if padded != rows:
+        hidden = paddle.concat([hidden, paddle.zeros([padded - rows, hidden.shape[1]], hidden.dtype)])
+    return log_softmax(model.lm_logits(hidden)[:rows].numpy())
 
 
 class PromptRowCapture:
@@ -47,12 +57,8 @@ class PromptRowCapture:
         top_ids = np.empty((n, k), np.int64)
         top_lps = np.empty((n, k), np.float32)
         for a in range(0, n, ROW_BLOCK):
-            block = self.hidden[a:a + ROW_BLOCK]
-            rows = block.shape[0]
-            padded = -(-rows // ROW_ALIGN) * ROW_ALIGN
-            if padded != rows:
-                block = paddle.concat([block, paddle.zeros([padded - rows, block.shape[1]], block.dtype)])
-            lp = log_softmax(self.model.lm_logits(block)[:rows].numpy())
+            lp = row_logprobs(self.model, self.hidden[a:a + ROW_BLOCK])
+            rows = lp.shape[0]
             chosen[a:a + rows] = lp[np.arange(rows), targets[a:a + rows]]
             if k:
                 part = np.argpartition(-lp, k - 1, axis=1)[:, :k]
