@@ -18,7 +18,6 @@ from fastdeploy.engine.stop_strings import find_stop, releasable
 from fastdeploy.input.tokenizer_loader import load_tokenizer
 from fastdeploy.log_format import restyle_paddle_handlers
 from fastdeploy.model_executor.guided_decoding.backend import LLGuidanceBackend
-from fastdeploy.model_executor.guided_decoding.drafts import GrammarBoundProposer
 from fastdeploy.model_executor.layers.sampler import min_tokens_bans
 
 logger = logging.getLogger("fastdeploy.engine")
@@ -41,8 +40,6 @@ class LLMEngine:
         if fd_config.guided_decoding_backend != "off":
             self.guided = LLGuidanceBackend(self.tokenizer, self.model_config.vocab_size,
                                             self.model_config.eos_token_ids)
-            if self.scheduler.proposer is not None:  # drafts stop at the first token the grammar forbids
-                self.scheduler.proposer = GrammarBoundProposer(self.scheduler.proposer)
         self._seeds = np.random.default_rng()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0

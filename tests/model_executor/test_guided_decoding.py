@@ -66,7 +66,7 @@ def test_a_grammar_is_compiled_once_and_each_request_gets_its_own_matcher(llm):
 def test_drafts_the_grammar_forbids_end_the_draft_and_the_output_is_unchanged(plain):
     llm = LLM(speculative_config=SPEC, **ENGINE)
     scripted = ScriptedProposer(_truth(plain), lambda r, k: 0, lambda t: LETTER_X)  # every draft wrong
-    llm.engine.scheduler.proposer.proposer = scripted  # behind the engine's grammar bound
+    llm.engine.scheduler.proposer = scripted  # the scheduler cuts its drafts at the grammar
     outs = llm.generate(PROMPTS, _params(), use_tqdm=False)
     assert [o.outputs.token_ids for o in outs] == [plain[tuple(o.prompt_token_ids)] for o in outs]
     assert scripted.proposed > 0
@@ -78,7 +78,7 @@ def test_accepted_drafts_advance_the_matcher_and_the_output_is_unchanged(plain):
     # Right drafts, then (where k allows) a wrong one the grammar permits: "0" is a digit.
     right_then_digit = ScriptedProposer(_truth(plain), lambda r, k: max(0, k - 1),
                                         lambda t: ord("0") + 3 if t != ord("0") + 3 else ord("1") + 3)
-    llm.engine.scheduler.proposer.proposer = right_then_digit
+    llm.engine.scheduler.proposer = right_then_digit
     outs = llm.generate(PROMPTS, _params(), use_tqdm=False)
     assert [o.outputs.token_ids for o in outs] == [plain[tuple(o.prompt_token_ids)] for o in outs]
     scheduler = llm.engine.scheduler
@@ -88,7 +88,7 @@ def test_accepted_drafts_advance_the_matcher_and_the_output_is_unchanged(plain):
 
 def test_all_right_drafts_under_a_grammar_match_plain_decoding(plain):
     llm = LLM(speculative_config=SPEC, **ENGINE)
-    llm.engine.scheduler.proposer.proposer = ScriptedProposer(_truth(plain), always_right, lambda t: t)
+    llm.engine.scheduler.proposer = ScriptedProposer(_truth(plain), always_right, lambda t: t)
     outs = llm.generate(PROMPTS, _params(), use_tqdm=False)
     assert [o.outputs.token_ids for o in outs] == [plain[tuple(o.prompt_token_ids)] for o in outs]
     assert all(re.fullmatch(DIGITS, o.outputs.text) for o in outs)

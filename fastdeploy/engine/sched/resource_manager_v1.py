@@ -265,7 +265,8 @@ class ResourceManagerV1:
 
         Drafts come last, after every running request's own token and every admission, and take
         only the budget and free pages nothing else needs; they never preempt and never count in
-        admission. A rejected draft's pages return in update_from_output, so what a request holds
+        admission. Under a grammar a draft is cut at its first token the grammar forbids. A rejected
+        draft's pages return in update_from_output, so what a request holds
         after the step is the need of its accepted tokens alone. With projected admission a request
         drafts only while the curves still fit with its curve moved as far as its drafts could take it.
         """
@@ -279,6 +280,8 @@ class ResourceManagerV1:
                 continue  # a prefill chunk, or a chunk that does not reach the last token
             k = min(k_max, request.max_new_tokens - 1, budget)  # never past max_tokens
             drafts = self.proposer.propose(request, k)[:k] if k > 0 else []
+            if drafts and request.grammar is not None:  # a draft the grammar forbids could never be accepted
+                drafts = request.grammar.valid_drafts(drafts)
             if drafts and curves is not None:
                 num = self.projection.drafts_within(curves, self.running.index(request), len(drafts))
                 drafts = drafts[:num]
