@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationError, field_validator, model_validator
 
 from fastdeploy.engine.request import (
     MAX_LOGIT_BIAS,
@@ -115,6 +115,7 @@ class _Request(BaseModel):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     guided_json_object: Optional[bool] = None
+    _guided_decoding = PrivateAttr(default=None)  # what those fields ask, built (and checked) once
 
     @model_validator(mode="before")
     @classmethod
@@ -128,7 +129,7 @@ class _Request(BaseModel):
 
     @model_validator(mode="after")
     def _guided_decoding_compiles(self):
-        guided_decoding_of(self)  # a 400 naming the problem, before the engine sees the request
+        self._guided_decoding = guided_decoding_of(self)  # a 400 naming the problem, before the engine sees it
         return self
 
     @field_validator("stop", mode="wrap")
@@ -177,7 +178,7 @@ class _Request(BaseModel):
             "frequency_penalty": self.frequency_penalty or 0.0,
             "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
             "logit_bias": {int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None,
-            "guided_decoding": guided_decoding_of(self),
+            "guided_decoding": self._guided_decoding,
         }
         if self.temperature is not None:
             kw["temperature"] = self.temperature
