@@ -19,7 +19,9 @@ MAX_TOKENS = 16
 
 def prompts():
     varied = [[3 + (i * 37 + n * 11 + (i * i) % 23) % 250 for i in range(n)] for n in PROMPT_LENGTHS]
-    return varied + [[5, 6, 7, 8] * 40]  # a repetitive one, whose n-gram drafts get accepted
+    # A repetitive one, whose n-gram drafts get accepted; and, admitted once a seat frees, one that shares the
+    # 300-token prompt's first 12 blocks: the kernels read pages a prefix-cache hit gave it.
+    return varied + [[5, 6, 7, 8] * 40, varied[2][:200] + [9, 10, 11]]
 
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}
@@ -52,6 +54,7 @@ def test_the_cuda_kernels_on_the_cpu_serve_the_cpu_ops_greedy_tokens(monkeypatch
     same_pages, dense = oracles
     tokens, engine = generate(monkeypatch, "CUDA_ON_CPU", mode)
     assert tokens == same_pages
+    assert engine.get_stats()["prefix_cache_hit_tokens_total"] >= 192
     if mode == "head_wise_recycle_on":
         assert engine.get_stats()["swa_pages_recycled_total"] > 0
     for got, (want, logprobs) in zip(tokens, dense):
