@@ -197,3 +197,12 @@ def test_bench_speculative_runs_both_arms_interleaved_with_identical_tokens(tmp_
         assert row["tok_s_off"] > 0 and row["tok_s_on"] > 0 and len(row["ratios"]) == 2
         assert 0 <= row["acceptance_rate"] <= 1
     assert set(result["batched"]) == {"N=3"}
+
+
+def test_bench_structured_outputs_runs_both_arms_and_times_the_compile(tmp_path):
+    out = tmp_path / "structured.json"
+    run("bench_structured_outputs.py", "--model", "None", "--rounds", "1", "--max-tokens", "8", "--concurrency", "2",
+        "--kv-cache-memory", str(64 << 20), "--json", str(out))
+    result = json.loads(out.read_text())
+    assert set(result["decode_tok_s"]) == {"free", "json_schema"} and all(v > 0 for v in result["decode_tok_s"].values())
+    assert len(result["ratio_per_round"]) == 1 and result["compile"]
