@@ -1,9 +1,9 @@
-// Quantized KV pages (int8 and block_wise_fp8): the one rule for writing a token's K or V head
-// vector as 8-bit values with one float32 scale, and for reading it back. The CPU op and the CUDA
+// Quantized KV pages (int8, block_wise_fp8 and block_wise_int4): the one rule for writing a token's
+// K or V head vector as 8-bit (or 4-bit) codes with one float32 scale, and for reading it back. The CPU op and the CUDA
 // kernels both include this header (the CUDA build has cpu_ops/ on its include path), so the two
 // devices write the same bytes and read the same floats.
 //
-// Write: scale = absmax / Q (Q = 127 for int8, 448 for e4m3), computed per token and KV head at
+// Write: scale = absmax / Q (Q = 127 for int8, 448 for e4m3, 7 for int4), computed per token and KV head at
 // the moment the row is written (dynamic, nothing calibrated); value = x / scale rounded to the
 // nearest representable code, ties to even, saturating at +-Q. A zero vector gets scale 0 and
 // codes 0 (no division by zero). Read: code's exact value * scale, one float rounding. Every step
@@ -32,17 +32,18 @@
 namespace fd_kvq {
 
 // The page formats; the cache's dtype says which one a lane holds.
-enum Format { kFloat = 0, kInt8 = 1, kE4M3 = 2 };
+enum Format { kFloat = 0, kInt8 = 1, kE4M3 = 2, kInt4 = 3 };
 
 constexpr float kInt8Max = 127.f;
 constexpr float kE4M3Max = 448.f;  // largest finite e4m3fn (0x7E); 0x7F is NaN, there is no inf
+constexpr float kInt4Max = 7.f;
 
 // An e4m3fn byte, a distinct type so the cache's element type picks the conversion.
 struct e4m3 {
   uint8_t bits;
 };
 
-FD_KVQ_FN float format_max(Format f) { return f == kInt8 ? kInt8Max : kE4M3Max; }
+FD_KVQ_FN float format_max(Format f) { return f == kInt8 ? kInt8Max : f == kInt4 ? kInt4Max : kE4M3Max; }
 
 // absmax / Q; 0 for a zero vector.
 FD_KVQ_FN float scale_for(float absmax, Format f) { return absmax / format_max(f); }
@@ -52,6 +53,19 @@ FD_KVQ_FN int8_t int8_code(float x, float scale) {
   const float y = fminf(fmaxf(rintf(x / scale), -kInt8Max), kInt8Max);  // |y| may round past 127
   return static_cast<int8_t>(y);
 }
+
+// The int4 code of x: nearest-even of x / scale clamped to +-7 (0 for a zero row's scale).
+FD_KVQ_FN int int4_code(float x, float scale) {
+  if (!(scale > 0.f)) return 0;
+  return static_cast<int>(fminf(fmaxf(rintf(x / scale), -kInt4Max), kInt4Max));
+}
+
+// Two int4 codes in one byte (lo = the even element) and back, with sign extension.
+FD_KVQ_FN uint8_t int4_pack(int lo, int hi) {
+  return static_cast<uint8_t>((lo & 0xF) | ((hi & 0xF) << 4));
+}
+FD_KVQ_FN int int4_low(uint8_t b) { return static_cast<int>(static_cast<int8_t>(static_cast<uint8_t>(b << 4))) >> 4; }
+FD_KVQ_FN int int4_high(uint8_t b) { return static_cast<int>(static_cast<int8_t>(b)) >> 4; }
 
 FD_KVQ_FN uint32_t float_bits(float x) {
 #ifdef __CUDA_ARCH__
@@ -125,9 +139,18 @@ FD_KVQ_FN void quantize_row(const float* x, int d, Code* codes, float* scale) {
   *scale = s;
 }
 
+// One token's head vector x[0..d) (d even) into d / 2 bytes of int4 codes and its scale.
+FD_KVQ_FN void quantize_row_int4(const float* x, int d, uint8_t* packed, float* scale) {
+  float absmax = 0.f;
+  for (int i = 0; i < d; ++i) absmax = fmaxf(absmax, fabsf(x[i]));
+  const float s = scale_for(absmax, kInt4);
+  for (int i = 0; i < d; i += 2) packed[i / 2] = int4_pack(int4_code(x[i], s), int4_code(x[i + 1], s));
+  *scale = s;
+}
+
 // Which pages store their keys rotated (see the top of this file).
 FD_KVQ_FN bool rotates_keys(Format f, int head_dim) {
-  return f == kInt8 && head_dim > 1 && (head_dim & (head_dim - 1)) == 0;
+  return (f == kInt8 || f == kInt4) && head_dim > 1 && (head_dim & (head_dim - 1)) == 0;
 }
 
 // x <- H x in place, H of order d (a power of two): butterflies of span 1, 2, 4, ... in this order

@@ -1,9 +1,11 @@
 """Numpy reference of the quantized-page rule (custom_ops/cpu_ops/kv_quant.h), written from the
 formats' definitions, not from the op: one float32 scale per row = absmax / Q (Q = 127 for int8,
-448 for e4m3fn), codes = the row / scale rounded to the nearest representable value, ties to even,
+448 for e4m3fn, 7 for int4), codes = the row / scale rounded to the nearest representable value, ties to even,
 saturating at +-Q; a zero row gets scale 0 and codes 0. Float32 arithmetic where the rule is
-float32 (scale, division), exact float64 for the rounding itself. int8 keys are stored rotated by
-the unnormalised Walsh-Hadamard matrix H (head_dim a power of two), queries by H / head_dim.
+float32 (scale, division), exact float64 for the rounding itself. int8 and int4 keys are stored
+rotated by the unnormalised Walsh-Hadamard matrix H (head_dim a power of two), queries by H / head_dim.
+int4 codes (-7..7) are stored two per byte: element 2i in the low nibble, 2i + 1 in the high one,
+each a 4-bit two's complement number.
 Used only by tests.
 """
 
@@ -12,11 +14,12 @@ from __future__ import annotations
 import numpy as np
 
 # page format name (the engine's kv_cache_quant_type) -> (cache dtype, Q)
-FORMATS = {"int8": ("int8", 127.0), "block_wise_fp8": ("float8_e4m3fn", 448.0)}
+FORMATS = {"int8": ("int8", 127.0), "block_wise_fp8": ("float8_e4m3fn", 448.0),
+           "block_wise_int4": ("uint8", 7.0)}
 
 
 def rotates_keys(fmt: str, head_dim: int) -> bool:
-    return fmt == "int8" and head_dim > 1 and head_dim & (head_dim - 1) == 0
+    return fmt in ("int8", "block_wise_int4") and head_dim > 1 and head_dim & (head_dim - 1) == 0
 
 
 def hadamard(x: np.ndarray) -> np.ndarray:
@@ -37,6 +40,26 @@ def round_int8(y: np.ndarray) -> np.ndarray:
     return np.clip(np.rint(y.astype(np.float64)), -127, 127)
 
 
+def round_int4(y: np.ndarray) -> np.ndarray:
+    return np.clip(np.rint(y.astype(np.float64)), -7, 7)
+
+
+def pack_int4(codes: np.ndarray) -> np.ndarray:
+    """int4 code values [..., d] (d even) -> their bytes [..., d / 2]: even element low nibble."""
+    nibbles = codes.astype(np.int64) & 0xF
+    return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_int4(packed: np.ndarray) -> np.ndarray:
+    """Bytes [..., d / 2] -> int4 code values [..., d] (sign-extended nibbles), float64."""
+    b = np.asarray(packed).view(np.uint8).astype(np.int64)
+    lo, hi = b & 0xF, b >> 4
+    out = np.empty(b.shape[:-1] + (2 * b.shape[-1],), dtype=np.float64)
+    out[..., 0::2] = np.where(lo > 7, lo - 16, lo)
+    out[..., 1::2] = np.where(hi > 7, hi - 16, hi)
+    return out
+
+
 def round_e4m3(y: np.ndarray) -> np.ndarray:
     """Nearest e4m3fn value (ties to even), saturating at +-448; returned as float64."""
     a = np.abs(y.astype(np.float64))
@@ -54,8 +77,8 @@ def quantize_rows(x: np.ndarray, fmt: str):
     scale = (np.abs(x).max(axis=-1) / q).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1))
     y = np.where(scale[..., None] > 0, x / safe[..., None], np.float32(0)).astype(np.float32)
-    codes = round_int8(y) if fmt == "int8" else round_e4m3(y)
-    return codes, scale
+    rounding = {"int8": round_int8, "block_wise_int4": round_int4, "block_wise_fp8": round_e4m3}[fmt]
+    return rounding(y), scale
 
 
 def dequantize_rows(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -64,12 +87,12 @@ def dequantize_rows(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 def error_bound(x: np.ndarray, scales: np.ndarray, fmt: str) -> np.ndarray:
-    """The largest |dequantized - x| the rule allows per element: half a code step (int8: scale / 2;
-    e4m3: 2^-4 |x| for normals, 2^-10 scale below 2^-6 scale), plus the float32 roundings of the
-    division and of the multiply (a few ulp of |x| and of the scale)."""
+    """The largest |dequantized - x| the rule allows per element: half a code step (int8, int4:
+    scale / 2; e4m3: 2^-4 |x| for normals, 2^-10 scale below 2^-6 scale), plus the float32 roundings
+    of the division and of the multiply (a few ulp of |x| and of the scale)."""
     x = np.abs(x.astype(np.float64))
     s = scales[..., None].astype(np.float64)
-    half_step = s / 2 if fmt == "int8" else np.maximum(x * 2.0 ** -4, s * 2.0 ** -10)
+    half_step = s / 2 if fmt in ("int8", "block_wise_int4") else np.maximum(x * 2.0 ** -4, s * 2.0 ** -10)
     return half_step + 4e-7 * (x + 127 * s)
 
 
@@ -95,21 +118,28 @@ def e4m3_values(codes: np.ndarray) -> np.ndarray:
 
 
 def quantized_pages(rows: np.ndarray, fmt: str, keys: bool):
-    """(codes as stored — int8, or e4m3fn bytes as uint8 —, float32 scales) of cache rows [..., d];
+    """(codes as stored — int8, e4m3fn bytes as uint8, or int4 pairs as uint8 [..., d / 2] —, float32
+    scales) of cache rows [..., d];
     NaN rows (never written) get scale NaN and codes 0, so reading one poisons the result."""
     poisoned = np.isnan(rows).any(axis=-1)
     rows = np.nan_to_num(np.asarray(rows, dtype=np.float32))
     if keys and rotates_keys(fmt, rows.shape[-1]):
         rows = hadamard(rows)
     codes, scales = quantize_rows(rows, fmt)
-    stored = codes.astype(np.int8) if fmt == "int8" else e4m3_bytes(codes)
+    stored = {"int8": lambda c: c.astype(np.int8), "block_wise_int4": pack_int4,
+              "block_wise_fp8": e4m3_bytes}[fmt](codes)
     return stored, np.where(poisoned, np.nan, scales).astype(np.float32)
 
 
 def pages_from_codes(codes: np.ndarray, scales: np.ndarray, fmt: str, keys: bool) -> np.ndarray:
     """float64 values of stored pages (int8 keys rotated back exactly)."""
     # The codes' bytes, whatever array holds them (the harness returns uint8): int8 codes are signed.
-    values = codes.view(np.int8).astype(np.float64) if fmt == "int8" else e4m3_values(codes.view(np.uint8))
+    if fmt == "int8":
+        values = codes.view(np.int8).astype(np.float64)
+    elif fmt == "block_wise_int4":
+        values = unpack_int4(codes)
+    else:
+        values = e4m3_values(codes.view(np.uint8))
     rows = values * scales[..., None].astype(np.float32).astype(np.float64)
     if keys and rotates_keys(fmt, rows.shape[-1]):
         rows = hadamard(rows) / rows.shape[-1]
