@@ -12,6 +12,7 @@ import paddle
 
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention import get_attention_backend
+from fastdeploy.model_executor.layers.blas_gemm import build_dense_ops
 from fastdeploy.model_executor.layers.rotary_embedding import layer_rope_tables
 from fastdeploy.model_executor.models.decoder import CausalLM
 from fastdeploy.model_executor.tensor_parallel import local_kv_heads
@@ -29,6 +30,7 @@ class ModelRunner:
         paddle.set_device(paddle_device_name(device, tp_rank))
         if device == "cpu":
             keep_freed_host_memory()
+            build_dense_ops()
         self.fd_config = fd_config
         model = fd_config.model_config
         self.tp_rank = tp_rank

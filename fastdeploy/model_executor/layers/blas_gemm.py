@@ -53,6 +53,12 @@ GEMM_OPS = CpuOpLibrary("fd_cpu_gemm", ("linear_packed.cc", "linear_blocks.cc", 
                         dir_prefix="gemm-", link=_link)
 
 
+def build_dense_ops() -> None:
+    """Compile (on first use) and load the dense-layer ops now, while the engine is being built: a server
+    that says it is ready must not make its first request wait a minute for the compiler."""
+    linear_sgemm()  # loads the one module (every dense-layer op) and settles OpenBLAS's threads
+
+
 @lru_cache(maxsize=None)
 def rms_norm_rows():
     """The op: `rms_norm_rows(x [.., D] float32, weight [D] float32, eps) -> [.., D]`, row-invariant."""
