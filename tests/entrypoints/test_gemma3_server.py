@@ -57,3 +57,24 @@ def test_chat_answers_a_factual_question_and_ends_its_turn(server):
     choice = resp.json()["choices"][0]
     assert "Paris" in choice["message"]["content"]
     assert choice["finish_reason"] == "stop" and "User:" not in choice["message"]["content"]
+
+
+def test_tokenize_puts_bos_first_unless_add_special_tokens_is_false(server):
+    """Gemma 3's tokenizer adds <bos>: /tokenize adds it by default (the ids a completion runs), leaves it
+    out with add_special_tokens false, and a chat prompt carries it once either way it is asked."""
+    info = server.http.get("/tokenizer_info").json()
+    bos = server.http.post("/tokenize", json={"prompt": info["bos_token"], "add_special_tokens": False}).json()
+    assert bos["count"] == 1
+    bos_id = bos["tokens"][0]
+    default = server.http.post("/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
+    plain = server.http.post("/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()["tokens"]
+    assert default == [bos_id] + plain and bos_id not in plain
+    completion = server.http.post("/v1/completions", json={"model": server.model_name(), "prompt": "Hello world",
+                                                            "max_tokens": 1}).json()
+    assert completion["usage"]["prompt_tokens"] == len(default)
+    messages = [{"role": "user", "content": "Hi"}]
+    chat_ids = server.http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    explicit = server.http.post("/tokenize", json={"messages": messages, "add_special_tokens": True}).json()["tokens"]
+    bare = server.http.post("/tokenize", json={"messages": messages, "add_special_tokens": False}).json()["tokens"]
+    assert chat_ids == explicit and chat_ids.count(bos_id) == 1
+    assert [bos_id] + bare == chat_ids

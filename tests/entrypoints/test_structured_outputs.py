@@ -203,3 +203,30 @@ def test_outputs_under_a_grammar_are_the_same_with_speculation_on_and_off(server
                                                       guided_decoding=GuidedDecodingParams(**{k: v})),
                           use_tqdm=False)[0].outputs.text for k, v in params]
     assert served == plain
+
+
+def test_the_official_openai_client_parses_a_pydantic_answer(server):
+    """openai's `chat.completions.parse` sends the model's JSON schema (strict) and reads the answer back
+    into the class: what a user of the official client writes."""
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=8)
+        age: int = Field(ge=0, le=120)
+        member: bool
+
+    done = server.openai_client().chat.completions.parse(
+        model=server.model_name(), messages=MESSAGES, response_format=Person, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"logit_bias": CLOSERS})
+    person = done.choices[0].message.parsed
+    assert isinstance(person, Person) and 0 <= person.age <= 120 and len(person.name) <= 8
+
+
+def test_with_guided_decoding_off_a_constrained_request_is_a_400_and_free_ones_run(server_factory):
+    off = server_factory("--max-model-len", "256", "--guided-decoding-backend", "off")
+    resp = off.http.post(CHAT, json={"messages": MESSAGES, "max_tokens": 8, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}})
+    assert resp.status_code == 400, resp.text
+    assert "--guided-decoding-backend off" in resp.json()["error"]["message"]
+    free = off.http.post(CHAT, json={"messages": MESSAGES, "max_tokens": 8})
+    assert free.status_code == 200 and free.json()["choices"][0]["finish_reason"] in ("length", "stop")
