@@ -128,13 +128,30 @@ def build(out_dir: Path, jobs: int = 2, source_dir: Path = SOURCE_DIR, extra_fla
     return lib, {name: secs for name, secs, _ in results}
 
 
+@lru_cache(maxsize=None)
+def _compiler_identity(cxx: str) -> str:
+    """The compiler's name and its own version line: another compiler, or an upgraded one, builds
+    another library."""
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return cxx  # build() then reports the compiler that cannot run
+    return f"{cxx} {out.splitlines()[0] if out else ''}"
+
+
 def source_key() -> str:
-    """Hash of everything the library is built from (sources, executor, flags)."""
+    """Hash of everything the library is built from: sources, executor, flags, the compiler (CXX and
+    its version) and the CUDA toolkit's headers it includes (their folder and cuda_bf16.h's text)."""
     digest = hashlib.sha256()
     for path in [*sorted(SOURCE_DIR.glob("*.cu*")), SHARED_HEADER, *sorted(EXECUTOR_DIR.glob("*"))]:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     digest.update(" ".join(CPU_FLAGS).encode())
+    digest.update(_compiler_identity(os.environ.get("CXX") or "g++").encode())
+    include = find_cuda_include()
+    if include is not None:
+        digest.update(str(include).encode())
+        digest.update((include / "cuda_bf16.h").read_bytes())
     return digest.hexdigest()[:16]
 
 
