@@ -101,3 +101,26 @@ def test_backend_off_rejects_constrained_requests_and_xgrammar_is_named():
     assert llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs.token_ids
     with pytest.raises(ValueError, match="torch"):
         LLM(guided_decoding_backend="xgrammar", **ENGINE)
+
+
+def test_when_the_masks_cannot_be_computed_only_the_constrained_requests_fail(llm, monkeypatch):
+    """llguidance failing in the background thread (here: made to raise) ends that step's constrained
+    requests alone; a free request in the same batch keeps its tokens, and the next constrained request
+    is served once the masks work again."""
+    from fastdeploy.model_executor.guided_decoding import masks
+
+    free = SamplingParams(temperature=0, max_tokens=12)
+    alone = llm.generate(["free prompt"], free, use_tqdm=False)[0].outputs.token_ids
+
+    def broken(executor, work):
+        raise RuntimeError("planted mask failure")
+
+    monkeypatch.setattr(masks, "_compute", broken)
+    constrained, mate = llm.generate(["card number:", "free prompt"], [_params(), free], use_tqdm=False)
+    assert mate.outputs.token_ids == alone
+    assert not re.fullmatch(DIGITS, constrained.outputs.text)  # ended at once, with no token
+    assert len(constrained.outputs.token_ids) == 0 and constrained.outputs.finish_reason == "abort"
+    assert not llm.engine.has_unfinished_requests()
+    monkeypatch.undo()
+    again = llm.generate(["card number:"], _params(), use_tqdm=False)[0]
+    assert re.fullmatch(DIGITS, again.outputs.text)
