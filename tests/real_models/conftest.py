@@ -1,8 +1,6 @@
 """The real models that PyPI packages ship, and their reference: transformers on torch CPU reading the
 same GGUF file. Each is loaded once per test session; without the packages these tests skip."""
 
-import os
-
 import pytest
 
 
@@ -25,33 +23,13 @@ def gemma3_path():
     return _gguf_of("gemma-3-270m")
 
 
-def _hide_paddlecodec_from_transformers() -> None:
-    """PaddleFormers' dependency paddlecodec installs an import package named `torchcodec` without
-    torchcodec's metadata; transformers then takes it for torchcodec and fails to read its version.
-    The reference never decodes audio or video: tell transformers there is no torchcodec."""
-    import importlib.metadata
-
-    try:
-        importlib.metadata.version("torchcodec")
-    except importlib.metadata.PackageNotFoundError:
-        import transformers.utils
-        import transformers.utils.import_utils as import_utils
-
-        import_utils.is_torchcodec_available = transformers.utils.is_torchcodec_available = lambda: False
-
-
 def _transformers_model(path: str):
-    transformers = pytest.importorskip("transformers")
-    _hide_paddlecodec_from_transformers()
+    pytest.importorskip("transformers")
     pytest.importorskip("torch")
     pytest.importorskip("accelerate")
-    import torch
+    from fastdeploy.tools import transformers_model
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    folder, name = os.path.split(path)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return tokenizer, model.eval()
+    return transformers_model.load(path)
 
 
 @pytest.fixture(scope="session")
