@@ -14,11 +14,13 @@ Arms (recycling off, so every table addresses the same bytes):
 
 Decode also reports achieved HBM bandwidth (K+V bytes the arm must read / time) against a
 measured device-to-device copy. A last table times the 2-D decode over quantized pages
-(--kv-cache-quant-type int8 / block_wise_fp8: 8-bit codes + a float32 scale per row) against bf16
+(--kv-cache-quant-type int8 / block_wise_fp8: 8-bit codes, block_wise_int4: 4-bit codes two per
+byte; each + a float32 scale per row) against bf16
 pages, after checking them against the float64 reference. Without a GPU it builds (when nvcc
 exists), says so, exits 0.
 
     python benchmarks/bench_append_attention_gpu.py [--json out.json] [--iters 20]
+        [--page-formats int8 block_wise_fp8 block_wise_int4]
 """
 
 from __future__ import annotations
@@ -110,12 +112,13 @@ def check_arms(harness) -> dict[str, float]:
     return errors
 
 
-def check_page_formats(harness) -> dict[str, float]:
+def check_page_formats(harness, formats=tuple(QUANT)) -> dict[str, float]:
     """The 2-D arm over quantized pages vs the float64 reference over the original float values (the
-    format's error: the CPU op measures int8 ~8e-3, e4m3 ~3.5e-2 on random normal K/V)."""
+    format's error: the CPU op measures int8 ~8e-3, e4m3 ~3.5e-2 on random normal K/V; int4 pages
+    ~1.5e-1 on the kernel tests' random rows)."""
     errors = {}
     rng = np.random.default_rng(1)
-    for fmt in QUANT:
+    for fmt in formats:
         case = build_case(rng, [(0, 200), (700, 1), (300, 40), (1500, 1)], num_heads=NUM_HEADS,
                           kv_num_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK, sliding_window=256,
                           sink_size=SINK, swa_heads=SWA_HEADS)
@@ -127,17 +130,19 @@ def check_page_formats(harness) -> dict[str, float]:
     return errors
 
 
-def page_format_rows(harness, window: int, iters: int) -> list:
-    """Decode b64 ctx16k, 2-D skip, over bf16 / int8 / e4m3 pages: time and the page bytes read."""
+def page_format_rows(harness, window: int, iters: int, formats=tuple(QUANT)) -> list:
+    """Decode b64 ctx16k, 2-D skip, over bf16 / int8 / e4m3 / int4 pages: time and the page bytes read."""
     rows, base = [], None
     w = dict(bsz=64, cached=16384, new=1)
     arm = ARMS["2-D skip"]
-    for name, quant in (("bf16", gpu_harness.CACHE_FLOAT), *QUANT.items()):
+    for name, quant in (("bf16", gpu_harness.CACHE_FLOAT), *((f, QUANT[f]) for f in formats)):
         case = workload_case(w["bsz"], w["cached"], w["new"], window, arm).with_params(cache_quant=quant)
         res = harness.run(case, fill_on_device=True, warmup=3, iters=iters)
         if res.status != 0:
             raise SystemExit(f"{name} pages: failed: {res.message}")
-        row_bytes = 2 * HEAD_DIM if quant == gpu_harness.CACHE_FLOAT else HEAD_DIM + 4
+        # a page row: its codes (bf16: 2 bytes an element, 8-bit: 1, int4: half) and, quantized, its scale
+        row_bytes = {gpu_harness.CACHE_FLOAT: 2 * HEAD_DIM, gpu_harness.CACHE_INT4: HEAD_DIM // 2 + 4}.get(
+            quant, HEAD_DIM + 4)
         kv_bytes = w["bsz"] * decode_pages_read(w["cached"], window, arm) * BLOCK * row_bytes * 2
         base = base or res.avg_ms
         rows.append(dict(pages=name, window=window, ms=round(res.avg_ms, 4), vs_bf16=round(res.avg_ms / base, 3),
@@ -162,6 +167,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=20, help="timed decode launches per arm")
     parser.add_argument("--prefill-iters", type=int, default=5, help="timed prefill launches")
     parser.add_argument("--windows", type=int, nargs="+", default=[4096, 1024])
+    parser.add_argument("--page-formats", nargs="+", choices=list(QUANT), default=list(QUANT),
+                        help="quantized page formats (--kv-cache-quant-type names) checked and timed against "
+                             "bf16 pages (default: all)")
     return parser.parse_args(argv)
 
 
@@ -245,11 +253,11 @@ def main(argv=None) -> int:
                   f"{(row['speedup_of_2d'] - 1) * 100:+.1f}% {'(>= 5%: pass)' if ok else '(< 5%)'}")
     report["all_speedups_at_least_5pct"] = all(verdicts)
 
-    quant_errors = check_page_formats(harness)
+    quant_errors = check_page_formats(harness, args.page_formats)
     report["page_format_check_rel_error"] = quant_errors
     print("\nquantized pages vs float64 over the float values: " +
           ", ".join(f"{k} {v:.2e}" for k, v in quant_errors.items()))
-    formats = page_format_rows(harness, args.windows[0], args.iters)
+    formats = page_format_rows(harness, args.windows[0], args.iters, args.page_formats)
     report["page_formats"] = formats
     print(f"{'decode b64 ctx16k, 2-D skip':<30}{'pages':<16}{'ms':>10}{'x bf16':>8}{'MB read':>9}{'GB/s':>8}")
     for row in formats:

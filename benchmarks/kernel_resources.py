@@ -48,7 +48,10 @@ DECODE_PATH = ("decode_attention_kernel", "decode_merge_kernel")
 MODEL_SHAPES = {"Gemma-3-270M": (4, 1, 256), "Gemma-3-4B": (8, 4, 256), "SmolLM2-135M": (9, 3, 64),
                 "ERNIE-4.5-21B-A3B": (20, 4, 128)}
 PAGE_FORMATS = {"FloatPages": gpu_harness.CACHE_FLOAT, "Int8Pair": gpu_harness.CACHE_INT8,
-                "E4M3Pair": gpu_harness.CACHE_FP8_E4M3}
+                "E4M3Pair": gpu_harness.CACHE_FP8_E4M3, "NibblePages": gpu_harness.CACHE_INT4}
+# rope_write_quantized_kernel<T, Code>: the Code type's name -> its page format
+WRITE_CODES = {"signed char": gpu_harness.CACHE_INT8, "e4m3": gpu_harness.CACHE_FP8_E4M3,
+               "Int4Pair": gpu_harness.CACHE_INT4}
 
 
 @dataclasses.dataclass
@@ -162,7 +165,7 @@ def _dynamic_smem(lib, kernel: str, name: str) -> dict[str, int]:
         quant = next(v for k, v in PAGE_FORMATS.items() if k in args[1])
         return {"": ask(int(args[2]), int(args[3]), quant, 8, 1)}
     if kernel == "rope_write_quantized_kernel":  # <T, Code>: depends on the model's heads
-        quant = gpu_harness.CACHE_INT8 if "signed char" in args[1] else gpu_harness.CACHE_FP8_E4M3
+        quant = next(v for k, v in WRITE_CODES.items() if k in args[1])
         return {model: ask(d, 64, quant, nh, kvh) for model, (nh, kvh, d) in MODEL_SHAPES.items()}
     return {"": ask(128, 64, gpu_harness.CACHE_FLOAT, 8, 1)}  # the other kernels: 0 at every shape
 

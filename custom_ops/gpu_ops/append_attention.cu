@@ -1,6 +1,7 @@
 // Paddle custom op `append_attention_gpu`: a thin wrapper over the C ABI launcher in
 // append_attn/ (same arguments, semantics and input checks as the CPU op; bf16/fp16 tensors on
-// the GPU; int8 / float8_e4m3fn caches with their scales for quantized pages, bf16 qkv). key_cache /
+// the GPU; int8 / float8_e4m3fn caches, or uint8 caches of int4 pairs [..., head_dim / 2], with their
+// scales for quantized pages, bf16 qkv). key_cache /
 // value_cache (and the scales) are updated in place. Built by custom_ops/setup_ops.py, or
 // JIT-built on first use (fastdeploy/.../ops/gpu_op_loader.py), when Paddle has CUDA.
 //

@@ -54,8 +54,9 @@ FP16 = 1
 PARAM_FIELDS = cuda_on_cpu.PARAM_FIELDS
 BUFFER_FIELDS = cuda_on_cpu.BUFFER_FIELDS
 
-# AppendAttnCacheQuant: float pages of `dtype`, or int8 / e4m3fn bytes with a float32 scale per row.
-CACHE_FLOAT, CACHE_INT8, CACHE_FP8_E4M3 = 0, 1, 2
+# AppendAttnCacheQuant: float pages of `dtype`, or int8 / e4m3fn bytes or int4 codes two per byte
+# (caches [..., head_dim / 2] uint8), with a float32 scale per row.
+CACHE_FLOAT, CACHE_INT8, CACHE_FP8_E4M3, CACHE_INT4 = 0, 1, 2, 3
 
 # Device-side error codes (AppendAttnDeviceError).
 ERR_DEAD_ENTRY = 1
@@ -276,7 +277,8 @@ class Case:
     swa_head_mask: np.ndarray
     out: np.ndarray
     kv_head_slots: np.ndarray | None = None  # None: KV head h in slot h (params kv_slots 0)
-    # Quantized pages (params cache_quant != 0): the caches are uint8 / int8 codes and these float32
+    # Quantized pages (params cache_quant != 0): the caches are uint8 / int8 codes (int4: uint8
+    # [num_blocks, kv_slots, block_size, head_dim / 2], two codes a byte) and these float32
     # [num_blocks, kv_slots, block_size] their rows' scales.
     key_cache_scales: np.ndarray | None = None
     value_cache_scales: np.ndarray | None = None

@@ -16,7 +16,8 @@ from gpu_harness import BF16, Case, from_storage, storage_nan, to_storage
 from reference_kv_quant import quantized_pages
 
 # kv_cache_quant_type -> AppendAttnCacheQuant
-QUANT = {"int8": gpu_harness.CACHE_INT8, "block_wise_fp8": gpu_harness.CACHE_FP8_E4M3}
+QUANT = {"int8": gpu_harness.CACHE_INT8, "block_wise_fp8": gpu_harness.CACHE_FP8_E4M3,
+         "block_wise_int4": gpu_harness.CACHE_INT4}
 
 
 class DeadEntryNeeded(LookupError):
@@ -255,3 +256,53 @@ def quantize_case(case: Case, fmt: str) -> Case:
     vc, vs = quantized_pages(from_storage(case.value_cache, BF16).reshape(shape), fmt, keys=False)
     return dataclasses.replace(case.with_params(cache_quant=QUANT[fmt]), key_cache=kc, value_cache=vc,
                                key_cache_scales=ks, value_cache_scales=vs)
+
+
+def written_rows(case: Case):
+    """Every K/V row the step writes, as [(page, row in page, k, v)]: k RoPE'd and v as they enter,
+    float32 with the kernels' (and the CPU op's) float32 arithmetic (x0 c - x1 s: two products, one
+    difference, each rounded), so quantizing them reproduces the written codes bit for bit. Pages
+    index the cache viewed as [num_blocks * kv_slots, block_size, ...]; kv_head_slots honoured."""
+    p = case.params
+    nh, kvh, d, bs = p["num_heads"], p["kv_num_heads"], p["head_dim"], p["block_size"]
+    kv_slots = p.get("kv_slots") or kvh
+    slots = case.kv_head_slots if case.kv_head_slots is not None else np.arange(kvh)
+    qkv = from_storage(case.qkv, p["dtype"]).astype(np.float32)
+    cos, sin = case.rotary_cos.astype(np.float32), case.rotary_sin.astype(np.float32)
+    rows = []
+    for r in range(len(case.seq_lens_this_time)):
+        for j in range(int(case.seq_lens_this_time[r])):
+            tok, t = int(case.cu_seqlens_q[r]) + j, int(case.seq_lens_decoder[r]) + j
+            k = qkv[tok, nh * d:(nh + kvh) * d].reshape(kvh, d)
+            v = qkv[tok, (nh + kvh) * d:].reshape(kvh, d)
+            k_rot = np.empty_like(k)
+            k_rot[:, 0::2] = k[:, 0::2] * cos[t] - k[:, 1::2] * sin[t]
+            k_rot[:, 1::2] = k[:, 1::2] * cos[t] + k[:, 0::2] * sin[t]
+            for h in range(kvh):
+                slot = int(slots[h])
+                if p["head_wise_table"]:
+                    page = int(case.block_tables[r, slot, t // bs])
+                else:
+                    page = int(case.block_tables[r, t // bs]) * kv_slots + slot
+                rows.append((page, t % bs, k_rot[h], v[h]))
+    return rows
+
+
+def expected_quantized_caches(case: Case, fmt: str):
+    """(key codes, key scales, value codes, value scales) a step on quantized pages `fmt` must leave:
+    the case's pages and scales, each written row replaced by reference_kv_quant's quantization of
+    its float32 row (keys rotated where the format rotates them). Codes as uint8 bytes."""
+    bs = case.params["block_size"]
+    caches = []
+    for codes, scales, keys in ((case.key_cache, case.key_cache_scales, True),
+                                (case.value_cache, case.value_cache_scales, False)):
+        codes = np.array(codes, copy=True).view(np.uint8)
+        scales = np.array(scales, dtype=np.float32, copy=True)
+        pages = codes.reshape(-1, bs, codes.shape[-1])
+        page_scales = scales.reshape(-1, bs)
+        for page, row, k, v in written_rows(case):
+            stored, scale = quantized_pages((k if keys else v)[None], fmt, keys=keys)
+            pages[page, row] = stored[0].view(np.uint8)
+            page_scales[page, row] = scale[0]
+        caches += [codes, scales]
+    return tuple(caches)

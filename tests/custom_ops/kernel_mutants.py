@@ -59,6 +59,14 @@ MUTANTS = {
         "        v_scale_s[tid] = valid ? a.value_scales[row] : 0.f;\n      }\n    }\n    __syncthreads();\n",
         "        v_scale_s[tid] = valid ? a.value_scales[row] : 0.f;\n      }\n    }\n",
         "mixed", "prefill scores read K rows other threads have not loaded yet (a race)"),
+    "int4_nibbles_swapped_on_write": Mutant(
+        "rope_write_cache.cu",
+        "fd_kvq::int4_pack(fd_kvq::int4_code(k[0], scale_s[h]), fd_kvq::int4_code(k[1], scale_s[h]))",
+        "fd_kvq::int4_pack(fd_kvq::int4_code(k[1], scale_s[h]), fd_kvq::int4_code(k[0], scale_s[h]))",
+        "int4", "the int4 cache write puts a key's odd element in the low nibble"),
+    "int4_codes_read_unsigned": Mutant(
+        "append_attn_common.cuh", "float(static_cast<int32_t>(word << (28 - 4 * e)) >> 28)",
+        "float((word << (28 - 4 * e)) >> 28)", "int4", "decode reads negative int4 codes as 9..15"),
 }
 
 
@@ -84,7 +92,13 @@ def int8_case(rng):
     return quantize_case(mixed_case(rng), "int8")
 
 
-CASES = {"mixed": mixed_case, "decodes": decodes_case, "int8": int8_case}
+def int4_case(rng):
+    from gpu_reference import quantize_case
+
+    return quantize_case(mixed_case(rng), "block_wise_int4")
+
+
+CASES = {"mixed": mixed_case, "decodes": decodes_case, "int8": int8_case, "int4": int4_case}
 
 
 def mutated_sources(root: Path, mutant: Mutant) -> Path:
@@ -135,7 +149,8 @@ def _child(library: str, case_name: str, seed: int, orders: str) -> dict:
     return report
 
 
-TOLERANCE = {"mixed": 1e-2, "decodes": 1e-2, "int8": 2.5e-2}  # the test file's bf16 and int8 tolerances
+# the test file's bf16, int8 and int4 tolerances
+TOLERANCE = {"mixed": 1e-2, "decodes": 1e-2, "int8": 2.5e-2, "int4": 0.25}
 
 
 def caught(report: dict, case_name: str) -> bool:

@@ -300,14 +300,65 @@ def test_a_head_slot_outside_the_lane_is_reported(harness, rng):
     assert result.status == 2 and result.error_info[0] == gpu_harness.ERR_OUT_OF_RANGE, result
 
 
-# -- quantized pages (int8 / e4m3fn codes with a float32 scale per row; bf16 compute) -----------------
-from gpu_reference import QUANT, quantize_case  # noqa: E402
+# -- quantized pages (int8 / e4m3fn codes, or int4 codes two per byte, with a float32 scale per row;
+# bf16 compute) ---------------------------------------------------------------------------------------
+from gpu_reference import QUANT, expected_quantized_caches, quantize_case  # noqa: E402
 from reference_attention import reference_append_attention  # noqa: E402
 from reference_kv_quant import pages_from_codes  # noqa: E402
 
 # Attention over the original float values: the format's error (the CPU op's cases measure int8
-# 7e-3 to 8e-3, e4m3 3e-2 to 3.5e-2) plus bf16 rounding of q, k, v and the output.
-QUANT_TOLERANCE = {"int8": 2.5e-2, "block_wise_fp8": 7e-2}
+# 7e-3 to 8e-3, e4m3 3e-2 to 3.5e-2; int4 pages on these random rows 1.5e-1 to 1.8e-1 at head_dim
+# 64 to 256, Q = 7 levels a side) plus bf16 rounding of q, k, v and the output.
+QUANT_TOLERANCE = {"int8": 2.5e-2, "block_wise_fp8": 7e-2, "block_wise_int4": 0.25}
+
+
+def assert_written_bytes(harness, q, result, fmt, rng):
+    """The pages and scales the step leaves equal reference_kv_quant's quantization of the rows it
+    writes, every other row untouched (NaN scales stay NaN): bit for bit on the executor. A GPU may
+    contract RoPE's multiply-subtract into an FMA (nvcc's default), moving a row by an ulp: there the
+    scales agree to 1e-6 and at most one code in a thousand differs."""
+    k_codes, k_scales, v_codes, v_scales = expected_quantized_caches(q, fmt)
+    got = (result.key_cache.view(np.uint8), result.key_cache_scales, result.value_cache.view(np.uint8),
+           result.value_cache_scales)
+    for name, g, want in zip(("key codes", "key scales", "value codes", "value scales"), got,
+                             (k_codes, k_scales, v_codes, v_scales)):
+        g = g.reshape(want.shape)
+        if harness.on_cpu:
+            np.testing.assert_array_equal(g, want, err_msg=f"seed {rng.seed_value}: {fmt} {name}")
+        elif "scales" in name:
+            np.testing.assert_allclose(g, want, rtol=1e-6, equal_nan=True, err_msg=f"seed {rng.seed_value}")
+        else:
+            assert np.mean(g != want) < 1e-3, f"seed {rng.seed_value}: {fmt} {name}"
+
+
+def run_quantized(harness, case, fmt, rng):
+    """Runs the bf16 case on pages of `fmt`; checks the written bytes and returns (result, quantized
+    case, error against float64 attention over the dequantized pages, error against the original
+    float values)."""
+    loose, _, _ = reference(case)
+    q = quantize_case(case, fmt)
+    result = harness.run(q)
+    assert result.status == 0, f"seed {rng.seed_value}: {result.message}"
+    assert not result.races, f"seed {rng.seed_value}: {result.races}"
+    got = from_storage(result.out, BF16).reshape(loose.shape)
+    assert np.isfinite(got).all(), f"seed {rng.seed_value}: NaN/unwritten output"
+    assert_written_bytes(harness, q, result, fmt, rng)
+    p = case.params
+    keys = pages_from_codes(result.key_cache, result.key_cache_scales, fmt, keys=True)
+    values = pages_from_codes(result.value_cache, result.value_cache_scales, fmt, keys=False)
+    tight, _, _ = reference_append_attention(
+        from_storage(case.qkv, BF16), keys, values, case.seq_lens_decoder, case.seq_lens_this_time,
+        case.cu_seqlens_q, case.block_tables, case.rotary_cos, case.rotary_sin, case.swa_head_mask,
+        num_heads=p["num_heads"], kv_num_heads=p["kv_num_heads"], head_dim=p["head_dim"],
+        sliding_window=p["sliding_window"], sink_size=p["sink_size"], caches_hold_new_rows=True)
+    tight = tight.reshape(loose.shape)
+    err_tight = float(np.linalg.norm(got - tight) / np.linalg.norm(tight))
+    err_loose = float(np.linalg.norm(got - loose) / np.linalg.norm(loose))
+    print(f"[{'cpu executor' if harness.on_cpu else 'gpu'} {fmt}] vs dequantized {err_tight:.2e}, "
+          f"vs original values {err_loose:.2e}")
+    assert err_tight < TOLERANCE[BF16], f"seed {rng.seed_value}: {err_tight:.3g} against the dequantized pages"
+    assert err_loose < QUANT_TOLERANCE[fmt], f"seed {rng.seed_value}: {err_loose:.3g} against the float values"
+    return result, q, err_tight, err_loose
 
 
 @pytest.mark.parametrize("fmt", list(QUANT))
@@ -319,40 +370,85 @@ QUANT_TOLERANCE = {"int8": 2.5e-2, "block_wise_fp8": 7e-2}
 ])
 def test_quantized_pages_match_float64_attention(harness, rng, fmt, requests, head_dim, block_size):
     """Float64 attention over the values the kernels read (the pages they wrote included): bf16
-    tolerance; over the original float values: the format's error. Rows no query may see have NaN
-    scales, so a stray read fails."""
+    tolerance; over the original float values: the format's error. The written codes and scales are
+    the reference's; rows no query may see have NaN scales, so a stray read fails, and a stray write
+    fails the byte comparison. Head-wise tables with the sliding head's dead pages -1."""
     case = build_case(rng, requests, dtype=BF16, num_heads=4 * 2, kv_num_heads=2, head_dim=head_dim,
                       block_size=block_size, sliding_window=40, sink_size=5)
-    loose, _, _ = reference(case)
+    run_quantized(harness, case, fmt, rng)
+
+
+@pytest.mark.parametrize("fmt", list(QUANT))
+@pytest.mark.parametrize("window, sink", [(48, 20), (5, 3)])
+def test_quantized_speculative_verification_rows(harness, rng, fmt, window, sink):
+    """Several new tokens per decoding request (k drafts verified as one piece) on quantized pages,
+    straddling block and window edges, the sliding head's pages recycled on the accepted count."""
+    case = build_case(rng, [(300, 4), (77, 3), (129, 1), (47, 2), (31, 5), (200, 6)], num_heads=8,
+                      kv_num_heads=2, head_dim=64, block_size=16, sliding_window=window, sink_size=sink,
+                      swa_heads=(0,))
+    run_quantized(harness, case, fmt, rng)
+
+
+@pytest.mark.parametrize("fmt", list(QUANT))
+@pytest.mark.parametrize("num_heads, kv_num_heads, swa_heads", [(2, 1, (0,)), (3, 1, ()), (6, 2, (1,))])
+def test_quantized_tensor_parallel_head_slices(harness, rng, fmt, num_heads, kv_num_heads, swa_heads):
+    """One tensor-parallel rank's head counts (a single KV head sliding or full, odd groups) on
+    quantized pages with head-wise tables and recycling."""
+    case = build_case(rng, [(0, 37), (150, 1), (90, 3), (64, 16)], num_heads=num_heads,
+                      kv_num_heads=kv_num_heads, head_dim=64, block_size=16, sliding_window=40, sink_size=4,
+                      swa_heads=swa_heads)
+    run_quantized(harness, case, fmt, rng)
+
+
+@pytest.mark.parametrize("fmt", list(QUANT))
+def test_quantized_head_wise_table_without_recycling_is_bit_identical_to_the_1d_table(harness, rng, fmt):
+    """A page's codes do not depend on which table found it: 1-D and head-wise tables naming the same
+    pages write the same bytes and give the same output bits."""
+    one_d = build_case(rng, [(0, 60), (700, 1), (333, 9)], num_heads=8, kv_num_heads=2, head_dim=128,
+                       block_size=64, sliding_window=128, sink_size=64, head_wise=False)
+    kvh = one_d.params["kv_num_heads"]
+    blocks = one_d.block_tables[:, None, :]
+    pages = np.where(blocks >= 0, blocks * kvh + np.arange(kvh)[None, :, None], -1).astype(np.int32)
+    head_wise = dataclasses.replace(one_d, block_tables=pages).with_params(head_wise_table=1)
+    a, _, _, _ = run_quantized(harness, one_d, fmt, rng)
+    b = harness.run(quantize_case(head_wise, fmt))
+    assert b.status == 0 and not b.races, (b.message, b.races)
+    for x, y in ((a.out, b.out), (a.key_cache, b.key_cache), (a.value_cache, b.value_cache),
+                 (a.key_cache_scales, b.key_cache_scales), (a.value_cache_scales, b.value_cache_scales)):
+        np.testing.assert_array_equal(x, y, err_msg=f"seed {rng.seed_value}")
+
+
+@pytest.mark.parametrize("fmt", list(QUANT))
+def test_quantized_lane_whose_slots_mix_sliding_and_full_heads(harness, rng, fmt):
+    """The lane of 3 slots (2 sliding with dead pages -1, 1 full) on quantized pages: a sliding layer
+    and a full layer take turns on one cache; together they write the reference's bytes and equal
+    attention over the three heads' dequantized pages."""
+    case = build_case(rng, [(0, 33), (300, 1), (129, 3), (90, 17)], num_heads=6, kv_num_heads=3, head_dim=64,
+                      block_size=16, sliding_window=32, sink_size=4, swa_heads=(0, 2))
+    assert (case.block_tables[1, [0, 2], :19] == -1).any(axis=1).all()
     q = quantize_case(case, fmt)
-    result = harness.run(q)
-    assert result.status == 0, f"seed {rng.seed_value}: {result.message}"
-    assert not result.races, f"seed {rng.seed_value}: {result.races}"
-    got = from_storage(result.out, BF16).reshape(loose.shape)
-    assert np.isfinite(got).all(), f"seed {rng.seed_value}: NaN/unwritten output"
+    sliding, sliding_cols = _layer_of_lane(q, (0, 2), (0, 2))
+    full, full_cols = _layer_of_lane(q, (1,), (1,))
+    a = harness.run(sliding)
+    assert a.status == 0 and not a.races, (a.message, a.races)
+    b = harness.run(dataclasses.replace(full, key_cache=a.key_cache, value_cache=a.value_cache,
+                                        key_cache_scales=a.key_cache_scales,
+                                        value_cache_scales=a.value_cache_scales))
+    assert b.status == 0 and not b.races, (b.message, b.races)
+    assert_written_bytes(harness, q, b, fmt, rng)
+    got = np.empty_like(from_storage(case.out, BF16))
+    got[:, sliding_cols] = from_storage(a.out, BF16)
+    got[:, full_cols] = from_storage(b.out, BF16)
     p = case.params
-    keys = pages_from_codes(result.key_cache, result.key_cache_scales, fmt, keys=True)
-    values = pages_from_codes(result.value_cache, result.value_cache_scales, fmt, keys=False)
+    keys = pages_from_codes(b.key_cache, b.key_cache_scales, fmt, keys=True)
+    values = pages_from_codes(b.value_cache, b.value_cache_scales, fmt, keys=False)
     tight, _, _ = reference_append_attention(
         from_storage(case.qkv, BF16), keys, values, case.seq_lens_decoder, case.seq_lens_this_time,
         case.cu_seqlens_q, case.block_tables, case.rotary_cos, case.rotary_sin, case.swa_head_mask,
-        num_heads=p["num_heads"], kv_num_heads=p["kv_num_heads"], head_dim=head_dim,
+        num_heads=p["num_heads"], kv_num_heads=p["kv_num_heads"], head_dim=p["head_dim"],
         sliding_window=p["sliding_window"], sink_size=p["sink_size"], caches_hold_new_rows=True)
-    tight = tight.reshape(loose.shape)
-    err_tight = float(np.linalg.norm(got - tight) / np.linalg.norm(tight))
-    err_loose = float(np.linalg.norm(got - loose) / np.linalg.norm(loose))
-    print(f"[{'cpu executor' if harness.on_cpu else 'gpu'} {fmt}] vs dequantized {err_tight:.2e}, vs original values {err_loose:.2e}")
-    assert err_tight < TOLERANCE[BF16], f"seed {rng.seed_value}: {err_tight:.3g} against the dequantized pages"
-    assert err_loose < QUANT_TOLERANCE[fmt], f"seed {rng.seed_value}: {err_loose:.3g} against the float values"
-    # Pages nobody wrote keep their NaN scales: no stray writes.
-    untouched = np.isnan(q.key_cache_scales)
-    written = np.zeros_like(untouched)
-    for r, (n, c) in enumerate(requests):
-        for t in range(n, n + c):
-            for h in range(p["kv_num_heads"]):
-                entry = case.block_tables[r, h, t // block_size]
-                written.reshape(-1, block_size)[entry, t % block_size] = True
-    assert np.isnan(result.key_cache_scales[untouched & ~written]).all(), f"seed {rng.seed_value}"
+    err = float(np.linalg.norm(got.reshape(tight.shape) - tight) / np.linalg.norm(tight))
+    assert err < TOLERANCE[BF16], f"seed {rng.seed_value}: relative error {err:.3g}"
 
 
 # -- what the kernels serve beyond plain prefill / decode --------------------------------------------

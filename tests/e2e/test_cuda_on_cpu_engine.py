@@ -7,6 +7,7 @@ The model: the tiny preset's head_dim-64 twin (4 KV heads, head 0 sliding with w
 import pytest
 
 from fastdeploy.model_executor.layers.attention.ops.cuda_on_cpu_loader import find_cuda_include
+from fastdeploy.model_executor.layers.quantization.kv_cache import KV_CACHE_QUANT_TYPES
 from greedy_run import MODES, greedy_tokens
 
 pytestmark = pytest.mark.skipif(find_cuda_include() is None,
@@ -79,6 +80,19 @@ def test_int8_pages_through_the_cuda_kernels_give_the_cpu_ops_tokens(monkeypatch
     """The same int8 codes and scales (written by the CUDA cache-write kernel here, by the CPU op there)."""
     tokens, _ = generate(monkeypatch, "CUDA_ON_CPU", mode, kv_cache_quant_type="int8")
     assert tokens == int8_oracle
+
+
+@pytest.mark.skipif("block_wise_int4" not in KV_CACHE_QUANT_TYPES, reason="the engine's block_wise_int4 is not in this tree")
+def test_int4_pages_through_the_cuda_kernels_give_the_same_tokens_in_every_memory_mode(monkeypatch):
+    """int4 codes two per byte, written by the CUDA cache-write kernel: head-wise tables with sliding pages
+    recycled give the 1-D table's tokens. (Against the CPU op the comparison is made per op, on the same
+    bf16 rows: tests/custom_ops/test_cpu_op_and_cuda_kernels_write_the_same_pages.py. The engine's CPU op
+    quantizes float32 K/V where these kernels take bf16, and 4-bit codes turn that rounding into code
+    flips: 2 of these 5 prompts part from the CPU op's tokens, where its top-2 margin is 0.02 and 0.07 nats.)"""
+    one_d, _ = generate(monkeypatch, "CUDA_ON_CPU", "1d", kv_cache_quant_type="block_wise_int4")
+    head_wise, engine = generate(monkeypatch, "CUDA_ON_CPU", "head_wise_recycle_on", kv_cache_quant_type="block_wise_int4")
+    assert head_wise == one_d
+    assert engine.get_stats()["swa_pages_recycled_total"] > 0
 
 
 def test_speculative_verification_through_the_cuda_kernels_keeps_the_tokens(monkeypatch, oracles):

@@ -29,7 +29,8 @@ namespace append_attn {
 
 static_assert(int(APPEND_ATTN_CACHE_FLOAT) == int(fd_kvq::kFloat) &&
                   int(APPEND_ATTN_CACHE_INT8) == int(fd_kvq::kInt8) &&
-                  int(APPEND_ATTN_CACHE_FP8_E4M3) == int(fd_kvq::kE4M3),
+                  int(APPEND_ATTN_CACHE_FP8_E4M3) == int(fd_kvq::kE4M3) &&
+                  int(APPEND_ATTN_CACHE_INT4) == int(fd_kvq::kInt4),
               "AppendAttnCacheQuant must keep fd_kvq::Format's values");
 
 // Everything a kernel reads, filled once by the launcher (passed by value as a kernel argument).
@@ -95,13 +96,17 @@ struct Num<__half> {
   }
 };
 
-// How the attention kernels read cache elements: pages of T, or 8-bit codes times their row's scale
-// (page row r of the page at element offset `base` has its scale at index base / head_dim + r).
-// pair_bits loads two neighbouring elements, pair turns them into floats, eight does so for 8.
+// How the attention kernels read cache elements: pages of T, or 8-bit or 4-bit codes times their
+// row's scale (page row r of the page at element offset `base` has its scale at index
+// base / head_dim + r). A stored unit (Elem) holds kPerUnit elements: kernels count in elements and
+// index a cache or a staged copy at element offset e through unit_at (e / kPerUnit). pair_bits
+// loads two neighbouring elements (the first at an even offset), pair turns them into floats, eight
+// does so for 8 (the first at a multiple of 8).
 template <typename T>
 struct FloatPages {
   using Elem = T;
   static constexpr bool kQuantized = false;
+  static constexpr int kPerUnit = 1;
   static __device__ __forceinline__ uint32_t pair_bits(const Elem* p) {
     return *reinterpret_cast<const uint32_t*>(p);
   }
@@ -125,6 +130,7 @@ template <typename Code, typename Decode>
 struct BytePages {
   using Elem = Code;
   static constexpr bool kQuantized = true;
+  static constexpr int kPerUnit = 1;
   static __device__ __forceinline__ uint32_t pair_bits(const Elem* p) {
     return *reinterpret_cast<const uint16_t*>(p);
   }
@@ -160,6 +166,34 @@ struct E4M3Pair {
 
 using Int8Pages = BytePages<int8_t, Int8Pair>;
 using E4M3Pages = BytePages<uint8_t, E4M3Pair>;
+
+// 4-bit pages (block_wise_int4): byte i of a row holds element 2i in its low nibble and 2i + 1 in
+// its high one, each a 4-bit two's complement code in -7..7 (kv_quant.h); a code's value is exact
+// in float, times the row's scale is the one rounding, as for the 8-bit formats.
+struct NibblePages {
+  using Elem = uint8_t;
+  static constexpr bool kQuantized = true;
+  static constexpr int kPerUnit = 2;
+  static __device__ __forceinline__ uint32_t pair_bits(const Elem* p) { return *p; }
+  static __device__ __forceinline__ float2 pair(uint32_t bits, float scale) {
+    const uint8_t b = static_cast<uint8_t>(bits);
+    return make_float2(float(fd_kvq::int4_low(b)) * scale, float(fd_kvq::int4_high(b)) * scale);
+  }
+  static __device__ __forceinline__ void eight(const Elem* p, float scale, float* out) {
+    const uint32_t word = *reinterpret_cast<const uint32_t*>(p);  // 8 codes, element e in bits 4e..4e+3
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      // the nibble moved to the top, then an arithmetic shift back: its sign-extended value
+      out[e] = float(static_cast<int32_t>(word << (28 - 4 * e)) >> 28) * scale;
+    }
+  }
+};
+
+// The unit holding element `element` of a cache (or a staged copy) of P's pages.
+template <typename P, typename E>
+__device__ __forceinline__ E* unit_at(E* units, long long element) {
+  return units + element / P::kPerUnit;
+}
 
 // Records the first device-side error of a launch; later ones are dropped so the report names the
 // earliest culprit deterministically enough to debug a scheduler.

@@ -11,7 +11,8 @@
 // with acc_floats = decode_max_splits * bsz * num_heads * head_dim.
 //
 // Pages are read through a codec P (append_attn_common.cuh): T pages as they are, or 8-bit codes
-// (half the bytes of a bf16 page) dequantized with their row's scale where they are used.
+// (half the bytes of a bf16 page) or 4-bit codes (a quarter) dequantized with their row's scale
+// where they are used; k_s holds the page's stored units, kPerUnit elements each.
 #include "append_attn_common.cuh"
 
 namespace append_attn {
@@ -24,14 +25,16 @@ constexpr int kThreads = 128;
 template <typename T, typename P, int D, int BS>
 __global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(Args a, int swa_override) {
   using Elem = typename P::Elem;
-  constexpr int kVec = 16 / sizeof(Elem);         // elements per 16-byte load
-  constexpr int kKStride = D + kVec;              // 16-byte rows, staggered banks
+  constexpr int kVec = 16 / sizeof(Elem);         // stored units per 16-byte load
+  constexpr int kRowUnits = D / P::kPerUnit;      // stored units per page row
+  constexpr int kKStride = kRowUnits + kVec;      // 16-byte rows, staggered banks
   constexpr int kThreadsPerKey = kThreads / BS;   // q.k: threads sharing one key
   constexpr int kDimsPerThread = D / kThreadsPerKey;
   constexpr int kKeyGroups = kThreads / (D / 2);  // p.v: thread owns a dim pair, keys strided
   constexpr int kKeysPerThread = BS / kKeyGroups;
   static_assert(kThreads % BS == 0 && kDimsPerThread % 8 == 0, "q.k mapping");
   static_assert(kThreads % (D / 2) == 0 && BS % kKeyGroups == 0, "p.v mapping");
+  static_assert(kRowUnits % kVec == 0, "a page row is whole 16-byte loads");
 
   const int split = blockIdx.x;
   const int req = blockIdx.y;
@@ -100,13 +103,13 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(Args a, i
 #pragma unroll
     for (int i = 0; i < kKeysPerThread; ++i) {
       const int key = pv_group + i * kKeyGroups;
-      v_reg[i] = key < n_valid ? P::pair_bits(v_cache + base + (long long)key * D + 2 * pv_pair) : 0u;
+      v_reg[i] = key < n_valid ? P::pair_bits(unit_at<P>(v_cache, base + (long long)key * D + 2 * pv_pair)) : 0u;
     }
-    for (int i = tid; i < BS * (D / kVec); i += kThreads) {
-      const int key = i / (D / kVec);
-      const int col = i % (D / kVec);
+    for (int i = tid; i < BS * (kRowUnits / kVec); i += kThreads) {
+      const int key = i / (kRowUnits / kVec);
+      const int col = i % (kRowUnits / kVec);
       uint4 kv = make_uint4(0, 0, 0, 0);
-      if (key < n_valid) kv = reinterpret_cast<const uint4*>(k_cache + base + (long long)key * D)[col];
+      if (key < n_valid) kv = reinterpret_cast<const uint4*>(unit_at<P>(k_cache, base + (long long)key * D))[col];
       *reinterpret_cast<uint4*>(&k_s[key][col * kVec]) = kv;
     }
     if (P::kQuantized && tid < BS) {
@@ -124,7 +127,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(Args a, i
 #pragma unroll 2
       for (int d = 0; d < kDimsPerThread; d += 8) {
         float kf[8];
-        P::eight(&k_s[qk_key][d0 + d], k_scale, kf);
+        P::eight(unit_at<P>(k_s[qk_key], d0 + d), k_scale, kf);
 #pragma unroll
         for (int g = 0; g < kMaxGroup; ++g) {
           if (g < group) {
@@ -298,6 +301,8 @@ cudaError_t launch_typed(const Args& a, int swa_override, void* out, cudaStream_
     err = launch_shapes<__nv_bfloat16, Int8Pages>(a, swa_override, stream);
   } else if (a.cache_quant == APPEND_ATTN_CACHE_FP8_E4M3) {
     err = launch_shapes<__nv_bfloat16, E4M3Pages>(a, swa_override, stream);
+  } else if (a.cache_quant == APPEND_ATTN_CACHE_INT4) {
+    err = launch_shapes<__nv_bfloat16, NibblePages>(a, swa_override, stream);
   } else {
     err = launch_shapes<T, FloatPages<T>>(a, swa_override, stream);
   }

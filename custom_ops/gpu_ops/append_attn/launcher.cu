@@ -93,8 +93,8 @@ std::string validate(const AppendAttnParams& p) {
              p.sliding_window, p.sink_size);
     return buf;
   }
-  if (p.cache_quant < APPEND_ATTN_CACHE_FLOAT || p.cache_quant > APPEND_ATTN_CACHE_FP8_E4M3) {
-    snprintf(buf, sizeof(buf), "cache_quant %d unknown (0 float, 1 int8, 2 e4m3)", p.cache_quant);
+  if (p.cache_quant < APPEND_ATTN_CACHE_FLOAT || p.cache_quant > APPEND_ATTN_CACHE_INT4) {
+    snprintf(buf, sizeof(buf), "cache_quant %d unknown (0 float, 1 int8, 2 e4m3, 3 int4)", p.cache_quant);
     return buf;
   }
   if (p.cache_quant != APPEND_ATTN_CACHE_FLOAT && p.dtype != APPEND_ATTN_BF16) {

@@ -4,8 +4,8 @@
 // heads of one KV head (64 rows), so each K/V page read from memory serves every row of the tile.
 // The block walks only the tile's live blocks (see LiveBlocks) in chunks of 64 keys, with an
 // online softmax in fp32; K, V and the scores live in shared memory, fp32 CUDA-core math. Pages
-// are read through a codec P (append_attn_common.cuh): quantized pages stay 8-bit in shared memory
-// with their rows' scales next to them, dequantized where they are used.
+// are read through a codec P (append_attn_common.cuh): quantized pages stay 8-bit (or 4-bit) in
+// shared memory with their rows' scales next to them, dequantized where they are used.
 #include "append_attn_common.cuh"
 
 namespace append_attn {
@@ -43,17 +43,20 @@ __global__ void __launch_bounds__(1024)
 __host__ __device__ constexpr size_t align16(size_t x) { return (x + 15) / 16 * 16; }
 
 // Shared memory layout (bytes). Row strides are padded so the threads of a warp that read
-// different rows of the same column hit different banks.
-template <typename Elem, int D>
+// different rows of the same column hit different banks. K and V rows hold the pages' stored units
+// (kPerUnit elements each: 2 for int4 pages).
+template <typename P, int D>
 struct PrefillSmem {
+  using Elem = typename P::Elem;
+  static constexpr int kRowUnits = D / P::kPerUnit;
   static constexpr int kQStride = D + 2;  // floats
-  static constexpr int kKStride = D + 4 / sizeof(Elem);  // elements: an odd number of 32-bit words
+  static constexpr int kKStride = kRowUnits + 4 / sizeof(Elem);  // units: an odd number of 32-bit words
   static constexpr int kPStride = kChunkKeys + 1;
   static constexpr size_t kQ = 0;
   static constexpr size_t kP = align16(kQ + sizeof(float) * kPrefillRows * kQStride);
   static constexpr size_t kK = align16(kP + sizeof(float) * kPrefillRows * kPStride);
   static constexpr size_t kV = align16(kK + sizeof(Elem) * kChunkKeys * kKStride);
-  static constexpr size_t kKeyPos = align16(kV + sizeof(Elem) * kChunkKeys * D);
+  static constexpr size_t kKeyPos = align16(kV + sizeof(Elem) * kChunkKeys * kRowUnits);
   static constexpr size_t kPageBase = align16(kKeyPos + sizeof(int) * kChunkKeys);
   static constexpr size_t kPageBlock = align16(kPageBase + sizeof(long long) * kChunkKeys);
   static constexpr size_t kKScale = align16(kPageBlock + sizeof(int) * kChunkKeys);
@@ -68,7 +71,7 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
     prefill_attention_kernel(Args a, int swa_override, T* __restrict__ out) {
   using T2 = typename Num<T>::T2;
   using Elem = typename P::Elem;
-  using L = PrefillSmem<Elem, D>;
+  using L = PrefillSmem<P, D>;
   constexpr int kPagesPerChunk = kChunkKeys / BS;
   constexpr int kDimPairsPerThread = D / 16;  // a thread owns dims 16 * j + 2 * tk + {0, 1}
 
@@ -176,9 +179,19 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
       const long long base = page_base_s[pg];
       const int kpos = page_block_s[pg] * BS + key % BS;
       const bool valid = base >= 0 && kpos <= pos_last;
-      const long long off = base + (long long)(key % BS) * D + col8 * 8;
-      uint32_t* kd = reinterpret_cast<uint32_t*>(k_s + key * L::kKStride + col8 * 8);
-      if constexpr (sizeof(Elem) == 2) {  // 8 elements: 16 bytes
+      const long long off = base + (long long)(key % BS) * D + col8 * 8;  // elements
+      uint32_t* kd = reinterpret_cast<uint32_t*>(k_s + key * L::kKStride + col8 * 8 / P::kPerUnit);
+      Elem* vd = v_s + key * L::kRowUnits + col8 * 8 / P::kPerUnit;
+      if constexpr (P::kPerUnit == 2) {  // 8 four-bit codes: 4 bytes
+        uint32_t kv = 0;
+        uint32_t vv = 0;
+        if (valid) {
+          kv = *reinterpret_cast<const uint32_t*>(unit_at<P>(k_cache, off));
+          vv = *reinterpret_cast<const uint32_t*>(unit_at<P>(v_cache, off));
+        }
+        kd[0] = kv;
+        *reinterpret_cast<uint32_t*>(vd) = vv;
+      } else if constexpr (sizeof(Elem) == 2) {  // 8 elements: 16 bytes
         uint4 kv = make_uint4(0, 0, 0, 0);
         uint4 vv = make_uint4(0, 0, 0, 0);
         if (valid) {
@@ -189,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
         kd[1] = kv.y;
         kd[2] = kv.z;
         kd[3] = kv.w;
-        *reinterpret_cast<uint4*>(v_s + key * D + col8 * 8) = vv;
+        *reinterpret_cast<uint4*>(vd) = vv;
       } else {  // 8 one-byte codes: 8 bytes
         uint2 kv = make_uint2(0, 0);
         uint2 vv = make_uint2(0, 0);
@@ -199,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
         }
         kd[0] = kv.x;
         kd[1] = kv.y;
-        *reinterpret_cast<uint2*>(v_s + key * D + col8 * 8) = vv;
+        *reinterpret_cast<uint2*>(vd) = vv;
       }
     }
     if (tid < kChunkKeys) {
@@ -227,7 +240,8 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int key = tk + 8 * j;
-        const float2 kf = P::pair(P::pair_bits(k_s + key * L::kKStride + d), P::kQuantized ? k_scale_s[key] : 1.f);
+        const float2 kf =
+            P::pair(P::pair_bits(unit_at<P>(k_s + key * L::kKStride, d)), P::kQuantized ? k_scale_s[key] : 1.f);
         s[0][j] += q0.x * kf.x + q0.y * kf.y;
         s[1][j] += q1.x * kf.x + q1.y * kf.y;
       }
@@ -273,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
       const float v_scale = P::kQuantized ? v_scale_s[key] : 1.f;
 #pragma unroll
       for (int j = 0; j < kDimPairsPerThread; ++j) {
-        const float2 v = P::pair(P::pair_bits(v_s + key * D + 16 * j + 2 * tk), v_scale);
+        const float2 v = P::pair(P::pair_bits(unit_at<P>(v_s + key * L::kRowUnits, 16 * j + 2 * tk)), v_scale);
         acc[0][2 * j] += p0 * v.x;
         acc[0][2 * j + 1] += p0 * v.y;
         acc[1][2 * j] += p1 * v.x;
@@ -300,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
 
 template <typename T, typename P, int D, int BS>
 cudaError_t launch_kernel(const Args& a, int swa_override, void* out, cudaStream_t stream) {
-  constexpr size_t kSmem = PrefillSmem<typename P::Elem, D>::kBytes;  // = prefill_attention_smem_bytes
+  constexpr size_t kSmem = PrefillSmem<P, D>::kBytes;  // = prefill_attention_smem_bytes
   auto kernel = prefill_attention_kernel<T, P, D, BS>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem);
@@ -338,6 +352,9 @@ cudaError_t launch_typed(const Args& a, int swa_override, void* out, cudaStream_
   if (a.cache_quant == APPEND_ATTN_CACHE_FP8_E4M3) {
     return launch_shapes<__nv_bfloat16, E4M3Pages>(a, swa_override, out, stream);
   }
+  if (a.cache_quant == APPEND_ATTN_CACHE_INT4) {
+    return launch_shapes<__nv_bfloat16, NibblePages>(a, swa_override, out, stream);
+  }
   return launch_shapes<T, FloatPages<T>>(a, swa_override, out, stream);
 }
 
@@ -346,9 +363,10 @@ cudaError_t launch_typed(const Args& a, int swa_override, void* out, cudaStream_
 namespace {
 template <int D>
 size_t smem_bytes_of(int cache_quant) {
-  if (cache_quant == APPEND_ATTN_CACHE_INT8) return PrefillSmem<Int8Pages::Elem, D>::kBytes;
-  if (cache_quant == APPEND_ATTN_CACHE_FP8_E4M3) return PrefillSmem<E4M3Pages::Elem, D>::kBytes;
-  return PrefillSmem<FloatPages<__nv_bfloat16>::Elem, D>::kBytes;  // fp16 pages: the same bytes
+  if (cache_quant == APPEND_ATTN_CACHE_INT8) return PrefillSmem<Int8Pages, D>::kBytes;
+  if (cache_quant == APPEND_ATTN_CACHE_FP8_E4M3) return PrefillSmem<E4M3Pages, D>::kBytes;
+  if (cache_quant == APPEND_ATTN_CACHE_INT4) return PrefillSmem<NibblePages, D>::kBytes;
+  return PrefillSmem<FloatPages<__nv_bfloat16>, D>::kBytes;  // fp16 pages: the same bytes
 }
 }  // namespace
 

@@ -2,13 +2,27 @@
 // Rotated q goes to a float workspace, pre-scaled by 1/sqrt(head_dim), so the attention kernels
 // read it once per tile without re-rotating and keep fp32 precision (the CPU op's math).
 // Quantized pages (cache_quant) take the CPU op's rule, the same header (kv_quant.h): each row's
-// absmax scale, codes rounded to nearest even; int8 keys and the queries Hadamard-rotated.
+// absmax scale, codes rounded to nearest even; int8 and int4 keys and the queries Hadamard-rotated.
+#include <type_traits>
+
 #include "append_attn_common.cuh"
 
 namespace append_attn {
 namespace {
 
 constexpr int kThreads = 128;
+
+// The cache write's code type for int4 pages (a tag: two codes share a byte, see kv_quant.h).
+struct Int4Pair;
+
+template <typename Code>
+__device__ __forceinline__ fd_kvq::Format format_of_code() {
+  if constexpr (std::is_same<Code, Int4Pair>::value) {
+    return fd_kvq::kInt4;
+  } else {
+    return fd_kvq::format_of<Code>();
+  }
+}
 
 // Request and position of qkv row `token`: false for a row no request owns (its output row is
 // zeroed here, so every output element is written) and for a position past the rotary tables
@@ -79,8 +93,8 @@ __global__ void __launch_bounds__(kThreads)
 
 // Quantized pages: one block per token. The token's rotated q and k rows and its v rows are staged
 // in shared memory ([rows][D + 1] floats: one thread walks a row without bank conflicts); a thread
-// per row applies the Hadamard rotation (int8) and takes the absmax of each K/V row, then every
-// thread writes codes. Shared memory: quantized_smem_bytes().
+// per row applies the Hadamard rotation (int8, int4) and takes the absmax of each K/V row, then every
+// thread writes codes (int4: a byte of two codes each). Shared memory: quantized_smem_bytes().
 // Min 1 block per SM: left to its default ptxas spilled a few bytes (int8 on sm_90).
 template <typename T, typename Code>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -116,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  const fd_kvq::Format format = fd_kvq::format_of<Code>();
+  const fd_kvq::Format format = format_of_code<Code>();
   const bool rotate = fd_kvq::rotates_keys(format, D);
   for (int r = threadIdx.x; r < nh + 2 * kvh; r += blockDim.x) {
     float* x = rows_s + r * stride;
@@ -136,16 +150,34 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   const int block = pos / a.block_size;
   const long long row_in_block = pos % a.block_size;
-  Code* k_cache = static_cast<Code*>(a.key_cache);
-  Code* v_cache = static_cast<Code*>(a.value_cache);
-  for (int i = threadIdx.x; i < kvh * D; i += blockDim.x) {
-    const int h = i / D;
-    const int d = i % D;
-    const long long base = page_offset(a, req, h, block, APPEND_ATTN_ERR_DEAD_ENTRY);
-    if (base < 0) continue;  // recorded; never write through a -1 entry
-    const long long dst = base + row_in_block * D + d;
-    k_cache[dst] = fd_kvq::code_of<Code>(k_s[h * stride + d], scale_s[h]);
-    v_cache[dst] = fd_kvq::code_of<Code>(v_s[h * stride + d], scale_s[kvh + h]);
+  if constexpr (std::is_same<Code, Int4Pair>::value) {
+    // A page row of D codes is D / 2 bytes: the byte offset of an element offset is its half.
+    uint8_t* k_cache = static_cast<uint8_t*>(a.key_cache);
+    uint8_t* v_cache = static_cast<uint8_t*>(a.value_cache);
+    for (int i = threadIdx.x; i < kvh * pairs; i += blockDim.x) {
+      const int h = i / pairs;
+      const int p = i % pairs;
+      const long long base = page_offset(a, req, h, block, APPEND_ATTN_ERR_DEAD_ENTRY);
+      if (base < 0) continue;  // recorded; never write through a -1 entry
+      const long long dst = (base + row_in_block * D) / 2 + p;
+      const float* k = k_s + h * stride + 2 * p;
+      const float* v = v_s + h * stride + 2 * p;
+      k_cache[dst] = fd_kvq::int4_pack(fd_kvq::int4_code(k[0], scale_s[h]), fd_kvq::int4_code(k[1], scale_s[h]));
+      v_cache[dst] = fd_kvq::int4_pack(fd_kvq::int4_code(v[0], scale_s[kvh + h]),
+                                       fd_kvq::int4_code(v[1], scale_s[kvh + h]));
+    }
+  } else {
+    Code* k_cache = static_cast<Code*>(a.key_cache);
+    Code* v_cache = static_cast<Code*>(a.value_cache);
+    for (int i = threadIdx.x; i < kvh * D; i += blockDim.x) {
+      const int h = i / D;
+      const int d = i % D;
+      const long long base = page_offset(a, req, h, block, APPEND_ATTN_ERR_DEAD_ENTRY);
+      if (base < 0) continue;  // recorded; never write through a -1 entry
+      const long long dst = base + row_in_block * D + d;
+      k_cache[dst] = fd_kvq::code_of<Code>(k_s[h * stride + d], scale_s[h]);
+      v_cache[dst] = fd_kvq::code_of<Code>(v_s[h * stride + d], scale_s[kvh + h]);
+    }
   }
   for (int h = threadIdx.x; h < kvh; h += blockDim.x) {
     const long long base = page_offset(a, req, h, block, APPEND_ATTN_ERR_DEAD_ENTRY);
@@ -184,6 +216,7 @@ cudaError_t launch_rope_write_cache(const Args& a, int dtype, void* out, cudaStr
   // Quantized pages come with bf16 compute only (the launcher checks it).
   if (a.cache_quant == APPEND_ATTN_CACHE_INT8) return launch_quantized<int8_t>(a, out, stream);
   if (a.cache_quant == APPEND_ATTN_CACHE_FP8_E4M3) return launch_quantized<fd_kvq::e4m3>(a, out, stream);
+  if (a.cache_quant == APPEND_ATTN_CACHE_INT4) return launch_quantized<Int4Pair>(a, out, stream);
   return dtype == APPEND_ATTN_BF16 ? launch_typed<__nv_bfloat16>(a, out, stream)
                                    : launch_typed<__half>(a, out, stream);
 }

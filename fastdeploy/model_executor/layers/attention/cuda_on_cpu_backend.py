@@ -3,8 +3,8 @@
 The cache, tables, slot maps and per-layer arguments are APPEND_ATTN's (the same engine, scheduler
 and cache manager); the per-layer call goes to the C ABI of the CUDA kernels (append_attn_api.cuh)
 compiled for the CUDA-on-CPU executor (ops/cuda_on_cpu_loader.py), on host buffers. The pages are
-what a GPU holds: bfloat16, or int8 / e4m3 codes with float32 scales; q, k, v enter as bfloat16 (the
-GPU's compute dtype) and the output returns in the model's dtype. Each launch runs its blocks one
+what a GPU holds: bfloat16, or int8 / e4m3 codes (int4: two codes per uint8) with float32 scales;
+q, k, v enter as bfloat16 (the GPU's compute dtype) and the output returns in the model's dtype. Each launch runs its blocks one
 after another under one thread order (CUDA_ON_CPU_ORDERS, default forward): slow, for checking the
 kernels under real models, not for serving.
 """
@@ -24,7 +24,7 @@ from fastdeploy.model_executor.layers.attention.ops.cuda_on_cpu_loader import Ap
     AppendAttnParams, load_cuda_on_cpu
 
 _BF16 = 0  # AppendAttnDtype
-_CACHE_QUANT = {paddle.bfloat16: 0, paddle.int8: 1, paddle.float8_e4m3fn: 2}  # AppendAttnCacheQuant
+_CACHE_QUANT = {paddle.bfloat16: 0, paddle.int8: 1, paddle.float8_e4m3fn: 2, paddle.uint8: 3}  # AppendAttnCacheQuant
 
 
 def _ptr(t):
