@@ -198,3 +198,30 @@ def test_attention_over_quantized_pages_matches_float64(fmt, name, table):
         for page, slot, *_ in where:
             new[page, slot] = old[page, slot] = 0
         np.testing.assert_array_equal(new, old)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "block_wise_int4"])
+def test_the_rotation_knob_stores_keys_as_they_are(monkeypatch, fmt):
+    """FD_KV_QUANT_ROTATION=0 (a measurement knob: what the rotation buys) writes the keys' own codes
+    and leaves the queries alone, so attention is still over the values the pages hold."""
+    monkeypatch.setenv("FD_KV_QUANT_ROTATION", "0")
+    case = CASES["chunk_over_cached_pages_d64"]
+    arrays = build_inputs(case)
+    t = quantized_tensors(arrays, fmt)  # the prior pages as the rule writes them (rotated keys) ...
+    unrotated = {k: arrays[k] for k in ("key_cache", "value_cache")}
+    for name in ("key_cache", "value_cache"):  # ... replaced by unrotated ones
+        codes, scales = quantize_rows(np.nan_to_num(unrotated[name]), fmt)
+        t[name] = stored(codes, fmt)
+        t[name.replace("cache", "cache_scales")] = paddle.to_tensor(
+            np.where(np.isnan(unrotated[name]).any(axis=-1), np.nan, scales).astype(np.float32))
+    out = run(case, t)
+    where, k_plain, _ = new_rows(case, arrays, fmt="block_wise_fp8")  # keys as they are (e4m3 keys are not rotated)
+    pages, slots = [w[0] for w in where], [w[1] for w in where]
+    written = code_values(t["key_cache"]).reshape(-1, case.block_size, case.head_dim)[pages, slots]
+    np.testing.assert_array_equal(written, quantize_rows(k_plain, fmt)[0])
+    a = {k: v for k, v in arrays.items() if k != "seq_lens_encoder"}
+    kw = dict(num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
+              sliding_window=case.window, sink_size=case.sink)
+    deq = dict(a, key_cache=pages_as_float(t, "key_cache"), value_cache=pages_as_float(t, "value_cache"))
+    tight, _, _ = reference_append_attention(**deq, **kw, caches_hold_new_rows=True)
+    assert rel_err(out, tight) < TIGHT_TOL
