@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "append_attention_checks.h"
@@ -190,7 +191,8 @@ template <typename OutT, typename CacheT>
 void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& tokens,
             const float* q_rot, const KvPages<CacheT>& kv, OutT* out) {
   const int d = g.head_dim;
-  const int64_t width = row_elements<CacheT>(d);  // cache elements per row
+  const int64_t row_width = row_elements<CacheT>(d);  // cache elements per row
+  constexpr bool int4_pages = std::is_same<CacheT, Int4Pair>::value;
   const int tile_max = tile_tokens(g);
   const std::vector<QueryTile> tiles = list_tiles(b, tile_max);
   const int64_t items = int64_t(tiles.size()) * g.kv_heads;
@@ -268,8 +270,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
       if (lo >= hi) continue;
       // Quantized pages are dequantized here, once per page visit, for all the tile's queries.
       const int64_t row0 = page_of(g, b, tile.request, h, i) * g.block_size + (lo - page_lo);
-      const float* kf = rows_as_float(kv.keys + row0 * width, kv.key_scale(row0), sc.ktile.data(), hi - lo, d);
-      const float* vf = rows_as_float(kv.values + row0 * width, kv.value_scale(row0), sc.vtile.data(), hi - lo, d);
+      const float* kf = rows_as_float(kv.keys + row0 * row_width, kv.key_scale(row0), sc.ktile.data(), hi - lo, d);
       // The queries that read this page and their pieces of it (sink part, window part).
       int readers = 0;
       for (int t = 0; t < tile.tokens; ++t) {
@@ -288,6 +289,12 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
           sc.q[readers++] = q_of(t, j);
         }
       }
+      // Values: into the scratch too, except int4 values for readers that fit one batch (a decode
+      // token's query heads), which the weighted sum reads from the page itself (the same bits).
+      const bool values_in_place = int4_pages && reads_int4_values_in_place(d) && readers <= shared_values_width(d);
+      const float* vf = values_in_place ? nullptr
+                                        : rows_as_float(kv.values + row0 * row_width, kv.value_scale(row0),
+                                                        sc.vtile.data(), hi - lo, d);
       // Scaled scores of every reader over [lo, hi) (keys a reader does not see are never folded).
       scores_rows(sc.q.data(), readers, kf, int(hi - lo), d, scale, sc.scores.data(), g.block_size);
       for (int piece = 0; piece < 2; ++piece) {
@@ -319,6 +326,13 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
             if (other.pieces->lo[piece] != ka || other.pieces->hi[piece] != ke) break;
             sc.w[batched] = sc.scores.data() + int64_t(r) * g.block_size + (ka - lo);
             sc.accs[batched++] = sc.acc.data() + int64_t(other.query) * d;
+          }
+          if constexpr (int4_pages) {
+            if (values_in_place) {
+              weighted_values_many(sc.w.data(), sc.accs.data(), batched, kv.values + (row0 + ka - lo) * row_width,
+                                   kv.value_scale(row0) + (ka - lo), int(ke - ka));
+              continue;
+            }
           }
           weighted_values_many(sc.w.data(), sc.accs.data(), batched, vf + (ka - lo) * d, int(ke - ka), d);
         }

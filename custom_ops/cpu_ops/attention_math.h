@@ -84,6 +84,22 @@ inline const float* rows_as_float(const Int4Pair* rows, const float* scales, flo
   return scratch;
 }
 
+// Whether a tile's int4 value rows are read straight from the page (weighted_values_int4_d64) when
+// its readers fit one batch; elsewhere (other head sizes, the portable path) they are dequantized
+// into the scratch. Either way the same bits.
+inline bool reads_int4_values_in_place(int d) { return attention_uses_avx512() && d == 64; }
+
+// weighted_values_many over int4 value rows in place (reads_int4_values_in_place(d), nr <= 4).
+inline void weighted_values_many(const float* const* ws, float* const* accs, int nr, const Int4Pair* v,
+                                 const float* scales, int n) {
+  switch (nr) {
+    case 4: return weighted_values_int4_d64<4>(ws, accs, v, scales, n);
+    case 3: return weighted_values_int4_d64<3>(ws, accs, v, scales, n);
+    case 2: return weighted_values_int4_d64<2>(ws, accs, v, scales, n);
+    default: return weighted_values_int4_d64<1>(ws, accs, v, scales, n);
+  }
+}
+
 // One token's rotated K (or its V) x[0..d) written into its cache row (and, for quantized pages,
 // the row's scale).
 inline void store_row(float* dst, float* /*scale*/, const float* x, int d) { std::memcpy(dst, x, sizeof(float) * d); }

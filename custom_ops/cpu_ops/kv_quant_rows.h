@@ -94,32 +94,72 @@ __attribute__((target("avx512f,avx2,f16c"))) inline const float* dequantize_rows
   return out;
 }
 
-// int4 rows: out[r * d + i] = code_i * scales[r]; d a multiple of 32. The row's 16 possible values
-// (nibble n -> its code's value times the scale: the portable read's one multiply, once per row)
-// form a table that vpermps indexes with each lane's low 4 bits. 16 bytes are split into their
-// low and high nibbles and interleaved back into element order as bytes (128-bit operations), so
-// each 16 values cost one widening and one lookup: no int -> float conversion and no multiply per
-// value, and half the int8 read's bytes (a microbenchmark of the read alone: ~5% under int8's,
-// both bound by the float stores into the scratch).
+// The 16 possible values of an int4 row with this scale, indexed by nibble (0..7, then -8..-1): code
+// x scale, the portable read's one multiply, once per row.
+__attribute__((target("avx512f"))) inline __m512 int4_row_values(float scale) {
+  const __m512 codes = _mm512_cvtepi32_ps(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1));
+  return _mm512_mul_ps(codes, _mm512_set1_ps(scale));
+}
+
+// The 32 values of 16 bytes of int4 pairs, in element order: the bytes are split into their low and
+// high nibbles and interleaved back as bytes (128-bit operations), then each 16 are widened and
+// looked up in the row's table (vpermps reads a lane's low 4 bits). No int -> float conversion and
+// no multiply per value.
+__attribute__((target("avx512f"))) inline void int4_x32(const uint8_t* bytes, __m512 table, __m512* first,
+                                                       __m512* second) {
+  const __m128i nibble = _mm_set1_epi8(0xF);
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  const __m128i even = _mm_and_si128(b, nibble), odd = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
+  *first = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(even, odd)), table);
+  *second = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(even, odd)), table);
+}
+
+// int4 rows: out[r * d + i] = code_i * scales[r]; d a multiple of 32. Half the int8 read's bytes for
+// about its instructions (a microbenchmark of the read alone: ~5% under int8's, both bound by the
+// float stores into the scratch).
 __attribute__((target("avx512f"))) inline const float* dequantize_rows_avx512(const Int4Pair* q,
                                                                              const float* scales,
                                                                              float* out, int64_t n, int d) {
-  const __m512 codes = _mm512_cvtepi32_ps(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1));
-  const __m128i nibble = _mm_set1_epi8(0xF);
   const int64_t bytes_per_row = d / 2;
   for (int64_t r = 0; r < n; ++r) {
-    const __m512 table = _mm512_mul_ps(codes, _mm512_set1_ps(scales[r]));
+    const __m512 table = int4_row_values(scales[r]);
     const uint8_t* row = &q[r * bytes_per_row].bits;
     float* o = out + r * d;
     for (int64_t i = 0; i < bytes_per_row; i += kLanes) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i));
-      const __m128i even = _mm_and_si128(b, nibble), odd = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
-      _mm512_storeu_ps(o + 2 * i, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(even, odd)), table));
-      _mm512_storeu_ps(o + 2 * i + kLanes,
-                       _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(even, odd)), table));
+      __m512 a, b;
+      int4_x32(row + i, table, &a, &b);
+      _mm512_storeu_ps(o + 2 * i, a);
+      _mm512_storeu_ps(o + 2 * i + kLanes, b);
     }
   }
   return out;
+}
+
+// weighted_values_shared<4, NR> (attention_tiles.h) over int4 value rows of d = 64 read straight
+// from the page: each row's 64 values are built in registers (the floats dequantize_rows_avx512
+// stores) and folded with the same fused multiply-adds in the same order, so the bits are those of
+// the scratch path, without its 16 KB of stores and loads per page. For a tile whose readers fit
+// one batch (a decode token's query heads); wider tiles dequantize once into the scratch instead.
+template <int NR>
+__attribute__((target("avx512f"))) void weighted_values_int4_d64(const float* const* ws, float* const* accs,
+                                                                const Int4Pair* v, const float* scales, int n) {
+  constexpr int B = 4;
+  __m512 a[NR][B];
+  for (int r = 0; r < NR; ++r)
+    for (int b = 0; b < B; ++b) a[r][b] = _mm512_loadu_ps(accs[r] + b * kLanes);
+  for (int j = 0; j < n; ++j) {
+    const __m512 table = int4_row_values(scales[j]);
+    const uint8_t* row = &v[int64_t(j) * 32].bits;
+    __m512 vb[B];
+    int4_x32(row, table, &vb[0], &vb[1]);
+    int4_x32(row + 16, table, &vb[2], &vb[3]);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 wj = _mm512_set1_ps(ws[r][j]);
+      for (int b = 0; b < B; ++b) a[r][b] = _mm512_fmadd_ps(wj, vb[b], a[r][b]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int b = 0; b < B; ++b) _mm512_storeu_ps(accs[r] + b * kLanes, a[r][b]);
 }
 
 // x <- H x (kv_quant.h's butterflies, span 1, 2, 4, ... in this order); d a multiple of 16. Spans
