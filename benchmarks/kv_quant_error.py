@@ -72,11 +72,15 @@ def relative_rms(approx: np.ndarray, exact: np.ndarray) -> float:
     return float(np.sqrt(((approx - exact) ** 2).sum() / (exact ** 2).sum()))
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--tokens", type=int, default=2000)
-    args = p.parse_args(argv)
+    p.add_argument("--tokens", type=int, default=2000, help="prompt tokens (docs prose)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     rows = model_rows(args.model, args.tokens)
     print(f"{args.model}: {len(rows['K'])} K and V rows; relative RMS error of the pages' values")
     for name, x in rows.items():
