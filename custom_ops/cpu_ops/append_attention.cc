@@ -86,6 +86,7 @@ void rope_and_write(const Geometry& g, const Batch& b,
   const int64_t stride = int64_t(g.num_heads + 2 * g.kv_heads) * d;
   // int8 / int4 pages hold H k; each query then becomes H q / d (kv_quant.h), so q . k is unchanged.
   const bool rotate = fd_kvq::rotates_keys(g.quant, d) && key_rotation_enabled();
+  const bool rotate_values = rotate && value_rotation_enabled();  // a measurement knob, off by default
   const float unrotate = 1.f / float(d);  // a power of two: exact
   std::vector<float> k_rot(d), v_row(d);
   for (const TokenRef& tok : tokens) {
@@ -108,6 +109,7 @@ void rope_and_write(const Geometry& g, const Batch& b,
       if (rotate) rotate_row(k_rot.data(), d);
       const QkvT* v = x + int64_t(g.num_heads + g.kv_heads + h) * d;
       for (int i = 0; i < d; ++i) v_row[i] = to_float(v[i]);
+      if (rotate_values) rotate_row(v_row.data(), d);
       store_row(kv.keys + row * width, kv.key_scale(row), k_rot.data(), d);
       store_row(kv.values + row * width, kv.value_scale(row), v_row.data(), d);
     }
@@ -193,6 +195,8 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
   const int d = g.head_dim;
   const int64_t row_width = row_elements<CacheT>(d);  // cache elements per row
   constexpr bool int4_pages = std::is_same<CacheT, Int4Pair>::value;
+  // FD_KV_QUANT_ROTATE_VALUES=1 (measurement only): the values were stored rotated; rotate back.
+  const bool unrotate_values = fd_kvq::rotates_keys(g.quant, d) && key_rotation_enabled() && value_rotation_enabled();
   const int tile_max = tile_tokens(g);
   const std::vector<QueryTile> tiles = list_tiles(b, tile_max);
   const int64_t items = int64_t(tiles.size()) * g.kv_heads;
@@ -209,7 +213,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
 
   // Per-worker scratch, sized once per step.
   struct Scratch {
-    std::vector<float> scores, ktile, vtile, max, denom, acc;
+    std::vector<float> scores, ktile, vtile, max, denom, acc, out_row;
     std::vector<KeyRuns> runs;
     std::vector<PagePieces> pieces;
     std::vector<PageReader> readers;
@@ -224,6 +228,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
     sc.max.resize(max_queries);
     sc.denom.resize(max_queries);
     sc.acc.resize(size_t(max_queries) * d);
+    sc.out_row.resize(d);
     sc.runs.resize(tile_max);
     sc.pieces.resize(tile_max);
     sc.readers.resize(max_queries);
@@ -343,6 +348,12 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
       for (int j = 0; j < g.group; ++j) {
         const int qi = t * g.group + j;
         const float inv = 1.f / sc.denom[qi];
+        if (unrotate_values) {
+          for (int i = 0; i < d; ++i) sc.out_row[i] = sc.acc[int64_t(qi) * d + i] * inv;
+          rotate_row(sc.out_row.data(), d);
+          for (int i = 0; i < d; ++i) store(o + j * d + i, sc.out_row[i] * (1.f / float(d)));
+          continue;
+        }
         for (int i = 0; i < d; ++i) store(o + j * d + i, sc.acc[int64_t(qi) * d + i] * inv);
       }
     }

@@ -35,6 +35,14 @@ inline bool key_rotation_enabled() {
   return env == nullptr || std::strcmp(env, "0") != 0;
 }
 
+// FD_KV_QUANT_ROTATE_VALUES=1 stores int8 / int4 values rotated as the keys are (v' = H v) and
+// rotates each output row back (out = H out' / d): a measurement knob of the CPU op only, to show
+// what rotating the values too would buy; off by default, and not the page rule's bytes.
+inline bool value_rotation_enabled() {
+  const char* env = std::getenv("FD_KV_QUANT_ROTATE_VALUES");
+  return env != nullptr && std::strcmp(env, "1") == 0;
+}
+
 // Cache elements per row of d values.
 template <typename CacheT>
 constexpr int64_t row_elements(int d) {

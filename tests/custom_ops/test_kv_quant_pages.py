@@ -225,3 +225,30 @@ def test_the_rotation_knob_stores_keys_as_they_are(monkeypatch, fmt):
     deq = dict(a, key_cache=pages_as_float(t, "key_cache"), value_cache=pages_as_float(t, "value_cache"))
     tight, _, _ = reference_append_attention(**deq, **kw, caches_hold_new_rows=True)
     assert rel_err(out, tight) < TIGHT_TOL
+
+
+@pytest.mark.parametrize("fmt", ["int8", "block_wise_int4"])
+def test_the_value_rotation_knob_stores_rotated_values_and_rotates_the_output_back(monkeypatch, fmt):
+    """FD_KV_QUANT_ROTATE_VALUES=1 (a measurement knob: what rotating the values would buy) writes H v's
+    codes and returns H out' / d: attention over the values the pages hold, rotated back."""
+    monkeypatch.setenv("FD_KV_QUANT_ROTATE_VALUES", "1")
+    case = CASES["chunk_over_cached_pages_d64"]
+    arrays = build_inputs(case)
+    t = quantized_tensors(arrays, fmt)
+    values = arrays["value_cache"]
+    codes, scales = quantize_rows(hadamard(np.nan_to_num(values)), fmt)  # the prior pages' values rotated too
+    t["value_cache"] = stored(codes, fmt)
+    t["value_cache_scales"] = paddle.to_tensor(np.where(np.isnan(values).any(axis=-1), np.nan, scales).astype(np.float32))
+    out = run(case, t)
+    where, _, v = new_rows(case, arrays, fmt)
+    pages, slots = [w[0] for w in where], [w[1] for w in where]
+    written = code_values(t["value_cache"]).reshape(-1, case.block_size, case.head_dim)[pages, slots]
+    np.testing.assert_array_equal(written, quantize_rows(hadamard(v), fmt)[0])
+    a = {k: v for k, v in arrays.items() if k != "seq_lens_encoder"}
+    kw = dict(num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
+              sliding_window=case.window, sink_size=case.sink)
+    rotated_values = pages_as_float(t, "value_cache").astype(np.float64)
+    deq = dict(a, key_cache=pages_as_float(t, "key_cache", fmt),
+               value_cache=hadamard(rotated_values) / case.head_dim)
+    tight, _, _ = reference_append_attention(**deq, **kw, caches_hold_new_rows=True)
+    assert rel_err(out, tight) < TIGHT_TOL
