@@ -12,12 +12,12 @@ prefilling --prefill-lens tokens in one step (the tiled path), in ms and attenti
 The issue's target: all-SWA head-wise at 64k <= 0.1x the full arm.
 A second table compares 1 vs 2 threads (FD_CPU_ATTN_NUM_THREADS). With --page-formats, a third
 table times the full-attention decode step over pages of each format (float32, bfloat16, int8,
-float8_e4m3fn: the quantized pages of --kv-cache-quant-type int8 / block_wise_fp8), interleaved,
-against the first format.
+float8_e4m3fn, int4: the quantized pages of --kv-cache-quant-type int8 / block_wise_fp8 /
+block_wise_int4, int4 as codes two per uint8), interleaved, against the first format.
 
     python benchmarks/bench_append_attention_cpu.py [--contexts 4096 16384 65536] [--json out.json]
     python benchmarks/bench_append_attention_cpu.py --batch 32 --contexts 2048 --num-heads 9 --kv-heads 3 \
-        --head-dim 64 --page-formats float32 int8 float8_e4m3fn --skip-arms --prefill-lens 4096  # SmolLM2's
+        --head-dim 64 --page-formats float32 bfloat16 int8 int4 --skip-arms --prefill-lens 4096  # SmolLM2's
 """
 
 from __future__ import annotations
@@ -40,7 +40,22 @@ from fastdeploy.model_executor.layers.attention.ops import append_attention
 from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import compile_flags
 
 
-QUANTIZED = ("int8", "float8_e4m3fn")  # cache dtypes of --kv-cache-quant-type int8 / block_wise_fp8
+# Page formats of --kv-cache-quant-type int8 / block_wise_fp8 / block_wise_int4 (cache dtypes, int4: uint8 pairs).
+QUANTIZED = ("int8", "float8_e4m3fn", "int4")
+
+
+def cache_shape_and_dtype(shape: list, page_format: str):
+    """A lane's shape and paddle dtype for a page format (int4: head_dim / 2 bytes of code pairs)."""
+    if page_format == "int4":
+        return shape[:-1] + [shape[-1] // 2], "uint8"
+    return shape, page_format
+
+
+def random_int4_pairs(shape: list, seed: int) -> paddle.Tensor:
+    """Bytes of two codes in -7..7 (what the op writes), even element in the low nibble."""
+    codes = np.random.default_rng(seed).integers(-7, 8, size=shape[:-1] + [2 * shape[-1]])
+    nibbles = codes & 0xF
+    return paddle.to_tensor((nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).astype(np.uint8))
 
 
 def log(msg: str) -> None:
@@ -61,7 +76,11 @@ class DecodeStep:
         quantized = page_dtype in QUANTIZED
         source = (lambda: paddle.uniform(cache_shape, min=-100, max=100).astype("int8")) if page_dtype == "int8" \
             else (lambda: paddle.uniform(cache_shape, min=-1, max=1).astype(page_dtype))
-        self.key_cache, self.value_cache = source(), source()
+        if page_dtype == "int4":
+            self.key_cache = random_int4_pairs(cache_shape_and_dtype(cache_shape, "int4")[0], 1)
+            self.value_cache = random_int4_pairs(cache_shape_and_dtype(cache_shape, "int4")[0], 2)
+        else:
+            self.key_cache, self.value_cache = source(), source()
         scales = (lambda: paddle.uniform(cache_shape[:3], min=0.01, max=0.02)) if quantized \
             else (lambda: paddle.zeros([1], "float32"))
         self.scales = dict(key_cache_scales=scales(), value_cache_scales=scales())
@@ -117,9 +136,10 @@ def prefill_step(args, tokens: int, swa_heads: int, page_dtype: str = None):
     angle = np.arange(tokens)[:, None] * inv_freq[None, :]
     swa = np.zeros(H, np.int32)
     swa[:swa_heads] = 1
+    lane_shape, lane_dtype = cache_shape_and_dtype(shape, page_dtype)
     tensors = dict(
         qkv=paddle.uniform([tokens, (args.num_heads + 2 * H) * D], min=-1, max=1),
-        key_cache=paddle.zeros(shape, page_dtype), value_cache=paddle.zeros(shape, page_dtype),
+        key_cache=paddle.zeros(lane_shape, lane_dtype), value_cache=paddle.zeros(lane_shape, lane_dtype),
         key_cache_scales=paddle.zeros(shape[:3] if page_dtype in QUANTIZED else [1], "float32"),
         value_cache_scales=paddle.zeros(shape[:3] if page_dtype in QUANTIZED else [1], "float32"),
         seq_lens_encoder=i32([tokens]), seq_lens_decoder=i32([0]), seq_lens_this_time=i32([tokens]),
@@ -187,7 +207,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-lens", type=int, nargs="*", default=[2048],
                    help="also time one request prefilling this many tokens in one step")
     p.add_argument("--page-formats", nargs="*", default=[],
-                   choices=["float32", "bfloat16", "int8", "float8_e4m3fn"],
+                   choices=["float32", "bfloat16", "int8", "float8_e4m3fn", "int4"],
                    help="also time the full decode step over pages of each format (vs the first one)")
     p.add_argument("--skip-arms", action="store_true", help="only the --page-formats table (and prefill)")
     p.add_argument("--json", metavar="PATH")

@@ -294,7 +294,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", help="a model name, directory or GGUF file instead of the random SmolLM2-shaped one")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the last run; print this many entries")
     ap.add_argument("--json", help="also write the results here")
-    ap.add_argument("--kv-cache-quant-types", nargs="+", default=None, choices=["none", "int8", "block_wise_fp8"],
+    ap.add_argument("--kv-cache-quant-types", nargs="+", default=None, choices=["none", "int8", "block_wise_fp8", "block_wise_int4"],
                     help="compare decode steps over these KV page formats (one engine each, steps interleaved)")
     ap.add_argument("--decode-steps", type=int, default=24, help="timed decode steps per format")
     ap.add_argument("--kv-cache-memory", type=int, default=4 << 30, help="KV bytes of each engine (formats)")

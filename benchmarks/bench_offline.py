@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--cache-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="default: float32 on the CPU, the compute dtype on the GPU")
-    p.add_argument("--kv-cache-quant-type", choices=["none", "int8", "block_wise_fp8"], default="none",
+    p.add_argument("--kv-cache-quant-type", choices=["none", "int8", "block_wise_fp8", "block_wise_int4"], default="none",
                    help="KV page format of both arms (8-bit pages + scales; the cache is still sized in blocks)")
     p.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
     p.add_argument("--seed", type=int, default=0)

@@ -81,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-gpu-blocks", type=int, default=1536)
     p.add_argument("--kv-cache-memory", type=int, default=None,
                    help="bytes of KV cache of every arm instead of --num-gpu-blocks (equal memory across formats)")
-    p.add_argument("--kv-cache-quant-types", nargs="+", default=["none"], choices=["none", "int8", "block_wise_fp8"],
+    p.add_argument("--kv-cache-quant-types", nargs="+", default=["none"], choices=["none", "int8", "block_wise_fp8", "block_wise_int4"],
                    help="page formats; each runs OFF and ON (the first one fills the top-level JSON keys)")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=3968)

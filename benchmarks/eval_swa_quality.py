@@ -23,8 +23,11 @@ backend. Results are written to --json after every configuration; a rerun skips 
 
 The configs file is a JSON list of {"name": ..., "head_wise_swa": {...} or null}, or `--standard
 FINDER_JSON` builds the table of docs/swa_quality.md from a find_swa_heads output. A config may
-also name `"kv_cache_quant_type"` (int8 / block_wise_fp8: quantized KV pages, compared with the
-same float32 full-attention reference; `--kv-cache-quant-type` sets it for configs that do not) and
+also name `"kv_cache_quant_type"` (int8 / block_wise_fp8 / block_wise_int4: quantized KV pages, compared
+with the same float32 full-attention reference; `--kv-cache-quant-type` sets it for configs that do
+not), `"kv_quant_rotation": false` (int8 / int4 keys stored without their Hadamard rotation,
+FD_KV_QUANT_ROTATION=0: what the rotation buys), `"kv_quant_value_rotation": true` (values rotated
+too, FD_KV_QUANT_ROTATE_VALUES=1) and
 `"head_wise_kv_cache": true` for a full-attention config on head-wise pages (a model's own sliding
 layers then recycle through slots: Gemma 3). Quantized rows report `kv_pages_x`: the pages the same
 KV memory holds against float32 pages, times the page-need ceiling.
@@ -85,15 +88,19 @@ def path_of(spec, num_layers: int) -> str:
 
 
 def build_llm(model: str, spec, path: str, max_model_len: int, prefix_caching: bool, max_num_seqs: int = 1,
-              quant: str = "none", head_wise: bool = False):
+              quant: str = "none", head_wise: bool = False, rotation: bool = True, value_rotation: bool = False):
     """The engine for one configuration. A servable per-layer spec the engine does not accept yet
     falls back to the masked dense reference (returned path says which ran). `quant`: the KV page
-    format (kv_cache_quant_type); `head_wise`: full attention on head-wise pages."""
+    format (kv_cache_quant_type); `head_wise`: full attention on head-wise pages; `rotation=False`:
+    int8 / int4 keys stored unrotated (FD_KV_QUANT_ROTATION=0, a CPU-op measurement knob);
+    `value_rotation=True`: values stored rotated too (FD_KV_QUANT_ROTATE_VALUES=1, the same kind)."""
     from fastdeploy import LLM
     from fastdeploy.tools.probed_attention import install
 
     common = dict(model=model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=CHUNK, enable_prefix_caching=prefix_caching)
+    os.environ["FD_KV_QUANT_ROTATION"] = "1" if rotation else "0"
+    os.environ["FD_KV_QUANT_ROTATE_VALUES"] = "1" if value_rotation else "0"
     if quant != "none":
         if path in ("native", "native-full"):
             raise ValueError("quantized KV pages need the paged path; this config runs on NATIVE_ATTN")
@@ -358,7 +365,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=4, help="retrieval prompts in flight at once")
-    p.add_argument("--kv-cache-quant-type", default="none", choices=["none", "int8", "block_wise_fp8"],
+    p.add_argument("--kv-cache-quant-type", default="none",
+                   choices=["none", "int8", "block_wise_fp8", "block_wise_int4"],
                    help="KV page format of configs that name none (the reference stays float32 pages)")
     return p.parse_args(argv)
 
@@ -422,17 +430,23 @@ def main(argv=None) -> int:
         name, spec = c["name"], c["head_wise_swa"]
         quant = c.get("kv_cache_quant_type", args.kv_cache_quant_type)
         head_wise = bool(c.get("head_wise_kv_cache", False))
+        rotation = bool(c.get("kv_quant_rotation", True))
+        value_rotation = bool(c.get("kv_quant_value_rotation", False))
         if name in done and done[name].get("head_wise_swa") == spec and \
-                done[name].get("kv_cache_quant_type", "none") == quant:
+                done[name].get("kv_cache_quant_type", "none") == quant and \
+                done[name].get("kv_quant_rotation", True) == rotation and \
+                done[name].get("kv_quant_value_rotation", False) == value_rotation:
             log(f"{name}: done already")
             continue
         t0 = time.time()
         path = path_of(spec, num_layers)
         exact_below = 0 if quant != "none" else \
             spec["sink_size"] + spec["sliding_window"] if spec else args.segment_tokens
-        row = {"head_wise_swa": spec, "path": path, "kv_cache_quant_type": quant, "head_wise_kv_cache": head_wise}
+        row = {"head_wise_swa": spec, "path": path, "kv_cache_quant_type": quant, "head_wise_kv_cache": head_wise,
+               "kv_quant_rotation": rotation, "kv_quant_value_rotation": value_rotation}
         is_reference = spec is None and quant == "none" and not head_wise
-        llm, ran = build_llm(args.model, spec, path, max_len, prefix_caching=False, quant=quant, head_wise=head_wise) \
+        llm, ran = build_llm(args.model, spec, path, max_len, prefix_caching=False, quant=quant, head_wise=head_wise,
+                             rotation=rotation, value_rotation=value_rotation) \
             if not is_reference and "text" in parts else (None, path)
         row["path"] = ran
         if "text" in parts:
@@ -448,7 +462,8 @@ def main(argv=None) -> int:
             llm.engine.close()
         if "chat" in parts:
             llm, ran = build_llm(args.model, spec, ran, max_len, prefix_caching=True, max_num_seqs=8,
-                                 quant=quant, head_wise=head_wise)
+                                 quant=quant, head_wise=head_wise, rotation=rotation,
+                                 value_rotation=value_rotation)
             row["chat_outputs"] = chat_outputs(llm, args.chat_tokens)
             llm.engine.close()
             first = next(iter(done.values()), row)  # the first config's (float32 full attention) outputs
@@ -457,7 +472,8 @@ def main(argv=None) -> int:
                 f"{next(iter(done), name)}'s, mean agreement {row['chat']['mean_prefix_agreement']:.3f}")
         if "retrieval" in parts and (with_retrieval is None or name in with_retrieval):
             llm, ran = build_llm(args.model, spec, ran, max_len, prefix_caching=True, max_num_seqs=args.max_num_seqs,
-                                 quant=quant, head_wise=head_wise)
+                                 quant=quant, head_wise=head_wise, rotation=rotation,
+                                 value_rotation=value_rotation)
             row["path"] = ran
             row["retrieval"] = retrieval_metrics(llm, prompts)
             llm.engine.close()

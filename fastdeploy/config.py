@@ -45,15 +45,20 @@ class CacheConfig:
     cache_dtype: str = "float32"
     # None = on unless the attention backend cannot read shared pages (resolved to a bool by FDConfig).
     enable_prefix_caching: Optional[bool] = None
-    # none / int8 / block_wise_fp8 (layers/quantization/kv_cache.py); None = the checkpoint's
+    # none / int8 / block_wise_fp8 / block_wise_int4 (layers/quantization/kv_cache.py); None = the checkpoint's
     # quantization_config.kv_cache_quant_type, else none (resolved by FDConfig).
     kv_cache_quant_type: Optional[str] = None
     num_gpu_blocks: int = 0  # resolved by FDConfig
 
     @property
     def page_dtype(self) -> str:
-        """The dtype of the K/V lanes: int8 / float8_e4m3fn for quantized pages, else cache_dtype."""
+        """The dtype of the K/V lanes: int8 / float8_e4m3fn / uint8 (int4 pairs) for quantized pages, else
+        cache_dtype."""
         return kv_quant.page_dtype(self.kv_cache_quant_type or "none", self.cache_dtype)
+
+    def row_elements(self, head_dim: int) -> int:
+        """The last dim of a K/V lane: head_dim, or head_dim / 2 bytes of int4 pairs."""
+        return kv_quant.row_elements(self.kv_cache_quant_type or "none", head_dim)
 
     @property
     def quantized(self) -> bool:
@@ -210,7 +215,8 @@ class FDConfig:
         kv_quant.check_kv_cache_quant_type(self.cache_config.kv_cache_quant_type, self.cache_config.cache_dtype,
                                            default_cache_dtype(self.device, self.model_config.dtype,
                                                                self.attention_backend),
-                                           self.attention_backend, self.device, self.model_config.dtype)
+                                           self.attention_backend, self.device, self.model_config.dtype,
+                                           self.model_config.head_dim)
         if self.head_wise_attn == "DUAL_PASS":
             # Upstream's baseline: two kernel passes over one shared 1-D table. Only the CUDA op has
             # the second pass; on the CPU, or with per-head tables, it would be a silent no-op.

@@ -5,9 +5,9 @@
 // the slot layout [num_blocks, G, block_size, head_dim] (G >= kv_heads slots);
 // kv_head_slots[h] is the slot (table row) of KV head h in this layer.
 //
-// Quantized lanes (int8 or e4m3fn caches, kv_quant.h) carry float32 scales
-// [num_blocks, G, block_size] for K and for V, one per token row of every page;
-// float lanes take a 1-element placeholder there (docs/op_contract.md).
+// Quantized lanes (int8, e4m3fn, or uint8 caches of int4 pairs [num_blocks, G, block_size,
+// head_dim / 2], kv_quant.h) carry float32 scales [num_blocks, G, block_size] for K and for V, one
+// per token row of every page; float lanes take a 1-element placeholder there (docs/op_contract.md).
 //
 // The step runs in three passes:
 //   1. validate every shape and every table entry the step will touch, so a
@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "append_attention_checks.h"
@@ -47,8 +48,8 @@ struct TokenRef {
   int64_t pos;  // absolute position of the token
 };
 
-// One lane's K and V pages as the step sees them: CacheT is float, bf16_bits, int8_t or
-// fd_kvq::e4m3; quantized lanes also carry one float32 scale per (page, row) for K and for V, at
+// One lane's K and V pages as the step sees them: CacheT is float, bf16_bits, int8_t,
+// fd_kvq::e4m3 or Int4Pair (a row is row_elements<CacheT>(head_dim) of them); quantized lanes also carry one float32 scale per (page, row) for K and for V, at
 // the row's index in the page space (page * block_size + row), so a page's scales go wherever the
 // page goes. Float lanes have no scales (nullptr).
 template <typename CacheT>
@@ -74,16 +75,18 @@ std::vector<TokenRef> list_tokens(const Batch& b) {
 
 // Pass 2: q heads rotated into `q_rot` [token_num, num_heads, head_dim] fp32;
 // rotated k and raw v written into the cache row of the token's position (quantized pages: their
-// codes, and the row's scale into the same (page, row) cell of the scale tensors; int8 pages
+// codes, and the row's scale into the same (page, row) cell of the scale tensors; int8 and int4 pages
 // store the key Hadamard-rotated and the queries are rotated to match, kv_quant.h).
 template <typename QkvT, typename CacheT>
 void rope_and_write(const Geometry& g, const Batch& b,
                     const std::vector<TokenRef>& tokens, const QkvT* qkv,
                     const float* cos, const float* sin, const KvPages<CacheT>& kv, float* q_rot) {
   const int d = g.head_dim;
+  const int64_t width = row_elements<CacheT>(d);  // cache elements per row
   const int64_t stride = int64_t(g.num_heads + 2 * g.kv_heads) * d;
-  // int8 pages hold H k; each query then becomes H q / d (kv_quant.h), so q . k is unchanged.
-  const bool rotate = fd_kvq::rotates_keys(g.quant, d);
+  // int8 / int4 pages hold H k; each query then becomes H q / d (kv_quant.h), so q . k is unchanged.
+  const bool rotate = fd_kvq::rotates_keys(g.quant, d) && key_rotation_enabled();
+  const bool rotate_values = rotate && value_rotation_enabled();  // a measurement knob, off by default
   const float unrotate = 1.f / float(d);  // a power of two: exact
   std::vector<float> k_rot(d), v_row(d);
   for (const TokenRef& tok : tokens) {
@@ -106,8 +109,9 @@ void rope_and_write(const Geometry& g, const Batch& b,
       if (rotate) rotate_row(k_rot.data(), d);
       const QkvT* v = x + int64_t(g.num_heads + g.kv_heads + h) * d;
       for (int i = 0; i < d; ++i) v_row[i] = to_float(v[i]);
-      store_row(kv.keys + row * d, kv.key_scale(row), k_rot.data(), d);
-      store_row(kv.values + row * d, kv.value_scale(row), v_row.data(), d);
+      if (rotate_values) rotate_row(v_row.data(), d);
+      store_row(kv.keys + row * width, kv.key_scale(row), k_rot.data(), d);
+      store_row(kv.values + row * width, kv.value_scale(row), v_row.data(), d);
     }
   }
 }
@@ -189,6 +193,10 @@ template <typename OutT, typename CacheT>
 void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& tokens,
             const float* q_rot, const KvPages<CacheT>& kv, OutT* out) {
   const int d = g.head_dim;
+  const int64_t row_width = row_elements<CacheT>(d);  // cache elements per row
+  constexpr bool int4_pages = std::is_same<CacheT, Int4Pair>::value;
+  // FD_KV_QUANT_ROTATE_VALUES=1 (measurement only): the values were stored rotated; rotate back.
+  const bool unrotate_values = fd_kvq::rotates_keys(g.quant, d) && key_rotation_enabled() && value_rotation_enabled();
   const int tile_max = tile_tokens(g);
   const std::vector<QueryTile> tiles = list_tiles(b, tile_max);
   const int64_t items = int64_t(tiles.size()) * g.kv_heads;
@@ -205,7 +213,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
 
   // Per-worker scratch, sized once per step.
   struct Scratch {
-    std::vector<float> scores, ktile, vtile, max, denom, acc;
+    std::vector<float> scores, ktile, vtile, max, denom, acc, out_row;
     std::vector<KeyRuns> runs;
     std::vector<PagePieces> pieces;
     std::vector<PageReader> readers;
@@ -220,6 +228,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
     sc.max.resize(max_queries);
     sc.denom.resize(max_queries);
     sc.acc.resize(size_t(max_queries) * d);
+    sc.out_row.resize(d);
     sc.runs.resize(tile_max);
     sc.pieces.resize(tile_max);
     sc.readers.resize(max_queries);
@@ -266,8 +275,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
       if (lo >= hi) continue;
       // Quantized pages are dequantized here, once per page visit, for all the tile's queries.
       const int64_t row0 = page_of(g, b, tile.request, h, i) * g.block_size + (lo - page_lo);
-      const float* kf = rows_as_float(kv.keys + row0 * d, kv.key_scale(row0), sc.ktile.data(), hi - lo, d);
-      const float* vf = rows_as_float(kv.values + row0 * d, kv.value_scale(row0), sc.vtile.data(), hi - lo, d);
+      const float* kf = rows_as_float(kv.keys + row0 * row_width, kv.key_scale(row0), sc.ktile.data(), hi - lo, d);
       // The queries that read this page and their pieces of it (sink part, window part).
       int readers = 0;
       for (int t = 0; t < tile.tokens; ++t) {
@@ -286,6 +294,12 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
           sc.q[readers++] = q_of(t, j);
         }
       }
+      // Values: into the scratch too, except int4 values for readers that fit one batch (a decode
+      // token's query heads), which the weighted sum reads from the page itself (the same bits).
+      const bool values_in_place = int4_pages && reads_int4_values_in_place(d) && readers <= shared_values_width(d);
+      const float* vf = values_in_place ? nullptr
+                                        : rows_as_float(kv.values + row0 * row_width, kv.value_scale(row0),
+                                                        sc.vtile.data(), hi - lo, d);
       // Scaled scores of every reader over [lo, hi) (keys a reader does not see are never folded).
       scores_rows(sc.q.data(), readers, kf, int(hi - lo), d, scale, sc.scores.data(), g.block_size);
       for (int piece = 0; piece < 2; ++piece) {
@@ -318,6 +332,13 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
             sc.w[batched] = sc.scores.data() + int64_t(r) * g.block_size + (ka - lo);
             sc.accs[batched++] = sc.acc.data() + int64_t(other.query) * d;
           }
+          if constexpr (int4_pages) {
+            if (values_in_place) {
+              weighted_values_many(sc.w.data(), sc.accs.data(), batched, kv.values + (row0 + ka - lo) * row_width,
+                                   kv.value_scale(row0) + (ka - lo), int(ke - ka));
+              continue;
+            }
+          }
           weighted_values_many(sc.w.data(), sc.accs.data(), batched, vf + (ka - lo) * d, int(ke - ka), d);
         }
       }
@@ -327,6 +348,12 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
       for (int j = 0; j < g.group; ++j) {
         const int qi = t * g.group + j;
         const float inv = 1.f / sc.denom[qi];
+        if (unrotate_values) {
+          for (int i = 0; i < d; ++i) sc.out_row[i] = sc.acc[int64_t(qi) * d + i] * inv;
+          rotate_row(sc.out_row.data(), d);
+          for (int i = 0; i < d; ++i) store(o + j * d + i, sc.out_row[i] * (1.f / float(d)));
+          continue;
+        }
         for (int i = 0; i < d; ++i) store(o + j * d + i, sc.acc[int64_t(qi) * d + i] * inv);
       }
     }
@@ -361,7 +388,7 @@ void run_step(const Geometry& g, const Batch& b, const paddle::Tensor& qkv,
             o + token_num * g.num_heads * g.head_dim, QkvT(0));
 }
 
-// The step with the cache's element type: float32, bfloat16, int8 or e4m3 pages.
+// The step with the cache's element type: float32, bfloat16, int8, e4m3 or int4 (uint8) pages.
 template <typename QkvT>
 void run_step_for_cache(const Geometry& g, const Batch& b, const paddle::Tensor& qkv,
                         const paddle::Tensor& cos, const paddle::Tensor& sin,
@@ -376,6 +403,8 @@ void run_step_for_cache(const Geometry& g, const Batch& b, const paddle::Tensor&
     case paddle::DataType::FLOAT8_E4M3FN:
       return run_step<QkvT, fd_kvq::e4m3>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales, value_scales,
                                           out);
+    case paddle::DataType::UINT8:
+      return run_step<QkvT, Int4Pair>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales, value_scales, out);
     default:
       return run_step<QkvT, float>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales, value_scales, out);
   }

@@ -5,7 +5,7 @@
 // Both wrappers call, before anything is written:
 //   1. check_inputs(): place, contiguity and dtype of every input, the op's
 //      integer attributes, the qkv width, the cache shape [num_blocks, slots,
-//      block_size, head_dim] (slots >= kv_heads: a lane of the slot layout,
+//      block_size, head_dim] (head_dim / 2 bytes for int4 pages; slots >= kv_heads: a lane of the slot layout,
 //      docs/memory_model.md), the scale tensors of quantized caches, the lengths of the int32 vectors, the table rank
 //      and dims against [bsz, slots, max_blocks] (or [bsz, max_blocks] in 1-D
 //      mode), the rotary tables;
@@ -127,11 +127,16 @@ inline DeviceRules gpu_rules() {
   return {"append_attention_gpu", "GPU", true, true, false, true, true, true, false, true, true, true};
 }
 
-// int8 and e4m3fn caches are quantized pages (both devices read and write both).
+// int8, e4m3fn and uint8 (int4 pairs) caches are quantized pages.
 inline fd_kvq::Format page_format(paddle::DataType t) {
   if (t == paddle::DataType::INT8) return fd_kvq::kInt8;
   if (t == paddle::DataType::FLOAT8_E4M3FN) return fd_kvq::kE4M3;
+  if (t == paddle::DataType::UINT8) return fd_kvq::kInt4;
   return fd_kvq::kFloat;
+}
+
+inline const char* format_name(fd_kvq::Format f) {
+  return f == fd_kvq::kInt8 ? "int8" : f == fd_kvq::kE4M3 ? "float8_e4m3fn" : "uint8 (int4 pairs)";
 }
 
 // Quantized pages: float32 [num_blocks, slots, block_size], one scale per row of every page, for K
@@ -150,7 +155,7 @@ inline void check_scales(const DeviceRules& rules, fd_kvq::Format quant,
       PD_CHECK(t->shape() == std::vector<int64_t>(cache_shape.begin(), cache_shape.end() - 1), rules.op,
                ": ", name, " must be [num_blocks=", cache_shape[0], ", slots=", cache_shape[1],
                ", block_size=", cache_shape[2], "] (one scale per row of every page) for ",
-               quant == fd_kvq::kInt8 ? "int8" : "float8_e4m3fn", " caches");
+               format_name(quant), " caches");
     }
   }
 }
@@ -235,23 +240,25 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
            qs.size() == 2 ? std::to_string(qs[1]) : "");
 
   const auto& cs = key_cache.shape();
-  PD_CHECK(cs.size() == 4 && cs[1] >= kv_num_heads && cs[3] == head_dim && cs[2] > 0, rules.op,
-           ": key_cache must be [num_blocks, slots >= kv_num_heads=", kv_num_heads,
-           ", block_size, head_dim=", head_dim, "]");
+  const fd_kvq::Format quant = page_format(key_cache.dtype());
+  // An int4 row is head_dim / 2 bytes, two codes each.
+  const int64_t row_width = quant == fd_kvq::kInt4 ? head_dim / 2 : head_dim;
+  PD_CHECK(cs.size() == 4 && cs[1] >= kv_num_heads && cs[3] == row_width && cs[2] > 0, rules.op,
+           ": key_cache must be [num_blocks, slots >= kv_num_heads=", kv_num_heads, ", block_size, ",
+           quant == fd_kvq::kInt4 ? "head_dim / 2=" : "head_dim=", row_width, "]");
   PD_CHECK(value_cache.shape() == cs && value_cache.dtype() == key_cache.dtype(), rules.op,
            ": value_cache must match key_cache in shape and dtype");
-  const fd_kvq::Format quant = page_format(key_cache.dtype());
   if (quant != fd_kvq::kFloat) {
     PD_CHECK(!rules.quantized_needs_bf16 || qkv.dtype() == paddle::DataType::BFLOAT16, rules.op,
-             ": int8 / float8_e4m3fn caches (quantized pages) need bfloat16 qkv");
+             ": int8 / float8_e4m3fn caches and uint8 int4 caches (quantized pages) need bfloat16 qkv");
   } else if (rules.cache_matches_qkv) {
     PD_CHECK(key_cache.dtype() == qkv.dtype(), rules.op,
-             ": caches must have qkv's dtype, or be int8 / float8_e4m3fn (quantized pages)");
+             ": caches must have qkv's dtype, or be int8 / float8_e4m3fn / uint8 int4 (quantized pages)");
   } else {
     PD_CHECK(dtype_allowed(key_cache.dtype(), rules.cache_fp32, rules.cache_bf16, rules.cache_fp16),
              rules.op, ": caches must be ",
              dtype_list(rules.cache_fp32, rules.cache_bf16, rules.cache_fp16),
-             ", or int8 / float8_e4m3fn (quantized pages)");
+             ", or int8 / float8_e4m3fn / uint8 int4 (quantized pages)");
   }
   check_scales(rules, quant, cs, key_cache_scales, value_cache_scales);
 

@@ -71,6 +71,35 @@ inline const float* rows_as_float(const fd_kvq::e4m3* rows, const float* scales,
   return scratch;
 }
 
+// int4 rows (d / 2 bytes each): every nibble's exact code value times the row's scale.
+inline const float* rows_as_float(const Int4Pair* rows, const float* scales, float* scratch, int64_t n, int d) {
+  if (attention_uses_avx512() && d % (2 * kLanes) == 0) return dequantize_rows_avx512(rows, scales, scratch, n, d);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int i = 0; i < d; i += 2) {
+      const uint8_t b = rows[r * (d / 2) + i / 2].bits;
+      scratch[r * d + i] = float(fd_kvq::int4_low(b)) * scales[r];
+      scratch[r * d + i + 1] = float(fd_kvq::int4_high(b)) * scales[r];
+    }
+  }
+  return scratch;
+}
+
+// Whether a tile's int4 value rows are read straight from the page (weighted_values_int4_d64) when
+// its readers fit one batch; elsewhere (other head sizes, the portable path) they are dequantized
+// into the scratch. Either way the same bits.
+inline bool reads_int4_values_in_place(int d) { return attention_uses_avx512() && d == 64; }
+
+// weighted_values_many over int4 value rows in place (reads_int4_values_in_place(d), nr <= 4).
+inline void weighted_values_many(const float* const* ws, float* const* accs, int nr, const Int4Pair* v,
+                                 const float* scales, int n) {
+  switch (nr) {
+    case 4: return weighted_values_int4_d64<4>(ws, accs, v, scales, n);
+    case 3: return weighted_values_int4_d64<3>(ws, accs, v, scales, n);
+    case 2: return weighted_values_int4_d64<2>(ws, accs, v, scales, n);
+    default: return weighted_values_int4_d64<1>(ws, accs, v, scales, n);
+  }
+}
+
 // One token's rotated K (or its V) x[0..d) written into its cache row (and, for quantized pages,
 // the row's scale).
 inline void store_row(float* dst, float* /*scale*/, const float* x, int d) { std::memcpy(dst, x, sizeof(float) * d); }
@@ -93,7 +122,14 @@ inline void store_row(fd_kvq::e4m3* dst, float* scale, const float* x, int d) {
   std::memset(dst, 0, size_t(d));
 }
 
-// x <- H x (int8 keys and the queries beside them, kv_quant.h).
+inline void store_row(Int4Pair* dst, float* scale, const float* x, int d) {
+  if (!attention_uses_avx512() || d % kLanes != 0) return fd_kvq::quantize_row_int4(x, d, &dst->bits, scale);
+  *scale = fd_kvq::scale_for(absmax_avx512(x, d), fd_kvq::kInt4);
+  if (*scale > 0.f) return int4_codes_avx512(x, d, *scale, dst);
+  std::memset(dst, 0, size_t(d / 2));
+}
+
+// x <- H x (int8 / int4 keys and the queries beside them, kv_quant.h).
 inline void rotate_row(float* x, int d) {
   if (attention_uses_avx512() && d % kLanes == 0) return hadamard_avx512(x, d);
   fd_kvq::hadamard_in_place(x, d);

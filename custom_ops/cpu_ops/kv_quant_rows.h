@@ -1,20 +1,57 @@
 // The CPU op's quantized pages, 16 values at a time with AVX-512: a page's rows dequantized into the
-// tile scratch once per page visit, and a written row rotated (int8 keys and the queries) and
+// tile scratch once per page visit, and a written row rotated (int8 / int4 keys and the queries) and
 // quantized. Every operation here is exact or one correctly rounded IEEE operation, the same ones
 // in the same order as the scalar rule of kv_quant.h (a max is exact in any order; a butterfly's
 // a + b and a - b are the same sums), so these give the bits of the portable code in
 // attention_math.h. The reads: int8 -> float, or e4m3 -> fp16 bits -> float times 2^8, exact, then
-// one multiply by the row's scale.
+// one multiply by the row's scale; int4: the row's 16 possible values (code x scale, the same one
+// multiply) looked up by nibble.
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "attention_tiles.h"
 #include "kv_quant.h"
 
 namespace fd_cpu {
+
+// A byte of an int4 lane (cache dtype uint8): two codes, the even element in the low nibble
+// (kv_quant.h). A distinct type so the cache's element type picks the read and the write; a row of
+// d values is d / 2 of them.
+struct Int4Pair {
+  uint8_t bits;
+};
+
+// FD_KV_QUANT_ROTATION=0 stores int8 / int4 keys unrotated (and leaves the queries alone): a
+// measurement knob of the CPU op only, to show what the rotation buys (docs/swa_quality.md); pages
+// written with it are not the page rule's bytes, which the CUDA kernels read. Read per step, so one
+// process can measure both.
+inline bool key_rotation_enabled() {
+  const char* env = std::getenv("FD_KV_QUANT_ROTATION");
+  return env == nullptr || std::strcmp(env, "0") != 0;
+}
+
+// FD_KV_QUANT_ROTATE_VALUES=1 stores int8 / int4 values rotated as the keys are (v' = H v) and
+// rotates each output row back (out = H out' / d): a measurement knob of the CPU op only, to show
+// what rotating the values too would buy; off by default, and not the page rule's bytes.
+inline bool value_rotation_enabled() {
+  const char* env = std::getenv("FD_KV_QUANT_ROTATE_VALUES");
+  return env != nullptr && std::strcmp(env, "1") == 0;
+}
+
+// Cache elements per row of d values.
+template <typename CacheT>
+constexpr int64_t row_elements(int d) {
+  return d;
+}
+template <>
+constexpr int64_t row_elements<Int4Pair>(int d) {
+  return d / 2;
+}
 
 // The exact value of every e4m3fn byte (the portable read).
 struct E4M3Table {
@@ -65,6 +102,74 @@ __attribute__((target("avx512f,avx2,f16c"))) inline const float* dequantize_rows
   return out;
 }
 
+// The 16 possible values of an int4 row with this scale, indexed by nibble (0..7, then -8..-1): code
+// x scale, the portable read's one multiply, once per row.
+__attribute__((target("avx512f"))) inline __m512 int4_row_values(float scale) {
+  const __m512 codes = _mm512_cvtepi32_ps(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1));
+  return _mm512_mul_ps(codes, _mm512_set1_ps(scale));
+}
+
+// The 32 values of 16 bytes of int4 pairs, in element order: the bytes are split into their low and
+// high nibbles and interleaved back as bytes (128-bit operations), then each 16 are widened and
+// looked up in the row's table (vpermps reads a lane's low 4 bits). No int -> float conversion and
+// no multiply per value.
+__attribute__((target("avx512f"))) inline void int4_x32(const uint8_t* bytes, __m512 table, __m512* first,
+                                                       __m512* second) {
+  const __m128i nibble = _mm_set1_epi8(0xF);
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  const __m128i even = _mm_and_si128(b, nibble), odd = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
+  *first = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(even, odd)), table);
+  *second = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(even, odd)), table);
+}
+
+// int4 rows: out[r * d + i] = code_i * scales[r]; d a multiple of 32. Half the int8 read's bytes for
+// about its instructions (a microbenchmark of the read alone: ~5% under int8's, both bound by the
+// float stores into the scratch).
+__attribute__((target("avx512f"))) inline const float* dequantize_rows_avx512(const Int4Pair* q,
+                                                                             const float* scales,
+                                                                             float* out, int64_t n, int d) {
+  const int64_t bytes_per_row = d / 2;
+  for (int64_t r = 0; r < n; ++r) {
+    const __m512 table = int4_row_values(scales[r]);
+    const uint8_t* row = &q[r * bytes_per_row].bits;
+    float* o = out + r * d;
+    for (int64_t i = 0; i < bytes_per_row; i += kLanes) {
+      __m512 a, b;
+      int4_x32(row + i, table, &a, &b);
+      _mm512_storeu_ps(o + 2 * i, a);
+      _mm512_storeu_ps(o + 2 * i + kLanes, b);
+    }
+  }
+  return out;
+}
+
+// weighted_values_shared<4, NR> (attention_tiles.h) over int4 value rows of d = 64 read straight
+// from the page: each row's 64 values are built in registers (the floats dequantize_rows_avx512
+// stores) and folded with the same fused multiply-adds in the same order, so the bits are those of
+// the scratch path, without its 16 KB of stores and loads per page. For a tile whose readers fit
+// one batch (a decode token's query heads); wider tiles dequantize once into the scratch instead.
+template <int NR>
+__attribute__((target("avx512f"))) void weighted_values_int4_d64(const float* const* ws, float* const* accs,
+                                                                const Int4Pair* v, const float* scales, int n) {
+  constexpr int B = 4;
+  __m512 a[NR][B];
+  for (int r = 0; r < NR; ++r)
+    for (int b = 0; b < B; ++b) a[r][b] = _mm512_loadu_ps(accs[r] + b * kLanes);
+  for (int j = 0; j < n; ++j) {
+    const __m512 table = int4_row_values(scales[j]);
+    const uint8_t* row = &v[int64_t(j) * 32].bits;
+    __m512 vb[B];
+    int4_x32(row, table, &vb[0], &vb[1]);
+    int4_x32(row + 16, table, &vb[2], &vb[3]);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 wj = _mm512_set1_ps(ws[r][j]);
+      for (int b = 0; b < B; ++b) a[r][b] = _mm512_fmadd_ps(wj, vb[b], a[r][b]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int b = 0; b < B; ++b) _mm512_storeu_ps(accs[r] + b * kLanes, a[r][b]);
+}
+
 // x <- H x (kv_quant.h's butterflies, span 1, 2, 4, ... in this order); d a multiple of 16. Spans
 // below 16 pair lanes inside a register: lane l takes x[l] + x[l ^ s] in the lower half of each pair
 // of runs and x[l ^ s] - x[l] in the upper half (= a - b with a the lower element).
@@ -109,6 +214,22 @@ __attribute__((target("avx512f"))) inline void int8_codes_avx512(const float* x,
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 c = _mm512_min_ps(_mm512_max_ps(y, lo), hi);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c)));
+  }
+}
+
+// fd_kvq::int4_code of d values packed two per byte (kv_quant.h's int4_pack): nearest-even of
+// x / scale clamped to +-7 (NaN -> -7, as fmaxf), then each pair of 32-bit codes (one 64-bit lane)
+// into one byte, the even element's nibble low. d a multiple of 16.
+__attribute__((target("avx512f"))) inline void int4_codes_avx512(const float* x, int d, float scale, Int4Pair* out) {
+  const __m512 s = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-fd_kvq::kInt4Max), hi = _mm512_set1_ps(fd_kvq::kInt4Max);
+  for (int i = 0; i < d; i += kLanes) {
+    const __m512 y = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), s),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i nibbles = _mm512_and_si512(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(y, lo), hi)),
+                                             _mm512_set1_epi32(0xF));
+    // 64-bit lane j holds elements 2j (bits 0..3) and 2j + 1 (bits 32..35): move the latter to 4..7.
+    const __m512i pairs = _mm512_or_si512(nibbles, _mm512_srli_epi64(nibbles, 28));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2), _mm512_cvtepi64_epi8(pairs));
   }
 }
 

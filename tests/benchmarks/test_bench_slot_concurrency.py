@@ -26,13 +26,14 @@ def test_slots_admit_more_requests_than_1d_tables_at_equal_memory(tmp_path):
 
 
 def test_quantized_pages_compound_with_slots_at_equal_kv_memory(tmp_path):
-    """--kv-cache-memory with --kv-cache-quant-types none int8: int8 pages hold ~3.6x the pages of
-    float32 (head_dim 32), so more requests run in each arm, and slots + recycling add to that."""
+    """--kv-cache-memory with --kv-cache-quant-types none int8 block_wise_int4: int8 pages hold ~3.6x the
+    pages of float32 (head_dim 32), int4 pages 6.4x (4 * 32 / (16 + 4)), so more requests run in each arm,
+    and slots + recycling add to that."""
     out = tmp_path / "r.json"
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_slot_concurrency.py"),
                            "--model", "tiny-sliding-layers", "--kv-cache-memory", str(3 << 20), "--block-size", "16",
                            "--prompt-len", "300", "--output-len", "40", "--num-requests", "64",
-                           "--max-num-batched-tokens", "128", "--kv-cache-quant-types", "none", "int8",
+                           "--max-num-batched-tokens", "128", "--kv-cache-quant-types", "none", "int8", "block_wise_int4",
                            "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     formats = json.loads(out.read_text())["formats"]
@@ -40,3 +41,6 @@ def test_quantized_pages_compound_with_slots_at_equal_kv_memory(tmp_path):
     assert int8["off"]["pages"] > 3.5 * none["off"]["pages"]
     assert int8["off"]["peak_running"] > none["off"]["peak_running"] >= 1
     assert int8["on"]["peak_running"] > int8["off"]["peak_running"]
+    int4 = formats["block_wise_int4"]
+    assert int4["off"]["pages"] > 6 * none["off"]["pages"]
+    assert int4["off"]["peak_running"] > int8["off"]["peak_running"]

@@ -164,7 +164,7 @@ def test_gpu_wrapper_rules_reject_cpu_tensors_naming_the_input():
         _validate(t, "gpu", check_place=True)
 
 
-# -- the scale tensors of quantized pages (int8 / float8_e4m3fn caches) ------------------------------
+# -- the scale tensors of quantized pages (int8 / float8_e4m3fn / uint8 int4 caches) -----------------
 SCALES_SHAPE = (NUM_BLOCKS, KV_HEADS, BLOCK)
 BAD_SCALES = {
     "int8 caches without scales (the float placeholder)": (
@@ -177,6 +177,12 @@ BAD_SCALES = {
     "float caches given real scales": (
         "float32", dict(key_cache_scales=np.zeros(SCALES_SHAPE, np.float32)), "1-element placeholder for float caches"),
     "int8 keys, e4m3 values": ("int8", dict(value_cache="float8_e4m3fn"), "value_cache must match key_cache"),
+    "int4 caches without scales": (
+        "uint8", dict(value_cache_scales=np.zeros(1, np.float32)),
+        r"value_cache_scales must be \[num_blocks=8, slots=2, block_size=16\] .* for uint8 \(int4 pairs\) caches"),
+    "int4 caches a whole head_dim wide (codes not packed two per byte)": (
+        "uint8", dict(unpacked=True), r"key_cache must be \[num_blocks, slots >= kv_num_heads=2, block_size, "
+                                      r"head_dim / 2=\d+\]"),
 }
 
 
@@ -184,6 +190,8 @@ def _with_scales(cache_dtype, change):
     t = _tensors(valid_inputs())
     for name in ("key_cache", "value_cache"):
         t[name] = (t[name] * 10).astype(change.get(name, cache_dtype))
+        if cache_dtype == "uint8" and not change.get("unpacked"):  # int4: two codes per byte
+            t[name] = t[name][..., : t[name].shape[-1] // 2].contiguous()
     quantized = cache_dtype != "float32"
     for name in ("key_cache_scales", "value_cache_scales"):
         t[name] = paddle.to_tensor(change.get(name, np.ones(SCALES_SHAPE if quantized else 1, np.float32)))
@@ -205,7 +213,7 @@ def test_bad_scale_tensors_are_refused_before_anything_is_written(what):
     assert "append_attention_gpu: " in str(info.value)
 
 
-@pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn", "uint8"])
 def test_quantized_caches_pass_both_rule_sets_and_the_cuda_rules_want_bfloat16(cache_dtype):
     t = _with_scales(cache_dtype, {})
     append_attention(**t, **ATTRS)

@@ -5,8 +5,9 @@ and a decode token as a tile of one; preemption recomputes generated tokens as p
 prefill cuts prompts where the token budget ends, and batch mates change the tiles' neighbours. The
 engine's promise that a request's tokens never depend on its batch mates (and so that recycling ON
 and OFF can be compared token for token) needs every one of those cuts to give identical bits, and
-the AVX-512 kernels to agree with the portable ones. Quantized pages (int8, e4m3fn with per-row
-scales) keep the promise too: a row is quantized once when it is written, whatever the cut.
+the AVX-512 kernels to agree with the portable ones. Quantized pages (int8, e4m3fn, int4 pairs in
+uint8, with per-row scales) keep the promise too: a row is quantized once when it is written,
+whatever the cut.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from fastdeploy.model_executor.layers.attention.ops import append_attention
 BLOCK, HEAD_DIM, KV_HEADS, GROUP = 16, 64, 2, 3
 WINDOW, SINK = 40, 8  # head 0 slides, head 1 is full
 TOKENS = 150
-PAGE_DTYPES = ["float32", "int8", "float8_e4m3fn"]  # float pages, and the two quantized formats
+PAGE_DTYPES = ["float32", "int8", "float8_e4m3fn", "uint8"]  # float pages and the quantized formats (uint8: int4)
 
 
 def _rotary(max_pos: int, head_dim: int):
@@ -48,7 +49,7 @@ class Run:
         for r, n in enumerate(blocks):
             self.table[r, :n] = np.arange(start, start + n)
             start += n
-        shape = [start, KV_HEADS, BLOCK, head_dim]
+        shape = [start, KV_HEADS, BLOCK, head_dim // 2 if page_dtype == "uint8" else head_dim]
         self.key_cache = paddle.zeros(shape, page_dtype)
         self.value_cache = paddle.zeros(shape, page_dtype)
         quantized = page_dtype != "float32"
@@ -118,7 +119,8 @@ def test_batch_mates_do_not_change_a_requests_bits(page_dtype):
     assert np.array_equal(alone, run.outputs(1))
 
 
-@pytest.mark.parametrize("head_dim, page_dtype", [(128, "float32"), (256, "float32"), (256, "int8")])
+@pytest.mark.parametrize("head_dim, page_dtype", [(128, "float32"), (256, "float32"), (256, "int8"),
+                                                  (256, "uint8")])
 def test_other_head_dims_tiles_match_token_by_token(head_dim, page_dtype):
     # Each head_dim has its own kernel variants (256, Gemma 3's: q blocks in two passes; 128 the
     # two-query weighted values).

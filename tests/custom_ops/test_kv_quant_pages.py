@@ -1,11 +1,11 @@
-"""Quantized KV pages in the CPU AppendAttention op (int8 and block_wise_fp8 = e4m3fn codes with a
-float32 scale per token row of every page).
+"""Quantized KV pages in the CPU AppendAttention op (int8, block_wise_fp8 = e4m3fn codes and
+block_wise_int4 = 4-bit codes -7..7 two per byte, with a float32 scale per token row of every page).
 
 The op quantizes once, where it writes a token's K/V, and dequantizes inside its tiles. So:
 - the rows it writes are exactly the numpy rule's codes and scales (tests/custom_ops/
-  reference_kv_quant.py; int8 keys Hadamard-rotated), and their dequantized values lie within the
-  format's stated bound of the float64 values (int8: half a step, scale / 2; e4m3: 2^-4 relative,
-  2^-10 scale near zero);
+  reference_kv_quant.py; int8 and int4 keys Hadamard-rotated; int4 bytes packed bit for bit, codes
+  never -8), and their dequantized values lie within the format's stated bound of the float64 values
+  (int8, int4: half a step, scale / 2; e4m3: 2^-4 relative, 2^-10 scale near zero);
 - its attention output equals float64 attention over the dequantized pages (float32 tolerance)
   and stays within the format's error of float64 attention over the original values;
 - a zero K/V vector gets scale 0 and codes 0, never a division by zero.
@@ -21,18 +21,33 @@ import pytest
 
 from fastdeploy.model_executor.layers.attention.ops import append_attention
 from reference_attention import reference_append_attention
-from reference_kv_quant import FORMATS, dequantize_rows, error_bound, hadamard, quantize_rows, rotates_keys
+from reference_kv_quant import FORMATS, dequantize_rows, error_bound, hadamard, pack_int4, quantize_rows, \
+    rotates_keys, unpack_int4
 from test_append_attention_cpu import MIXED, Case, build_inputs, rel_err
 
 TIGHT_TOL = 1e-5  # attention over the very values the op read: float32 arithmetic only
 # Attention over the original float values: the format's error through softmax and the value sum
-# (measured on these cases, standard normal K/V: int8 6.5e-3 to 8.2e-3, e4m3 2.9e-2 to 3.5e-2).
-FORMAT_TOL = {"int8": 1.5e-2, "block_wise_fp8": 6e-2}
+# (measured on these cases, standard normal K/V: int8 6.5e-3 to 8.2e-3, e4m3 2.9e-2 to 3.5e-2,
+# int4 1.1e-1 to 1.5e-1: 4 bits leave a step of absmax / 7, about 0.4 of a standard normal value).
+FORMAT_TOL = {"int8": 1.5e-2, "block_wise_fp8": 6e-2, "block_wise_int4": 2.5e-1}
+
+
+def stored(codes: np.ndarray, fmt: str) -> paddle.Tensor:
+    """Code values [..., d] as the cache holds them (int4: packed two per uint8)."""
+    if fmt == "block_wise_int4":
+        return paddle.to_tensor(pack_int4(codes))
+    return paddle.to_tensor(codes.astype(np.float32)).astype(FORMATS[fmt][0])
+
+
+def code_values(t: paddle.Tensor) -> np.ndarray:
+    """A quantized cache's code values [..., d] as float32 (int4 pairs unpacked)."""
+    if t.dtype == paddle.uint8:
+        return unpack_int4(t.numpy()).astype(np.float32)
+    return t.astype("float32").numpy()
 
 
 def quantized_tensors(arrays: dict, fmt: str) -> dict:
     """The step's inputs with the prior cache as quantized pages (NaN rows: scale NaN, codes 0)."""
-    dtype = FORMATS[fmt][0]
     t = {k: paddle.to_tensor(v) for k, v in arrays.items() if k not in ("key_cache", "value_cache")}
     for name in ("key_cache", "value_cache"):
         rows = arrays[name]
@@ -41,7 +56,7 @@ def quantized_tensors(arrays: dict, fmt: str) -> dict:
         if name == "key_cache" and rotates_keys(fmt, rows.shape[-1]):
             rows = hadamard(rows)
         codes, scales = quantize_rows(rows, fmt)
-        t[name] = paddle.to_tensor(codes.astype(np.float32)).astype(dtype)
+        t[name] = stored(codes, fmt)
         t[name.replace("cache", "cache_scales")] = paddle.to_tensor(np.where(poisoned, np.nan, scales).astype(np.float32))
     return t
 
@@ -49,7 +64,7 @@ def quantized_tensors(arrays: dict, fmt: str) -> dict:
 def pages_as_float(t: dict, name: str, fmt: str = None) -> np.ndarray:
     """A quantized cache read back as the op reads it: code value x row scale (float32); with `fmt`, int8
     keys rotated back (exactly, in float64)."""
-    codes = t[name].astype("float32").numpy()
+    codes = code_values(t[name])
     rows = dequantize_rows(codes, t[name.replace("cache", "cache_scales")].numpy())
     if fmt is not None and name == "key_cache" and rotates_keys(fmt, rows.shape[-1]):
         return hadamard(rows.astype(np.float64)) / rows.shape[-1]
@@ -110,11 +125,15 @@ def test_written_rows_are_the_rules_codes_within_the_formats_error(fmt):
     where, k64, v64 = new_rows(case, arrays, fmt)
     pages, slots = [w[0] for w in where], [w[1] for w in where]
     for name, exact in (("key_cache", k64), ("value_cache", v64)):
-        codes = t[name].astype("float32").numpy().reshape(-1, case.block_size, case.head_dim)[pages, slots]
+        codes = code_values(t[name]).reshape(-1, case.block_size, case.head_dim)[pages, slots]
         scales = t[name.replace("cache", "cache_scales")].numpy().reshape(-1, case.block_size)[pages, slots]
         want_codes, want_scales = quantize_rows(exact, fmt)
         np.testing.assert_array_equal(scales, want_scales)
         np.testing.assert_array_equal(codes, want_codes)
+        if fmt == "block_wise_int4":  # the bytes themselves: even element in the low nibble
+            written = t[name].numpy().reshape(-1, case.block_size, case.head_dim // 2)[pages, slots]
+            np.testing.assert_array_equal(written, pack_int4(want_codes))
+            assert codes.min() >= -7 and codes.max() <= 7  # never the 16th code, -8
         assert (np.abs(codes).max(axis=-1)[scales > 0] == FORMATS[fmt][1]).all()  # absmax -> the largest code
         err = np.abs(dequantize_rows(codes, scales).astype(np.float64) - exact.astype(np.float64))
         assert (err <= error_bound(exact, scales, fmt)).all()
@@ -179,3 +198,57 @@ def test_attention_over_quantized_pages_matches_float64(fmt, name, table):
         for page, slot, *_ in where:
             new[page, slot] = old[page, slot] = 0
         np.testing.assert_array_equal(new, old)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "block_wise_int4"])
+def test_the_rotation_knob_stores_keys_as_they_are(monkeypatch, fmt):
+    """FD_KV_QUANT_ROTATION=0 (a measurement knob: what the rotation buys) writes the keys' own codes
+    and leaves the queries alone, so attention is still over the values the pages hold."""
+    monkeypatch.setenv("FD_KV_QUANT_ROTATION", "0")
+    case = CASES["chunk_over_cached_pages_d64"]
+    arrays = build_inputs(case)
+    t = quantized_tensors(arrays, fmt)  # the prior pages as the rule writes them (rotated keys) ...
+    unrotated = {k: arrays[k] for k in ("key_cache", "value_cache")}
+    for name in ("key_cache", "value_cache"):  # ... replaced by unrotated ones
+        codes, scales = quantize_rows(np.nan_to_num(unrotated[name]), fmt)
+        t[name] = stored(codes, fmt)
+        t[name.replace("cache", "cache_scales")] = paddle.to_tensor(
+            np.where(np.isnan(unrotated[name]).any(axis=-1), np.nan, scales).astype(np.float32))
+    out = run(case, t)
+    where, k_plain, _ = new_rows(case, arrays, fmt="block_wise_fp8")  # keys as they are (e4m3 keys are not rotated)
+    pages, slots = [w[0] for w in where], [w[1] for w in where]
+    written = code_values(t["key_cache"]).reshape(-1, case.block_size, case.head_dim)[pages, slots]
+    np.testing.assert_array_equal(written, quantize_rows(k_plain, fmt)[0])
+    a = {k: v for k, v in arrays.items() if k != "seq_lens_encoder"}
+    kw = dict(num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
+              sliding_window=case.window, sink_size=case.sink)
+    deq = dict(a, key_cache=pages_as_float(t, "key_cache"), value_cache=pages_as_float(t, "value_cache"))
+    tight, _, _ = reference_append_attention(**deq, **kw, caches_hold_new_rows=True)
+    assert rel_err(out, tight) < TIGHT_TOL
+
+
+@pytest.mark.parametrize("fmt", ["int8", "block_wise_int4"])
+def test_the_value_rotation_knob_stores_rotated_values_and_rotates_the_output_back(monkeypatch, fmt):
+    """FD_KV_QUANT_ROTATE_VALUES=1 (a measurement knob: what rotating the values would buy) writes H v's
+    codes and returns H out' / d: attention over the values the pages hold, rotated back."""
+    monkeypatch.setenv("FD_KV_QUANT_ROTATE_VALUES", "1")
+    case = CASES["chunk_over_cached_pages_d64"]
+    arrays = build_inputs(case)
+    t = quantized_tensors(arrays, fmt)
+    values = arrays["value_cache"]
+    codes, scales = quantize_rows(hadamard(np.nan_to_num(values)), fmt)  # the prior pages' values rotated too
+    t["value_cache"] = stored(codes, fmt)
+    t["value_cache_scales"] = paddle.to_tensor(np.where(np.isnan(values).any(axis=-1), np.nan, scales).astype(np.float32))
+    out = run(case, t)
+    where, _, v = new_rows(case, arrays, fmt)
+    pages, slots = [w[0] for w in where], [w[1] for w in where]
+    written = code_values(t["value_cache"]).reshape(-1, case.block_size, case.head_dim)[pages, slots]
+    np.testing.assert_array_equal(written, quantize_rows(hadamard(v), fmt)[0])
+    a = {k: v for k, v in arrays.items() if k != "seq_lens_encoder"}
+    kw = dict(num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
+              sliding_window=case.window, sink_size=case.sink)
+    rotated_values = pages_as_float(t, "value_cache").astype(np.float64)
+    deq = dict(a, key_cache=pages_as_float(t, "key_cache", fmt),
+               value_cache=hadamard(rotated_values) / case.head_dim)
+    tight, _, _ = reference_append_attention(**deq, **kw, caches_hold_new_rows=True)
+    assert rel_err(out, tight) < TIGHT_TOL

@@ -1,8 +1,9 @@
 """`kv_cache_quant_type` at start-up: where the type comes from (the flag wins over the checkpoint's
 quantization_config), the one-line errors, and what a quantized page costs in the cache sizing:
 8-bit K/V plus a float32 scale per token and KV head, so at equal --kv-cache-memory head_dim 64
-holds 4 * 64 / (64 + 4) = 3.76x the float32 pages (1.88x bfloat16's), and the scheduler, the page
-pool and /metrics all count those pages."""
+holds 4 * 64 / (64 + 4) = 3.76x the float32 pages (1.88x bfloat16's); 4-bit K/V (block_wise_int4,
+two codes per byte) 4 * 64 / (32 + 4) = 7.11x; and the scheduler, the page pool and /metrics all
+count those pages."""
 
 import json
 import logging
@@ -25,11 +26,13 @@ def checkpoint(tmp_path, section):
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("quant", ["none", "int8", "block_wise_fp8", "INT8"])
+@pytest.mark.parametrize("quant", ["none", "int8", "block_wise_fp8", "INT8", "block_wise_int4"])
 def test_the_flag_names_the_page_format(monkeypatch, quant):
     cache = build(monkeypatch, kv_cache_quant_type=quant).cache_config
     assert cache.kv_cache_quant_type == quant.lower()
-    assert cache.page_dtype == {"none": "float32", "int8": "int8", "block_wise_fp8": "float8_e4m3fn"}[quant.lower()]
+    assert cache.page_dtype == {"none": "float32", "int8": "int8", "block_wise_fp8": "float8_e4m3fn",
+                                "block_wise_int4": "uint8"}[quant.lower()]
+    assert cache.row_elements(64) == (32 if quant == "block_wise_int4" else 64)
 
 
 def test_the_checkpoints_quantization_config_is_read_and_the_flag_wins(monkeypatch, tmp_path):
@@ -38,12 +41,17 @@ def test_the_checkpoints_quantization_config_is_read_and_the_flag_wins(monkeypat
     assert build(monkeypatch, model=model, kv_cache_quant_type="int8").cache_config.kv_cache_quant_type == "int8"
     assert build(monkeypatch, model=model, kv_cache_quant_type="none").cache_config.kv_cache_quant_type == "none"
     assert build(monkeypatch).cache_config.kv_cache_quant_type == "none"  # no section: float pages
+    model = checkpoint(tmp_path, {"kv_cache_quant_type": "block_wise_int4"})
+    assert build(monkeypatch, model=model).cache_config.page_dtype == "uint8"
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(kv_cache_quant_type="int3"), r"kv_cache_quant_type='int3' is not supported: choose one of none, int8, "
-                                       r"block_wise_fp8$"),
-    (dict(kv_cache_quant_type="int4_zp"), "an upstream type with calibrated static scales or 4-bit pages"),
+                                       r"block_wise_fp8, block_wise_int4$"),
+    (dict(kv_cache_quant_type="int4_zp"), "an upstream type with calibrated static scales or zero points, not "
+                                          "implemented here; block_wise_int4 is this engine's 4-bit pages"),
+    (dict(kv_cache_quant_type="block_wise_int4", cache_dtype="bfloat16"),
+     "kv_cache_quant_type=block_wise_int4 stores 4-bit pages with float32 scales, but --cache-dtype bfloat16"),
     (dict(kv_cache_quant_type="int8", cache_dtype="bfloat16"),
      "kv_cache_quant_type=int8 stores 8-bit pages with float32 scales, but --cache-dtype bfloat16"),
     (dict(kv_cache_quant_type="block_wise_fp8", cache_dtype="float16"), "cache_dtype=float16 needs --device gpu"),
@@ -68,6 +76,16 @@ def test_the_gpu_needs_bfloat16_compute_for_quantized_pages():
         check_kv_cache_quant_type("int8", "float16", "float16", "APPEND_ATTN", "gpu", "float16")
 
 
+def test_int4_pages_need_an_even_head_dim():
+    from fastdeploy.model_executor.layers.quantization.kv_cache import check_kv_cache_quant_type
+
+    check_kv_cache_quant_type("block_wise_int4", "float32", "float32", "APPEND_ATTN", head_dim=64)
+    check_kv_cache_quant_type("int8", "float32", "float32", "APPEND_ATTN", head_dim=63)
+    with pytest.raises(ValueError, match=r"block_wise_int4 stores two 4-bit codes per byte, but the model's head_dim "
+                                         r"is 63 \(odd\): use int8 or none$"):
+        check_kv_cache_quant_type("block_wise_int4", "float32", "float32", "APPEND_ATTN", head_dim=63)
+
+
 def test_an_unsupported_type_in_the_checkpoint_says_how_to_override_it(monkeypatch, tmp_path):
     model = checkpoint(tmp_path, {"kv_cache_quant_type": "fp8"})
     with pytest.raises(ValueError, match=r"the checkpoint's quantization_config.kv_cache_quant_type='fp8' .* "
@@ -86,6 +104,14 @@ def test_equal_kv_memory_holds_3_76x_the_float32_pages_at_head_dim_64(monkeypatc
     assert blocks["int8"] >= 3.5 * blocks["none"]
 
 
+def test_equal_kv_memory_holds_7_1x_the_float32_pages_with_int4_pages(monkeypatch):
+    blocks = {q: build(monkeypatch, model=TINY_GPU_PRESET_NAME, kv_cache_memory=MEMORY,
+                       kv_cache_quant_type=q).cache_config.num_gpu_blocks for q in ("none", "int8", "block_wise_int4")}
+    assert blocks["block_wise_int4"] / blocks["none"] == pytest.approx(4 * 64 / 36, rel=1e-3)
+    assert blocks["block_wise_int4"] / blocks["int8"] == pytest.approx(68 / 36, rel=1e-3)
+    assert blocks["block_wise_int4"] >= 7 * blocks["none"]
+
+
 def test_the_start_up_log_names_the_type_the_page_bytes_and_the_pages(monkeypatch, caplog):
     from fastdeploy import LLM
 
@@ -102,3 +128,21 @@ def test_the_start_up_log_names_the_type_the_page_bytes_and_the_pages(monkeypatc
     backend = llm.engine.runner.attn_backend
     assert backend.key_caches[0].dtype.name == "INT8" and backend.key_caches[0].shape == [blocks, 4, 16, 64]
     assert backend.key_scales[0].shape == [blocks, 4, 16] and backend.value_scales[1].dtype.name == "FLOAT32"
+
+
+def test_int4_lanes_hold_half_a_head_dim_of_code_pairs(monkeypatch, caplog):
+    from fastdeploy import LLM, SamplingParams
+
+    caplog.set_level(logging.INFO, logger="fastdeploy")
+    llm = LLM(model=TINY_GPU_PRESET_NAME, kv_cache_quant_type="block_wise_int4", kv_cache_memory=MEMORY,
+              block_size=16, max_model_len=256)
+    blocks = llm.engine.fd_config.cache_config.num_gpu_blocks
+    # 2 layers x (K and V) x 16 tokens x (32 bytes of codes + a 4-byte scale) per page.
+    assert f"KV cache: block_wise_int4 pages (int4 K/V codes, two per uint8 + a float32 scale per token and KV " \
+           f"head), {2 * 2 * 16 * 36} bytes per page" in caplog.text
+    backend = llm.engine.runner.attn_backend
+    assert backend.key_caches[0].dtype.name == "UINT8" and backend.key_caches[0].shape == [blocks, 4, 16, 32]
+    assert backend.key_scales[0].shape == [blocks, 4, 16]
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs.token_ids) == 4  # the op read and wrote those lanes
+    assert backend.key_scales[0].numpy().max() > 0

@@ -4,8 +4,9 @@ Under tensor parallelism this is one rank's backend, in that rank's worker proce
 rank's `H / tp` KV heads (and their query heads, which arrive as the rank's qkv columns) and the
 cache for them, addressed by rank-local page ids. The cache is the slot layout's k lanes
 (cache_manager/slots.py), each `[num_blocks, G, block_size, head_dim]` for K and for V (quantized
-pages, --kv-cache-quant-type: int8 / float8_e4m3fn codes plus float32 scales `[num_blocks, G,
-block_size]` for K and for V, one per token row of every page); a layer reads and writes its lane
+pages, --kv-cache-quant-type: int8 / float8_e4m3fn codes, or int4 codes two per uint8 in
+`[..., head_dim / 2]`, plus float32 scales `[num_blocks, G, block_size]` for K and for V, one per
+token row of every page); a layer reads and writes its lane
 through its head -> slot map (one lane per layer, G = H / tp and slot h
 = head h for a model whose layers all look alike). Every layer passes its own sliding heads,
 window and sink (sliding layers of the model as much as head-wise SWA heads).
@@ -33,7 +34,7 @@ class AppendAttentionBackend:
         self.num_heads, self.kv_num_heads = model.num_attention_heads // tp, model.num_key_value_heads // tp
         self.head_dim = model.head_dim
         slots = fd_config.slot_layout
-        shape = [cache.num_gpu_blocks, slots.slots_per_rank, cache.block_size, model.head_dim]
+        shape = [cache.num_gpu_blocks, slots.slots_per_rank, cache.block_size, cache.row_elements(model.head_dim)]
         self.lane_keys = [paddle.zeros(shape, dtype=cache.page_dtype) for _ in range(slots.num_lanes)]
         self.lane_values = [paddle.zeros(shape, dtype=cache.page_dtype) for _ in range(slots.num_lanes)]
         # A page's scales sit at its own (block, slot) cell: whatever moves the page moves them.

@@ -8,7 +8,8 @@ those tokens; ``block_tables`` is either the 1-D table ``[bsz, max_blocks]``
 or the head-wise page table ``[bsz, G, max_blocks]`` (told apart by rank);
 ``kv_head_slots`` (int32 ``[kv_num_heads]``, distinct slots < G; None = head h
 in slot h) says which slot, i.e. which table row and which place in a block,
-holds each KV head of this layer. Quantized pages (int8 or float8_e4m3fn caches) carry
+holds each KV head of this layer. Quantized pages (int8, float8_e4m3fn, or uint8 caches of int4
+pairs ``[num_blocks, G, block_size, head_dim / 2]``) carry
 ``key_cache_scales``/``value_cache_scales``, float32 ``[num_blocks, G, block_size]`` (one scale
 per token row of every page, written with the row); float caches take a 1-element placeholder
 there (None = made here). Returns ``[token_num, num_heads * head_dim]`` in the dtype of ``qkv``.
@@ -33,7 +34,7 @@ TENSOR_ARGS = ("qkv", "key_cache", "value_cache", "seq_lens_encoder", "seq_lens_
                "key_cache_scales", "value_cache_scales")
 SCALE_ARGS = ("key_cache_scales", "value_cache_scales")
 # Cache dtypes that hold quantized pages (the scales' dtype is float32).
-QUANTIZED_CACHE_DTYPES = (paddle.int8, paddle.float8_e4m3fn)
+QUANTIZED_CACHE_DTYPES = (paddle.int8, paddle.float8_e4m3fn, paddle.uint8)
 # The attributes of both ops, in order; the CPU op takes all but the last (it has one pass only).
 ATTR_ARGS = ("num_heads", "kv_num_heads", "head_dim", "sliding_window", "sink_size", "visit_all_pages", "dual_pass")
 
