@@ -18,15 +18,13 @@ from gpu_harness import BF16, from_storage  # noqa: E402
 from gpu_reference import build_case, quantize_case  # noqa: E402
 
 from fastdeploy.model_executor.layers.attention.ops import append_attention  # noqa: E402
-from fastdeploy.model_executor.layers.quantization.kv_cache import KV_CACHE_QUANT_TYPES  # noqa: E402
 
 pytestmark = pytest.mark.skipif(gpu_harness.find_cuda_include() is None,
                                 reason="the CUDA toolkit's headers are needed to build the kernels for the CPU")
 
 # The cache dtype each format's codes travel in to the CPU op (int4: two codes per uint8).
 PADDLE_CODES = {"int8": paddle.int8, "block_wise_int4": paddle.uint8}
-FORMATS = ["int8", pytest.param("block_wise_int4", marks=pytest.mark.skipif(
-    "block_wise_int4" not in KV_CACHE_QUANT_TYPES, reason="the CPU op's block_wise_int4 is not in this tree"))]
+FORMATS = ["int8", "block_wise_int4"]
 
 
 @pytest.fixture(scope="module")

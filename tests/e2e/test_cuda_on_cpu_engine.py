@@ -7,7 +7,6 @@ The model: the tiny preset's head_dim-64 twin (4 KV heads, head 0 sliding with w
 import pytest
 
 from fastdeploy.model_executor.layers.attention.ops.cuda_on_cpu_loader import find_cuda_include
-from fastdeploy.model_executor.layers.quantization.kv_cache import KV_CACHE_QUANT_TYPES
 from greedy_run import MODES, greedy_tokens
 
 pytestmark = pytest.mark.skipif(find_cuda_include() is None,
@@ -82,7 +81,6 @@ def test_int8_pages_through_the_cuda_kernels_give_the_cpu_ops_tokens(monkeypatch
     assert tokens == int8_oracle
 
 
-@pytest.mark.skipif("block_wise_int4" not in KV_CACHE_QUANT_TYPES, reason="the engine's block_wise_int4 is not in this tree")
 def test_int4_pages_through_the_cuda_kernels_give_the_same_tokens_in_every_memory_mode(monkeypatch):
     """int4 codes two per byte, written by the CUDA cache-write kernel: head-wise tables with sliding pages
     recycled give the 1-D table's tokens. (Against the CPU op the comparison is made per op, on the same
