@@ -124,22 +124,26 @@ def pack(weight):
     return w.reshape([panels, PANEL, k]).transpose([0, 2, 1]).contiguous()
 
 
+@lru_cache(maxsize=None)
 def linear_packed():
     """`linear_packed(x [.., K], packed, n) -> [.., n]`, and `packed_rows(packed, ids, n)`."""
     linear_sgemm()  # one module: loads it and settles the threads
     return load_library(GEMM_OPS).linear_packed
 
 
+@lru_cache(maxsize=None)
 def packed_rows():
     return load_library(GEMM_OPS).packed_rows
 
 
+@lru_cache(maxsize=None)
 def linear_blocks():
-    """`linear_blocks(x [.., K], q, scale, offset | None, n, group) -> [.., n]` on GGUF blocks
-    packed by gguf_blocks.pack, and `block_rows(q, scale, offset | None, ids, n, group)`."""
+    """`linear_blocks(x [.., K], q, scale, offset | None, n, group, one_rounding) -> [.., n]` on GGUF
+    blocks packed by gguf_blocks.pack (`one_rounding`: its PackedBlocks.one_rounding), and `block_rows(q, scale, offset | None, ids, n, group)`."""
     linear_sgemm()
     return load_library(GEMM_OPS).linear_blocks
 
 
+@lru_cache(maxsize=None)
 def block_rows():
     return load_library(GEMM_OPS).block_rows

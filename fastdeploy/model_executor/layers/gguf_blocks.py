@@ -171,6 +171,23 @@ class PackedBlocks:
     group: int
     nbytes: int
     source: str = ""
+    one_rounding: bool = False  # scale_times_q_is_exact: linear_blocks may rebuild w with one FMA
+
+
+def scale_times_q_is_exact(weight: BlockWeight) -> bool:
+    """Every `scale * q` of a u4 weight is exact in float32 (true of Q4_1: an f16 scale times a 4-bit q;
+    of Q4_K: f16 d times a 6-bit sc times q), so `(scale * q) + offset` is one rounding and
+    linear_blocks may rebuild the weight with one fused multiply-add and get the same bits. Checked
+    on the numbers, not assumed from the type: float64 products of every scale with every q are
+    compared with their float32 rounding."""
+    if weight.kind != "u4":
+        return False
+    scale = weight.scale.astype(np.float64)
+    for q in range(16):
+        exact = scale * q
+        if not np.array_equal(exact.astype(np.float32).astype(np.float64), exact):
+            return False
+    return True
 
 
 def pack(weight: BlockWeight) -> PackedBlocks:
@@ -183,4 +200,4 @@ def pack(weight: BlockWeight) -> PackedBlocks:
     nbytes = sum(t.nbytes for t in tensors)
     q_t, scale_t = paddle.to_tensor(tensors[0]), paddle.to_tensor(tensors[1])
     offset_t = paddle.to_tensor(tensors[2]) if weight.offset is not None else None
-    return PackedBlocks(q_t, scale_t, offset_t, weight.group, nbytes, weight.source)
+    return PackedBlocks(q_t, scale_t, offset_t, weight.group, nbytes, weight.source, scale_times_q_is_exact(weight))
