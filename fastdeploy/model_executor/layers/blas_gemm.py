@@ -47,9 +47,10 @@ def _link() -> tuple:
             f"{PACKAGE} {ob.__version__}")
 
 
-GEMM_OPS = CpuOpLibrary("fd_cpu_gemm", ("linear_packed.cc", "linear_blocks.cc", "linear_sgemm.cc", "rms_norm.cc",
-                                        "gated_activation.cc"),
-                        "the CPU dense-layer ops (packed GEMM, GGUF-block GEMM, OpenBLAS sgemm, RMSNorm, gated activation)",
+GEMM_OPS = CpuOpLibrary("fd_cpu_gemm", ("linear_packed.cc", "linear_blocks.cc", "linear_blocks_int8.cc",
+                                        "linear_sgemm.cc", "rms_norm.cc", "gated_activation.cc"),
+                        "the CPU dense-layer ops (packed GEMM, GGUF-block GEMM exact and with int8 activations, "
+                        "OpenBLAS sgemm, RMSNorm, gated activation)",
                         dir_prefix="gemm-", link=_link)
 
 
@@ -142,6 +143,14 @@ def linear_blocks():
     blocks packed by gguf_blocks.pack (`one_rounding`: its PackedBlocks.one_rounding), and `block_rows(q, scale, offset | None, ids, n, group)`."""
     linear_sgemm()
     return load_library(GEMM_OPS).linear_blocks
+
+
+@lru_cache(maxsize=None)
+def linear_blocks_int8():
+    """`linear_blocks_int8(x [.., K], q, scale, offset | None, n) -> [.., n]` on blocks packed by
+    gguf_blocks.pack_int8: activations quantized to int8 per block of 32 (FD_CPU_INT8_ACTIVATIONS)."""
+    linear_sgemm()
+    return load_library(GEMM_OPS).linear_blocks_int8
 
 
 @lru_cache(maxsize=None)

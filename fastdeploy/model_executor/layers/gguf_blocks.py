@@ -201,3 +201,29 @@ def pack(weight: BlockWeight) -> PackedBlocks:
     q_t, scale_t = paddle.to_tensor(tensors[0]), paddle.to_tensor(tensors[1])
     offset_t = paddle.to_tensor(tensors[2]) if weight.offset is not None else None
     return PackedBlocks(q_t, scale_t, offset_t, weight.group, nbytes, weight.source, scale_times_q_is_exact(weight))
+
+
+def pack_int8(weight: BlockWeight) -> Optional[PackedBlocks]:
+    """linear_blocks_int8.cc's operands (the FD_CPU_INT8_ACTIVATIONS path): q [P, K / 4, 64] uint8 (u4: byte
+    4j + t holds column j's q at input 4i + t in its low nibble, column j + 16's in its high one) or
+    [P, K / 4, 128] uint8 (i8: column j's q + 128), the integers of 4 consecutive inputs of a column
+    side by side for vpdpbusd; scale and offset as `pack`'s. None when the blocks are not 32 wide
+    (Q6_K's 16: that layer keeps the exact kernel)."""
+    import paddle
+
+    if weight.group != 32 or weight.shape[1] % 32:
+        return None
+    n, k = weight.shape
+    q = _panels(weight.q)  # [P, K, 32], k-major
+    panels = q.shape[0]
+    quads = q.reshape(panels, k // 4, 4, PANEL).transpose(0, 1, 3, 2)  # [P, K / 4, 32 columns, 4 inputs]
+    if weight.kind == "u4":
+        packed = quads[:, :, :16, :] | (quads[:, :, 16:, :] << np.uint8(4))
+    else:
+        packed = (quads.astype(np.int16) + 128).astype(np.uint8)
+    packed = np.ascontiguousarray(packed.reshape(panels, k // 4, -1))
+    tensors = [packed, _panels(weight.scale)] + ([] if weight.offset is None else [_panels(weight.offset)])
+    nbytes = sum(t.nbytes for t in tensors)
+    offset_t = paddle.to_tensor(tensors[2]) if weight.offset is not None else None
+    return PackedBlocks(paddle.to_tensor(tensors[0]), paddle.to_tensor(tensors[1]), offset_t, weight.group, nbytes,
+                        weight.source)
