@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "paddle/extension.h"
+#include "linear_blocks.h"
 #include "linear_tiles.h"
 #include "work_pool.h"
 
@@ -226,34 +227,25 @@ Blocks blocks_of(const paddle::Tensor& q, const paddle::Tensor& scale,
   return b;
 }
 
-// one_rounding: the caller checked that every scale * q is exact in float32 (gguf_blocks.pack), so a
-// u4 weight may be rebuilt with one fused multiply-add (decode_k); wrong, it would change bits.
-std::vector<paddle::Tensor> LinearBlocks(const paddle::Tensor& x_in, const paddle::Tensor& q,
-                                         const paddle::Tensor& scale,
-                                         const paddle::optional<paddle::Tensor>& offset,
-                                         int64_t n, int64_t group, bool one_rounding) {
-  const paddle::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.is_cpu(), "linear_blocks: x must be a CPU float32 tensor");
+}  // namespace
+
+// y [m, n] = x [m, K] . W^T on packed blocks (checked here): the op below, and the fused decoder
+// blocks (decoder_block_ops.cc), which call it on their own buffers.
+void fd_cpu::linear::blocks_product(const paddle::Tensor& q, const paddle::Tensor& scale,
+                                    const paddle::optional<paddle::Tensor>& offset, int64_t n, int64_t group,
+                                    bool one_rounding, const float* xp, int64_t m, int64_t k_dim, float* yp) {
   const Blocks b = blocks_of(q, scale, offset, group, "linear_blocks");
-  const auto& xs = x.shape();
-  PD_CHECK(!xs.empty() && xs.back() == b.k_dim, "linear_blocks: x's last dimension must equal the weight's ",
-           "in-features (", b.k_dim, ")");
+  PD_CHECK(k_dim == b.k_dim, "linear_blocks: x's last dimension must equal the weight's in-features (", b.k_dim, ")");
   const int64_t panels = q.shape()[0];
   PD_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel,
            "linear_blocks: out-features ", n, " do not match ", panels, " panels");
-  const int64_t m = b.k_dim == 0 ? 0 : x.numel() / b.k_dim;
-  std::vector<int64_t> out_shape(xs.begin(), xs.end());
-  out_shape.back() = n;
-  paddle::Tensor y = paddle::empty(out_shape, paddle::DataType::FLOAT32, x.place());
-  if (m == 0 || n == 0) return {y};
-  float* yp = y.data<float>();
+  if (m == 0 || n == 0) return;
   if (b.k_dim == 0) {
     std::memset(yp, 0, sizeof(float) * size_t(m * n));
-    return {y};
+    return;
   }
   const Isa isa = tiles_isa();
   const bool avx512 = isa == Isa::kAvx512;
-  const float* xp = x.data<float>();
   const auto dequant_panel = [&](int64_t p, float* out) {
     if (!avx512) return dequant_panel_scalar(b, p, out);
     b.u4 ? dequant_panel_avx512<true>(b, p, out) : dequant_panel_avx512<false>(b, p, out);
@@ -269,7 +261,7 @@ std::vector<paddle::Tensor> LinearBlocks(const paddle::Tensor& x_in, const paddl
       dequant_panel(p, dense + p * b.k_dim * kPanel);
     });
     packed_product(xp, m, b.k_dim, dense, panels, yp, n, true);
-    return {y};
+    return;
   }
   // A decode step streams the weight: worth both cores once it is past ~L2 scale.
   const bool parallel = double(m) * double(n) * double(b.k_dim) > double(1 << 18);
@@ -292,7 +284,7 @@ std::vector<paddle::Tensor> LinearBlocks(const paddle::Tensor& x_in, const paddl
                     : fused_rows<1, false>(1, xp, b, p, yp + p * kPanel, n, cols_of(p));
       }
     });
-    return {y};
+    return;
   }
   for_each_panel(m, panels, parallel, [&](int64_t r0, int rows, int64_t p) {
     const int cols = int(std::min<int64_t>(kPanel, n - p * kPanel));
@@ -306,6 +298,27 @@ std::vector<paddle::Tensor> LinearBlocks(const paddle::Tensor& x_in, const paddl
     dequant_panel(p, align64(panel.data()));
     rows_times_panel(isa, xp + r0 * b.k_dim, rows, b.k_dim, align64(panel.data()), yo, n, cols);
   });
+  }
+
+namespace {
+
+// one_rounding: the caller checked that every scale * q is exact in float32 (gguf_blocks.pack), so a
+// u4 weight may be rebuilt with one fused multiply-add (decode_k); wrong, it would change bits.
+std::vector<paddle::Tensor> LinearBlocks(const paddle::Tensor& x_in, const paddle::Tensor& q,
+                                         const paddle::Tensor& scale,
+                                         const paddle::optional<paddle::Tensor>& offset,
+                                         int64_t n, int64_t group, bool one_rounding) {
+  const paddle::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.is_cpu(), "linear_blocks: x must be a CPU float32 tensor");
+  const auto& xs = x.shape();
+  PD_CHECK(!xs.empty(), "linear_blocks: x must have at least one dimension");
+  const int64_t k_dim = xs.back();
+  const int64_t m = k_dim == 0 ? 0 : x.numel() / k_dim;
+  std::vector<int64_t> out_shape(xs.begin(), xs.end());
+  out_shape.back() = n;
+  paddle::Tensor y = paddle::empty(out_shape, paddle::DataType::FLOAT32, x.place());
+  fd_cpu::linear::blocks_product(q, scale, offset, n, group, one_rounding, x.data<float>(), m, k_dim,
+                                 y.data<float>());
   return {y};
 }
 

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "paddle/extension.h"
+#include "linear_blocks.h"
 #include "linear_tiles.h"
 #include "work_pool.h"
 
@@ -199,11 +200,11 @@ void panel_rows_vnni_tail(int rows, const QuantRow* rows_q, const Int8Blocks& b,
   }
 }
 
-std::vector<paddle::Tensor> LinearBlocksInt8(const paddle::Tensor& x_in, const paddle::Tensor& q,
-                                             const paddle::Tensor& scale,
-                                             const paddle::optional<paddle::Tensor>& offset, int64_t n) {
-  const paddle::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.is_cpu(), "linear_blocks_int8: x must be a CPU float32 tensor");
+}  // namespace
+
+void fd_cpu::linear::int8_blocks_product(const paddle::Tensor& q, const paddle::Tensor& scale,
+                                         const paddle::optional<paddle::Tensor>& offset, int64_t n, const float* xp,
+                                         int64_t m, int64_t k_dim, float* yp) {
   PD_CHECK(q.is_cpu() && scale.is_cpu() && q.is_contiguous() && scale.is_contiguous(),
            "linear_blocks_int8: CPU contiguous operands only");
   PD_CHECK(q.dtype() == paddle::DataType::UINT8 && q.shape().size() == 3 && (q.shape()[2] == 64 || q.shape()[2] == 128),
@@ -224,19 +225,12 @@ std::vector<paddle::Tensor> LinearBlocksInt8(const paddle::Tensor& x_in, const p
   }
   b.q = q.data<uint8_t>();
   b.scale = scale.data<float>();
-  const auto& xs = x.shape();
-  PD_CHECK(!xs.empty() && xs.back() == b.k_dim, "linear_blocks_int8: x's last dimension must equal the weight's ",
-           "in-features (", b.k_dim, ")");
+  PD_CHECK(k_dim == b.k_dim, "linear_blocks_int8: x's last dimension must equal the weight's in-features (",
+           b.k_dim, ")");
   const int64_t panels = q.shape()[0];
   PD_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel,
            "linear_blocks_int8: out-features ", n, " do not match ", panels, " panels");
-  const int64_t m = x.numel() / b.k_dim;
-  std::vector<int64_t> out_shape(xs.begin(), xs.end());
-  out_shape.back() = n;
-  paddle::Tensor y = paddle::empty(out_shape, paddle::DataType::FLOAT32, x.place());
-  if (m == 0 || n == 0) return {y};
-  float* yp = y.data<float>();
-
+  if (m == 0 || n == 0) return;
   // Every row quantized once (the caller's thread: helpers read it through the pointers).
   const int64_t groups = b.k_dim / kGroup;
   thread_local std::vector<int8_t> a_buf;
@@ -245,7 +239,6 @@ std::vector<paddle::Tensor> LinearBlocksInt8(const paddle::Tensor& x_in, const p
   a_buf.resize(size_t(m * b.k_dim));
   dx_buf.resize(size_t(m * groups));
   sa_buf.resize(size_t(m * groups));
-  const float* xp = x.data<float>();
   int8_t* a = a_buf.data();
   float* dx = dx_buf.data();
   int32_t* sa = sa_buf.data();
@@ -268,6 +261,23 @@ std::vector<paddle::Tensor> LinearBlocksInt8(const paddle::Tensor& x_in, const p
       else panel_rows_portable(rows_q, tile, b, p, yo, n, cols);
     }
   });
+}
+
+namespace {
+
+std::vector<paddle::Tensor> LinearBlocksInt8(const paddle::Tensor& x_in, const paddle::Tensor& q,
+                                             const paddle::Tensor& scale,
+                                             const paddle::optional<paddle::Tensor>& offset, int64_t n) {
+  const paddle::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.is_cpu(), "linear_blocks_int8: x must be a CPU float32 tensor");
+  const auto& xs = x.shape();
+  PD_CHECK(!xs.empty(), "linear_blocks_int8: x must have at least one dimension");
+  const int64_t k_dim = xs.back();
+  const int64_t m = k_dim == 0 ? 0 : x.numel() / k_dim;
+  std::vector<int64_t> out_shape(xs.begin(), xs.end());
+  out_shape.back() = n;
+  paddle::Tensor y = paddle::empty(out_shape, paddle::DataType::FLOAT32, x.place());
+  fd_cpu::linear::int8_blocks_product(q, scale, offset, n, x.data<float>(), m, k_dim, y.data<float>());
   return {y};
 }
 

@@ -48,9 +48,10 @@ def _link() -> tuple:
 
 
 GEMM_OPS = CpuOpLibrary("fd_cpu_gemm", ("linear_packed.cc", "linear_blocks.cc", "linear_blocks_int8.cc",
-                                        "linear_sgemm.cc", "rms_norm.cc", "gated_activation.cc"),
+                                        "linear_sgemm.cc", "rms_norm.cc", "gated_activation.cc",
+                                        "decoder_block_ops.cc"),
                         "the CPU dense-layer ops (packed GEMM, GGUF-block GEMM exact and with int8 activations, "
-                        "OpenBLAS sgemm, RMSNorm, gated activation)",
+                        "OpenBLAS sgemm, RMSNorm, gated activation, a decoder layer's dense work fused)",
                         dir_prefix="gemm-", link=_link)
 
 
@@ -151,6 +152,15 @@ def linear_blocks_int8():
     gguf_blocks.pack_int8: activations quantized to int8 per block of 32 (FD_CPU_INT8_ACTIVATIONS)."""
     linear_sgemm()
     return load_library(GEMM_OPS).linear_blocks_int8
+
+
+@lru_cache(maxsize=None)
+def decoder_block_ops() -> tuple:
+    """(norm_qkv_blocks, mlp_blocks): a decoder layer's dense work on GGUF blocks in two calls
+    (custom_ops/cpu_ops/decoder_block_ops.cc), the bits of the op-by-op path."""
+    linear_sgemm()
+    lib = load_library(GEMM_OPS)
+    return lib.norm_qkv_blocks, lib.mlp_blocks
 
 
 @lru_cache(maxsize=None)

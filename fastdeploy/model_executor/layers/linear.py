@@ -113,6 +113,19 @@ class Linear:
     def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.product(x)
 
+    @property
+    def block_operand(self):
+        """(q, scale, offset | None, n, group, kind) of a GGUF-block weight for the fused decoder ops
+        (decoder_block_ops.cc; kind 0: exact, 1: exact with one rounding, 2: int8 activations), or
+        None for a float32 or dense weight."""
+        if self.int8_blocks is not None:
+            b = self.int8_blocks
+            return b.q, b.scale, b.offset, self.out_features, b.group, 2
+        if self.blocks is not None:
+            b = self.blocks
+            return b.q, b.scale, b.offset, self.out_features, b.group, 1 if b.one_rounding else 0
+        return None
+
     def split(self, y: paddle.Tensor) -> list:
         """The parts of a fused output `[.., sum out]`, in the order the weights were given."""
         outs, start = [], 0
