@@ -26,7 +26,9 @@
 //   u4: q [P, K / 4, 64] uint8: byte 4j + t holds column j's q at k = 4i + t (low nibble) and
 //       column j + 16's (high nibble), j < 16
 //   i8: q [P, K / 4, 128] uint8: byte 4j + t holds column j's q + 128 at k = 4i + t, j < 32
-//   scale, offset: [P, K / 32, 32] float32 as linear_blocks' (columns past N: 0).
+//   scale, offset: [P, K / 32, 32] as linear_blocks' (columns past N: 0), float32, or float16 where
+//   every value is one (Q4_1 and Q8_0 store f16 scales: 4 bytes less per 32 weights to read; the
+//   conversion is exact, so the same bits).
 
 #include <immintrin.h>
 
@@ -48,9 +50,10 @@ constexpr int kRowTile = 4;    // rows sharing one decode of the weight bytes
 
 struct Int8Blocks {
   const uint8_t* q = nullptr;
-  const float* scale = nullptr;
-  const float* offset = nullptr;  // u4 only
+  const void* scale = nullptr;   // float32, or float16 bits (half)
+  const void* offset = nullptr;  // u4 only, the same type
   bool u4 = true;
+  bool half = false;
   int64_t k_dim = 0;
 
   int64_t quad_bytes() const { return u4 ? 64 : 128; }
@@ -86,6 +89,31 @@ void quantize_row(const float* x, int64_t k_dim, int8_t* a, float* dx, int32_t* 
   }
 }
 
+// An IEEE half's exact float32 value (normal, subnormal, zero, inf / nan).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: man * 2^-24, exact in float32
+    float v = float(man) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &v, 4);
+    bits |= sign;
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// Scale or offset i of a block table, as float32.
+inline float table_at(const void* table, bool half, int64_t i) {
+  return half ? half_to_float(static_cast<const uint16_t*>(table)[i]) : static_cast<const float*>(table)[i];
+}
+
 // Column j's integer at input k of panel p, and the weight's integers' zero point (i8: 128).
 inline int32_t q_at(const Int8Blocks& b, int64_t p, int64_t k, int j) {
   const uint8_t* quad = b.q + p * b.q_stride() + (k / 4) * b.quad_bytes();
@@ -101,8 +129,7 @@ inline int32_t q_at(const Int8Blocks& b, int64_t p, int64_t k, int j) {
 void panel_rows_portable(const QuantRow* rows_q, int rows, const Int8Blocks& b, int64_t p, float* y,
                          int64_t ldy, int cols) {
   const int64_t groups = b.k_dim / kGroup;
-  const float* sc = b.scale + p * b.s_stride();
-  const float* of = b.u4 ? b.offset + p * b.s_stride() : nullptr;
+  const int64_t s0 = p * b.s_stride();
   for (int r = 0; r < rows; ++r) {
     const QuantRow& row = rows_q[r];
     for (int j = 0; j < cols; ++j) {
@@ -110,8 +137,10 @@ void panel_rows_portable(const QuantRow* rows_q, int rows, const Int8Blocks& b, 
       for (int64_t g = 0; g < groups; ++g) {
         int32_t dot = 0;
         for (int i = 0; i < kGroup; ++i) dot += int32_t(row.a[g * kGroup + i]) * q_at(b, p, g * kGroup + i, j);
-        const float d = sc[g * kPanel + j];
-        const float t = b.u4 ? std::fma(d, float(dot), of[g * kPanel + j] * float(row.sa[g])) : d * float(dot);
+        const int64_t i = s0 + g * kPanel + j;
+        const float d = table_at(b.scale, b.half, i);
+        const float t = b.u4 ? std::fma(d, float(dot), table_at(b.offset, b.half, i) * float(row.sa[g]))
+                             : d * float(dot);
         acc = std::fma(row.dx[g], t, acc);
       }
       y[r * ldy + j] = acc;
@@ -132,12 +161,19 @@ bool cpu_has_vnni() {
 
 // R rows x the 32 columns of panel p: per quad, the weight bytes are loaded and split once and
 // multiplied into every row's int32 sums; per block the sums become floats in the order above.
-template <bool U4, int R>
+// 16 table entries from i as float32 (float16: vcvtph2ps, exact).
+template <bool HALF>
+VNNI_TARGET inline __m512 load_table16(const void* table, int64_t i) {
+  if constexpr (HALF)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(table) + i)));
+  return _mm512_loadu_ps(static_cast<const float*>(table) + i);
+}
+
+template <bool U4, int R, bool HALF>
 VNNI_TARGET void panel_rows_vnni(const QuantRow* rows_q, const Int8Blocks& b, int64_t p, float* y, int64_t ldy,
                                  int cols) {
   const uint8_t* q = b.q + p * b.q_stride();
-  const float* sc = b.scale + p * b.s_stride();
-  const float* of = U4 ? b.offset + p * b.s_stride() : nullptr;
+  const int64_t s0 = p * b.s_stride();
   const __m512i low4 = _mm512_set1_epi8(15);
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -166,14 +202,15 @@ VNNI_TARGET void panel_rows_vnni(const QuantRow* rows_q, const Int8Blocks& b, in
         dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, a);
       }
     }
-    const __m512 d0 = _mm512_loadu_ps(sc + g * kPanel), d1 = _mm512_loadu_ps(sc + g * kPanel + 16);
+    const __m512 d0 = load_table16<HALF>(b.scale, s0 + g * kPanel);
+    const __m512 d1 = load_table16<HALF>(b.scale, s0 + g * kPanel + 16);
     for (int r = 0; r < R; ++r) {
       const __m512 dx = _mm512_set1_ps(rows_q[r].dx[g]);
       __m512 t0, t1;
       if constexpr (U4) {
         const __m512 sa = _mm512_set1_ps(float(rows_q[r].sa[g]));
-        const __m512 m0 = _mm512_mul_ps(_mm512_loadu_ps(of + g * kPanel), sa);
-        const __m512 m1 = _mm512_mul_ps(_mm512_loadu_ps(of + g * kPanel + 16), sa);
+        const __m512 m0 = _mm512_mul_ps(load_table16<HALF>(b.offset, s0 + g * kPanel), sa);
+        const __m512 m1 = _mm512_mul_ps(load_table16<HALF>(b.offset, s0 + g * kPanel + 16), sa);
         t0 = _mm512_fmadd_ps(d0, _mm512_cvtepi32_ps(dot[r][0]), m0);
         t1 = _mm512_fmadd_ps(d1, _mm512_cvtepi32_ps(dot[r][1]), m1);
       } else {
@@ -193,9 +230,13 @@ template <int R>
 void panel_rows_vnni_tail(int rows, const QuantRow* rows_q, const Int8Blocks& b, int64_t p, float* y, int64_t ldy,
                           int cols) {
   if constexpr (R > 0) {
-    if (rows == R)
-      return b.u4 ? panel_rows_vnni<true, R>(rows_q, b, p, y, ldy, cols)
-                  : panel_rows_vnni<false, R>(rows_q, b, p, y, ldy, cols);
+    if (rows == R) {
+      if (b.half)
+        return b.u4 ? panel_rows_vnni<true, R, true>(rows_q, b, p, y, ldy, cols)
+                    : panel_rows_vnni<false, R, true>(rows_q, b, p, y, ldy, cols);
+      return b.u4 ? panel_rows_vnni<true, R, false>(rows_q, b, p, y, ldy, cols)
+                  : panel_rows_vnni<false, R, false>(rows_q, b, p, y, ldy, cols);
+    }
     panel_rows_vnni_tail<R - 1>(rows, rows_q, b, p, y, ldy, cols);
   }
 }
@@ -213,18 +254,19 @@ void fd_cpu::linear::int8_blocks_product(const paddle::Tensor& q, const paddle::
   b.u4 = q.shape()[2] == 64;
   b.k_dim = q.shape()[1] * 4;
   PD_CHECK(b.k_dim % kGroup == 0, "linear_blocks_int8: in-features ", b.k_dim, " are not a multiple of 32");
-  PD_CHECK(scale.dtype() == paddle::DataType::FLOAT32 && scale.shape().size() == 3 &&
+  b.half = scale.dtype() == paddle::DataType::FLOAT16;
+  PD_CHECK((b.half || scale.dtype() == paddle::DataType::FLOAT32) && scale.shape().size() == 3 &&
                scale.shape()[0] == q.shape()[0] && scale.shape()[1] == b.k_dim / kGroup && scale.shape()[2] == kPanel,
-           "linear_blocks_int8: scale must be float32 [panels, in / 32, 32]");
+           "linear_blocks_int8: scale must be float32 or float16 [panels, in / 32, 32]");
   PD_CHECK(b.u4 == bool(offset), "linear_blocks_int8: u4 blocks need an offset, i8 blocks take none");
   if (offset) {
-    PD_CHECK(offset->is_cpu() && offset->is_contiguous() && offset->dtype() == paddle::DataType::FLOAT32 &&
+    PD_CHECK(offset->is_cpu() && offset->is_contiguous() && offset->dtype() == scale.dtype() &&
                  offset->shape() == scale.shape(),
-             "linear_blocks_int8: offset must be float32 shaped like scale");
-    b.offset = offset->data<float>();
+             "linear_blocks_int8: offset must be shaped and typed like scale");
+    b.offset = offset->data();
   }
   b.q = q.data<uint8_t>();
-  b.scale = scale.data<float>();
+  b.scale = scale.data();
   PD_CHECK(k_dim == b.k_dim, "linear_blocks_int8: x's last dimension must equal the weight's in-features (",
            b.k_dim, ")");
   const int64_t panels = q.shape()[0];

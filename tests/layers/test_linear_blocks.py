@@ -15,7 +15,7 @@ import pytest
 from fastdeploy.model_executor.layers import gguf_blocks
 from fastdeploy.model_executor.layers.blas_gemm import block_rows, linear_blocks, linear_packed, pack
 
-# "u4_f16": u4 blocks with half-precision scales, as Q4_1 stores them (scale * q exact in float32: the
+# "u4_f16": u4 blocks with half-precision scales and offsets, as Q4_1 stores them (scale * q exact in float32: the
 # decode rebuilds each weight with one FMA); "u4": float32 scales of full precision (two roundings).
 FORMS = [("u4", 32), ("u4_f16", 32), ("i8", 32), ("i8", 16)]
 
@@ -23,11 +23,13 @@ FORMS = [("u4", 32), ("u4_f16", 32), ("i8", 32), ("i8", 16)]
 def random_blocks(kind: str, group: int, n: int, k: int, seed: int = 0) -> gguf_blocks.BlockWeight:
     rng = np.random.default_rng(seed)
     scale = (rng.standard_normal((n, k // group)) * 0.05).astype(np.float32)
-    if kind == "u4_f16":
+    if kind.endswith("_f16"):
         scale = scale.astype(np.float16).astype(np.float32)
     if kind.startswith("u4"):
-        return gguf_blocks.BlockWeight(rng.integers(0, 16, (n, k), dtype=np.uint8), np.abs(scale),
-                                       (rng.standard_normal((n, k // group)) * 0.1).astype(np.float32), group, "u4")
+        offset = (rng.standard_normal((n, k // group)) * 0.1).astype(np.float32)
+        if kind.endswith("_f16"):  # Q4_1 stores both as halves
+            offset = offset.astype(np.float16).astype(np.float32)
+        return gguf_blocks.BlockWeight(rng.integers(0, 16, (n, k), dtype=np.uint8), np.abs(scale), offset, group, "u4")
     return gguf_blocks.BlockWeight(rng.integers(-128, 128, (n, k), dtype=np.int8), scale, None, group, "i8")
 
 

@@ -20,7 +20,7 @@ from fastdeploy.model_executor.layers.blas_gemm import linear_blocks_int8
 sys.path.insert(0, os.path.dirname(__file__))
 from test_linear_blocks import bits, dense_of, random_blocks  # noqa: E402
 
-KINDS = ["u4_f16", "i8"]
+KINDS = ["u4_f16", "u4", "i8_f16", "i8"]  # scales (and offsets) that are halves are read as halves
 
 
 def product(x: np.ndarray, b) -> np.ndarray:
@@ -83,6 +83,11 @@ def test_a_rows_output_does_not_depend_on_its_batch_mates(kind):
     for mates in (1, 2, 3, 7, 60):
         batch = np.concatenate([rng.standard_normal((mates, k)).astype(np.float32), row])
         assert np.array_equal(product(batch, b)[-1:].view(np.int32), alone), mates
+
+
+def test_scales_that_are_halves_are_read_as_halves():
+    assert gguf_blocks.pack_int8(random_blocks("u4_f16", 32, 64, 64)).scale.dtype == paddle.float16
+    assert gguf_blocks.pack_int8(random_blocks("u4", 32, 64, 64)).scale.dtype == paddle.float32
 
 
 def test_blocks_narrower_than_32_keep_the_exact_kernel():

@@ -77,6 +77,7 @@ def test_every_dense_layer_keeps_the_files_quantized_blocks(smollm2_path):
     assert {layer.storage for layer in layers} == {"gguf Q4_1", "gguf Q8_0"}  # the LM head: the tied Q8_0 table
     float32_bytes = 4 * sum(layer.out_features * layer.in_features for layer in layers)
     assert model.dense_layer_bytes() < float32_bytes / 4  # 112 MB instead of 538 MB
+    assert len(model.fused_layers) == 30  # every layer's dense work in two op calls (decoder_block_ops.cc)
 
 
 @pytest.mark.parametrize("mode", MODES)

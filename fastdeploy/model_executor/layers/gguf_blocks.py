@@ -207,7 +207,7 @@ def pack_int8(weight: BlockWeight) -> Optional[PackedBlocks]:
     """linear_blocks_int8.cc's operands (the FD_CPU_INT8_ACTIVATIONS path): q [P, K / 4, 64] uint8 (u4: byte
     4j + t holds column j's q at input 4i + t in its low nibble, column j + 16's in its high one) or
     [P, K / 4, 128] uint8 (i8: column j's q + 128), the integers of 4 consecutive inputs of a column
-    side by side for vpdpbusd; scale and offset as `pack`'s. None when the blocks are not 32 wide
+    side by side for vpdpbusd; scale and offset as `pack`'s (float16 where exact). None when the blocks are not 32 wide
     (Q6_K's 16: that layer keeps the exact kernel)."""
     import paddle
 
@@ -222,7 +222,12 @@ def pack_int8(weight: BlockWeight) -> Optional[PackedBlocks]:
     else:
         packed = (quads.astype(np.int16) + 128).astype(np.uint8)
     packed = np.ascontiguousarray(packed.reshape(panels, k // 4, -1))
-    tensors = [packed, _panels(weight.scale)] + ([] if weight.offset is None else [_panels(weight.offset)])
+    tables = [weight.scale] + ([] if weight.offset is None else [weight.offset])
+    # float16 where every scale and offset is one (Q4_1, Q8_0 store them so): 4 bytes less to read per 32
+    # weights; the op widens them exactly. Otherwise (Q4_K's d * sc) float32.
+    if all(np.array_equal(t.astype(np.float16).astype(np.float32), t) for t in tables):
+        tables = [t.astype(np.float16) for t in tables]
+    tensors = [packed] + [_panels(t) for t in tables]
     nbytes = sum(t.nbytes for t in tensors)
     offset_t = paddle.to_tensor(tensors[2]) if weight.offset is not None else None
     return PackedBlocks(paddle.to_tensor(tensors[0]), paddle.to_tensor(tensors[1]), offset_t, weight.group, nbytes,
