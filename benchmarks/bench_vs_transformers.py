@@ -31,6 +31,10 @@ Fractions reached:
 With `--llama-batched-bench PATH` (llama.cpp's bench, built from the source llama-cpp-python's
 source distribution carries: docs/benchmarks.md), llama.cpp is a side too: the same shapes on the same
 file, 2 threads, its own prompt tokens (so no token comparison); its time is the whole run's.
+Decode alone is printed too: llama.cpp's S_TG, and for the engine the tokens after each request's
+first over the time from the last first token to the end (for one request: its decode exactly),
+with each engine's per-round ratio to llama.cpp. `--int8-activations` adds "engine int8", the engine
+with FD_CPU_INT8_ACTIVATIONS=1 (opt-in, not exact: its same-tokens share is reported on its own).
 
     python benchmarks/bench_vs_transformers.py --json results/vs_transformers.json
     python benchmarks/bench_vs_transformers.py --quick
@@ -71,6 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a short run that proves the script works: N = 1, 4; 32 in / 8 out; prefill 2 x 256")
     p.add_argument("--no-float32-engine", action="store_true",
                    help="skip the engine run on float32 weight copies (FD_CPU_GGUF_BLOCKS=0)")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="add the engine with FD_CPU_INT8_ACTIVATIONS=1 (opt-in, not exact) as a side, 'engine int8'")
     p.add_argument("--llama-batched-bench", default=None, metavar="PATH",
                    help="llama.cpp's llama-batched-bench binary: run every case with it too, taking turns")
     p.add_argument("--json", default=None, help="write machine limits, parameters and every case here")
@@ -196,7 +202,13 @@ def run_engine(llm, prompts: list, output_len: int) -> tuple:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    return elapsed, [list(o.outputs.token_ids) for o in outs]
+    end_wall = time.time()  # the clock of the requests' first_token_time
+    tokens = [list(o.outputs.token_ids) for o in outs]
+    # Decode alone, as llama.cpp's S_TG: the tokens after each request's first, over the time from the
+    # last first token to the end (one request: its decode exactly).
+    decode_seconds = end_wall - max(o.metrics["first_token_time"] for o in outs)
+    DECODE_TOK_S.append(sum(len(t) - 1 for t in tokens) / decode_seconds)
+    return elapsed, tokens
 
 
 def run_llama_cpp(binary_and_path: tuple, prompts: list, output_len: int) -> tuple:
@@ -205,7 +217,12 @@ def run_llama_cpp(binary_and_path: tuple, prompts: list, output_len: int) -> tup
 
     binary, path = binary_and_path
     result = batched_bench(binary, path, len(prompts[0]), output_len, len(prompts))
+    DECODE_TOK_S.append(result["decode_tok_s"])
     return result["seconds"], [[0] * output_len for _ in prompts]
+
+
+# Decode-only tok/s of the last engine or llama.cpp run (runners append; main reads the last entry).
+DECODE_TOK_S: list = []
 
 
 def engine_kwargs(args, cases: list) -> dict:
@@ -259,12 +276,28 @@ def agreement(a: list, b: list) -> float:
     return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
+def print_decode_table(results: list, sides: list) -> None:
+    """Decode-only tok/s (llama.cpp: its S_TG) per side, and each engine's per-round ratio to llama.cpp."""
+    timed = [s for s in sides if s != "transformers"]
+    print("\ndecode-only tok/s (median of rounds; engine: after each request's first token; llama.cpp: S_TG)")
+    for r in results:
+        if r["name"].startswith("prefill"):
+            continue
+        line = f"{r['name']:<20}" + "".join(f"{s}: {r[s].get('decode_tok_s', float('nan')):.1f}  " for s in timed)
+        for s in timed:
+            ratios = r.get(f"round_decode_ratios {s} vs llama.cpp")
+            if ratios and s != "llama.cpp":
+                line += f"  {s} / llama.cpp: {np.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+        print(line)
+
+
 def print_table(results: list, limits: dict, sides: list) -> None:
     print(f"\nmachine: float32 GEMM 2048^3 {limits['gemm_peak_gflops']:.1f} GFLOP/s, memory read "
           f"{limits['read_bandwidth_gbs']:.1f} GB/s; tok/s of each side and its ratio to transformers "
           f"(decode rows: output tok/s; prefill row: prompt + output tok/s)")
     engines = [s for s in sides if s != "transformers"]
-    short = {"engine": "engine", "engine f32": "eng f32", "transformers": "hf", "llama.cpp": "llama"}
+    short = {"engine": "engine", "engine f32": "eng f32", "engine int8": "eng i8", "transformers": "hf",
+             "llama.cpp": "llama"}
     header = f"{'case':<20}" + "".join(f"{s:>14}" for s in sides) + "".join(f"{'x ' + s:>14}" for s in engines) + \
         "".join(f"{'rounds x ' + short[s]:>18}" for s in engines) + \
         "".join(f"{'%GEMM ' + short[s]:>14}" for s in sides) + "".join(f"{'%BW ' + short[s]:>12}" for s in sides) + \
@@ -318,11 +351,11 @@ def main(argv=None) -> int:
     from fastdeploy import envs
 
     engines = {}
-    for side, blocks in (("engine", 1), ("engine f32", 0)):
-        if side == "engine f32" and args.no_float32_engine:
+    for side, blocks, int8 in (("engine", 1, 0), ("engine f32", 0, 0), ("engine int8", 1, 1)):
+        if (side == "engine f32" and args.no_float32_engine) or (side == "engine int8" and not args.int8_activations):
             continue
-        log(f"loading the {side} (FD_CPU_GGUF_BLOCKS={blocks})")
-        with envs.override(FD_CPU_GGUF_BLOCKS=blocks):  # read when the model loads
+        log(f"loading the {side} (FD_CPU_GGUF_BLOCKS={blocks}, FD_CPU_INT8_ACTIVATIONS={int8})")
+        with envs.override(FD_CPU_GGUF_BLOCKS=blocks, FD_CPU_INT8_ACTIVATIONS=int8):  # read when the model loads
             engines[side] = LLM(model=path, **engine_kwargs(args, cases))
     weight_bytes = {side: llm.engine.runner.model.dense_layer_bytes() for side, llm in engines.items()}
     weight_bytes["transformers"] = 4 * (params[0] + params[1])
@@ -337,7 +370,7 @@ def main(argv=None) -> int:
     for case in cases:
         row = {"name": case["name"], "requests": case["requests"], "input_len": case["input_len"],
                "output_len": case["output_len"]}
-        outputs, seconds = {}, {side: [] for side in sides}
+        outputs, seconds, decode = {}, {side: [] for side in sides}, {side: [] for side in sides}
         for round_no in range(1, args.rounds + 1):
             for side in sides:
                 runner, model = {"transformers": (run_transformers, hf),
@@ -345,8 +378,11 @@ def main(argv=None) -> int:
                                      side, (run_engine, engines.get(side)))
                 log(f"{case['name']} round {round_no}/{args.rounds}: {side} ({case['requests']} x "
                     f"{case['input_len']} in / {case['output_len']} out)")
+                DECODE_TOK_S.clear()
                 elapsed, out = runner(model, case["prompts"], case["output_len"])
                 seconds[side].append(elapsed)
+                if DECODE_TOK_S:
+                    decode[side].append(DECODE_TOK_S[-1])
                 if outputs.setdefault(side, out) != out:
                     log(f"warning: {side} gave other tokens in round {round_no} than in round 1")
                 log(f"{case['name']}: {side} {sum(len(o) for o in out)} output tokens in {elapsed:.1f} s")
@@ -354,16 +390,26 @@ def main(argv=None) -> int:
         for side in sides:
             row[side] = side_metrics(median[side], outputs[side], case, limits, params, weight_bytes[side])
             row[side]["round_seconds"] = seconds[side]
+            if decode[side]:  # decode-only tok/s, every round and the median
+                row[side]["round_decode_tok_s"] = decode[side]
+                row[side]["decode_tok_s"] = float(np.median(decode[side]))
         for side in ratios:  # the engines and llama.cpp, each against transformers
             row[f"ratio_output_tok_s {side}"] = row[side]["output_tok_s"] / row["transformers"]["output_tok_s"]
             row[f"round_ratios {side}"] = ratios[side]
-        row["same_tokens"] = min(agreement(outputs[side], outputs["transformers"]) for side in engines)
+        exact = [side for side in engines if side != "engine int8"]
+        row["same_tokens"] = min(agreement(outputs[side], outputs["transformers"]) for side in exact)
+        if "engine int8" in engines:  # not exact: how many requests kept transformers' every token
+            row["same_tokens engine int8"] = agreement(outputs["engine int8"], outputs["transformers"])
         if "llama.cpp" in sides:
             row["ratio_output_tok_s engine vs llama.cpp"] = (row["engine"]["output_tok_s"]
                                                              / row["llama.cpp"]["output_tok_s"])
             row["round_ratios engine vs llama.cpp"] = [ll / e for e, ll in zip(seconds["engine"], seconds["llama.cpp"])]
+            for side in engines:  # decode alone, per round (the sides of a round ran back to back)
+                row[f"round_decode_ratios {side} vs llama.cpp"] = [e / ll for e, ll in
+                                                                   zip(decode[side], decode["llama.cpp"])]
         results.append(row)
     print_table(results, limits, sides)
+    print_decode_table(results, sides)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -86,6 +86,15 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Q6_K, Q8_0) and rebuild each float32 weight in registers, the same bits, ~5x fewer bytes read
     # per decode step (layers/gguf_blocks.py); 0: float32 copies of the dequantized weights.
     "FD_CPU_GGUF_BLOCKS": _int_flag("FD_CPU_GGUF_BLOCKS", "1"),
+    # 1 (opt-in, NOT exact): those GGUF-block layers quantize their input activations per block of 32
+    # to int8 and multiply with integer dot products (AVX-512 VNNI; a portable twin elsewhere), as
+    # llama.cpp does: faster decode, outputs no longer transformers' bits (custom_ops/cpu_ops/
+    # linear_blocks_int8.cc; accuracy in docs/benchmarks.md). 0: the exact float32 products.
+    "FD_CPU_INT8_ACTIVATIONS": _int_flag("FD_CPU_INT8_ACTIVATIONS", "0"),
+    # 1: on the CPU, a decoder layer whose dense weights are all GGUF blocks runs its dense work as two
+    # op calls around its attention (custom_ops/cpu_ops/decoder_block_ops.cc: the same bits, less
+    # host time per decode step); 0: one op call per norm, product and activation.
+    "FD_CPU_FUSED_LAYERS": _int_flag("FD_CPU_FUSED_LAYERS", "1"),
     # Where the CPU op is compiled and cached (unset: ~/.cache/fastdeploy/custom_ops).
     "FD_CUSTOM_OP_DIR": _str_flag("FD_CUSTOM_OP_DIR", ""),
     # Comma-separated API keys the server requires on /v1/* (upstream's name); --api-key overrides it.

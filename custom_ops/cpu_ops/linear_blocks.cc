@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "paddle/extension.h"
+#include "linear_blocks.h"
 #include "linear_tiles.h"
 #include "work_pool.h"
 
@@ -73,15 +74,24 @@ inline float weight_at(const Blocks& b, int64_t p, int64_t k, int j) {
   return b.scale[s] * float(q);
 }
 
-template <bool U4>
+// ONE_ROUNDING: the caller knows every scale * q of these blocks is exact in float32 (Q4_1's f16
+// scale times a 4-bit q has at most 15 significant bits; Q4_K's f16 d times a 6-bit sc times q at
+// most 21), so the multiply's rounding is a no-op and one fused multiply-add gives the very
+// (scale * q) + offset of the two roundings, with one instruction less per 16 weights.
+template <bool U4, bool ONE_ROUNDING = false>
 __attribute__((target("avx512f"))) inline void decode_k(const uint8_t* qk, __m512 d0, __m512 d1, __m512 o0,
                                                         __m512 o1, __m512& w0, __m512& w1) {
   if constexpr (U4) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qk)));
     const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15));
     const __m512i hi = _mm512_srli_epi32(v, 4);
-    w0 = _mm512_add_ps(_mm512_mul_ps(d0, _mm512_cvtepi32_ps(lo)), o0);
-    w1 = _mm512_add_ps(_mm512_mul_ps(d1, _mm512_cvtepi32_ps(hi)), o1);
+    if constexpr (ONE_ROUNDING) {
+      w0 = _mm512_fmadd_ps(d0, _mm512_cvtepi32_ps(lo), o0);
+      w1 = _mm512_fmadd_ps(d1, _mm512_cvtepi32_ps(hi), o1);
+    } else {
+      w0 = _mm512_add_ps(_mm512_mul_ps(d0, _mm512_cvtepi32_ps(lo)), o0);
+      w1 = _mm512_add_ps(_mm512_mul_ps(d1, _mm512_cvtepi32_ps(hi)), o1);
+    }
   } else {
     const __m512i v0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qk)));
     const __m512i v1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qk + 16)));
@@ -91,7 +101,7 @@ __attribute__((target("avx512f"))) inline void decode_k(const uint8_t* qk, __m51
 }
 
 // fn(k, w0, w1) for k = 0..K-1 with panel p's 32 weights at k (columns 0-15 in w0, 16-31 in w1).
-template <bool U4, typename Fn>
+template <bool U4, typename Fn, bool ONE_ROUNDING = false>
 __attribute__((target("avx512f"), always_inline)) inline void for_each_k(const Blocks& b, int64_t p, Fn fn) {
   const uint8_t* q = b.q + p * b.q_stride();
   const float* sc = b.scale + p * b.s_stride();
@@ -104,7 +114,7 @@ __attribute__((target("avx512f"), always_inline)) inline void for_each_k(const B
     const __m512 o1 = of ? _mm512_loadu_ps(of + g * kPanel + 16) : zero;
     for (int64_t k = g * b.group; k < (g + 1) * b.group; ++k) {
       __m512 w0, w1;
-      decode_k<U4>(q + k * qk_bytes, d0, d1, o0, o1, w0, w1);
+      decode_k<U4, ONE_ROUNDING>(q + k * qk_bytes, d0, d1, o0, o1, w0, w1);
       fn(k, w0, w1);
     }
   }
@@ -125,28 +135,67 @@ void dequant_panel_scalar(const Blocks& b, int64_t p, float* out) {
 }
 
 // R rows x the 32 outputs of panel p, the weights decoded next to the FMAs.
-template <bool U4, int R>
+template <bool U4, int R, bool ONE_ROUNDING>
 __attribute__((target("avx512f"))) void fused_tile(const float* x, const Blocks& b, int64_t p,
                                                   float* y, int64_t ldy, int cols) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int64_t k_dim = b.k_dim;
-  for_each_k<U4>(b, p, [&](int64_t k, __m512 w0, __m512 w1) __attribute__((target("avx512f"))) {
+  auto fma_rows = [&](int64_t k, __m512 w0, __m512 w1) __attribute__((target("avx512f"))) {
     for (int r = 0; r < R; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * k_dim + k]);
       acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
     }
-  });
+  };
+  for_each_k<U4, decltype(fma_rows), ONE_ROUNDING>(b, p, fma_rows);
   store_tile_avx512<R>(acc, y, ldy, cols);
 }
 
-template <int R>
+// One row (a decode step's GEMV) x panels p and p + 1 together: four independent accumulator chains
+// instead of two hide the FMA latency a single panel's chain waits on. Each output is still the one
+// chain over k = 0..K-1 from 0.0f, so the bits are the one-panel tile's.
+template <bool U4, bool ONE_ROUNDING>
+__attribute__((target("avx512f"))) void fused_row_two_panels(const float* x, const Blocks& b, int64_t p,
+                                                            float* y, int cols0, int cols1) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  constexpr int64_t qk_bytes = U4 ? 16 : 32;
+  const uint8_t* q0 = b.q + p * b.q_stride();
+  const uint8_t* q1 = q0 + b.q_stride();
+  const float* sc0 = b.scale + p * b.s_stride();
+  const float* sc1 = sc0 + b.s_stride();
+  const float* of0 = U4 ? b.offset + p * b.s_stride() : nullptr;
+  const float* of1 = U4 ? of0 + b.s_stride() : nullptr;
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t g = 0; g < b.k_dim / b.group; ++g) {
+    const int64_t s = g * kPanel;
+    const __m512 d00 = _mm512_loadu_ps(sc0 + s), d01 = _mm512_loadu_ps(sc0 + s + 16);
+    const __m512 d10 = _mm512_loadu_ps(sc1 + s), d11 = _mm512_loadu_ps(sc1 + s + 16);
+    const __m512 o00 = U4 ? _mm512_loadu_ps(of0 + s) : zero, o01 = U4 ? _mm512_loadu_ps(of0 + s + 16) : zero;
+    const __m512 o10 = U4 ? _mm512_loadu_ps(of1 + s) : zero, o11 = U4 ? _mm512_loadu_ps(of1 + s + 16) : zero;
+    for (int64_t k = g * b.group; k < (g + 1) * b.group; ++k) {
+      __m512 w00, w01, w10, w11;
+      decode_k<U4, ONE_ROUNDING>(q0 + k * qk_bytes, d00, d01, o00, o01, w00, w01);
+      decode_k<U4, ONE_ROUNDING>(q1 + k * qk_bytes, d10, d11, o10, o11, w10, w11);
+      const __m512 a = _mm512_set1_ps(x[k]);
+      acc[0] = _mm512_fmadd_ps(a, w00, acc[0]);
+      acc[1] = _mm512_fmadd_ps(a, w01, acc[1]);
+      acc[2] = _mm512_fmadd_ps(a, w10, acc[2]);
+      acc[3] = _mm512_fmadd_ps(a, w11, acc[3]);
+    }
+  }
+  const __m512 first[1][2] = {{acc[0], acc[1]}}, second[1][2] = {{acc[2], acc[3]}};
+  store_tile_avx512<1>(first, y, 0, cols0);
+  store_tile_avx512<1>(second, y + kPanel, 0, cols1);
+}
+
+template <int R, bool ONE_ROUNDING>
 void fused_rows(int rows, const float* x, const Blocks& b, int64_t p, float* y, int64_t ldy, int cols) {
   if constexpr (R > 0) {
     if (rows == R)
-      return b.u4 ? fused_tile<true, R>(x, b, p, y, ldy, cols) : fused_tile<false, R>(x, b, p, y, ldy, cols);
-    fused_rows<R - 1>(rows, x, b, p, y, ldy, cols);
+      return b.u4 ? fused_tile<true, R, ONE_ROUNDING>(x, b, p, y, ldy, cols)
+                  : fused_tile<false, R, false>(x, b, p, y, ldy, cols);
+    fused_rows<R - 1, ONE_ROUNDING>(rows, x, b, p, y, ldy, cols);
   }
 }
 
@@ -178,32 +227,25 @@ Blocks blocks_of(const paddle::Tensor& q, const paddle::Tensor& scale,
   return b;
 }
 
-std::vector<paddle::Tensor> LinearBlocks(const paddle::Tensor& x_in, const paddle::Tensor& q,
-                                         const paddle::Tensor& scale,
-                                         const paddle::optional<paddle::Tensor>& offset,
-                                         int64_t n, int64_t group) {
-  const paddle::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.is_cpu(), "linear_blocks: x must be a CPU float32 tensor");
+}  // namespace
+
+// y [m, n] = x [m, K] . W^T on packed blocks (checked here): the op below, and the fused decoder
+// blocks (decoder_block_ops.cc), which call it on their own buffers.
+void fd_cpu::linear::blocks_product(const paddle::Tensor& q, const paddle::Tensor& scale,
+                                    const paddle::optional<paddle::Tensor>& offset, int64_t n, int64_t group,
+                                    bool one_rounding, const float* xp, int64_t m, int64_t k_dim, float* yp) {
   const Blocks b = blocks_of(q, scale, offset, group, "linear_blocks");
-  const auto& xs = x.shape();
-  PD_CHECK(!xs.empty() && xs.back() == b.k_dim, "linear_blocks: x's last dimension must equal the weight's ",
-           "in-features (", b.k_dim, ")");
+  PD_CHECK(k_dim == b.k_dim, "linear_blocks: x's last dimension must equal the weight's in-features (", b.k_dim, ")");
   const int64_t panels = q.shape()[0];
   PD_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel,
            "linear_blocks: out-features ", n, " do not match ", panels, " panels");
-  const int64_t m = b.k_dim == 0 ? 0 : x.numel() / b.k_dim;
-  std::vector<int64_t> out_shape(xs.begin(), xs.end());
-  out_shape.back() = n;
-  paddle::Tensor y = paddle::empty(out_shape, paddle::DataType::FLOAT32, x.place());
-  if (m == 0 || n == 0) return {y};
-  float* yp = y.data<float>();
+  if (m == 0 || n == 0) return;
   if (b.k_dim == 0) {
     std::memset(yp, 0, sizeof(float) * size_t(m * n));
-    return {y};
+    return;
   }
   const Isa isa = tiles_isa();
   const bool avx512 = isa == Isa::kAvx512;
-  const float* xp = x.data<float>();
   const auto dequant_panel = [&](int64_t p, float* out) {
     if (!avx512) return dequant_panel_scalar(b, p, out);
     b.u4 ? dequant_panel_avx512<true>(b, p, out) : dequant_panel_avx512<false>(b, p, out);
@@ -219,19 +261,64 @@ std::vector<paddle::Tensor> LinearBlocks(const paddle::Tensor& x_in, const paddl
       dequant_panel(p, dense + p * b.k_dim * kPanel);
     });
     packed_product(xp, m, b.k_dim, dense, panels, yp, n, true);
-    return {y};
+    return;
   }
   // A decode step streams the weight: worth both cores once it is past ~L2 scale.
   const bool parallel = double(m) * double(n) * double(b.k_dim) > double(1 << 18);
+  const bool fma_rebuild = one_rounding && b.u4;
+  if (avx512 && m == 1) {
+    // One row: panels in pairs (fused_row_two_panels), kPanelGroup panels to a work item.
+    const int64_t groups = (panels + kPanelGroup - 1) / kPanelGroup;
+    const auto cols_of = [&](int64_t p) { return int(std::min<int64_t>(kPanel, n - p * kPanel)); };
+    fd_cpu::WorkPool::instance().run(groups, parallel ? fd_cpu::usable_cpus() : 1, [&](int64_t g, int) {
+      const int64_t end = std::min<int64_t>(panels, (g + 1) * kPanelGroup);
+      int64_t p = g * kPanelGroup;
+      for (; p + 2 <= end; p += 2) {
+        float* yo = yp + p * kPanel;
+        if (!b.u4) fused_row_two_panels<false, false>(xp, b, p, yo, cols_of(p), cols_of(p + 1));
+        else if (fma_rebuild) fused_row_two_panels<true, true>(xp, b, p, yo, cols_of(p), cols_of(p + 1));
+        else fused_row_two_panels<true, false>(xp, b, p, yo, cols_of(p), cols_of(p + 1));
+      }
+      if (p < end) {
+        fma_rebuild ? fused_rows<1, true>(1, xp, b, p, yp + p * kPanel, n, cols_of(p))
+                    : fused_rows<1, false>(1, xp, b, p, yp + p * kPanel, n, cols_of(p));
+      }
+    });
+    return;
+  }
   for_each_panel(m, panels, parallel, [&](int64_t r0, int rows, int64_t p) {
     const int cols = int(std::min<int64_t>(kPanel, n - p * kPanel));
     float* yo = yp + r0 * n + p * kPanel;
-    if (avx512 && rows <= kFusedRows) return fused_rows<kFusedRows>(rows, xp + r0 * b.k_dim, b, p, yo, n, cols);
+    if (avx512 && rows <= kFusedRows) {
+      return fma_rebuild ? fused_rows<kFusedRows, true>(rows, xp + r0 * b.k_dim, b, p, yo, n, cols)
+                         : fused_rows<kFusedRows, false>(rows, xp + r0 * b.k_dim, b, p, yo, n, cols);
+    }
     thread_local std::vector<float> panel;
     panel.resize(size_t(b.k_dim) * kPanel + 16);
     dequant_panel(p, align64(panel.data()));
     rows_times_panel(isa, xp + r0 * b.k_dim, rows, b.k_dim, align64(panel.data()), yo, n, cols);
   });
+  }
+
+namespace {
+
+// one_rounding: the caller checked that every scale * q is exact in float32 (gguf_blocks.pack), so a
+// u4 weight may be rebuilt with one fused multiply-add (decode_k); wrong, it would change bits.
+std::vector<paddle::Tensor> LinearBlocks(const paddle::Tensor& x_in, const paddle::Tensor& q,
+                                         const paddle::Tensor& scale,
+                                         const paddle::optional<paddle::Tensor>& offset,
+                                         int64_t n, int64_t group, bool one_rounding) {
+  const paddle::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.is_cpu(), "linear_blocks: x must be a CPU float32 tensor");
+  const auto& xs = x.shape();
+  PD_CHECK(!xs.empty(), "linear_blocks: x must have at least one dimension");
+  const int64_t k_dim = xs.back();
+  const int64_t m = k_dim == 0 ? 0 : x.numel() / k_dim;
+  std::vector<int64_t> out_shape(xs.begin(), xs.end());
+  out_shape.back() = n;
+  paddle::Tensor y = paddle::empty(out_shape, paddle::DataType::FLOAT32, x.place());
+  fd_cpu::linear::blocks_product(q, scale, offset, n, group, one_rounding, x.data<float>(), m, k_dim,
+                                 y.data<float>());
   return {y};
 }
 
@@ -267,7 +354,7 @@ std::vector<paddle::Tensor> BlockRows(const paddle::Tensor& q, const paddle::Ten
 PD_BUILD_OP(linear_blocks)
     .Inputs({"x", "q", "scale", paddle::Optional("offset")})
     .Outputs({"out"})
-    .Attrs({"n: int64_t", "group: int64_t"})
+    .Attrs({"n: int64_t", "group: int64_t", "one_rounding: bool"})
     .SetKernelFn(PD_KERNEL(LinearBlocks));
 
 PD_BUILD_OP(block_rows)

@@ -10,25 +10,15 @@
 #include <vector>
 
 #include "paddle/extension.h"
+#include "rms_norm_row.h"
 #include "work_pool.h"
 
 namespace {
 
-constexpr int kLanes = 8;
 constexpr int64_t kRowsPerItem = 64;
-constexpr int64_t kParallelElements = 1 << 18;  // below this one thread is faster  // partial sums, combined in a fixed order: same bits for every row
+constexpr int64_t kParallelElements = 1 << 18;  // below this one thread is faster
 
-void norm_row(const float* x, const float* w, int64_t d, float eps, float* y) {
-  float part[kLanes] = {0.f};
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) part[l] += x[i + l] * x[i + l];
-  for (int l = 0; i < d; ++i, ++l) part[l] += x[i] * x[i];
-  float sum = 0.f;
-  for (int l = 0; l < kLanes; ++l) sum += part[l];
-  const float inv = 1.0f / std::sqrt(sum / float(d) + eps);
-  for (int64_t j = 0; j < d; ++j) y[j] = (x[j] * inv) * w[j];
-}
+using fd_cpu::norm_row;
 
 std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x_in, const paddle::Tensor& w_in, float eps) {
   const paddle::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();

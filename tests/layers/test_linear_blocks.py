@@ -15,15 +15,21 @@ import pytest
 from fastdeploy.model_executor.layers import gguf_blocks
 from fastdeploy.model_executor.layers.blas_gemm import block_rows, linear_blocks, linear_packed, pack
 
-FORMS = [("u4", 32), ("i8", 32), ("i8", 16)]
+# "u4_f16": u4 blocks with half-precision scales and offsets, as Q4_1 stores them (scale * q exact in float32: the
+# decode rebuilds each weight with one FMA); "u4": float32 scales of full precision (two roundings).
+FORMS = [("u4", 32), ("u4_f16", 32), ("i8", 32), ("i8", 16)]
 
 
 def random_blocks(kind: str, group: int, n: int, k: int, seed: int = 0) -> gguf_blocks.BlockWeight:
     rng = np.random.default_rng(seed)
     scale = (rng.standard_normal((n, k // group)) * 0.05).astype(np.float32)
-    if kind == "u4":
-        return gguf_blocks.BlockWeight(rng.integers(0, 16, (n, k), dtype=np.uint8), np.abs(scale),
-                                       (rng.standard_normal((n, k // group)) * 0.1).astype(np.float32), group, "u4")
+    if kind.endswith("_f16"):
+        scale = scale.astype(np.float16).astype(np.float32)
+    if kind.startswith("u4"):
+        offset = (rng.standard_normal((n, k // group)) * 0.1).astype(np.float32)
+        if kind.endswith("_f16"):  # Q4_1 stores both as halves
+            offset = offset.astype(np.float16).astype(np.float32)
+        return gguf_blocks.BlockWeight(rng.integers(0, 16, (n, k), dtype=np.uint8), np.abs(scale), offset, group, "u4")
     return gguf_blocks.BlockWeight(rng.integers(-128, 128, (n, k), dtype=np.int8), scale, None, group, "i8")
 
 
@@ -45,7 +51,7 @@ def test_blocks_give_the_packed_float32_kernels_bits_at_every_row_count(kind, gr
     rng = np.random.default_rng(1)
     for rows in (1, 2, 5, 8, 9, 12, 13, 47, 48, 49, 100):  # fused tiles, a panel buffer, the whole weight
         x = paddle.to_tensor(rng.standard_normal((rows, k)).astype(np.float32))
-        got = linear_blocks()(x, b.q, b.scale, b.offset, n, group)
+        got = linear_blocks()(x, b.q, b.scale, b.offset, n, group, b.one_rounding)
         assert got.shape == [rows, n]
         assert np.array_equal(bits(got), bits(linear_packed()(x, packed, n))), rows
 
@@ -56,11 +62,17 @@ def test_a_rows_output_does_not_depend_on_its_batch_mates(kind, group):
     b = gguf_blocks.pack(random_blocks(kind, group, n, k, seed=2))
     rng = np.random.default_rng(3)
     row = rng.standard_normal((1, k)).astype(np.float32)
-    alone = bits(linear_blocks()(paddle.to_tensor(row), b.q, b.scale, b.offset, n, group))
+    alone = bits(linear_blocks()(paddle.to_tensor(row), b.q, b.scale, b.offset, n, group, b.one_rounding))
     for mates in (1, 7, 11, 60):
         batch = np.concatenate([rng.standard_normal((mates, k)).astype(np.float32), row])
-        out = bits(linear_blocks()(paddle.to_tensor(batch), b.q, b.scale, b.offset, n, group))
+        out = bits(linear_blocks()(paddle.to_tensor(batch), b.q, b.scale, b.offset, n, group, b.one_rounding))
         assert np.array_equal(out[-1:], alone), mates
+
+
+def test_one_fma_rebuild_only_where_every_scale_times_q_is_exact():
+    assert gguf_blocks.pack(random_blocks("u4_f16", 32, 64, 64)).one_rounding
+    assert not gguf_blocks.pack(random_blocks("u4", 32, 64, 64)).one_rounding
+    assert not gguf_blocks.pack(random_blocks("i8", 32, 64, 64)).one_rounding
 
 
 def test_block_rows_are_the_dequantized_weight_rows():
@@ -77,13 +89,13 @@ def test_bad_operands_are_refused_by_name():
     b = gguf_blocks.pack(weight)
     x = paddle.ones([2, 64])
     with pytest.raises(Exception, match="in-features"):
-        linear_blocks()(paddle.ones([2, 32]), b.q, b.scale, b.offset, 64, 32)
+        linear_blocks()(paddle.ones([2, 32]), b.q, b.scale, b.offset, 64, 32, False)
     with pytest.raises(Exception, match="offset"):
-        linear_blocks()(x, b.q, b.scale, None, 64, 32)
+        linear_blocks()(x, b.q, b.scale, None, 64, 32, False)
     with pytest.raises(Exception, match="out-features"):
-        linear_blocks()(x, b.q, b.scale, b.offset, 100, 32)
+        linear_blocks()(x, b.q, b.scale, b.offset, 100, 32, False)
     with pytest.raises(Exception, match="multiple of group"):
-        linear_blocks()(x, b.q, b.scale, b.offset, 64, 24)
+        linear_blocks()(x, b.q, b.scale, b.offset, 64, 24, False)
 
 
 _CAPPED_RUN = """
@@ -103,12 +115,12 @@ def products_at_every_row_count() -> np.ndarray:
     n, k = 70, 224
     rng = np.random.default_rng(4)
     outs = []
-    for kind in ("u4", "i8"):
+    for kind in ("u4", "u4_f16", "i8"):
         weight = random_blocks(kind, 32, n, k, seed=5)
         b, packed = gguf_blocks.pack(weight), pack(paddle.to_tensor(dense_of(weight)))
         for rows in (1, 3, 8, 9, 12, 14, 49, 100):
             x = paddle.to_tensor(rng.standard_normal((rows, k)).astype(np.float32))
-            outs += [bits(linear_blocks()(x, b.q, b.scale, b.offset, n, 32)), bits(linear_packed()(x, packed, n))]
+            outs += [bits(linear_blocks()(x, b.q, b.scale, b.offset, n, 32, b.one_rounding)), bits(linear_packed()(x, packed, n))]
     return np.concatenate(outs)
 
 

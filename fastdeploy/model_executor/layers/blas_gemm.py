@@ -47,9 +47,11 @@ def _link() -> tuple:
             f"{PACKAGE} {ob.__version__}")
 
 
-GEMM_OPS = CpuOpLibrary("fd_cpu_gemm", ("linear_packed.cc", "linear_blocks.cc", "linear_sgemm.cc", "rms_norm.cc",
-                                        "gated_activation.cc"),
-                        "the CPU dense-layer ops (packed GEMM, GGUF-block GEMM, OpenBLAS sgemm, RMSNorm, gated activation)",
+GEMM_OPS = CpuOpLibrary("fd_cpu_gemm", ("linear_packed.cc", "linear_blocks.cc", "linear_blocks_int8.cc",
+                                        "linear_sgemm.cc", "rms_norm.cc", "gated_activation.cc",
+                                        "decoder_block_ops.cc"),
+                        "the CPU dense-layer ops (packed GEMM, GGUF-block GEMM exact and with int8 activations, "
+                        "OpenBLAS sgemm, RMSNorm, gated activation, a decoder layer's dense work fused)",
                         dir_prefix="gemm-", link=_link)
 
 
@@ -130,22 +132,43 @@ def pack(weight):
     return w.reshape([panels, PANEL, k]).transpose([0, 2, 1]).contiguous()
 
 
+@lru_cache(maxsize=None)
 def linear_packed():
     """`linear_packed(x [.., K], packed, n) -> [.., n]`, and `packed_rows(packed, ids, n)`."""
     linear_sgemm()  # one module: loads it and settles the threads
     return load_library(GEMM_OPS).linear_packed
 
 
+@lru_cache(maxsize=None)
 def packed_rows():
     return load_library(GEMM_OPS).packed_rows
 
 
+@lru_cache(maxsize=None)
 def linear_blocks():
-    """`linear_blocks(x [.., K], q, scale, offset | None, n, group) -> [.., n]` on GGUF blocks
-    packed by gguf_blocks.pack, and `block_rows(q, scale, offset | None, ids, n, group)`."""
+    """`linear_blocks(x [.., K], q, scale, offset | None, n, group, one_rounding) -> [.., n]` on GGUF
+    blocks packed by gguf_blocks.pack (`one_rounding`: its PackedBlocks.one_rounding), and `block_rows(q, scale, offset | None, ids, n, group)`."""
     linear_sgemm()
     return load_library(GEMM_OPS).linear_blocks
 
 
+@lru_cache(maxsize=None)
+def linear_blocks_int8():
+    """`linear_blocks_int8(x [.., K], q, scale, offset | None, n) -> [.., n]` on blocks packed by
+    gguf_blocks.pack_int8: activations quantized to int8 per block of 32 (FD_CPU_INT8_ACTIVATIONS)."""
+    linear_sgemm()
+    return load_library(GEMM_OPS).linear_blocks_int8
+
+
+@lru_cache(maxsize=None)
+def decoder_block_ops() -> tuple:
+    """(norm_qkv_blocks, mlp_blocks): a decoder layer's dense work on GGUF blocks in two calls
+    (custom_ops/cpu_ops/decoder_block_ops.cc), the bits of the op-by-op path."""
+    linear_sgemm()
+    lib = load_library(GEMM_OPS)
+    return lib.norm_qkv_blocks, lib.mlp_blocks
+
+
+@lru_cache(maxsize=None)
 def block_rows():
     return load_library(GEMM_OPS).block_rows

@@ -171,6 +171,23 @@ class PackedBlocks:
     group: int
     nbytes: int
     source: str = ""
+    one_rounding: bool = False  # scale_times_q_is_exact: linear_blocks may rebuild w with one FMA
+
+
+def scale_times_q_is_exact(weight: BlockWeight) -> bool:
+    """Every `scale * q` of a u4 weight is exact in float32 (true of Q4_1: an f16 scale times a 4-bit q;
+    of Q4_K: f16 d times a 6-bit sc times q), so `(scale * q) + offset` is one rounding and
+    linear_blocks may rebuild the weight with one fused multiply-add and get the same bits. Checked
+    on the numbers, not assumed from the type: float64 products of every scale with every q are
+    compared with their float32 rounding."""
+    if weight.kind != "u4":
+        return False
+    scale = weight.scale.astype(np.float64)
+    for q in range(16):
+        exact = scale * q
+        if not np.array_equal(exact.astype(np.float32).astype(np.float64), exact):
+            return False
+    return True
 
 
 def pack(weight: BlockWeight) -> PackedBlocks:
@@ -183,4 +200,35 @@ def pack(weight: BlockWeight) -> PackedBlocks:
     nbytes = sum(t.nbytes for t in tensors)
     q_t, scale_t = paddle.to_tensor(tensors[0]), paddle.to_tensor(tensors[1])
     offset_t = paddle.to_tensor(tensors[2]) if weight.offset is not None else None
-    return PackedBlocks(q_t, scale_t, offset_t, weight.group, nbytes, weight.source)
+    return PackedBlocks(q_t, scale_t, offset_t, weight.group, nbytes, weight.source, scale_times_q_is_exact(weight))
+
+
+def pack_int8(weight: BlockWeight) -> Optional[PackedBlocks]:
+    """linear_blocks_int8.cc's operands (the FD_CPU_INT8_ACTIVATIONS path): q [P, K / 4, 64] uint8 (u4: byte
+    4j + t holds column j's q at input 4i + t in its low nibble, column j + 16's in its high one) or
+    [P, K / 4, 128] uint8 (i8: column j's q + 128), the integers of 4 consecutive inputs of a column
+    side by side for vpdpbusd; scale and offset as `pack`'s (float16 where exact). None when the blocks are not 32 wide
+    (Q6_K's 16: that layer keeps the exact kernel)."""
+    import paddle
+
+    if weight.group != 32 or weight.shape[1] % 32:
+        return None
+    n, k = weight.shape
+    q = _panels(weight.q)  # [P, K, 32], k-major
+    panels = q.shape[0]
+    quads = q.reshape(panels, k // 4, 4, PANEL).transpose(0, 1, 3, 2)  # [P, K / 4, 32 columns, 4 inputs]
+    if weight.kind == "u4":
+        packed = quads[:, :, :16, :] | (quads[:, :, 16:, :] << np.uint8(4))
+    else:
+        packed = (quads.astype(np.int16) + 128).astype(np.uint8)
+    packed = np.ascontiguousarray(packed.reshape(panels, k // 4, -1))
+    tables = [weight.scale] + ([] if weight.offset is None else [weight.offset])
+    # float16 where every scale and offset is one (Q4_1, Q8_0 store them so): 4 bytes less to read per 32
+    # weights; the op widens them exactly. Otherwise (Q4_K's d * sc) float32.
+    if all(np.array_equal(t.astype(np.float16).astype(np.float32), t) for t in tables):
+        tables = [t.astype(np.float16) for t in tables]
+    tensors = [packed] + [_panels(t) for t in tables]
+    nbytes = sum(t.nbytes for t in tensors)
+    offset_t = paddle.to_tensor(tensors[2]) if weight.offset is not None else None
+    return PackedBlocks(paddle.to_tensor(tensors[0]), paddle.to_tensor(tensors[1]), offset_t, weight.group, nbytes,
+                        weight.source)

@@ -25,8 +25,8 @@ import paddle
 
 from fastdeploy import envs
 from fastdeploy.model_executor.layers import gguf_blocks
-from fastdeploy.model_executor.layers.blas_gemm import block_rows, linear_blocks, linear_packed, linear_sgemm, pack, \
-    packed_rows
+from fastdeploy.model_executor.layers.blas_gemm import block_rows, linear_blocks, linear_blocks_int8, linear_packed, \
+    linear_sgemm, pack, packed_rows
 
 logger = logging.getLogger("fastdeploy.model")
 
@@ -66,30 +66,65 @@ class Linear:
         self.out_features, self.in_features = sum(self.sizes), int(parts[0].shape[1])
         self.dtype = parts[0].dtype
         dense = parts[0] if len(parts) == 1 else paddle.concat(parts, axis=0)
-        self.packed = self.dense = self.blocks = None
+        self.packed = self.dense = self.blocks = self.int8_blocks = None
         if not uses_cpu_gemm(dense, dense):
             self.dense = dense if dense.is_contiguous() else dense.contiguous()
         else:
-            self.blocks = _exact_blocks(parts, dense) if envs.FD_CPU_GGUF_BLOCKS else None
+            weight, self.blocks = _exact_blocks(parts, dense) if envs.FD_CPU_GGUF_BLOCKS else (None, None)
+            if weight is not None and envs.FD_CPU_INT8_ACTIVATIONS:
+                # Opt-in, not exact: the products on int8 activations (linear_blocks_int8.cc). The exact
+                # blocks stay for the rows a tied embedding reads and for unpacking.
+                self.int8_blocks = gguf_blocks.pack_int8(weight)
             self.packed = pack(dense) if self.blocks is None else None
         self.storage = ("gguf " + self.blocks.source) if self.blocks is not None else \
             "float32 packed" if self.packed is not None else str(self.dtype).replace("paddle.", "")
+        if self.int8_blocks is not None:
+            self.storage += " x int8 activations"
+        # The product bound once: a decode step makes ~120 of these calls, and the attribute and op
+        # lookups per call were a measurable part of its host time.
+        self.product = self._bind_product()
+
+    def _bind_product(self):
+        n = self.out_features
+        if self.int8_blocks is not None:
+            op, b = linear_blocks_int8(), self.int8_blocks
+            q, scale, offset = b.q, b.scale, b.offset
+            return lambda x: op(x, q, scale, offset, n)
+        if self.blocks is not None:
+            op, b = linear_blocks(), self.blocks
+            q, scale, offset, group, one_rounding = b.q, b.scale, b.offset, b.group, b.one_rounding
+            return lambda x: op(x, q, scale, offset, n, group, one_rounding)
+        if self.packed is not None:
+            op, packed = linear_packed(), self.packed
+            return lambda x: op(x, packed, n)
+        dense = self.dense
+        return lambda x: linear(x, dense)
 
     @property
     def nbytes(self) -> int:
         """Bytes the weight occupies in memory (what a decode step reads)."""
+        if self.int8_blocks is not None:
+            return self.int8_blocks.nbytes  # what a step reads (the exact blocks stay for the embedding rows)
         if self.blocks is not None:
             return self.blocks.nbytes
         held = self.packed if self.packed is not None else self.dense
         return int(np.prod(held.shape)) * held.element_size()
 
     def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.product(x)
+
+    @property
+    def block_operand(self):
+        """(q, scale, offset | None, n, group, kind) of a GGUF-block weight for the fused decoder ops
+        (decoder_block_ops.cc; kind 0: exact, 1: exact with one rounding, 2: int8 activations), or
+        None for a float32 or dense weight."""
+        if self.int8_blocks is not None:
+            b = self.int8_blocks
+            return b.q, b.scale, b.offset, self.out_features, b.group, 2
         if self.blocks is not None:
             b = self.blocks
-            return linear_blocks()(x, b.q, b.scale, b.offset, self.out_features, b.group)
-        if self.packed is not None:
-            return linear_packed()(x, self.packed, self.out_features)
-        return linear(x, self.dense)
+            return b.q, b.scale, b.offset, self.out_features, b.group, 1 if b.one_rounding else 0
+        return None
 
     def split(self, y: paddle.Tensor) -> list:
         """The parts of a fused output `[.., sum out]`, in the order the weights were given."""
@@ -117,19 +152,19 @@ class Linear:
 
 
 def _exact_blocks(parts: list, dense: paddle.Tensor):
-    """The parts' GGUF blocks packed for linear_blocks, when every part has them and they dequantize
-    to exactly `dense` (bit for bit); else None (the float32 copy is packed instead)."""
+    """(the parts' GGUF blocks, them packed for linear_blocks), when every part has them and they
+    dequantize to exactly `dense` (bit for bit); else (None, None): the float32 copy is packed instead."""
     weight = gguf_blocks.concat_rows([getattr(p, "gguf_blocks", None) for p in parts])
     if weight is None or weight.shape != tuple(dense.shape):
-        return None
+        return None, None
     packed = gguf_blocks.pack(weight)
     rebuilt = block_rows()(packed.q, packed.scale, packed.offset,
                            paddle.arange(dense.shape[0], dtype="int64"), int(dense.shape[0]), packed.group)
     if not np.array_equal(rebuilt.numpy().view(np.int32), dense.numpy().view(np.int32)):
         logger.warning("GGUF %s blocks of a %s weight do not dequantize to the checkpoint's float32 values; "
                        "keeping the float32 copy", weight.source, list(dense.shape))
-        return None
-    return packed
+        return None, None
+    return weight, packed
 
 
 class WeightView:
