@@ -304,24 +304,19 @@ class CausalLM:
             for layer_id, (norm_qkv, mlp) in enumerate(self.fused_layers):
                 hidden, qkv = norm_qkv(hidden, pending)
                 hidden, pending = mlp(attention(layer_id, qkv, meta), hidden)
-        for layer_id in range(0 if self.fused_layers is None else self.config.num_hidden_layers,
-                              self.config.num_hidden_layers):
-            n = self.layer_names[layer_id]
-            input_norm, post_norm = self.layer_norms[layer_id]
-            hidden, x = self._add_norm(hidden, pending, input_norm)
-            attn = attention(layer_id, self._qkv(x, layer_id, n), meta)
-            attn = self.o[layer_id](attn)
-            if tp > 1:
-                attn = tp_.all_reduce(attn, tp)
-            if sandwich:  # Gemma: norm the attention output, then norm again before the MLP
-                hidden, x = self._add_norm(hidden, self._rms_norm(attn, post_norm), w[n["pre_ffn_norm"]])
-            else:
-                hidden, x = self._add_norm(hidden, attn, post_norm)
-            moe = self.moe.get(layer_id)
-            ffn = moe(x, num_tokens) if moe is not None else self._dense_mlp(x, layer_id)
-            if tp > 1:
-                ffn = tp_.all_reduce(ffn, tp)
-            pending = self._rms_norm(ffn, w[n["post_ffn_norm"]]) if sandwich else ffn
+        else:
+            for layer_id in range(self.config.num_hidden_layers):
+                n = self.layer_names[layer_id]
+                input_norm, post_norm = self.layer_norms[layer_id]
+                hidden, x = self._add_norm(hidden, pending, input_norm)
+                attn = tp_.all_reduce(self.o[layer_id](attention(layer_id, self._qkv(x, layer_id, n), meta)), tp)
+                if sandwich:  # Gemma: norm the attention output, then norm again before the MLP
+                    hidden, x = self._add_norm(hidden, self._rms_norm(attn, post_norm), w[n["pre_ffn_norm"]])
+                else:
+                    hidden, x = self._add_norm(hidden, attn, post_norm)
+                moe = self.moe.get(layer_id)
+                ffn = tp_.all_reduce(moe(x, num_tokens) if moe is not None else self._dense_mlp(x, layer_id), tp)
+                pending = self._rms_norm(ffn, w[n["post_ffn_norm"]]) if sandwich else ffn
         if pending is not None:
             hidden = hidden + pending
         if self.hidden_observer is not None:
