@@ -11,14 +11,13 @@ uneven per layer: evaluable, not servable) and every scorer's scores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import numpy as np
 
-from fastdeploy.tools import swa_patterns
+from fastdeploy.tools import json_tool, swa_patterns
 from fastdeploy.tools.calibration_text import CALIBRATION_SHARE, calibration_text, token_segments
 from fastdeploy.tools.head_scores import ONE_PASS_SCORERS, ablation_kl_scores, one_pass_scores
 
@@ -92,17 +91,7 @@ def find(args, log=print) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        doc = find(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
-    print(f"[find_swa_heads] wrote {args.out}")
-    return 0
-
+    return json_tool.run("find_swa_heads", parse_args(argv), find)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,14 +25,13 @@ attention. Progress goes to stdout every step; `--checkpoint` (default: OUT.ckpt
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import numpy as np
 
-from fastdeploy.tools import swa_patterns
+from fastdeploy.tools import json_tool, swa_patterns
 
 DEFAULT_FRACTIONS = (1 / 3, 1 / 2, 2 / 3)
 
@@ -201,17 +200,7 @@ def optimize(args, log=print) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        doc = optimize(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
-    print(f"[optimize_swa_gates] wrote {args.out}")
-    return 0
-
+    return json_tool.run("optimize_swa_gates", parse_args(argv), optimize)
 
 if __name__ == "__main__":
     sys.exit(main())
