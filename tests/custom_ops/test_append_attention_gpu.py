@@ -312,6 +312,20 @@ from reference_kv_quant import pages_from_codes  # noqa: E402
 QUANT_TOLERANCE = {"int8": 2.5e-2, "block_wise_fp8": 7e-2, "block_wise_int4": 0.25}
 
 
+def attention_over_written_pages(case, result, fmt: str) -> np.ndarray:
+    """float64 attention of `case` over the pages the kernels wrote (their codes and scales read back by
+    the numpy rule): what the output must equal up to the kernels' own arithmetic."""
+    p = case.params
+    keys = pages_from_codes(result.key_cache, result.key_cache_scales, fmt, keys=True)
+    values = pages_from_codes(result.value_cache, result.value_cache_scales, fmt, keys=False)
+    out, _, _ = reference_append_attention(
+        from_storage(case.qkv, BF16), keys, values, case.seq_lens_decoder, case.seq_lens_this_time,
+        case.cu_seqlens_q, case.block_tables, case.rotary_cos, case.rotary_sin, case.swa_head_mask,
+        num_heads=p["num_heads"], kv_num_heads=p["kv_num_heads"], head_dim=p["head_dim"],
+        sliding_window=p["sliding_window"], sink_size=p["sink_size"], caches_hold_new_rows=True)
+    return out
+
+
 def assert_written_bytes(harness, q, result, fmt, rng):
     """The pages and scales the step leaves equal reference_kv_quant's quantization of the rows it
     writes, every other row untouched (NaN scales stay NaN): bit for bit on the executor. A GPU may
@@ -343,15 +357,7 @@ def run_quantized(harness, case, fmt, rng):
     got = from_storage(result.out, BF16).reshape(loose.shape)
     assert np.isfinite(got).all(), f"seed {rng.seed_value}: NaN/unwritten output"
     assert_written_bytes(harness, q, result, fmt, rng)
-    p = case.params
-    keys = pages_from_codes(result.key_cache, result.key_cache_scales, fmt, keys=True)
-    values = pages_from_codes(result.value_cache, result.value_cache_scales, fmt, keys=False)
-    tight, _, _ = reference_append_attention(
-        from_storage(case.qkv, BF16), keys, values, case.seq_lens_decoder, case.seq_lens_this_time,
-        case.cu_seqlens_q, case.block_tables, case.rotary_cos, case.rotary_sin, case.swa_head_mask,
-        num_heads=p["num_heads"], kv_num_heads=p["kv_num_heads"], head_dim=p["head_dim"],
-        sliding_window=p["sliding_window"], sink_size=p["sink_size"], caches_hold_new_rows=True)
-    tight = tight.reshape(loose.shape)
+    tight = attention_over_written_pages(case, result, fmt).reshape(loose.shape)
     err_tight = float(np.linalg.norm(got - tight) / np.linalg.norm(tight))
     err_loose = float(np.linalg.norm(got - loose) / np.linalg.norm(loose))
     print(f"[{'cpu executor' if harness.on_cpu else 'gpu'} {fmt}] vs dequantized {err_tight:.2e}, "
@@ -439,14 +445,7 @@ def test_quantized_lane_whose_slots_mix_sliding_and_full_heads(harness, rng, fmt
     got = np.empty_like(from_storage(case.out, BF16))
     got[:, sliding_cols] = from_storage(a.out, BF16)
     got[:, full_cols] = from_storage(b.out, BF16)
-    p = case.params
-    keys = pages_from_codes(b.key_cache, b.key_cache_scales, fmt, keys=True)
-    values = pages_from_codes(b.value_cache, b.value_cache_scales, fmt, keys=False)
-    tight, _, _ = reference_append_attention(
-        from_storage(case.qkv, BF16), keys, values, case.seq_lens_decoder, case.seq_lens_this_time,
-        case.cu_seqlens_q, case.block_tables, case.rotary_cos, case.rotary_sin, case.swa_head_mask,
-        num_heads=p["num_heads"], kv_num_heads=p["kv_num_heads"], head_dim=p["head_dim"],
-        sliding_window=p["sliding_window"], sink_size=p["sink_size"], caches_hold_new_rows=True)
+    tight = attention_over_written_pages(case, b, fmt)
     err = float(np.linalg.norm(got.reshape(tight.shape) - tight) / np.linalg.norm(tight))
     assert err < TOLERANCE[BF16], f"seed {rng.seed_value}: relative error {err:.3g}"
 
