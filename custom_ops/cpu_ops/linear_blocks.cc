@@ -308,18 +308,10 @@ std::vector<paddle::Tensor> LinearBlocks(const paddle::Tensor& x_in, const paddl
                                          const paddle::Tensor& scale,
                                          const paddle::optional<paddle::Tensor>& offset,
                                          int64_t n, int64_t group, bool one_rounding) {
-  const paddle::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.is_cpu(), "linear_blocks: x must be a CPU float32 tensor");
-  const auto& xs = x.shape();
-  PD_CHECK(!xs.empty(), "linear_blocks: x must have at least one dimension");
-  const int64_t k_dim = xs.back();
-  const int64_t m = k_dim == 0 ? 0 : x.numel() / k_dim;
-  std::vector<int64_t> out_shape(xs.begin(), xs.end());
-  out_shape.back() = n;
-  paddle::Tensor y = paddle::empty(out_shape, paddle::DataType::FLOAT32, x.place());
-  fd_cpu::linear::blocks_product(q, scale, offset, n, group, one_rounding, x.data<float>(), m, k_dim,
-                                 y.data<float>());
-  return {y};
+  fd_cpu::linear::RowsProduct r = fd_cpu::linear::rows_product(x_in, n, "linear_blocks");
+  fd_cpu::linear::blocks_product(q, scale, offset, n, group, one_rounding, r.x.data<float>(), r.m, r.k,
+                                 r.y.data<float>());
+  return {r.y};
 }
 
 template <typename Id>

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "paddle/extension.h"
 
@@ -19,6 +20,26 @@ void blocks_product(const paddle::Tensor& q, const paddle::Tensor& scale,
 void int8_blocks_product(const paddle::Tensor& q, const paddle::Tensor& scale,
                          const paddle::optional<paddle::Tensor>& offset, int64_t n, const float* x, int64_t m,
                          int64_t k_dim, float* y);
+
+// A row product's operand and result: x as contiguous CPU float32 rows [m, k] (any leading shape) and
+// an empty float32 output of x's shape with the last axis n. Every weight format's op wrapper takes it.
+struct RowsProduct {
+  paddle::Tensor x;
+  int64_t m;
+  int64_t k;
+  paddle::Tensor y;
+};
+
+inline RowsProduct rows_product(const paddle::Tensor& x_in, int64_t n, const char* op) {
+  const paddle::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.is_cpu(), op, ": x must be a CPU float32 tensor");
+  const auto& xs = x.shape();
+  PD_CHECK(!xs.empty(), op, ": x must have at least one dimension");
+  const int64_t k = xs.back();
+  std::vector<int64_t> out_shape(xs.begin(), xs.end());
+  out_shape.back() = n;
+  return {x, k == 0 ? 0 : x.numel() / k, k, paddle::empty(out_shape, paddle::DataType::FLOAT32, x.place())};
+}
 
 }  // namespace linear
 }  // namespace fd_cpu

@@ -310,17 +310,9 @@ namespace {
 std::vector<paddle::Tensor> LinearBlocksInt8(const paddle::Tensor& x_in, const paddle::Tensor& q,
                                              const paddle::Tensor& scale,
                                              const paddle::optional<paddle::Tensor>& offset, int64_t n) {
-  const paddle::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.is_cpu(), "linear_blocks_int8: x must be a CPU float32 tensor");
-  const auto& xs = x.shape();
-  PD_CHECK(!xs.empty(), "linear_blocks_int8: x must have at least one dimension");
-  const int64_t k_dim = xs.back();
-  const int64_t m = k_dim == 0 ? 0 : x.numel() / k_dim;
-  std::vector<int64_t> out_shape(xs.begin(), xs.end());
-  out_shape.back() = n;
-  paddle::Tensor y = paddle::empty(out_shape, paddle::DataType::FLOAT32, x.place());
-  fd_cpu::linear::int8_blocks_product(q, scale, offset, n, x.data<float>(), m, k_dim, y.data<float>());
-  return {y};
+  fd_cpu::linear::RowsProduct r = fd_cpu::linear::rows_product(x_in, n, "linear_blocks_int8");
+  fd_cpu::linear::int8_blocks_product(q, scale, offset, n, r.x.data<float>(), r.m, r.k, r.y.data<float>());
+  return {r.y};
 }
 
 }  // namespace
