@@ -20,13 +20,14 @@ IMPLEMENTATION = "fd_gated_swa"
 
 
 @dataclass
-class GateSpec:
-    """What one layer's attention module mixes with: the model's gate tensor [layers, kv_heads] (clamped
-    to [0, 1] where it is read), this layer's row, and the streaming rule."""
-    gates: torch.Tensor
-    layer: int
+class Gates:
+    """What every layer's attention mixes with, one object shared by the layers: the gate tensor
+    [layers, kv_heads] (clamped to [0, 1] where it is read; a layer reads its `layer_idx` row), the
+    streaming rule, and `mixing` (False: every layer attends as trained, the distillation target)."""
+    values: torch.Tensor
     window: int
     sink: int
+    mixing: bool = True
 
 
 def _attend(scores: torch.Tensor, visible: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -49,13 +50,13 @@ def gated_swa_attention(module, query, key, value, attention_mask, scaling, drop
     if own_window:
         visible = visible & (k_pos > q_pos - own_window)
     full = _attend(scores, visible, values)
-    spec: GateSpec | None = getattr(module, "fd_gate_spec", None)
-    if spec is None or own_window:
+    gates: Gates | None = getattr(module, "fd_gates", None)
+    if gates is None or not gates.mixing or own_window:
         out = full
     else:
-        streaming = visible & ((k_pos < spec.sink) | (k_pos > q_pos - spec.window))
+        streaming = visible & ((k_pos < gates.sink) | (k_pos > q_pos - gates.window))
         stream = _attend(scores, streaming, values)
-        gate = spec.gates[spec.layer].clamp(0.0, 1.0).repeat_interleave(groups)[None, :, None, None]
+        gate = gates.values[module.layer_idx].clamp(0.0, 1.0).repeat_interleave(groups)[None, :, None, None]
         out = full - (1.0 - gate) * (full - stream)  # exactly `full` at g = 1: no rounding to chase
     return out.transpose(1, 2).contiguous(), None
 
@@ -69,25 +70,16 @@ def register() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, eager_mask)  # built by the model, not read here
 
 
-def install(model, gates: torch.Tensor, window: int, sink: int) -> list:
-    """Switch `model` to the gated attention with `gates` [layers, kv_heads]; returns the (layer, KV head)
-    pairs whose gates matter (layers the model does not already slide)."""
+def install(model, gates: Gates) -> list:
+    """Switch `model` to the gated attention with `gates`; returns the (layer, KV head) pairs whose gates
+    matter (layers the model does not already slide)."""
     register()
     model.config._attn_implementation = IMPLEMENTATION
-    layers = model.model.layers
     candidates = []
-    for index, layer in enumerate(layers):
+    for index, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         attn.config._attn_implementation = IMPLEMENTATION
-        attn.fd_gate_spec = GateSpec(gates, index, window, sink)
+        attn.fd_gates = gates
         if not getattr(attn, "sliding_window", None):
-            candidates += [(index, h) for h in range(gates.shape[1])]
+            candidates += [(index, h) for h in range(gates.values.shape[1])]
     return candidates
-
-
-def set_full(model, full: bool) -> None:
-    """full=True: every layer attends as trained (the distillation target); False: the gates mix."""
-    for layer in model.model.layers:
-        spec = getattr(layer.self_attn, "fd_gate_spec", None) or getattr(layer.self_attn, "_fd_parked_spec", None)
-        layer.self_attn._fd_parked_spec = spec
-        layer.self_attn.fd_gate_spec = None if full else spec

@@ -120,7 +120,8 @@ def optimize(args, log=print) -> dict:
     cfg = model.config
     layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
     gates = torch.nn.Parameter(torch.ones(layers, kv_heads))
-    candidates = gated_attention.install(model, gates, args.window, args.sink)
+    mixer = gated_attention.Gates(gates, args.window, args.sink)
+    candidates = gated_attention.install(model, mixer)
     if not candidates:
         raise ValueError("every layer of this model already slides: there are no heads to gate")
     opt = torch.optim.Adam([gates], lr=args.lr)
@@ -160,9 +161,9 @@ def optimize(args, log=print) -> dict:
         ids = torch.tensor([sample.ids])
         rows = torch.tensor(sample.answer_rows)
         with torch.no_grad():
-            gated_attention.set_full(model, True)
+            mixer.mixing = False
             target = _hidden(model, ids)[rows]
-        gated_attention.set_full(model, False)
+        mixer.mixing = True
         got = _hidden(model, ids)[rows]
         distill = ((got - target) ** 2).sum() / (target ** 2).sum()
         live = gates[tuple(zip(*candidates))]
