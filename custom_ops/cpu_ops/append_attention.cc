@@ -85,8 +85,9 @@ void rope_and_write(const Geometry& g, const Batch& b,
   const int64_t width = row_elements<CacheT>(d);  // cache elements per row
   const int64_t stride = int64_t(g.num_heads + 2 * g.kv_heads) * d;
   // int8 / int4 pages hold H k; each query then becomes H q / d (kv_quant.h), so q . k is unchanged.
-  const bool rotate = fd_kvq::rotates_keys(g.quant, d) && key_rotation_enabled();
-  const bool rotate_values = rotate && value_rotation_enabled();  // a measurement knob, off by default
+  const PageRotation rotation = page_rotation(g.quant, d);
+  const bool rotate = rotation.keys;
+  const bool rotate_values = rotation.values;  // a measurement knob, off by default
   const float unrotate = 1.f / float(d);  // a power of two: exact
   std::vector<float> k_rot(d), v_row(d);
   for (const TokenRef& tok : tokens) {
@@ -196,7 +197,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
   const int64_t row_width = row_elements<CacheT>(d);  // cache elements per row
   constexpr bool int4_pages = std::is_same<CacheT, Int4Pair>::value;
   // FD_KV_QUANT_ROTATE_VALUES=1 (measurement only): the values were stored rotated; rotate back.
-  const bool unrotate_values = fd_kvq::rotates_keys(g.quant, d) && key_rotation_enabled() && value_rotation_enabled();
+  const bool unrotate_values = page_rotation(g.quant, d).values;
   const int tile_max = tile_tokens(g);
   const std::vector<QueryTile> tiles = list_tiles(b, tile_max);
   const int64_t items = int64_t(tiles.size()) * g.kv_heads;

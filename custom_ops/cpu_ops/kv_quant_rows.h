@@ -43,6 +43,18 @@ inline bool value_rotation_enabled() {
   return env != nullptr && std::strcmp(env, "1") == 0;
 }
 
+// The rotations a step's pages use: the page rule's (rotated int8 / int4 keys) with the two measurement
+// knobs above applied; the write pass and the attention pass both ask here, so they always agree.
+struct PageRotation {
+  bool keys;
+  bool values;
+};
+
+inline PageRotation page_rotation(fd_kvq::Format format, int head_dim) {
+  const bool keys = fd_kvq::rotates_keys(format, head_dim) && key_rotation_enabled();
+  return {keys, keys && value_rotation_enabled()};
+}
+
 // Cache elements per row of d values.
 template <typename CacheT>
 constexpr int64_t row_elements(int d) {
