@@ -43,6 +43,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def calibration_engine(model, segment_tokens: int, max_num_batched_tokens: int):
+    """The engine the scorers probe: full attention on the dense reference backend (which carries
+    per-(layer, head) masks and the probe), one request at a time."""
+    os.environ["FD_ATTENTION_BACKEND"] = "NATIVE_ATTN"
+    os.environ["FD_HEAD_WISE_KV_CACHE"] = "0"
+    from fastdeploy import LLM
+
+    return LLM(model=model, max_model_len=segment_tokens + 8, max_num_seqs=1,
+               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False)
+
+
 def find(args, log=print) -> dict:
     """Scores and the chosen heads as the JSON document the command writes."""
     if args.window < 1 or args.sink < 0:
@@ -50,13 +61,8 @@ def find(args, log=print) -> dict:
     if args.segment_tokens <= args.window + args.sink:
         raise ValueError(f"--segment-tokens {args.segment_tokens} must exceed window + sink "
                          f"({args.window + args.sink}): shorter text never reaches a key a sliding head loses")
-    os.environ["FD_ATTENTION_BACKEND"] = "NATIVE_ATTN"  # the dense reference carries per-(layer, head) masks
-    os.environ["FD_HEAD_WISE_KV_CACHE"] = "0"
-    from fastdeploy import LLM
-
     t0 = time.time()
-    llm = LLM(model=args.model, max_model_len=args.segment_tokens + 8, max_num_seqs=1,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
+    llm = calibration_engine(args.model, args.segment_tokens, args.max_num_batched_tokens)
     cfg = llm.engine.model_config
     num_layers, num_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
     if not 1 <= args.swa_heads_per_layer <= num_kv:

@@ -25,15 +25,20 @@ ONE_PASS_SCORERS = ("outside_mass", "output_change")
 
 
 class WindowProbe:
-    """probe(backend, layer_id, qkv, meta) accumulating both one-pass scores."""
+    """probe(backend, layer_id, qkv, meta) accumulating both one-pass scores for each window of
+    `windows`, all over the same queries (t >= sink + the largest window), so that the scores of one
+    head under different windows compare (the window menu, window_menu.py)."""
 
-    def __init__(self, model, num_layers: int, num_kv_heads: int, window: int, sink: int):
-        self.model, self.window, self.sink = model, window, sink
-        self.sums = {name: np.zeros((num_layers, num_kv_heads)) for name in ONE_PASS_SCORERS}
+    def __init__(self, model, num_layers: int, num_kv_heads: int, windows, sink: int):
+        self.model, self.windows, self.sink = model, tuple(int(w) for w in windows), sink
+        self.sums = {w: {name: np.zeros((num_layers, num_kv_heads)) for name in ONE_PASS_SCORERS}
+                     for w in self.windows}
         self.counts = np.zeros(num_layers)
 
     def scores(self) -> dict:
-        return {name: s / np.maximum(self.counts, 1)[:, None] for name, s in self.sums.items()}
+        """{window: {scorer: [num_layers, num_kv_heads]}}."""
+        return {w: {name: s / np.maximum(self.counts, 1)[:, None] for name, s in sums.items()}
+                for w, sums in self.sums.items()}
 
     def __call__(self, backend, layer_id, qkv, meta) -> None:
         # numpy, float32: Paddle's CPU softmax over long rows is several times slower than this
@@ -42,7 +47,7 @@ class WindowProbe:
         o_proj = self.model.weights[f"model.layers.{layer_id}.self_attn.o_proj.weight"].astype("float32").numpy()
         o_heads = o_proj.reshape(o_proj.shape[0], nh, d).transpose(1, 2, 0)            # [nh, d, hidden]
         for start, n, q, keys, values in backend.request_tensors(layer_id, qkv, meta):
-            first = max(start, self.sink + self.window)
+            first = max(start, self.sink + max(self.windows))
             if first >= start + n:
                 continue
             q_far = q[first - start:].numpy().transpose(1, 0, 2)                      # [nh, m, d]
@@ -51,19 +56,21 @@ class WindowProbe:
             t = np.arange(first, total)[:, None]
             j = np.arange(total)[None, :]
             causal = j <= t
-            keep = causal & ((j < self.sink) | (j > t - self.window))
             scores = np.matmul(q_far, k) / np.float32(math.sqrt(d))                  # [nh, m, L]
             probs = _softmax(np.where(causal, scores, -np.inf))
-            probs_swa = _softmax(np.where(keep, scores, -np.inf))
-            mass = np.where(causal & ~keep, probs, 0).sum(axis=-1)                    # [nh, m]
             full_out = np.matmul(probs, v)
-            change = np.matmul(full_out - np.matmul(probs_swa, v), o_heads)           # [nh, m, hidden]
             m = q_far.shape[1]
-            change = change.reshape(kvh, group, m, -1).sum(axis=1)
             reference = (np.matmul(full_out, o_heads).sum(axis=0) ** 2).sum(axis=-1)  # [m]
-            rel = (change ** 2).sum(axis=-1) / (reference + 1e-20)                    # [kvh, m]
-            self.sums["outside_mass"][layer_id] += mass.reshape(kvh, group, m).mean(axis=1).sum(axis=-1)
-            self.sums["output_change"][layer_id] += rel.sum(axis=-1)
+            for window in self.windows:
+                keep = causal & ((j < self.sink) | (j > t - window))
+                probs_swa = _softmax(np.where(keep, scores, -np.inf))
+                mass = np.where(causal & ~keep, probs, 0).sum(axis=-1)                # [nh, m]
+                change = np.matmul(full_out - np.matmul(probs_swa, v), o_heads)       # [nh, m, hidden]
+                change = change.reshape(kvh, group, m, -1).sum(axis=1)
+                rel = (change ** 2).sum(axis=-1) / (reference + 1e-20)                # [kvh, m]
+                sums = self.sums[window]
+                sums["outside_mass"][layer_id] += mass.reshape(kvh, group, m).mean(axis=1).sum(axis=-1)
+                sums["output_change"][layer_id] += rel.sum(axis=-1)
             self.counts[layer_id] += m
 
 
@@ -74,12 +81,17 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 def one_pass_scores(llm, segments: list, window: int, sink: int, log=print) -> dict:
     """Both one-pass scores ([num_layers, num_kv_heads] each) over the calibration segments."""
+    return one_pass_scores_by_window(llm, segments, (window,), sink, log)[window]
+
+
+def one_pass_scores_by_window(llm, segments: list, windows, sink: int, log=print) -> dict:
+    """{window: both one-pass scores} over the calibration segments, in one pass, on common queries."""
     from fastdeploy.engine.request import SamplingParams
     from fastdeploy.tools.probed_attention import install
 
     cfg = llm.engine.model_config
-    probe = WindowProbe(llm.engine.runner.model, cfg.num_hidden_layers, cfg.num_key_value_heads, window, sink)
-    install(llm, np.zeros((cfg.num_hidden_layers, cfg.num_key_value_heads), bool), window, sink, probe)
+    probe = WindowProbe(llm.engine.runner.model, cfg.num_hidden_layers, cfg.num_key_value_heads, windows, sink)
+    install(llm, np.zeros((cfg.num_hidden_layers, cfg.num_key_value_heads), bool), max(windows), sink, probe)
     for i, seg in enumerate(segments):
         llm.generate([list(seg)], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         log(f"[find_swa_heads] one-pass scores: segment {i + 1}/{len(segments)} ({len(seg)} tokens)")

@@ -1,0 +1,110 @@
+"""A window per sliding head: `python -m fastdeploy.tools.find_swa_windows --model M --windows 256,512,1024,2048
+--sink S --ceilings 1.5,1.7,2.0 --length 4096 --out FILE`.
+
+Scores every (layer, KV head) under every window of the menu in one pass over calibration text (the
+engine's dense reference, full attention; head_scores.py, on the queries past sink + the largest window),
+then, for each page-need ceiling, chooses each pair's window or full attention so that a request of
+`--length` tokens holds at most 1/ceiling of full attention's pages once decoding, with the least summed
+score (window_menu.py). Writes one servable `head_wise_swa` section per ceiling (per-layer heads with
+`head_windows`), the `--ceiling` one as the file's `head_wise_swa`, and the scores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from fastdeploy.tools import json_tool, window_menu
+from fastdeploy.tools.calibration_text import CALIBRATION_SHARE, calibration_text, token_segments
+from fastdeploy.tools.find_swa_heads import DEFAULT_SCORER, calibration_engine
+from fastdeploy.tools.head_scores import ONE_PASS_SCORERS, one_pass_scores_by_window
+
+
+def _numbers(text: str, flag: str, kind):
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} must be numbers separated by commas") from None
+    if not values:
+        raise ValueError(f"{flag} is empty")
+    return values
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="model directory or name (default: the tiny preset)")
+    p.add_argument("--windows", default="256,512,1024,2048", help="the window menu, tokens")
+    p.add_argument("--sink", type=int, default=64, help="attention sink S in tokens (every sliding head)")
+    p.add_argument("--ceilings", default="1.5,1.7,2.0",
+                   help="page-need ceilings to choose for (full attention's pages / the choice's, once decoding)")
+    p.add_argument("--ceiling", type=float, default=1.7, help="the ceiling whose section is the file's head_wise_swa")
+    p.add_argument("--length", type=int, default=4096, help="request length (prompt + output) the ceiling is for")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--scorer", choices=ONE_PASS_SCORERS, default=DEFAULT_SCORER)
+    p.add_argument("--segments", type=int, default=1, help="calibration segments")
+    p.add_argument("--segment-tokens", type=int, default=3072, help="tokens per calibration segment")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill chunk of the engine")
+    p.add_argument("--out", required=True, help="JSON file to write")
+    return p.parse_args(argv)
+
+
+def find(args, log=print) -> dict:
+    windows = sorted(set(_numbers(args.windows, "--windows", int)))
+    ceilings = sorted(set(_numbers(args.ceilings, "--ceilings", float)) | {args.ceiling})
+    if windows[0] < 1 or args.sink < 0:
+        raise ValueError("--windows must be >= 1 and --sink >= 0")
+    if any(c < 1 for c in ceilings):
+        raise ValueError("--ceilings must be >= 1 (1 = full attention's pages)")
+    if args.segment_tokens <= args.sink + windows[-1]:
+        raise ValueError(f"--segment-tokens {args.segment_tokens} must exceed sink + the largest window "
+                         f"({args.sink + windows[-1]}): the scores compare windows on the queries past it")
+    if args.length <= args.sink + windows[0]:
+        raise ValueError(f"--length {args.length} is within sink + the smallest window: nothing would recycle")
+    t0 = time.time()
+    llm = calibration_engine(args.model, args.segment_tokens, args.max_num_batched_tokens)
+    cfg = llm.engine.model_config
+    layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+    segments = token_segments(llm.engine.tokenizer, calibration_text(), args.segment_tokens, args.segments)
+    log(f"[find_swa_windows] {cfg.served_model_name}: {layers} layers x {kv_heads} KV heads, windows {windows}, "
+        f"sink {args.sink}, {args.segments} x {args.segment_tokens} calibration tokens (loaded in {time.time() - t0:.0f} s)")
+    by_window = one_pass_scores_by_window(llm, segments, windows, args.sink, log)
+    llm.engine.close()
+    harm = {w: by_window[w][args.scorer] for w in windows}
+    pages = {w: window_menu.pair_pages(w, args.sink, args.length, args.block_size)
+             for w in [window_menu.FULL] + windows}
+    full_pages = pages[window_menu.FULL] * layers * kv_heads
+    choices = {}
+    for c in ceilings:
+        chosen = window_menu.choose_windows(harm, pages, int(full_pages / c))
+        held = sum(pages[int(w)] for w in chosen.ravel())
+        counts = {str(w): int((chosen == w).sum()) for w in [window_menu.FULL] + windows}
+        choices[f"{c:g}"] = {"head_wise_swa": window_menu.section(chosen, args.sink), "pages": held,
+                             "ceiling": round(full_pages / held, 4), "pairs_by_window": counts,
+                             "summed_score": float(sum(harm[int(w)][i, h] for (i, h), w in np.ndenumerate(chosen)
+                                                       if w))}
+        log(f"[find_swa_windows] ceiling {c:g}: {held}/{full_pages} pages ({full_pages / held:.3f}x), "
+            f"pairs by window {counts}")
+    log(f"[find_swa_windows] done in {time.time() - t0:.0f} s")
+    return {
+        "model": cfg.served_model_name,
+        "head_wise_swa": choices[f"{args.ceiling:g}"]["head_wise_swa"],
+        "ceiling": args.ceiling,
+        "choices": choices,
+        "scorer": args.scorer,
+        "scores": {str(w): {name: np.round(s, 8).tolist() for name, s in by_window[w].items()} for w in windows},
+        "pages_per_pair": {str(w): p for w, p in pages.items()},
+        "length": args.length, "block_size": args.block_size, "windows": windows, "sink": args.sink,
+        "calibration": {"text": f"pydoc_data.topics, first {CALIBRATION_SHARE:.0%} of the characters",
+                        "segments": args.segments, "segment_tokens": args.segment_tokens},
+    }
+
+
+def main(argv=None) -> int:
+    return json_tool.run("find_swa_windows", parse_args(argv), find)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
