@@ -551,6 +551,8 @@ def print_table(rows: dict, lengths: list) -> None:
 def family(name: str) -> str:
     """How a configuration chose its sliding heads, from its name in the standard set."""
     for prefix, label in (("shipped", "shipped (calibrated file)"), ("global", "head finder, whole-model ranking"),
+                          ("gates", "optimized gates (DuoAttention-style)"),
+                          ("windows", "window menu (a window per head)"),
                           ("finder", "head finder, per layer"), ("random", "random per layer"),
                           ("head", "same head in every layer")):
         if name.startswith(prefix):
@@ -559,8 +561,9 @@ def family(name: str) -> str:
 
 
 def plot_tradeoff(rows: dict, length: int, path: str) -> None:
-    """Accuracy against memory: each configuration's KL past the window (y) at its page-need ceiling (x: how
-    many more requests fit in the same pages at `length` tokens), one marker per way of choosing heads."""
+    """Accuracy against memory: each configuration's KL past the window (left) and its retrieval (right,
+    where it ran) at its page-need ceiling (x: how many more requests fit in the same pages at `length`
+    tokens), one marker per way of choosing heads."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -568,23 +571,38 @@ def plot_tradeoff(rows: dict, length: int, path: str) -> None:
 
     styles = {"full attention": ("black", "s"), "same head in every layer": ("tab:gray", "o"),
               "random per layer": ("tab:brown", "x"), "head finder, per layer": ("tab:blue", "^"),
-              "head finder, whole-model ranking": ("tab:orange", "v"), "shipped (calibrated file)": ("tab:red", "*")}
-    fig, ax = plt.subplots(figsize=(7, 4))
+              "head finder, whole-model ranking": ("tab:orange", "v"), "shipped (calibrated file)": ("tab:red", "*"),
+              "optimized gates (DuoAttention-style)": ("tab:purple", "D"),
+              "window menu (a window per head)": ("tab:green", "P")}
+    with_retrieval = any(r.get("retrieval") for r in rows.values())
+    fig, axes = plt.subplots(1, 2 if with_retrieval else 1, figsize=(12 if with_retrieval else 7, 4), squeeze=False)
+    kl_ax, ret_ax = axes[0][0], axes[0][-1]
     plotted = set()
     for name, r in rows.items():
         text, ceiling = r.get("text"), r.get("page_need_ceiling", {}).get(str(length))
-        if not text or ceiling is None:
+        if ceiling is None:
             continue
         fam = family(name)
         color, marker = styles[fam]
-        ax.scatter(ceiling, text["kl_mean_past_window"], color=color, marker=marker,
-                   s=140 if marker == "*" else 40, label=None if fam in plotted else fam, zorder=3)
-        plotted.add(fam)
-    ax.set_xlabel(f"page-need ceiling at {length} tokens (requests that fit ON / OFF)")
-    ax.set_ylabel("KL(full || config) past the window")
-    ax.set_title("Which heads slide: accuracy (lower is better) against memory (right is better)", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+        style = dict(color=color, marker=marker, s=140 if marker == "*" else 40, zorder=3)
+        label = None if fam in plotted else fam
+        if text:
+            kl_ax.scatter(ceiling, text["kl_mean_past_window"], label=label, **style)
+            plotted.add(fam)
+        if with_retrieval and r.get("retrieval"):
+            found = sum(x["found"] for x in r["retrieval"]) / sum(x["total"] for x in r["retrieval"])
+            ret_ax.scatter(ceiling, found, label=None if with_retrieval and text else label, **style)
+            plotted.add(fam)
+    kl_ax.set_xlabel(f"page-need ceiling at {length} tokens (requests that fit ON / OFF)")
+    kl_ax.set_ylabel("KL(full || config) past the window")
+    kl_ax.set_title("Which heads slide: accuracy (lower is better) against memory (right is better)", fontsize=10)
+    kl_ax.grid(alpha=0.3)
+    kl_ax.legend(fontsize=8, loc="upper left")
+    if with_retrieval:
+        ret_ax.set_xlabel(f"page-need ceiling at {length} tokens")
+        ret_ax.set_ylabel("retrieval prompts answered (share)")
+        ret_ax.set_title("Retrieval (higher is better)", fontsize=10)
+        ret_ax.grid(alpha=0.3)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
