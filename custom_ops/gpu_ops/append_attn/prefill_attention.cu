@@ -116,9 +116,10 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
   const int pos_last = pos0 + n_tok - 1;
   const long long row0 = a.cu_seqlens_q[req] + tok0;  // qkv / out row of the tile's first token
 
-  const bool swa = head_is_swa(a, head, swa_override);
-  const int window = a.sliding_window;
-  const int sink = a.sink_size;
+  const HeadWindow hw = head_window(a, head, swa_override);  // this KV head's own window and sink
+  const bool swa = hw.swa;
+  const int window = hw.window;
+  const int sink = hw.sink;
   const LiveBlocks live =
       live_blocks(pos0, pos_last, swa, a.visit_all_pages != 0, window, sink, BS);
   const int dead_code =
