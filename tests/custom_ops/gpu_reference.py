@@ -21,6 +21,11 @@ QUANT = {"int8": gpu_harness.CACHE_INT8, "block_wise_fp8": gpu_harness.CACHE_FP8
          "block_wise_int4": gpu_harness.CACHE_INT4}
 
 
+# Per-head windows (build_case's head_windows) for 4 KV heads: a full head and three sliding types, a
+# sink shorter than a block of 16, one longer, and none.
+MIXED_HEAD_WINDOWS = ((24, 5), (0, 0), (70, 20), (33, 0))
+
+
 class DeadEntryNeeded(LookupError):
     pass
 

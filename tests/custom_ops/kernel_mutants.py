@@ -68,11 +68,11 @@ MUTANTS = {
         "append_attn_common.cuh", "float(static_cast<int32_t>(word << (28 - 4 * e)) >> 28)",
         "float((word << (28 - 4 * e)) >> 28)", "int4", "decode reads negative int4 codes as 9..15"),
     "per_head_window_ignored": Mutant(
-        "append_attn_common.cuh", "    w.window = a.swa_head_mask[head];\n",
+        "append_attn_common.cuh", "    w.window = max(a.swa_head_mask[head], 0);\n",
         "    w.window = a.swa_head_mask[head] > 0 ? a.sliding_window : 0;\n",
         "per_head", "a head of the [2, kv_num_heads] form slides with the call's window, not its own"),
     "per_head_sink_ignored": Mutant(
-        "append_attn_common.cuh", "    w.sink = a.swa_head_mask[a.kv_num_heads + head];\n",
+        "append_attn_common.cuh", "    w.sink = max(a.swa_head_mask[a.kv_num_heads + head], 0);\n",
         "    w.sink = a.sink_size;\n",
         "per_head", "a head of the [2, kv_num_heads] form keeps the call's sink, not its own"),
 }
@@ -109,11 +109,10 @@ def int4_case(rng):
 def per_head_case(rng):
     """Per-head windows (swa_head_mask [2, kv_num_heads]): a full head and three sliding types, each
     head's dead pages -1; the call's window and sink (48, 20) are what a kernel must not use."""
-    from gpu_reference import build_case
+    from gpu_reference import MIXED_HEAD_WINDOWS, build_case
 
     return build_case(rng, [(0, 40), (300, 1), (129, 1), (90, 17), (200, 4)], num_heads=8, kv_num_heads=4,
-                      head_dim=64, block_size=16, sliding_window=48, sink_size=20,
-                      head_windows=((24, 5), (0, 0), (70, 20), (33, 0)))
+                      head_dim=64, block_size=16, sliding_window=48, sink_size=20, head_windows=MIXED_HEAD_WINDOWS)
 
 
 CASES = {"mixed": mixed_case, "decodes": decodes_case, "int8": int8_case, "int4": int4_case,

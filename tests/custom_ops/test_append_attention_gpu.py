@@ -21,7 +21,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import gpu_harness  # noqa: E402
 from gpu_harness import BF16, FP16, from_storage  # noqa: E402
-from gpu_reference import build_case, reference, relative_error  # noqa: E402
+from gpu_reference import MIXED_HEAD_WINDOWS, build_case, reference, relative_error  # noqa: E402
 
 ON_GPU = gpu_harness.find_nvcc() is not None and gpu_harness.driver_gpu_count() > 0
 pytestmark = pytest.mark.skipif(
@@ -522,8 +522,6 @@ def test_a_lane_whose_slots_mix_sliding_and_full_heads(harness, rng):
 
 
 # -- per-head windows: swa_head_mask [2, kv_num_heads] (params head_windows 1) ----------------------
-# A full head and three sliding types (a sink shorter than a block, one longer, none) on 4 KV heads.
-HEAD_WINDOWS = ((24, 5), (0, 0), (70, 20), (33, 0))
 PER_HEAD_STEPS = {
     "prefill": ([(0, 150), (0, 37)], 16),
     "split_kv_decode": ([(1000, 1), (517, 1), (64, 1), (3, 1)], 64),
@@ -539,7 +537,7 @@ def test_each_kv_head_slides_with_its_own_window_and_sink(harness, rng, step, ta
     own window fails; the call's sliding_window / sink_size (1, 0) mask nothing."""
     requests, block_size = PER_HEAD_STEPS[step]
     case = build_case(rng, requests, num_heads=8, kv_num_heads=4, head_dim=64, block_size=block_size,
-                      sliding_window=1, sink_size=0, head_windows=HEAD_WINDOWS, head_wise=table != "one_d",
+                      sliding_window=1, sink_size=0, head_windows=MIXED_HEAD_WINDOWS, head_wise=table != "one_d",
                       recycle=table != "one_d")
     if table != "one_d" and step != "prefill":
         assert (case.block_tables[:, 2] == -1).any() and (case.block_tables[:, 0] == -1).any()
@@ -562,7 +560,7 @@ def test_the_flag_form_and_the_window_form_with_equal_windows_give_the_same_bits
 @pytest.mark.parametrize("dual_pass", [0, 1], ids=["masked_single_pass", "dual_pass"])
 def test_baseline_arms_mask_each_head_with_its_own_window(harness, rng, dual_pass):
     case = build_case(rng, [(0, 70), (400, 1), (250, 12)], num_heads=8, kv_num_heads=4, head_dim=64,
-                      block_size=16, head_windows=HEAD_WINDOWS, head_wise=False,
+                      block_size=16, head_windows=MIXED_HEAD_WINDOWS, head_wise=False,
                       ).with_params(visit_all_pages=1, dual_pass=dual_pass)
     check(harness, case, rng)
 
@@ -570,14 +568,14 @@ def test_baseline_arms_mask_each_head_with_its_own_window(harness, rng, dual_pas
 @pytest.mark.parametrize("fmt", ["int8", "block_wise_int4"])
 def test_quantized_pages_with_per_head_windows_match_float64_attention(harness, rng, fmt):
     case = build_case(rng, [(0, 40), (300, 1), (90, 17), (129, 3)], num_heads=8, kv_num_heads=4, head_dim=64,
-                      block_size=16, head_windows=HEAD_WINDOWS)
+                      block_size=16, head_windows=MIXED_HEAD_WINDOWS)
     run_quantized(harness, case, fmt, rng)
 
 
 @pytest.mark.parametrize("row, value", [(0, -3), (1, -1)], ids=["window", "sink"])
 def test_a_negative_per_head_window_or_sink_is_reported(harness, rng, row, value):
     case = build_case(rng, [(0, 8), (100, 1)], num_heads=8, kv_num_heads=4, head_dim=64, block_size=16,
-                      head_windows=HEAD_WINDOWS, recycle=False)
+                      head_windows=MIXED_HEAD_WINDOWS, recycle=False)
     case.swa_head_mask[row, 2] = value
     result = harness.run(case)
     assert result.status == 2
