@@ -75,6 +75,9 @@ MUTANTS = {
         "append_attn_common.cuh", "    w.sink = max(a.swa_head_mask[a.kv_num_heads + head], 0);\n",
         "    w.sink = a.sink_size;\n",
         "per_head", "a head of the [2, kv_num_heads] form keeps the call's sink, not its own"),
+    "prefill_masks_with_the_calls_window": Mutant(
+        "prefill_attention.cu", "    head_window_s[1] = window;\n", "    head_window_s[1] = a.sliding_window;\n",
+        "per_head", "prefill visits each head's own pages but masks its scores with the call's window"),
 }
 
 
