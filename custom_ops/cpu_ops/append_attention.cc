@@ -18,7 +18,8 @@
 //   3. attention per (tile of a request's tokens, KV head): the tile's query
 //      heads and tokens share each K/V page (dequantized once per visit); a SWA head visits only the sink
 //      pages and the pages that overlap its window, so its cost is
-//      O(window + sink), not O(sequence).
+//      O(window + sink), not O(sequence). Each KV head slides with its own
+//      window and sink (swa_head_mask [2, kv_heads]) or the call's (its [kv_heads] form).
 // The argument layout is pinned in docs/op_contract.md.
 
 #include <algorithm>
@@ -204,7 +205,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
   int64_t key_rows = 0;
   for (const TokenRef& tok : tokens) {
     for (int h = 0; h < g.kv_heads; ++h) {
-      const KeyRuns runs = visible_runs(g, b.swa[h] != 0, tok.pos, tok.pos);
+      const KeyRuns runs = visible_runs(g, b.head[h], tok.pos, tok.pos);
       for (int k = 0; k < runs.n; ++k) key_rows += runs.hi[k] - runs.lo[k];
     }
   }
@@ -245,7 +246,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
     // (+1.7% prefill on a quiet machine, +10% while the neighbour core was busy; the same bits).
     const QueryTile& tile = tiles[item % int64_t(tiles.size())];
     const int h = int(item / int64_t(tiles.size()));
-    const bool swa = b.swa[h] != 0;
+    const fd_attn::HeadWindow& head = b.head[h];  // this KV head's own window and sink
     const int queries = tile.tokens * g.group;  // query q = token t * group + head j of the group
     std::fill(sc.max.begin(), sc.max.begin() + queries, -std::numeric_limits<float>::infinity());
     std::fill(sc.denom.begin(), sc.denom.begin() + queries, 0.f);
@@ -255,14 +256,14 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
     };
     int64_t first_key = std::numeric_limits<int64_t>::max(), last_key = 0;
     for (int t = 0; t < tile.tokens; ++t) {
-      sc.runs[t] = visible_runs(g, swa, tile.pos + t, tile.pos + t);
+      sc.runs[t] = visible_runs(g, head, tile.pos + t, tile.pos + t);
       first_key = std::min(first_key, sc.runs[t].lo[0]);
       last_key = std::max(last_key, sc.runs[t].hi[sc.runs[t].n - 1]);
     }
     RowMask mask;
-    mask.active = swa && g.visit_all;
-    mask.window = g.window;
-    mask.sink = g.sink;
+    mask.active = head.slides() && g.visit_all;
+    mask.window = head.window;
+    mask.sink = head.sink;
 
     for (int i = int(first_key / g.block_size); int64_t(i) * g.block_size < last_key; ++i) {
       const int64_t page_lo = int64_t(i) * g.block_size;

@@ -11,7 +11,9 @@
 //      mode), the rotary tables;
 //   2. check_batch() on host copies of the small int32 inputs: cu_seqlens_q
 //      is the prefix sum of seq_lens_this_time and fits the rows of qkv,
-//      positions fit the rotary tables, kv_head_slots maps the KV heads to
+//      positions fit the rotary tables, swa_head_mask holds 0 / 1 flags (its
+//      [kv_heads] form) or windows and sinks >= 0 (its [2, kv_heads] form),
+//      kv_head_slots maps the KV heads to
 //      distinct slots of the cache, and every table entry the step reads
 //      or writes is a valid page (-1 where a page is needed is a scheduler
 //      bug, reported with request, head and block index).
@@ -44,13 +46,22 @@ struct Geometry {
   int64_t num_pages = 0;  // num_blocks * slots
   int max_blocks = 0;     // table columns
   bool head_wise = false;
-  int64_t window = 0;
-  int64_t sink = 0;
+  int64_t window = 0;  // the call's sliding_window / sink_size: the window of every flagged head
+  int64_t sink = 0;    // in the [kv_heads] form of swa_head_mask; unused in its [2, kv_heads] form
+  bool head_windows = false;  // swa_head_mask is [2, kv_heads]: a window and a sink per head
   bool visit_all = false;
   int64_t max_position = 0;  // rows of the rotary tables
   int64_t token_num = 0;     // rows of qkv
   int bsz = 0;
   fd_kvq::Format quant = fd_kvq::kFloat;  // the pages' format, from the caches' dtype
+};
+
+// The keys a KV head's queries see (docs/op_contract.md): window 0 = every earlier key (a full
+// head); window W >= 1 with sink S = keys j <= t with j < S or j > t - W.
+struct HeadWindow {
+  int64_t window = 0;
+  int64_t sink = 0;
+  bool slides() const { return window > 0; }
 };
 
 // Host pointers to the step's int32 inputs.
@@ -60,8 +71,9 @@ struct Batch {
   const int32_t* seq_lens_this_time = nullptr;
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* table = nullptr;
-  const int32_t* swa = nullptr;
+  const int32_t* swa = nullptr;        // swa_head_mask as given ([kv_heads] or [2, kv_heads])
   const int32_t* head_slot = nullptr;  // [kv_heads]: slot (table row, cache slot) of each KV head
+  const HeadWindow* head = nullptr;    // [kv_heads]: each KV head's window and sink, either form
 };
 
 // Page id of block `i` of KV head `h` of request `r`: the head reads table row
@@ -86,11 +98,12 @@ struct KeyRuns {
 
 // `last` is the last key position needed (the query position, or the end of
 // the step when validating the whole step from its first query `first`).
-inline KeyRuns visible_runs(const Geometry& g, bool swa, int64_t first, int64_t last) {
+// `head` is the KV head's own window and sink.
+inline KeyRuns visible_runs(const Geometry& g, const HeadWindow& head, int64_t first, int64_t last) {
   KeyRuns runs;
-  const int64_t win_lo = std::max<int64_t>(0, first - g.window + 1);
-  const int64_t sink_hi = std::min<int64_t>(g.sink, first + 1);
-  if (!swa || g.visit_all || win_lo <= sink_hi) {
+  const int64_t win_lo = std::max<int64_t>(0, first - head.window + 1);
+  const int64_t sink_hi = std::min<int64_t>(head.sink, first + 1);
+  if (!head.slides() || g.visit_all || win_lo <= sink_hi) {
     runs.n = 1;
     runs.lo[0] = 0;
     runs.hi[0] = last + 1;
@@ -268,7 +281,12 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
   check_int32_vector(rules, seq_lens_encoder, "seq_lens_encoder", bsz);
   check_int32_vector(rules, seq_lens_decoder, "seq_lens_decoder", bsz);
   check_int32_vector(rules, cu_seqlens_q, "cu_seqlens_q", bsz + 1);
-  check_int32_vector(rules, swa_head_mask, "swa_head_mask", kv_num_heads);
+  const auto& ms = swa_head_mask.shape();
+  PD_CHECK(swa_head_mask.dtype() == paddle::DataType::INT32, rules.op, ": swa_head_mask must be int32");
+  PD_CHECK((ms.size() == 1 && ms[0] == kv_num_heads) || (ms.size() == 2 && ms[0] == 2 && ms[1] == kv_num_heads),
+           rules.op, ": swa_head_mask must be [kv_num_heads=", kv_num_heads,
+           "] (1 = the head slides with sliding_window / sink_size) or [2, kv_num_heads=", kv_num_heads,
+           "] (row 0 the window of each head, 0 = full attention; row 1 its sink), got rank ", ms.size());
   check_int32_vector(rules, kv_head_slots, "kv_head_slots", kv_num_heads);
 
   const auto& ts = block_tables.shape();
@@ -304,6 +322,7 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
   g.max_blocks = int(ts.back());
   g.window = sliding_window;
   g.sink = sink_size;
+  g.head_windows = ms.size() == 2;
   g.visit_all = visit_all_pages;
   g.max_position = rotary_cos.shape()[0];
   g.token_num = qs[0];
@@ -316,6 +335,7 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
 // (`keep` owns the copies): a few hundred bytes plus the table, one sync per call.
 struct HostBatch {
   std::vector<paddle::Tensor> keep;
+  std::vector<HeadWindow> heads;  // Batch::head
   Batch batch;
 };
 
@@ -336,6 +356,18 @@ inline HostBatch host_batch(const Geometry& g, const paddle::Tensor& seq_lens_de
   h.batch.table = h.keep[3].data<int32_t>();
   h.batch.swa = h.keep[4].data<int32_t>();
   h.batch.head_slot = h.keep[5].data<int32_t>();
+  // One (window, sink) per head from either form; check_batch checks the values they come from.
+  h.heads.resize(g.kv_heads);
+  for (int k = 0; k < g.kv_heads; ++k) {
+    if (g.head_windows) {
+      h.heads[k].window = h.batch.swa[k];
+      h.heads[k].sink = h.batch.swa[g.kv_heads + k];
+    } else if (h.batch.swa[k] != 0) {
+      h.heads[k].window = g.window;
+      h.heads[k].sink = g.sink;
+    }
+  }
+  h.batch.head = h.heads.data();
   return h;
 }
 
@@ -351,7 +383,7 @@ inline void check_pages(const DeviceRules& rules, const Geometry& g, const Batch
     if (c == 0) continue;
     const int64_t n = b.seq_lens_decoder[r];
     for (int h = 0; h < g.kv_heads; ++h) {
-      const KeyRuns runs = visible_runs(g, b.swa[h] != 0, n, n + c - 1);
+      const KeyRuns runs = visible_runs(g, b.head[h], n, n + c - 1);
       for (int k = 0; k < runs.n; ++k) {
         const int first = int(runs.lo[k] / g.block_size);
         const int last = int((runs.hi[k] - 1) / g.block_size);
@@ -385,8 +417,15 @@ inline void check_batch(const DeviceRules& rules, const Geometry& g, const Batch
   PD_CHECK(b.bsz == 0 || b.cu_seqlens_q[0] == 0, rules.op, ": cu_seqlens_q[0] must be 0, got ",
            b.cu_seqlens_q[0]);
   for (int h = 0; h < g.kv_heads; ++h) {
-    PD_CHECK(b.swa[h] == 0 || b.swa[h] == 1, rules.op, ": swa_head_mask[", h,
-             "] must be 0 or 1, got ", b.swa[h]);
+    if (g.head_windows) {
+      PD_CHECK(b.swa[h] >= 0, rules.op, ": swa_head_mask[0][", h, "] (the window of KV head ", h,
+               ") must be >= 0 (0 = full attention), got ", b.swa[h]);
+      PD_CHECK(b.swa[g.kv_heads + h] >= 0, rules.op, ": swa_head_mask[1][", h, "] (the sink of KV head ", h,
+               ") must be >= 0, got ", b.swa[g.kv_heads + h]);
+    } else {
+      PD_CHECK(b.swa[h] == 0 || b.swa[h] == 1, rules.op, ": swa_head_mask[", h,
+               "] must be 0 or 1, got ", b.swa[h]);
+    }
     PD_CHECK(b.head_slot[h] >= 0 && b.head_slot[h] < g.slots, rules.op, ": kv_head_slots[", h,
              "] = ", b.head_slot[h], " is not a slot of the cache (0..", g.slots - 1, ")");
     for (int other = 0; other < h; ++other) {

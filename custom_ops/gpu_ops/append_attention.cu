@@ -64,6 +64,7 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
   p.visit_all_pages = visit_all_pages;
   p.dual_pass = dual_pass ? 1 : 0;
   p.cache_quant = fd_attn::page_format(key_cache.dtype());  // AppendAttnCacheQuant's values
+  p.head_windows = swa_head_mask.shape().size() == 2;  // [2, kv_num_heads]: windows and sinks per head
   const bool quantized = p.cache_quant != APPEND_ATTN_CACHE_FLOAT;
 
   auto out = paddle::empty({p.token_num, num_heads * head_dim}, qkv.dtype(), qkv.place());

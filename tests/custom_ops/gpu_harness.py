@@ -63,6 +63,7 @@ ERR_DEAD_ENTRY = 1
 ERR_DEAD_ENTRY_MASKED = 2
 ERR_OUT_OF_RANGE = 3
 ERR_POSITION = 4
+ERR_HEAD_WINDOW = 5
 
 
 class _Params(cuda_on_cpu.AppendAttnParams):

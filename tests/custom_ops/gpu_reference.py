@@ -13,11 +13,17 @@ import numpy as np
 
 import gpu_harness
 from gpu_harness import BF16, Case, from_storage, storage_nan, to_storage
+from reference_attention import head_windows
 from reference_kv_quant import quantized_pages
 
 # kv_cache_quant_type -> AppendAttnCacheQuant
 QUANT = {"int8": gpu_harness.CACHE_INT8, "block_wise_fp8": gpu_harness.CACHE_FP8_E4M3,
          "block_wise_int4": gpu_harness.CACHE_INT4}
+
+
+# Per-head windows (build_case's head_windows) for 4 KV heads: a full head and three sliding types, a
+# sink shorter than a block of 16, one longer, and none.
+MIXED_HEAD_WINDOWS = ((24, 5), (0, 0), (70, 20), (33, 0))
 
 
 class DeadEntryNeeded(LookupError):
@@ -90,6 +96,7 @@ def reference(case: Case):
 
     out = np.zeros((qkv.shape[0], nh, d))
     scale = 1.0 / np.sqrt(d)
+    windows = head_windows(case.swa_head_mask, window, sink)
     for r in range(bsz):
         n = int(case.seq_lens_this_time[r])
         if n == 0:
@@ -98,7 +105,8 @@ def reference(case: Case):
         q_pos = int(case.seq_lens_decoder[r]) + np.arange(n)
         k_pos = np.arange(q_pos[-1] + 1)
         for h in range(kvh):
-            vis = visible(q_pos, k_pos, bool(case.swa_head_mask[h]), window, sink)
+            w_h, s_h = windows[h]  # the head's own window and sink (either form of the mask)
+            vis = visible(q_pos, k_pos, w_h > 0, w_h, s_h)
             needed = np.flatnonzero(vis.any(axis=0))
             keys = np.zeros((len(k_pos), d))
             vals = np.zeros((len(k_pos), d))
@@ -143,13 +151,16 @@ def build_case(
     scatter: bool = True,
     recycle: bool = True,
     spare_blocks: int = 3,
+    head_windows: tuple[tuple[int, int], ...] | None = None,
 ) -> Case:
     """A random step. requests = [(cached tokens, new tokens)]; (n, 0) is an idle slot.
 
     Cache memory starts as NaN everywhere except the cached tokens, so a kernel that reads an
     unwritten row, a recycled page or a foreign page turns the output into NaN. Head-wise tables
     hand out pages in random order across all heads' home lists (scatter) and, with recycle,
-    mark the SWA heads' dead blocks -1.
+    mark the SWA heads' dead blocks -1. head_windows: one (window, sink) per KV head (window 0 =
+    full): the mask is then the [2, kv_num_heads] form and each head recycles with its own pair
+    (swa_heads, sliding_window and sink_size then mask nothing).
     """
     kvh, d, bs = kv_num_heads, head_dim, block_size
     bsz = len(requests)
@@ -186,13 +197,18 @@ def build_case(
     value_cache = storage_nan((num_blocks, kvh, bs, d), dtype)
     k_pages = key_cache.reshape(-1, bs, d)
     v_pages = value_cache.reshape(-1, bs, d)
-    swa_mask = np.zeros(kvh, dtype=np.int32)
-    swa_mask[list(swa_heads)] = 1
+    if head_windows is None:
+        swa_mask = np.zeros(kvh, dtype=np.int32)
+        swa_mask[list(swa_heads)] = 1
+        pairs = [(sliding_window, sink_size) if f else (0, 0) for f in swa_mask]
+    else:
+        pairs = [(int(w), int(s)) for w, s in head_windows]
+        swa_mask = np.array(pairs, dtype=np.int32).T.copy()  # [2, kv_num_heads]
     for r in range(bsz):
         for h in range(kvh):
             dead = set()
-            if head_wise and recycle and swa_mask[h]:
-                dead = set(dead_blocks(int(cached[r]), sliding_window, sink_size, bs))
+            if head_wise and recycle and pairs[h][0] > 0:
+                dead = set(dead_blocks(int(cached[r]), pairs[h][0], pairs[h][1], bs))
             for blk in range(need[r]):
                 entry = int(tables[r, h, blk] if head_wise else tables[r, blk])
                 page = entry if head_wise else entry * kvh + h
@@ -225,6 +241,7 @@ def build_case(
         sink_size=sink_size,
         visit_all_pages=0,
         dual_pass=0,
+        head_windows=int(head_windows is not None),
     )
     return Case(
         params=params,

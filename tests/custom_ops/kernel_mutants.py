@@ -67,6 +67,17 @@ MUTANTS = {
     "int4_codes_read_unsigned": Mutant(
         "append_attn_common.cuh", "float(static_cast<int32_t>(word << (28 - 4 * e)) >> 28)",
         "float((word << (28 - 4 * e)) >> 28)", "int4", "decode reads negative int4 codes as 9..15"),
+    "per_head_window_ignored": Mutant(
+        "append_attn_common.cuh", "    w.window = max(a.swa_head_mask[head], 0);\n",
+        "    w.window = a.swa_head_mask[head] > 0 ? a.sliding_window : 0;\n",
+        "per_head", "a head of the [2, kv_num_heads] form slides with the call's window, not its own"),
+    "per_head_sink_ignored": Mutant(
+        "append_attn_common.cuh", "    w.sink = max(a.swa_head_mask[a.kv_num_heads + head], 0);\n",
+        "    w.sink = a.sink_size;\n",
+        "per_head", "a head of the [2, kv_num_heads] form keeps the call's sink, not its own"),
+    "prefill_masks_with_the_calls_window": Mutant(
+        "prefill_attention.cu", "    head_window_s[1] = window;\n", "    head_window_s[1] = a.sliding_window;\n",
+        "per_head", "prefill visits each head's own pages but masks its scores with the call's window"),
 }
 
 
@@ -98,7 +109,17 @@ def int4_case(rng):
     return quantize_case(mixed_case(rng), "block_wise_int4")
 
 
-CASES = {"mixed": mixed_case, "decodes": decodes_case, "int8": int8_case, "int4": int4_case}
+def per_head_case(rng):
+    """Per-head windows (swa_head_mask [2, kv_num_heads]): a full head and three sliding types, each
+    head's dead pages -1; the call's window and sink (48, 20) are what a kernel must not use."""
+    from gpu_reference import MIXED_HEAD_WINDOWS, build_case
+
+    return build_case(rng, [(0, 40), (300, 1), (129, 1), (90, 17), (200, 4)], num_heads=8, kv_num_heads=4,
+                      head_dim=64, block_size=16, sliding_window=48, sink_size=20, head_windows=MIXED_HEAD_WINDOWS)
+
+
+CASES = {"mixed": mixed_case, "decodes": decodes_case, "int8": int8_case, "int4": int4_case,
+         "per_head": per_head_case}
 
 
 def mutated_sources(root: Path, mutant: Mutant) -> Path:
@@ -150,7 +171,7 @@ def _child(library: str, case_name: str, seed: int, orders: str) -> dict:
 
 
 # the test file's bf16, int8 and int4 tolerances
-TOLERANCE = {"mixed": 1e-2, "decodes": 1e-2, "int8": 2.5e-2, "int4": 0.25}
+TOLERANCE = {"mixed": 1e-2, "decodes": 1e-2, "int8": 2.5e-2, "int4": 0.25, "per_head": 1e-2}
 
 
 def caught(report: dict, case_name: str) -> bool:

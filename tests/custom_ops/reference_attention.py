@@ -29,6 +29,16 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return out
 
 
+def head_windows(swa_head_mask, window: int, sink: int) -> list[tuple[int, int]]:
+    """(window, sink) of every KV head from either form of swa_head_mask (docs/op_contract.md):
+    [H] flags (a flagged head slides with the call's window and sink) or [2, H] (row 0 each head's
+    window, row 1 its sink). Window 0 = a full head."""
+    m = np.asarray(swa_head_mask)
+    if m.ndim == 2:
+        return [(int(w), int(s)) for w, s in zip(m[0], m[1])]
+    return [(int(window), int(sink)) if f else (0, 0) for f in m]
+
+
 def visible(t: int, j: np.ndarray, swa: bool, window: int, sink: int) -> np.ndarray:
     causal = j <= t
     if not swa:
@@ -80,7 +90,8 @@ def reference_append_attention(
                 k_pages[p, t % bs] = store(k_new[j].astype(np.float32))
                 v_pages[p, t % bs] = store(v_new[j].astype(np.float32))
 
-    # Pass 2: dense attention per request and KV head.
+    # Pass 2: dense attention per request and KV head, each head with its own window and sink.
+    windows = head_windows(swa_head_mask, sliding_window, sink_size)
     for r in range(len(seq_lens_this_time)):
         n, c, row0 = int(seq_lens_decoder[r]), int(seq_lens_this_time[r]), int(cu_seqlens_q[r])
         if c == 0:
@@ -101,7 +112,8 @@ def reference_append_attention(
                 qh = h * group + g
                 q = rope(x[row0:row0 + c, qh * d:(qh + 1) * d], cos, sin)
                 for j, t in enumerate(pos):
-                    sel = keys[visible(int(t), keys, bool(swa_head_mask[h]), sliding_window, sink_size)]
+                    w_h, s_h = windows[h]
+                    sel = keys[visible(int(t), keys, w_h > 0, w_h, s_h)]
                     s = k_all[sel] @ q[j] * scale
                     w = np.exp(s - s.max())
                     out[row0 + j, qh * d:(qh + 1) * d] = (w / w.sum()) @ v_all[sel]

@@ -85,7 +85,30 @@ BAD_INPUTS = {
     "rotary table too short": (_set("rotary_cos", lambda a: a["rotary_cos"][:10].copy()), "rotary_cos"),
     "swa_head_mask not 0/1": (_set("swa_head_mask", np.array([2, 0], np.int32)), r"swa_head_mask\[0\] must be 0 or 1"),
     "negative seq_lens_decoder": (_set("seq_lens_decoder", np.array([-1, 0], np.int32)), "negative"),
+    # The [2, kv_heads] form: row 0 each head's window (0 = full), row 1 its sink.
+    "swa_head_mask of 3 rows": (_set("swa_head_mask", np.zeros((3, KV_HEADS), np.int32)),
+                                r"swa_head_mask must be \[kv_num_heads=2\] .* or \[2, kv_num_heads=2\]"),
+    "a negative per-head window": (_set("swa_head_mask", np.array([[8, -1], [0, 0]], np.int32)),
+                                   r"swa_head_mask\[0\]\[1\] \(the window of KV head 1\) must be >= 0"),
+    "a negative per-head sink": (_set("swa_head_mask", np.array([[8, 0], [-2, 0]], np.int32)),
+                                 r"swa_head_mask\[1\]\[0\] \(the sink of KV head 0\) must be >= 0"),
+    # head 0's blocks 0-1 are recycled (W=8 at 40): a head with a wider window of its own, or a full
+    # head, needs them; the call's sliding_window (8) does not apply in this form.
+    "-1 inside a head's own wider window": (_set("swa_head_mask", np.array([[20, 0], [0, 0]], np.int32)),
+                                            r"entry is -1 at request 0, kv head 0, block index 1"),
+    "-1 where a head that is full in this form reads": (
+        _set("swa_head_mask", np.array([[0, 8], [0, 0]], np.int32)), r"entry is -1 at request 0, kv head 0, block index 0"),
 }
+
+
+def test_per_head_windows_check_pages_with_each_heads_own_window():
+    """The same recycled table passes with head 0's own window 8 (or 9: keys 32-40, still past block 1)
+    beside a full or sliding head 1, under both rule sets, and runs."""
+    for mask in ([[8, 0], [0, 0]], [[9, 0], [0, 0]], [[8, 3], [0, 2]]):
+        arrays = {**valid_inputs(), "swa_head_mask": np.array(mask, np.int32)}
+        _validate(_tensors(arrays), "cpu", check_place=True)
+        _validate(_tensors(arrays, "bfloat16", "bfloat16"), "gpu")
+        append_attention(**_tensors(arrays), **{**ATTRS, "sliding_window": 1})
 
 
 def _tensors(arrays, qkv_dtype=None, cache_dtype=None):

@@ -41,10 +41,24 @@ class Case:
     cache_dtype: str = "float32"
     qkv_dtype: str = "float32"
     poison_invisible_rows: bool = True  # NaN in rows no query of the step may see
+    # One (window, sink) per KV head (window 0 = full): swa_head_mask is then its [2, kv_heads] form and
+    # window / sink / swa_heads mask nothing.
+    head_windows: tuple = None
 
     @property
     def num_heads(self):
         return self.kv_heads * self.group
+
+    def head_pair(self, h):
+        """(window, sink) KV head h masks with; window 0 = a full head."""
+        if self.head_windows is not None:
+            return self.head_windows[h]
+        return (self.window, self.sink) if h in self.swa_heads else (0, 0)
+
+    def swa_head_mask(self):
+        if self.head_windows is not None:
+            return np.array(self.head_windows, np.int32).T.copy()  # [2, kv_heads]
+        return np.array([1 if h in self.swa_heads else 0 for h in range(self.kv_heads)], np.int32)
 
 
 def dead_blocks(n, window, sink, bs):
@@ -58,7 +72,7 @@ def build_inputs(case: Case):
     needs = [math.ceil((n + c) / bs) for n, c in case.requests]
     max_blocks = max(needs) + 1  # one spare column that is never needed
     num_blocks = sum(needs) + 3  # a few unallocated (NaN) blocks
-    swa = np.array([1 if h in case.swa_heads else 0 for h in range(H)], np.int32)
+    swa = case.swa_head_mask()
     bsz = len(case.requests)
 
     blocks = rng.permutation(num_blocks)
@@ -85,14 +99,15 @@ def build_inputs(case: Case):
     vc = np.full_like(kc, np.nan)
     for r, (n, c) in enumerate(case.requests):
         for h in range(H):
-            dead = dead_blocks(n, case.window, case.sink, bs) if swa[h] else set()
+            window, sink = case.head_pair(h)  # the head's own: it recycles and is poisoned with them
+            dead = dead_blocks(n, window, sink, bs) if window else set()
             for t in range(n):
                 i = t // bs
                 if table.ndim == 3 and case.dead != "none" and i in dead:
                     if case.dead == "minus1":
                         table[r, h, i] = -1
                     continue  # "nan_page": the entry stays, its page stays NaN
-                if case.poison_invisible_rows and swa[h] and case.sink <= t <= n - case.window:
+                if case.poison_invisible_rows and window and sink <= t <= n - window:
                     continue
                 p = table[r, h, i] if table.ndim == 3 else table[r, i] * H + h
                 kc[p, t % bs] = rng.standard_normal(D)
@@ -266,6 +281,54 @@ def test_padding_rows_past_the_batch_are_zeroed():
     ref, _, _ = reference(case, {**arrays, "qkv": arrays["qkv"][: len(DECODE)]})
     assert np.array_equal(out[len(DECODE):], np.zeros_like(out[len(DECODE):]))
     assert rel_err(out[: len(DECODE)], ref) < FP32_TOL
+
+
+# -- per-head windows: swa_head_mask [2, kv_heads], each head with its own window and sink ------------
+# A full head, three sliding types (a sink shorter than a block, one longer, none) on 4 KV heads.
+HEAD_WINDOWS = ((20, 5), (0, 0), (40, 20), (9, 0))
+PER_HEAD_STEPS = {
+    "decode": DECODE + [(300, 1)],
+    "chunked_prefill": CHUNKED,
+    "mixed": MIXED,
+}
+
+
+@pytest.mark.parametrize("table", ["1d", "headwise", "headwise_nan_dead_pages"])
+@pytest.mark.parametrize("step", list(PER_HEAD_STEPS))
+def test_each_kv_head_masks_with_its_own_window_and_sink(step, table):
+    """Head-wise tables hold -1 (or a NaN page) at each head's own dead blocks (its W and S), and the
+    rows no query of the head may see are NaN: any read past a head's own window fails."""
+    case = Case(21, PER_HEAD_STEPS[step], kv_heads=4, group=2, head_windows=HEAD_WINDOWS,
+                table="headwise" if table.startswith("headwise") else "1d",
+                dead="nan_page" if table == "headwise_nan_dead_pages" else "minus1")
+    check_against_reference(f"per_head_windows/{step}/{table}", case)
+
+
+@pytest.mark.parametrize("table", ["1d", "headwise"])
+def test_the_flag_form_and_the_window_form_with_equal_windows_give_the_same_bits(table):
+    flags = Case(22, MIXED + [(180, 1)] + CHUNKED, kv_heads=4, group=2, window=20, sink=8, swa_heads=(0, 2),
+                 table=table)
+    windows = Case(**{**flags.__dict__, "head_windows": ((20, 8), (0, 0), (20, 8), (0, 0))})
+    arrays = build_inputs(flags)
+    assert np.array_equal(build_inputs(windows)["block_tables"], arrays["block_tables"])
+    out_flags, kc_flags, vc_flags = run_op(flags, arrays)
+    # The window form ignores the call's sliding_window / sink_size.
+    out_windows, kc_windows, vc_windows = run_op(Case(**{**windows.__dict__, "window": 1, "sink": 0}),
+                                                 {**arrays, "swa_head_mask": windows.swa_head_mask()})
+    assert np.isfinite(out_flags).all()
+    assert np.array_equal(out_flags, out_windows)
+    assert np.array_equal(kc_flags, kc_windows, equal_nan=True) and np.array_equal(vc_flags, vc_windows, equal_nan=True)
+
+
+def test_visit_all_pages_masks_each_head_with_its_own_window():
+    case = Case(23, MIXED + [(150, 1)], kv_heads=4, group=2, head_windows=HEAD_WINDOWS, table="1d",
+                poison_invisible_rows=False)
+    arrays = build_inputs(case)
+    skip, _, _ = run_op(case, arrays)
+    visit_all, _, _ = run_op(case, arrays, visit_all_pages=True)
+    ref, _, _ = reference(case, arrays)
+    assert rel_err(visit_all, skip) < 1e-5
+    assert rel_err(visit_all, ref) < FP32_TOL
 
 
 def _needed_entry_set_to_minus1(case: Case, r: int, h: int, i: int):

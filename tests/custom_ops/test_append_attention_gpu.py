@@ -21,7 +21,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import gpu_harness  # noqa: E402
 from gpu_harness import BF16, FP16, from_storage  # noqa: E402
-from gpu_reference import build_case, reference, relative_error  # noqa: E402
+from gpu_reference import MIXED_HEAD_WINDOWS, build_case, reference, relative_error  # noqa: E402
 
 ON_GPU = gpu_harness.find_nvcc() is not None and gpu_harness.driver_gpu_count() > 0
 pytestmark = pytest.mark.skipif(
@@ -519,6 +519,68 @@ def test_a_lane_whose_slots_mix_sliding_and_full_heads(harness, rng):
         np.testing.assert_allclose(from_storage(got_cache, BF16).reshape(ref_cache.shape), ref_cache,
                                    rtol=CACHE_RTOL[BF16], atol=CACHE_RTOL[BF16], equal_nan=True,
                                    err_msg=f"seed {rng.seed_value}")
+
+
+# -- per-head windows: swa_head_mask [2, kv_num_heads] (params head_windows 1) ----------------------
+PER_HEAD_STEPS = {
+    "prefill": ([(0, 150), (0, 37)], 16),
+    "split_kv_decode": ([(1000, 1), (517, 1), (64, 1), (3, 1)], 64),
+    "mixed_chunks_and_idle_slot": ([(0, 33), (300, 1), (0, 0), (90, 17), (129, 3)], 16),
+}
+
+
+@pytest.mark.parametrize("table", ["head_wise_recycled", "one_d"])
+@pytest.mark.parametrize("step", list(PER_HEAD_STEPS))
+def test_each_kv_head_slides_with_its_own_window_and_sink(harness, rng, step, table):
+    """Decode and prefill kernels mask and skip pages per KV head with its own (W, S): head-wise
+    tables hold -1 at each head's own dead blocks and NaN behind them, so a page read past a head's
+    own window fails; the call's sliding_window / sink_size (1, 0) mask nothing."""
+    requests, block_size = PER_HEAD_STEPS[step]
+    case = build_case(rng, requests, num_heads=8, kv_num_heads=4, head_dim=64, block_size=block_size,
+                      sliding_window=1, sink_size=0, head_windows=MIXED_HEAD_WINDOWS, head_wise=table != "one_d",
+                      recycle=table != "one_d")
+    if table != "one_d" and step != "prefill":
+        assert (case.block_tables[:, 2] == -1).any() and (case.block_tables[:, 0] == -1).any()
+    check(harness, case, rng)
+
+
+def test_the_flag_form_and_the_window_form_with_equal_windows_give_the_same_bits(harness, rng):
+    flags = build_case(rng, [(0, 33), (300, 1), (90, 17), (700, 1)], num_heads=8, kv_num_heads=4, head_dim=64,
+                       block_size=16, sliding_window=40, sink_size=5, swa_heads=(0, 2))
+    windows = dataclasses.replace(
+        flags, swa_head_mask=np.array([[40, 0, 40, 0], [5, 0, 5, 0]], np.int32)).with_params(
+        head_windows=1, sliding_window=1, sink_size=0)
+    a = check(harness, flags, rng)
+    b = harness.run(windows)
+    assert b.status == 0 and not b.races, (b.message, b.races)
+    for x, y in ((a.out, b.out), (a.key_cache, b.key_cache), (a.value_cache, b.value_cache)):
+        np.testing.assert_array_equal(x, y, err_msg=f"seed {rng.seed_value}")
+
+
+@pytest.mark.parametrize("dual_pass", [0, 1], ids=["masked_single_pass", "dual_pass"])
+def test_baseline_arms_mask_each_head_with_its_own_window(harness, rng, dual_pass):
+    case = build_case(rng, [(0, 70), (400, 1), (250, 12)], num_heads=8, kv_num_heads=4, head_dim=64,
+                      block_size=16, head_windows=MIXED_HEAD_WINDOWS, head_wise=False,
+                      ).with_params(visit_all_pages=1, dual_pass=dual_pass)
+    check(harness, case, rng)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "block_wise_int4"])
+def test_quantized_pages_with_per_head_windows_match_float64_attention(harness, rng, fmt):
+    case = build_case(rng, [(0, 40), (300, 1), (90, 17), (129, 3)], num_heads=8, kv_num_heads=4, head_dim=64,
+                      block_size=16, head_windows=MIXED_HEAD_WINDOWS)
+    run_quantized(harness, case, fmt, rng)
+
+
+@pytest.mark.parametrize("row, value", [(0, -3), (1, -1)], ids=["window", "sink"])
+def test_a_negative_per_head_window_or_sink_is_reported(harness, rng, row, value):
+    case = build_case(rng, [(0, 8), (100, 1)], num_heads=8, kv_num_heads=4, head_dim=64, block_size=16,
+                      head_windows=MIXED_HEAD_WINDOWS, recycle=False)
+    case.swa_head_mask[row, 2] = value
+    result = harness.run(case)
+    assert result.status == 2
+    assert result.error_info == (gpu_harness.ERR_HEAD_WINDOW, row, 2, value)
+    assert f"kv head 2) is {value}" in result.message
 
 
 # -- the executor's own promises: races are found, planted bugs fail the checks ----------------------

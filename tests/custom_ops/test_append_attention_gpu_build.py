@@ -93,6 +93,7 @@ def _launch_status(lib, params):
         (dict(dtype=7), "dtype"),
         (dict(cache_quant=4), "cache_quant 4 unknown (0 float, 1 int8, 2 e4m3, 3 int4)"),
         (dict(cache_quant=gpu_harness.CACHE_INT4, dtype=gpu_harness.FP16), "need dtype bf16"),
+        (dict(head_windows=2), "head_windows 2 must be 0 ([kv_num_heads] flags) or 1 ([2, kv_num_heads])"),
     ],
 )
 def test_launcher_rejects_unsupported_shapes_before_touching_the_device(built, changes, fragment):

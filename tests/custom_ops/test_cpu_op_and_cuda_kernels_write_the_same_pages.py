@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import gpu_harness  # noqa: E402
 from gpu_harness import BF16, from_storage  # noqa: E402
-from gpu_reference import build_case, quantize_case  # noqa: E402
+from gpu_reference import MIXED_HEAD_WINDOWS, build_case, quantize_case  # noqa: E402
 
 from fastdeploy.model_executor.layers.attention.ops import append_attention  # noqa: E402
 
@@ -54,15 +54,9 @@ def cpu_op(case, fmt):
             codes["value_cache"].numpy().view(np.uint8), scales["value_cache_scales"].numpy())
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("requests, head_dim, block_size", [
-    ([(0, 40), (300, 1), (129, 3), (90, 17)], 64, 16),  # prefill, decode, verification rows, a chunk
-    ([(0, 20), (700, 1)], 256, 64),                    # Gemma 3's head_dim
-])
-def test_the_cpu_op_and_the_cuda_kernels_write_the_same_quantized_pages(executor, fmt, requests, head_dim, block_size):
-    rng = np.random.default_rng(11)
-    case = quantize_case(build_case(rng, requests, num_heads=8, kv_num_heads=2, head_dim=head_dim,
-                                    block_size=block_size, sliding_window=40, sink_size=5), fmt)
+def assert_same_step(executor, case, fmt):
+    """The CUDA kernels (executor) and the CPU op on the same quantized step: the same bytes written, finite
+    outputs that agree to bf16 rounding."""
     gpu = executor.run(case)
     assert gpu.status == 0 and not gpu.races, (gpu.message, gpu.races)
     out_bits, k_codes, k_scales, v_codes, v_scales = cpu_op(case, fmt)
@@ -73,4 +67,29 @@ def test_the_cpu_op_and_the_cuda_kernels_write_the_same_quantized_pages(executor
         np.testing.assert_array_equal(ours.reshape(theirs.shape), theirs, err_msg=f"{fmt} {name}")
     got = from_storage(gpu.out, BF16).astype(np.float64)
     want = from_storage(out_bits.reshape(gpu.out.shape), BF16).astype(np.float64)
+    assert np.isfinite(want).all() and np.isfinite(got).all()
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("requests, head_dim, block_size", [
+    ([(0, 40), (300, 1), (129, 3), (90, 17)], 64, 16),  # prefill, decode, verification rows, a chunk
+    ([(0, 20), (700, 1)], 256, 64),                    # Gemma 3's head_dim
+])
+def test_the_cpu_op_and_the_cuda_kernels_write_the_same_quantized_pages(executor, fmt, requests, head_dim, block_size):
+    rng = np.random.default_rng(11)
+    case = quantize_case(build_case(rng, requests, num_heads=8, kv_num_heads=2, head_dim=head_dim,
+                                    block_size=block_size, sliding_window=40, sink_size=5), fmt)
+    assert_same_step(executor, case, fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_heads_own_window_gives_the_cpu_op_and_the_cuda_kernels_the_same_step(executor, fmt):
+    """swa_head_mask [2, kv_heads]: a full head and three sliding types, each head's own dead pages -1
+    (NaN behind them): both devices write the same bytes, and their outputs agree to bf16 rounding."""
+    rng = np.random.default_rng(12)
+    case = quantize_case(build_case(rng, [(0, 40), (300, 1), (129, 3), (90, 17)], num_heads=8, kv_num_heads=4,
+                                    head_dim=64, block_size=16, sliding_window=1, sink_size=0,
+                                    head_windows=MIXED_HEAD_WINDOWS), fmt)
+    assert case.swa_head_mask.shape == (2, 4) and (case.block_tables[1, 2] == -1).any()
+    assert_same_step(executor, case, fmt)

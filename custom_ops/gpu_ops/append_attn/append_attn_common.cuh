@@ -55,6 +55,7 @@ struct Args {
   int token_num, bsz, num_heads, kv_num_heads, kv_slots, head_dim, block_size, num_blocks;
   int max_blocks_per_seq, head_wise_table, max_position;
   int sliding_window, sink_size, visit_all_pages;
+  int head_windows;  // swa_head_mask is [2, kv_num_heads]: each head's window (0 = full) and sink
   int decode_max_splits, decode_pages_per_split;
   int cache_quant;  // AppendAttnCacheQuant
 };
@@ -248,8 +249,42 @@ __device__ __forceinline__ long long page_offset(const Args& a, int req, int hea
   return page * a.block_size * a.head_dim;
 }
 
-__device__ __forceinline__ bool head_is_swa(const Args& a, int head, int swa_override) {
-  return swa_override == kUseMask ? a.swa_head_mask[head] != 0 : swa_override == kForceSwa;
+// The keys a KV head's queries see: its own window and sink (head_windows: row 0 / row 1 of
+// swa_head_mask; a window of 0 is a full head), or the call's for a flagged head. The dual-pass
+// baseline forces a pass's kind: its sliding pass slides every head that has a window, with that
+// window (the stitch keeps only those heads' rows). A negative window or sink is an error the tile
+// prefix kernel records (check_head_windows); here it reads as 0 (a full head, no sink), so the
+// attention kernels carry no error path of their own for it.
+struct HeadWindow {
+  bool swa;
+  int window;
+  int sink;
+};
+
+__device__ __forceinline__ HeadWindow head_window(const Args& a, int head, int swa_override) {
+  HeadWindow w;
+  if (a.head_windows) {
+    w.window = max(a.swa_head_mask[head], 0);
+    w.sink = max(a.swa_head_mask[a.kv_num_heads + head], 0);
+    w.swa = w.window > 0 && swa_override != kForceFull;
+    return w;
+  }
+  w.swa = swa_override == kUseMask ? a.swa_head_mask[head] != 0 : swa_override == kForceSwa;
+  w.window = a.sliding_window;
+  w.sink = a.sink_size;
+  return w;
+}
+
+// Records a negative per-head window or sink (APPEND_ATTN_ERR_HEAD_WINDOW: row, head, value); called
+// by the one block of prefill_tile_prefix_kernel, which every step with tokens launches.
+__device__ __forceinline__ void check_head_windows(const Args& a) {
+  if (!a.head_windows) return;
+  for (int i = threadIdx.x; i < 2 * a.kv_num_heads; i += blockDim.x) {
+    if (a.swa_head_mask[i] < 0) {
+      record_error(a.error_info, APPEND_ATTN_ERR_HEAD_WINDOW, i / a.kv_num_heads, i % a.kv_num_heads,
+                   a.swa_head_mask[i]);
+    }
+  }
 }
 
 // The contract's visibility rule: query position q sees key position k.

@@ -44,9 +44,10 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(Args a, i
   const int group = a.num_heads / a.kv_num_heads;
   const int pos = a.seq_lens_decoder[req];
   const long long token = a.cu_seqlens_q[req];
-  const bool swa = head_is_swa(a, head, swa_override);
-  const int window = a.sliding_window;
-  const int sink = a.sink_size;
+  const HeadWindow hw = head_window(a, head, swa_override);  // this KV head's own window and sink
+  const bool swa = hw.swa;
+  const int window = hw.window;
+  const int sink = hw.sink;
   const LiveBlocks live = live_blocks(pos, pos, swa, a.visit_all_pages != 0, window, sink, BS);
   const int n_splits = decode_num_splits(a, live.count);
   if (split >= n_splits) return;
@@ -243,9 +244,9 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(Args a, int swa_overr
   const int D = a.head_dim;
   const int head = qh / (a.num_heads / a.kv_num_heads);
   const int pos = a.seq_lens_decoder[req];
-  const bool swa = head_is_swa(a, head, swa_override);
-  const LiveBlocks live = live_blocks(pos, pos, swa, a.visit_all_pages != 0, a.sliding_window,
-                                      a.sink_size, a.block_size);
+  const HeadWindow hw = head_window(a, head, swa_override);  // the split count follows from it
+  const LiveBlocks live = live_blocks(pos, pos, hw.swa, a.visit_all_pages != 0, hw.window, hw.sink,
+                                      a.block_size);
   const int n_splits = decode_num_splits(a, live.count);
   const long long acc_floats = (long long)a.decode_max_splits * a.bsz * a.num_heads * D;
   const long long split_stride = (long long)a.bsz * a.num_heads;

@@ -177,7 +177,7 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   HARNESS_CUDA(tables.alloc(sizeof(int) * table_elems));
   HARNESS_CUDA(cos_t.alloc(sizeof(float) * rot_elems));
   HARNESS_CUDA(sin_t.alloc(sizeof(float) * rot_elems));
-  HARNESS_CUDA(mask.alloc(sizeof(int) * p->kv_num_heads));
+  HARNESS_CUDA(mask.alloc(sizeof(int) * p->kv_num_heads * (p->head_windows ? 2 : 1)));
   HARNESS_CUDA(head_slots.alloc(sizeof(int) * p->kv_num_heads));
   HARNESS_CUDA(out.alloc(out_elems * elt));
   HARNESS_CUDA(err.alloc(4 * sizeof(int)));

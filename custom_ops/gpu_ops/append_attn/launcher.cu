@@ -93,6 +93,11 @@ std::string validate(const AppendAttnParams& p) {
              p.sliding_window, p.sink_size);
     return buf;
   }
+  if (p.head_windows != 0 && p.head_windows != 1) {
+    snprintf(buf, sizeof(buf), "head_windows %d must be 0 ([kv_num_heads] flags) or 1 ([2, kv_num_heads])",
+             p.head_windows);
+    return buf;
+  }
   if (p.cache_quant < APPEND_ATTN_CACHE_FLOAT || p.cache_quant > APPEND_ATTN_CACHE_INT4) {
     snprintf(buf, sizeof(buf), "cache_quant %d unknown (0 float, 1 int8, 2 e4m3, 3 int4)", p.cache_quant);
     return buf;
@@ -118,7 +123,8 @@ std::string validate(const AppendAttnParams& p) {
   return "";
 }
 
-// Dual pass: copy the SWA pass's output over the full pass's for the SWA heads.
+// Dual pass: copy the SWA pass's output over the full pass's for the SWA heads (a nonzero flag, or
+// with head_windows a nonzero window: row 0 of swa_head_mask either way).
 template <typename T>
 __global__ void __launch_bounds__(256) stitch_heads_kernel(Args a, const T* __restrict__ swa_out, T* __restrict__ out) {
   const int token = blockIdx.x;
@@ -241,6 +247,7 @@ extern "C" int append_attention_launch(const AppendAttnParams* params,
   a.max_position = p.max_position;
   a.sliding_window = p.sliding_window;
   a.sink_size = p.sink_size;
+  a.head_windows = p.head_windows != 0;
   a.visit_all_pages = p.visit_all_pages != 0;
   a.decode_max_splits = layout.decode_max_splits;
   a.decode_pages_per_split = layout.decode_pages_per_split;
@@ -290,6 +297,10 @@ extern "C" const char* append_attention_describe_error(const int* info, char* bu
                "block table entry out of range (request %d, kv head %d, block index %d): id "
                "beyond the cache or index beyond max_blocks_per_seq",
                info[1], info[2], info[3]);
+      break;
+    case APPEND_ATTN_ERR_HEAD_WINDOW:
+      snprintf(buf, buf_len, "swa_head_mask[%d][%d] (the %s of kv head %d) is %d; it must be >= 0",
+               info[1], info[2], info[1] == 0 ? "window" : "sink", info[2], info[3]);
       break;
     case APPEND_ATTN_ERR_POSITION:
       snprintf(buf, buf_len, "position %d of request %d is beyond the rotary tables", info[3],

@@ -15,10 +15,13 @@ constexpr int kThreads = 256;
 constexpr int kChunkKeys = 64;
 
 // Exclusive prefix over requests of the number of prefill tiles, so each thread block finds its
-// (request, tile) by binary search instead of a host round trip.
-__global__ void __launch_bounds__(1024)
-    prefill_tile_prefix_kernel(const int* __restrict__ this_time, int bsz, int tokens_per_tile,
-                               int* __restrict__ prefix) {
+// (request, tile) by binary search instead of a host round trip. Its one block, launched every step
+// before the attention kernels, also checks the per-head windows (check_head_windows).
+__global__ void __launch_bounds__(1024) prefill_tile_prefix_kernel(Args a, int tokens_per_tile) {
+  const int* __restrict__ this_time = a.seq_lens_this_time;
+  const int bsz = a.bsz;
+  int* __restrict__ prefix = a.tile_prefix;
+  check_head_windows(a);
   __shared__ int buf[1024];
   int carry = 0;
   for (int base = 0; base < bsz; base += 1024) {
@@ -116,15 +119,25 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
   const int pos_last = pos0 + n_tok - 1;
   const long long row0 = a.cu_seqlens_q[req] + tok0;  // qkv / out row of the tile's first token
 
-  const bool swa = head_is_swa(a, head, swa_override);
-  const int window = a.sliding_window;
-  const int sink = a.sink_size;
+  const HeadWindow hw = head_window(a, head, swa_override);  // this KV head's own window and sink
+  const bool swa = hw.swa;
+  const int window = hw.window;
+  const int sink = hw.sink;
   const LiveBlocks live =
       live_blocks(pos0, pos_last, swa, a.visit_all_pages != 0, window, sink, BS);
   const int dead_code =
       a.visit_all_pages ? APPEND_ATTN_ERR_DEAD_ENTRY_MASKED : APPEND_ATTN_ERR_DEAD_ENTRY;
 
   const int tid = threadIdx.x;
+  // The scores are masked with the head's (swa, window, sink) read back from shared memory after each
+  // chunk's barriers, as the call's window and sink once were from the kernel's parameters: held in
+  // registers across the chunk loop they cost up to 44 more a thread (benchmarks/kernel_resources.py).
+  __shared__ int head_window_s[3];
+  if (tid == 0) {
+    head_window_s[0] = swa;
+    head_window_s[1] = window;
+    head_window_s[2] = sink;
+  }
   for (int i = tid; i < kPrefillRows * (D / 2); i += kThreads) {
     const int row = i / (D / 2);
     const int pair = i % (D / 2);
@@ -252,7 +265,10 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
       float chunk_max = -INFINITY;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        if (!key_visible(q_pos[i], key_pos_s[tk + 8 * j], swa, window, sink)) s[i][j] = -INFINITY;
+        if (!key_visible(q_pos[i], key_pos_s[tk + 8 * j], head_window_s[0] != 0, head_window_s[1],
+                         head_window_s[2])) {
+          s[i][j] = -INFINITY;
+        }
         chunk_max = fmaxf(chunk_max, s[i][j]);
       }
 #pragma unroll
@@ -385,8 +401,7 @@ size_t prefill_attention_smem_bytes(int cache_quant, int head_dim) {
 
 cudaError_t launch_prefill_tiles(const Args& a, cudaStream_t stream) {
   const int group = a.num_heads / a.kv_num_heads;
-  CUDA_LAUNCH(1, 1024, 0, stream, prefill_tile_prefix_kernel)(a.seq_lens_this_time, a.bsz,
-                                                     kPrefillRows / group, a.tile_prefix);
+  CUDA_LAUNCH(1, 1024, 0, stream, prefill_tile_prefix_kernel)(a, kPrefillRows / group);
   return cudaGetLastError();
 }
 

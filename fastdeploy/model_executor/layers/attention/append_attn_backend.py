@@ -9,7 +9,9 @@ pages, --kv-cache-quant-type: int8 / float8_e4m3fn codes, or int4 codes two per 
 token row of every page); a layer reads and writes its lane
 through its head -> slot map (one lane per layer, G = H / tp and slot h
 = head h for a model whose layers all look alike). Every layer passes its own sliding heads,
-window and sink (sliding layers of the model as much as head-wise SWA heads).
+window and sink (sliding layers of the model as much as head-wise SWA heads), one pair per KV head: the
+op's swa_head_mask in its [2, kv_heads] form (row 0 windows, 0 = full; row 1 sinks), so a layer may mix
+full heads and any number of sliding types.
 """
 
 from __future__ import annotations
@@ -53,11 +55,13 @@ class AppendAttentionBackend:
         self.rotary = rotary  # (cos, sin) per layer
         heads = local_kv_heads(model.num_key_value_heads, tp_rank, tp)
         types = attention_type_table(model)
-        # Per layer: (swa head mask of this rank's heads, window, sink, each head's slot in the lane).
+        # Per layer: (swa_head_mask [2, kv_heads] of this rank's heads: their windows and sinks; the call's
+        # sliding_window and sink_size, which that form leaves unused (1 and 0: valid values); each
+        # head's slot in the lane).
         self.layer_args = []
         for layer in range(model.num_hidden_layers):
-            mask, window, sink = row_attention_args([types[layer][h] for h in heads])
-            self.layer_args.append((paddle.to_tensor(mask, dtype="int32"), window, sink,
+            windows, sinks = row_attention_args([types[layer][h] for h in heads])
+            self.layer_args.append((paddle.to_tensor([windows, sinks], dtype="int32"), 1, 0,
                                     paddle.to_tensor(slots.layer_head_slots(layer, heads), dtype="int32")))
         self.on_gpu = getattr(fd_config, "device", "cpu") == "gpu"
         # FD_HEAD_WISE_ATTN=dual_pass: upstream's two passes over the 1-D table (config checks it is

@@ -51,7 +51,8 @@ class CudaOnCpuAttentionBackend(AppendAttentionBackend):
 
     def forward(self, layer_id: int, qkv: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         table = meta.block_tables_head_wise if meta.block_tables_head_wise is not None else meta.block_tables
-        mask, window, sink, slots = self.layer_args[layer_id]  # int32 already (AppendAttentionBackend)
+        # int32 already (AppendAttentionBackend); the mask is [2, kv_heads]: each head's window and sink
+        mask, window, sink, slots = self.layer_args[layer_id]
         cos32, sin32 = self.rotary32[layer_id]
         key_cache, value_cache = self.key_caches[layer_id], self.value_caches[layer_id]
         q16 = qkv.astype(paddle.bfloat16).contiguous()
@@ -68,7 +69,8 @@ class CudaOnCpuAttentionBackend(AppendAttentionBackend):
             num_blocks=int(key_cache.shape[0]), max_blocks_per_seq=int(table32.shape[-1]),
             head_wise_table=int(len(table32.shape) == 3), max_position=int(cos32.shape[0]),
             sliding_window=int(window), sink_size=int(sink), visit_all_pages=0, dual_pass=0,
-            kv_slots=int(key_cache.shape[1]), cache_quant=_CACHE_QUANT[key_cache.dtype])
+            kv_slots=int(key_cache.shape[1]), cache_quant=_CACHE_QUANT[key_cache.dtype],
+            head_windows=int(len(mask.shape) == 2))
         scales = (self.key_scales[layer_id], self.value_scales[layer_id]) if self.quantized else (None, None)
         buffers = AppendAttnBuffers(
             qkv=_ptr(q16), key_cache=_ptr(key_cache), value_cache=_ptr(value_cache), seq_lens_encoder=_ptr(enc),

@@ -3,7 +3,8 @@
 Under tensor parallelism it holds one rank's heads, like the paged backend.
 Each running request keeps its rotated K and its V in a dense per-slot buffer
 `[max_num_seqs, max_model_len, H, head_dim]`; every query scores every key of its request and the
-SWA rule of docs/retention_rule.md is applied as a mask. Slow on purpose: nothing here is clever.
+SWA rule of docs/retention_rule.md is applied as a mask, each query head with its KV head's own window
+and sink. Slow on purpose: nothing here is clever.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from fastdeploy.model_executor.layers.rotary_embedding import apply_rope
 from fastdeploy.model_executor.tensor_parallel import local_kv_heads
 
 
+def query_head_windows(windows, sinks, group: int) -> tuple:
+    """(windows, sinks) int64 [num_heads] of the query heads from their KV heads' (group query heads a
+    KV head, in order)."""
+    return (np.repeat(np.asarray(windows, np.int64), group), np.repeat(np.asarray(sinks, np.int64), group))
+
+
 class NativeAttentionBackend:
     def __init__(self, fd_config, rotary: list, tp_rank: int = 0):
         model = fd_config.model_config
@@ -34,23 +41,26 @@ class NativeAttentionBackend:
                                                             model.num_key_value_heads // tp, model.head_dim)
         group = self.num_heads // self.kv_num_heads
         heads = local_kv_heads(model.num_key_value_heads, tp_rank, tp)  # this rank's heads
-        self.layer_masks = []  # per layer: (q_head_is_swa [num_heads], window, sink)
+        # Per layer: (window, sink) of every query head, its KV head's (window 0 = full attention).
+        self.layer_masks = []
         for layer in range(model.num_hidden_layers):
-            mask, window, sink = layer_attention_args(model, layer)
-            self.layer_masks.append((np.repeat(np.array([mask[h] for h in heads], dtype=bool), group), window, sink))
+            windows, sinks = layer_attention_args(model, layer)
+            self.layer_masks.append(query_head_windows([windows[h] for h in heads], [sinks[h] for h in heads], group))
 
     def visibility(self, start: int, num_new: int, layer_id: int = 0) -> paddle.Tensor:
         """[num_heads, num_new, start + num_new] bool: docs/retention_rule.md, per query head.
 
         Built from aranges in Paddle: handing Paddle a numpy mask this size copies it through a Python
         list (paddle.assign), which took seconds per layer on long prompts."""
-        q_head_is_swa, window, sink = self.layer_masks[layer_id]
+        windows, sinks = self.layer_masks[layer_id]
         t = paddle.arange(start, start + num_new, dtype="int64").unsqueeze(1)
         j = paddle.arange(start + num_new, dtype="int64").unsqueeze(0)
-        causal = j <= t
-        sliding = causal & ((j < sink) | (j > t - window))
-        swa = host_tensor(q_head_is_swa.reshape(-1, 1, 1))
-        return paddle.where(swa, sliding.unsqueeze(0), causal.unsqueeze(0))
+        causal = (j <= t).unsqueeze(0)
+        window = host_tensor(windows.reshape(-1, 1, 1))
+        sink = host_tensor(sinks.reshape(-1, 1, 1))
+        # A full head (window 0) sees every earlier key; a sliding one its sink and its window.
+        in_reach = (window == 0) | (j.unsqueeze(0) < sink) | ((t - j).unsqueeze(0) < window)
+        return causal & in_reach
 
     def forward(self, layer_id: int, qkv: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         nh, kvh, d = self.num_heads, self.kv_num_heads, self.head_dim

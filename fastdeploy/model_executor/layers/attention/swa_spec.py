@@ -33,19 +33,15 @@ def attention_type_table(model_config) -> tuple:
 
 
 def layer_attention_args(model_config, layer: int) -> tuple:
-    """(mask with 1 per sliding KV head, window, sink) of one layer, every KV head of the model."""
+    """(windows, sinks) of one layer, every KV head of the model (row_attention_args)."""
     return row_attention_args(attention_type_table(model_config)[layer])
 
 
 def row_attention_args(row) -> tuple:
-    """(mask, window, sink) of one layer's row of the type table (or some of its heads). The op takes
-    one window and sink per layer call, so a row mixes full heads with one sliding type at most; a
-    layer without sliding heads gets an all-zero mask (window 1, sink 0: never read)."""
-    sliding = sorted({t for t in row if t.sliding})
-    if len(sliding) > 1:
-        raise ValueError(f"a layer mixes sliding windows {[str(t) for t in sliding]}; one layer may hold full "
-                         f"heads and one sliding type only")
-    mask = [1 if t.sliding else 0 for t in row]
-    if not sliding:
-        return mask, 1, 0
-    return mask, sliding[0].window, sliding[0].sink
+    """(windows, sinks) of one layer's row of the type table (or some of its heads): one window per
+    head, 0 for a full head, and its sink (0 for a full head). The op's swa_head_mask in its
+    [2, kv_heads] form is exactly these two rows (docs/op_contract.md), so a layer may mix full
+    heads with any number of sliding types."""
+    windows = [int(t.window) if t.sliding else 0 for t in row]
+    sinks = [int(t.sink) if t.sliding else 0 for t in row]
+    return windows, sinks

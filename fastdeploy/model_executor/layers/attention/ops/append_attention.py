@@ -85,6 +85,7 @@ DEVICE_ERRORS = {
     3: "block table entry out of range (request {0}, kv head {1}, block index {2}): id beyond the cache or index "
        "beyond max_blocks_per_seq",
     4: "position {2} of request {0} is beyond the rotary tables",
+    5: "swa_head_mask[{0}][{1}] (row 0: the window, row 1: the sink of kv head {1}) is {2}; it must be >= 0",
 }
 
 
@@ -157,8 +158,10 @@ def append_attention(
 ) -> paddle.Tensor:
     """Rotate q/k, write the new K/V into the paged cache, attend.
 
-    ``sliding_window``/``sink_size`` apply to the KV heads flagged in
-    ``swa_head_mask``; ``visit_all_pages`` is the benchmark baseline that reads
+    ``swa_head_mask`` is int32 ``[kv_num_heads]`` (1 = the head slides with
+    ``sliding_window``/``sink_size``) or ``[2, kv_num_heads]`` (row 0 each
+    head's own window, 0 = full attention; row 1 its sink; the two attributes
+    then mask nothing); ``visit_all_pages`` is the benchmark baseline that reads
     every page and masks instead of skipping (needs a table without -1 in the
     visible range); ``dual_pass`` (CUDA op, 1-D table, with visit_all_pages) is
     upstream's two-pass head-wise SWA. Bad shapes, or a -1 in a table entry the
