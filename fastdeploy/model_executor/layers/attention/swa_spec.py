@@ -6,7 +6,8 @@ in the load-time order. Two sources:
 - sliding *layers* (`ModelConfig.layer_sliding_window`, one window or None per layer: Gemma 3 and
   other models trained with sliding layers): every KV head of such a layer slides, sink 0;
 - head-wise SWA (`head_wise_swa`: window, sink and the KV heads that slide, in every layer or one
-  list per layer): it applies to the heads of the layers that do not slide as a whole.
+  list per layer, optionally a window and sink per listed head): it applies to the heads of the layers
+  that do not slide as a whole.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def attention_type_table(model_config) -> tuple:
             continue
         row = [FULL] * num_heads
         for h in model_config.layer_swa_kv_heads(layer):
-            row[h] = AttentionType(spec.sliding_window, spec.sink_size)
+            row[h] = AttentionType(*spec.head_type(layer, h))  # each pair its own window and sink (§17)
         table.append(tuple(row))
     return tuple(table)
 
