@@ -106,6 +106,9 @@ class PageLayout:
             object.__setattr__(self, "window", widest.window)
             object.__setattr__(self, "sink", widest.sink)
         object.__setattr__(self, "sliding", groups)
+        # One sliding type (or none): the page-need calls below take the two-column path of the scheduler's
+        # every step, with the arithmetic of a single (window, sink).
+        object.__setattr__(self, "_one_type", len(groups) <= 1)
 
     @classmethod
     def from_config(cls, fd_config) -> "PageLayout":
@@ -167,6 +170,8 @@ class PageLayout:
         if not self.recycle:
             return (0,) * len(self._column_types)
         bs = self.block_size
+        if self._one_type:
+            return (num_dead_blocks(num_processed, self.window, self.sink, bs),)
         return tuple(num_dead_blocks(num_processed, t.window, t.sink, bs) if t.sliding else 0
                      for t in self._column_types)
 
@@ -182,14 +187,18 @@ class PageLayout:
         position >= n, so nothing it can see lies in a block dead at n.
         """
         full = table_length(num_processed + num_new, self.block_size)
+        if self._one_type:
+            if not self.recycle:
+                return full, full
+            return full, full - num_dead_blocks(num_processed, self.window, self.sink, self.block_size)
         return (full,) + tuple(full - d for d in self.dead_blocks_per_type(num_processed))
 
     def pages_per_rank(self, num_processed: int, num_new: int) -> list:
         """Live pages a request needs on each rank for that step."""
-        need = self.pages_needed(num_processed, num_new)
-        if len(need) == 2:  # one sliding type: the hot path of every scheduler step
-            full, recycling = need
+        if self._one_type:  # (full, recycling): the hot path of every scheduler step
+            full, recycling = self.pages_needed(num_processed, num_new)
             return [n_full * full + n_rec * recycling for n_full, n_rec in self._rank_head_counts]
+        need = self.pages_needed(num_processed, num_new)
         return [sum(c * p for c, p in zip(counts, need)) for counts in self._rank_head_counts]
 
     def largest_chunk_within(self, num_processed: int, num_new: int, limit_per_rank: list) -> int:
@@ -202,8 +211,14 @@ class PageLayout:
         """
         if num_new <= 0:
             return 0
-        dead = self.dead_blocks_per_type(num_processed)
         best = num_new
+        if self._one_type:
+            dead = self.dead_blocks_per_type(num_processed)[0]
+            for (n_full, n_rec), limit in zip(self._rank_head_counts, limit_per_rank):
+                max_len = (limit + n_rec * dead) // (n_full + n_rec)
+                best = min(best, max_len * self.block_size - num_processed)
+            return max(0, best)
+        dead = self.dead_blocks_per_type(num_processed)
         for counts, limit in zip(self._rank_head_counts, limit_per_rank):
             freed = sum(r * d for r, d in zip(counts[1:], dead))
             max_len = (limit + freed) // sum(counts)
