@@ -233,7 +233,8 @@ class PageLayout:
         most twice the widest window in any recycling slot, and no type's prefill is cut below what the
         widest one allows (cutting to a narrower window would shorten every chunk further for a
         transient saving on the narrow slots alone). The chunk rule (`chunk_for`) still takes the cut
-        only where it lets more requests run, and rank_ceilings only where it lowers the peak.
+        only where it lets more requests run; rank_ceilings always takes it (a shorter chunk starts later,
+        past more dead blocks, so it never raises a peak).
         """
         if not self.recycling_heads:
             return budget

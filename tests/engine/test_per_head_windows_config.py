@@ -98,3 +98,22 @@ def test_every_sliding_type_recycles_with_its_own_window(monkeypatch):
     assert layout.pages_per_rank(20, 1) == [6 * (slots.slots_per_rank - 2) + 2 + 4]
     off = build(monkeypatch, recycle="0", block_size=4, head_wise_swa_config=spec)
     assert PageLayout.from_config(off).pages_needed(20, 1) == (6, 6, 6)
+
+
+def test_capacity_planning_counts_every_window(monkeypatch):
+    """predicted_concurrency and rank_ceilings sum the page need over the sliding types: two one-head
+    windows of 64 and 256 on different layers, 4096 + 256 tokens, block 64, chunks of 2048."""
+    from fastdeploy.cache_manager.head_wise import PageLayout, predicted_concurrency, rank_ceilings
+
+    spec = {"sliding_window": 64, "sink_size": 0, "swa_kv_heads": [[1], [1]], "head_windows": [[64], [256]]}
+    cfg = build(monkeypatch, block_size=64, max_model_len=8192, max_num_batched_tokens=2048,
+                num_gpu_blocks_override=1024, head_wise_swa_config=spec)
+    layout = PageLayout.from_config(cfg)
+    # The last decode step (4350 processed, token 4350 computed): 68 blocks per full slot; W 64 keeps
+    # blocks 66..67, W 256 blocks 63..67.
+    assert layout.pages_per_rank(4350, 1) == [6 * 68 + 2 + 5]
+    ceilings = rank_ceilings(cfg, 4096, 256)
+    assert ceilings["swa_heads_per_rank"] == [2] and ceilings["ceiling"] > 1.2
+    predicted = predicted_concurrency(cfg, 4096, 256)
+    assert predicted["peak_pages_on"] < predicted["peak_pages_off"] == 8 * 68
+    assert predicted["running_on"] >= predicted["running_off"]
