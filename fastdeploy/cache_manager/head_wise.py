@@ -8,8 +8,8 @@ layer). Block `b` of a lane tensor `[num_blocks, G, block_size, head_dim]` holds
 `PageLayout` means slot: the free lists, tables and page counts are per slot.
 
 Retention (docs/retention_rule.md): with `n` tokens processed, block `i` of a SWA head (window W, sink S) is dead
-iff `i >= ceil(S / bs)` and `(i + 1) * bs <= n - W + 1`; every sliding type applies it with its own W and S. Dead blocks therefore form one contiguous
-range `[sink_blocks, first_window_block(n))`. Admission, allocation, capacity planning and
+iff `i >= ceil(S / bs)` and `(i + 1) * bs <= n - W + 1` (every sliding type with its own W and S). Dead
+blocks therefore form one contiguous range `[sink_blocks, first_window_block(n))`. Admission, allocation, capacity planning and
 recycling all go through `PageLayout`, so they cannot disagree about how many pages a head holds.
 """
 
