@@ -8,7 +8,10 @@ With the flag off a request keeps every token of every KV head until it ends. Wi
 (or sliding layer's) pages that leave its window go back to the free lists while the request runs, and any
 request may take them. `gemma-3-270m` slides five of its six layers (its own, window 512);
 `smollm2-135m-instruct` slides one of three KV heads per layer (its calibrated configuration, window 512,
-sink 64). Counted from the tables after every step: a 1-D block is one page of every slot.
+sink 64). Counted from the tables after every step: a 1-D block is one page of every slot. With
+`--head-wise-swa-config` (for instance a per-head window menu: `head_windows`) every model serves that spec
+instead; each sliding type recycles with its own window. Every step's count is checked against the
+page-need function (PageLayout.pages_per_rank), so the curve is also the one admission plans with.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="prefill chunk; at most the window, so no chunk limit of the scheduler changes the curve")
+    p.add_argument("--head-wise-swa-config", default=None,
+                   help="JSON head_wise_swa section served by every model (default: each model's own)")
     p.add_argument("--json", default=None, help="write every step's (tokens, pages) of each model and arm here")
     p.add_argument("--plot", default=None, help="write a PNG of pages held against tokens processed here")
     return p.parse_args(argv)
@@ -51,6 +56,7 @@ def pages_over_life(model: str, flags: dict, args) -> dict:
     total = args.prompt_len + args.output_len
     with envs.override(**flags):
         cfg = EngineArgs(model=model, max_model_len=total, block_size=args.block_size,
+                         head_wise_swa_config=args.head_wise_swa_config,
                          num_gpu_blocks_override=math.ceil(total / args.block_size) + 2, max_num_seqs=1,
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          enable_prefix_caching=False).create_engine_config()
@@ -66,7 +72,11 @@ def pages_over_life(model: str, flags: dict, args) -> dict:
         # the tokens the request has once the step is done.
         tables = request.block_tables_head_wise or [request.block_tables] * slots
         pages.append(sum(page >= 0 for row in tables for page in row))
-        tokens.append(request.num_computed_tokens + batch.requests[0].num_tokens)
+        step = batch.requests[0]
+        tokens.append(step.start + step.num_tokens)
+        if cfg.head_wise_kv_cache and pages[-1] != sum(rm.layout.pages_per_rank(step.start, step.num_tokens)):
+            raise AssertionError(f"{model}: the tables hold {pages[-1]} pages at {step.start} + {step.num_tokens}, "
+                                 f"the page-need function says {rm.layout.pages_per_rank(step.start, step.num_tokens)}")
         rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
         rm.cache_manager.check_integrity()
     return {"layout": cfg.slot_layout.describe(), "tokens": tokens, "pages": pages,

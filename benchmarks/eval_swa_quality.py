@@ -13,7 +13,8 @@ uneven counts too; null = full attention) this runs the engine and reports, agai
   template, the answer's first words given after the generation prompt;
 - greedy chat continuations (`--parts chat`): CHAT_PROMPTS in the model's chat template, each
   config's greedy tokens against the first config's (the float32 full-attention run);
-- the page-need ceiling at the evaluated lengths (cache_manager/head_wise.py PageLayout).
+- the page-need ceiling at the evaluated lengths, at the prefill peak and once decoding (the engine's
+  own slot layout and cache_manager/head_wise.py PageLayout, every sliding type recycling).
 
 Which path runs a configuration: full attention on the 1-D paged path (APPEND_ATTN); a servable
 configuration (the same count in every layer) on the head-wise paged path with recycling ON
@@ -315,29 +316,39 @@ def chat_metrics(outputs: list, reference: list) -> dict:
 
 
 # -- memory ------------------------------------------------------------------------------------
-def page_need_ceiling(spec, num_layers: int, num_kv: int, lengths, block_size: int) -> dict:
-    """Peak pages of one request with full attention / with this config's recycling, per length.
-    Servable configs: the engine's own layout (heads slide in shared slots). Uneven ones: the same
-    page-need function per (layer, head) pair, as a pair-granular page pool would hold them."""
-    from fastdeploy.cache_manager.head_wise import PageLayout
+def page_need_layouts(spec, num_layers: int, num_kv: int, block_size: int, layer_windows=None) -> tuple:
+    """(recycling off, recycling on) page layouts of a spec on one rank, as the engine lays it out: the
+    attention type of every (layer, KV head) pair (its own window where the spec gives one, the model's
+    sliding layers included), the slot layout of those types, every sliding type recycling with its own
+    window and sink."""
+    from dataclasses import replace
 
-    out = {}
-    if spec is None:
-        return {str(n): 1.0 for n in lengths}
-    layers = swa_patterns.per_layer(spec["swa_kv_heads"], num_layers)
-    w, s = spec["sliding_window"], spec["sink_size"]
-    for n in lengths:
-        if swa_patterns.is_even(layers):
-            on = PageLayout(block_size, num_kv, 1, tuple(range(len(layers[0]))), w, s, recycle=True)
-            off = PageLayout(block_size, num_kv, 1, tuple(range(len(layers[0]))), w, s, recycle=False)
-            out[str(n)] = off.peak_pages_per_rank(n, 1, CHUNK)[0] / on.peak_pages_per_rank(n, 1, CHUNK)[0]
-        else:
-            full = PageLayout(block_size, 1, 1, (), w, s, recycle=False).peak_pages_per_rank(n, 1, CHUNK)[0]
-            slide = PageLayout(block_size, 1, 1, (0,), w, s, recycle=True).peak_pages_per_rank(n, 1, CHUNK)[0]
-            pairs_swa = sum(len(h) for h in layers)
-            pairs = num_layers * num_kv
-            out[str(n)] = pairs * full / ((pairs - pairs_swa) * full + pairs_swa * slide)
-    return out
+    from fastdeploy.cache_manager.head_wise import PageLayout
+    from fastdeploy.cache_manager.slots import assign_slots
+    from fastdeploy.config import HeadWiseSWAConfig
+    from fastdeploy.model_executor.layers.attention.swa_spec import type_table
+
+    parsed = HeadWiseSWAConfig.from_dict(spec, num_kv, num_layers) if spec is not None else None
+    slots = assign_slots(type_table(num_layers, num_kv, layer_windows, parsed), 1)
+    groups = slots.sliding_groups()
+    on = PageLayout(block_size, slots.num_slots, 1, recycle=bool(groups), sliding=groups)
+    return replace(on, recycle=False), on
+
+
+def page_need_ceiling(spec, num_layers: int, num_kv: int, lengths, block_size: int, at: str = "prefill",
+                      layer_windows=None) -> dict:
+    """Pages one request of each length holds with full attention / with this config's recycling.
+
+    at="prefill": the peak of its life with one output token, i.e. the end of its last prefill chunk of
+    CHUNK tokens (where a chunk's transient holds window + chunk tokens in every sliding slot);
+    at="decode": the step computing its last token, once decoding (sink + window per sliding slot)."""
+    off, on = page_need_layouts(spec, num_layers, num_kv, block_size, layer_windows)
+    if at == "prefill":
+        return {str(n): off.peak_pages_per_rank(n, 1, CHUNK)[0] / on.peak_pages_per_rank(n, 1, CHUNK)[0]
+                for n in lengths}
+    if at == "decode":
+        return {str(n): off.pages_per_rank(n - 1, 1)[0] / on.pages_per_rank(n - 1, 1)[0] for n in lengths}
+    raise ValueError(f"page_need_ceiling: at must be 'prefill' or 'decode', got {at!r}")
 
 
 # -- driver ------------------------------------------------------------------------------------
@@ -477,7 +488,10 @@ def main(argv=None) -> int:
             row["path"] = ran
             row["retrieval"] = retrieval_metrics(llm, prompts)
             llm.engine.close()
-        row["page_need_ceiling"] = page_need_ceiling(spec, num_layers, num_kv, lengths, args.block_size)
+        row["page_need_ceiling"] = page_need_ceiling(spec, num_layers, num_kv, lengths, args.block_size,
+                                                     layer_windows=mc.layer_sliding_window)
+        row["page_need_ceiling_decode"] = page_need_ceiling(spec, num_layers, num_kv, lengths, args.block_size,
+                                                            at="decode", layer_windows=mc.layer_sliding_window)
         if quant != "none":  # the same KV memory holds this many times float32's pages
             ratio = 4 * mc.head_dim / kv_quant.row_bytes(quant, 4, mc.head_dim)
             row["kv_pages_x"] = {n: round(ratio * c, 3) for n, c in row["page_need_ceiling"].items()}
@@ -491,7 +505,8 @@ def main(argv=None) -> int:
         log(f"{name} [{ran}]: KL {t['kl_mean_past_window']:.4f} top1 {t['top1_past_window']:.3f} "
             f"ppl {t['perplexity']:.3f} exact-below-window {t['exact_below_window']} "
             f"(max |diff| {t['max_abs_logprob_diff_below_window']:.2e}) retrieval {found}/{total} "
-            f"ceiling@{lengths[-1]} {row['page_need_ceiling'][str(lengths[-1])]:.2f} ({row['seconds']} s)")
+            f"ceiling@{lengths[-1]} {row['page_need_ceiling'][str(lengths[-1])]:.2f} prefill / "
+            f"{row['page_need_ceiling_decode'][str(lengths[-1])]:.2f} decoding ({row['seconds']} s)")
         if spec is not None and t.get("below_window_check") == "FAIL":
             log(f"WARNING {name}: positions below sink + window differ from full attention")
         if args.json:
@@ -521,7 +536,7 @@ def merged(files: list) -> dict:
 
 def print_table(rows: dict, lengths: list) -> None:
     print("| config | path | KL past window | top-1 past window | ppl | below sink + window | retrieval found | "
-          + " | ".join(f"ceiling@{n}" for n in lengths) + " |")
+          + " | ".join(f"ceiling@{n} prefill / decode" for n in lengths) + " |")
     print("|---" * (7 + len(lengths)) + "|")
     for name, r in rows.items():
         t = r.get("text")
@@ -529,9 +544,10 @@ def print_table(rows: dict, lengths: list) -> None:
                  t.get("below_window_check", "exact" if t["exact_below_window"] else "FAIL")] if t else ["-"] * 4
         ret = r.get("retrieval")
         found = f"{sum(x['found'] for x in ret)}/{sum(x['total'] for x in ret)}" if ret else "-"
-        ceil = r.get("page_need_ceiling", {})
+        ceil, dec = r.get("page_need_ceiling", {}), r.get("page_need_ceiling_decode", {})
         print(f"| {name} | {r['path']} | " + " | ".join(cells) + f" | {found} | "
-              + " | ".join(f"{ceil[str(n)]:.2f}" if str(n) in ceil else "-" for n in lengths) + " |")
+              + " | ".join((f"{ceil[str(n)]:.2f}" if str(n) in ceil else "-") + " / "
+                           + (f"{dec[str(n)]:.2f}" if str(n) in dec else "-") for n in lengths) + " |")
     cells = sorted({(x["variant"], x["length"]) for r in rows.values() for x in r.get("retrieval", [])})
     if not cells:
         return

@@ -178,14 +178,8 @@ class FDConfig:
 
         types = attention_type_table(self.model_config)
         self.slot_layout = assign_slots(types, self.parallel_config.tensor_parallel_size)
-        sliding = self.slot_layout.sliding_types
-        if self.head_wise_kv_cache and self.swa_recycle and len(sliding) > 1:
-            kept = [str(t) for t in sliding if t != self.slot_layout.recycled_type]
-            logger.warning("KV slots: %d sliding attention types; the slots of %s recycle, those of %s keep every "
-                           "page (recycling follows one window and sink per model)", len(sliding),
-                           self.slot_layout.recycled_type, ", ".join(kept))
         if self.model_config.layer_sliding_window is not None or self.slot_layout.num_lanes != \
-                self.model_config.num_hidden_layers:
+                self.model_config.num_hidden_layers or len(self.slot_layout.sliding_types) > 1:
             logger.info("KV slots: %s", self.slot_layout.describe())
 
     def _check_device(self) -> None:

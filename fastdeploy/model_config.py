@@ -34,18 +34,25 @@ class HeadWiseSWAConfig:
     `swa_kv_heads` is then the heads that slide in *every* layer, the only ones whose pages (a page
     is one KV head in all layers) may be recycled. Head indices are in the load-time KV-head order
     (ModelConfig.layer_kv_head_order), which start-up may permute (FDConfig, swa_head_placement.py).
+
+    Per-head windows (design §17): with the per-layer form, `head_windows` / `head_sinks` give each
+    listed head its own window / sink (lists of the same shape as `swa_kv_heads`); a head without one
+    uses `sliding_window` / `sink_size`. They are kept parallel to `layer_kv_heads` (sorted by head) and
+    move with their heads when the KV heads are permuted (`permuted`).
     """
 
     sliding_window: int
     sink_size: int
     swa_kv_heads: tuple
     layer_kv_heads: Optional[tuple] = None  # one sorted tuple per layer, or None: swa_kv_heads everywhere
+    layer_head_windows: Optional[tuple] = None  # per layer, the window of each of layer_kv_heads[l]; None: all W
+    layer_head_sinks: Optional[tuple] = None  # per layer, the sink of each of layer_kv_heads[l]; None: all S
 
     @classmethod
     def from_dict(cls, spec: Any, num_kv_heads: int, num_layers: Optional[int] = None) -> "HeadWiseSWAConfig":
         where = "head_wise_swa"
         spec = json_object(spec, where, "with sliding_window, sink_size, swa_kv_heads")
-        unknown = set(spec) - {"sliding_window", "sink_size", "swa_kv_heads"}
+        unknown = set(spec) - {"sliding_window", "sink_size", "swa_kv_heads", "head_windows", "head_sinks"}
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
         for name in ("sliding_window", "sink_size", "swa_kv_heads"):
@@ -60,6 +67,10 @@ class HeadWiseSWAConfig:
             raise ValueError(f"{where}.swa_kv_heads must be a non-empty list of KV head indices (or one list "
                              f"per layer), got {heads!r}")
         if not any(isinstance(h, (list, tuple)) for h in heads):
+            for name in ("head_windows", "head_sinks"):
+                if name in spec:
+                    raise ValueError(f"{where}.{name} needs swa_kv_heads as one list per layer (it gives the "
+                                     f"window or sink of each listed head, layer by layer)")
             one = _head_set(heads, num_kv_heads, f"{where}.swa_kv_heads")
             return cls(int(window), int(sink), one)
         if not all(isinstance(h, (list, tuple)) for h in heads):
@@ -71,7 +82,26 @@ class HeadWiseSWAConfig:
         layers = tuple(_head_set(h, num_kv_heads, f"{where}.swa_kv_heads[layer {i}]") for i, h in enumerate(heads))
         if not any(layers):
             raise ValueError(f"{where}.swa_kv_heads: no layer lists a SWA head")
-        return cls(int(window), int(sink), _in_every_layer(layers), layers)
+        windows = _per_head_values(spec, "head_windows", heads, 1, where)
+        sinks = _per_head_values(spec, "head_sinks", heads, 0, where)
+        return cls(int(window), int(sink), _in_every_layer(layers), layers, windows, sinks)
+
+    def head_type(self, layer: int, head: int) -> tuple:
+        """(window, sink) of one sliding head of one layer (load-time order)."""
+        heads = self.heads_of_layer(layer)
+        if head not in heads:
+            raise ValueError(f"head_wise_swa: KV head {head} does not slide in layer {layer}")
+        i = heads.index(head)
+        window = self.sliding_window if self.layer_head_windows is None else self.layer_head_windows[layer][i]
+        sink = self.sink_size if self.layer_head_sinks is None else self.layer_head_sinks[layer][i]
+        return window, sink
+
+    @property
+    def per_head_windows(self) -> bool:
+        """True when some sliding head has a window or sink of its own (not every head the same)."""
+        return self.layer_kv_heads is not None and len({self.head_type(layer, h)
+                                                        for layer, heads in enumerate(self.layer_kv_heads)
+                                                        for h in heads}) > 1
 
     def heads_of_layer(self, layer: int) -> tuple:
         """The SWA KV heads of one layer (load-time order)."""
@@ -82,9 +112,12 @@ class HeadWiseSWAConfig:
         return self.layer_kv_heads is None or len(set(self.layer_kv_heads)) == 1
 
     def with_layer_heads(self, layers: tuple) -> "HeadWiseSWAConfig":
-        """The same spec with new per-layer head sets (after a KV-head permutation)."""
+        """The same spec with new per-layer head sets (after a KV-head permutation). Only for a spec whose
+        heads all share one window and sink: with per-head windows use `permuted`, which moves them."""
         from dataclasses import replace
 
+        if self.layer_head_windows is not None or self.layer_head_sinks is not None:
+            raise ValueError("internal: per-head windows must move with their heads: use permuted()")
         layers = tuple(tuple(sorted(h)) for h in layers)
         if self.layer_kv_heads is None:
             if len(set(layers)) != 1:
@@ -92,9 +125,51 @@ class HeadWiseSWAConfig:
             return replace(self, swa_kv_heads=layers[0])
         return replace(self, swa_kv_heads=_in_every_layer(layers), layer_kv_heads=layers)
 
+    def permuted(self, steps: list) -> "HeadWiseSWAConfig":
+        """The spec after new KV head i of layer l takes what head steps[l][i] held: the sliding heads move,
+        and so do their windows and sinks."""
+        from dataclasses import replace
+
+        layers = range(len(steps))
+        moved = [[(i, self.head_type(l, s)) for i, s in enumerate(steps[l]) if s in self.heads_of_layer(l)]
+                 for l in layers]
+        heads = tuple(tuple(i for i, _ in row) for row in moved)
+        if self.layer_head_windows is None and self.layer_head_sinks is None:
+            return self.with_layer_heads(heads)
+        windows = tuple(tuple(t[0] for _, t in row) for row in moved) if self.layer_head_windows else None
+        sinks = tuple(tuple(t[1] for _, t in row) for row in moved) if self.layer_head_sinks else None
+        return replace(self, swa_kv_heads=_in_every_layer(heads), layer_kv_heads=heads,
+                       layer_head_windows=windows, layer_head_sinks=sinks)
+
     def to_dict(self) -> dict:
         heads = list(self.swa_kv_heads) if self.layer_kv_heads is None else [list(h) for h in self.layer_kv_heads]
-        return {"sliding_window": self.sliding_window, "sink_size": self.sink_size, "swa_kv_heads": heads}
+        out = {"sliding_window": self.sliding_window, "sink_size": self.sink_size, "swa_kv_heads": heads}
+        if self.layer_head_windows is not None:
+            out["head_windows"] = [list(w) for w in self.layer_head_windows]
+        if self.layer_head_sinks is not None:
+            out["head_sinks"] = [list(s) for s in self.layer_head_sinks]
+        return out
+
+
+def _per_head_values(spec: dict, name: str, heads: list, least: int, where: str) -> Optional[tuple]:
+    """`head_windows` / `head_sinks`: one list per layer parallel to `swa_kv_heads`, each value an integer
+    >= `least`; returned per layer in the order of the sorted heads. None when the field is absent."""
+    values = spec.get(name)
+    if values is None:
+        return None
+    if not isinstance(values, (list, tuple)) or len(values) != len(heads):
+        raise ValueError(f"{where}.{name} must be one list per layer like swa_kv_heads ({len(heads)} lists), "
+                         f"got {values!r}")
+    out = []
+    for layer, (row, listed) in enumerate(zip(values, heads)):
+        if not isinstance(row, (list, tuple)) or len(row) != len(listed):
+            raise ValueError(f"{where}.{name}[layer {layer}] must give one value for each of the "
+                             f"{len(listed)} heads swa_kv_heads[layer {layer}] lists, got {row!r}")
+        for v in row:
+            if not _is_int(v) or v < least:
+                raise ValueError(f"{where}.{name}[layer {layer}]: {v!r} must be an integer >= {least}")
+        out.append(tuple(int(v) for _, v in sorted(zip(listed, row))))
+    return tuple(out)
 
 
 def _head_set(heads: Any, num_kv_heads: int, where: str) -> tuple:

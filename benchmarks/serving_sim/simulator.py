@@ -433,7 +433,7 @@ class Scenario:
 
             # The SWA heads each rank holds, after any --balance-swa-heads permutation.
             layout = PageLayout.from_config(make_fd_config(settings, recycle=True))
-            per_rank = [n_swa for _, n_swa in layout.rank_head_counts()]
+            per_rank = [sum(counts[1:]) for counts in layout.rank_head_counts()]
             return TensorParallelStepModel(shape, self.hardware, self.overhead_ms / 1e3, per_rank, self.window,
                                            self.sink, self.dtype_bytes)
         return StepModel(shape, self.hardware, self.overhead_ms / 1e3, self.swa_heads, self.window, self.sink,

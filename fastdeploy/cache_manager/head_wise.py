@@ -8,8 +8,8 @@ layer). Block `b` of a lane tensor `[num_blocks, G, block_size, head_dim]` holds
 `PageLayout` means slot: the free lists, tables and page counts are per slot.
 
 Retention (docs/retention_rule.md): with `n` tokens processed, block `i` of a SWA head (window W, sink S) is dead
-iff `i >= ceil(S / bs)` and `(i + 1) * bs <= n - W + 1`. Dead blocks therefore form one contiguous
-range `[sink_blocks, first_window_block(n))`. Admission, allocation, capacity planning and
+iff `i >= ceil(S / bs)` and `(i + 1) * bs <= n - W + 1` (every sliding type with its own W and S). Dead
+blocks therefore form one contiguous range `[sink_blocks, first_window_block(n))`. Admission, allocation, capacity planning and
 recycling all go through `PageLayout`, so they cannot disagree about how many pages a head holds.
 """
 
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+
+from fastdeploy.cache_manager.slots import AttentionType
 
 
 def cdiv(a: int, b: int) -> int:
@@ -64,12 +66,19 @@ def table_length(num_tokens: int, block_size: int) -> int:
 
 @dataclass(frozen=True)
 class PageLayout:
-    """How many pages each KV head holds, for one engine configuration.
+    """How many pages each slot holds, for one engine configuration.
 
     `recycle` is False for 1-D mode and for head-wise mode with FD_HEAD_WISE_SWA_RECYCLE=0:
     then SWA heads keep every page like full heads (the attention semantics do not change).
-    `num_kv_heads` counts slots (all ranks) and `swa_kv_heads` the sliding slots (from_config reads
-    the slot layout); with one lane per layer these are the KV heads and the SWA heads.
+    `num_kv_heads` counts slots (all ranks). Every sliding type recycles with its own window and sink
+    (design §17): `sliding` holds ((AttentionType, its global slots), ...) in type order. A layout with
+    one sliding type may be given the old way, `swa_kv_heads` + `window` + `sink` (then those are the
+    truth and `sliding` follows from them); with several types `sliding` is the truth, `swa_kv_heads` is
+    the union of their slots and `window` / `sink` the widest type's (read only by one-window callers).
+
+    Page counts are per *column*: column 0 the slots that keep every page, column 1 + k the recycling
+    slots of sliding type k (`pages_needed`, `rank_head_counts`). With one sliding type (or none) the
+    columns are exactly (full, recycling), as before several types existed.
     """
 
     block_size: int
@@ -79,20 +88,39 @@ class PageLayout:
     window: int = 0
     sink: int = 0
     recycle: bool = False
+    sliding: tuple = ()
+
+    def __post_init__(self):
+        groups = tuple(self.sliding)
+        if len(groups) == 1 and not self.swa_kv_heads:  # one type given as a group: fill the one-type fields
+            (kind, slots), = groups
+            for name, value in (("swa_kv_heads", tuple(slots)), ("window", kind.window), ("sink", kind.sink)):
+                object.__setattr__(self, name, value)
+        if len(groups) <= 1:  # the one-type form: (swa_kv_heads, window, sink) are the truth
+            groups = ((AttentionType(self.window, self.sink), tuple(self.swa_kv_heads)),) if self.swa_kv_heads \
+                else ()
+        else:
+            groups = tuple(sorted((kind, tuple(sorted(slots))) for kind, slots in groups))
+            widest = max(kind for kind, _ in groups)
+            object.__setattr__(self, "swa_kv_heads", tuple(sorted(s for _, slots in groups for s in slots)))
+            object.__setattr__(self, "window", widest.window)
+            object.__setattr__(self, "sink", widest.sink)
+        object.__setattr__(self, "sliding", groups)
+        # One sliding type (or none): the page-need calls below take the two-column path of the scheduler's
+        # every step, with the arithmetic of a single (window, sink).
+        object.__setattr__(self, "_one_type", len(groups) <= 1)
 
     @classmethod
     def from_config(cls, fd_config) -> "PageLayout":
         slots = fd_config.slot_layout
-        kind = slots.recycled_type
-        return cls(
-            block_size=fd_config.cache_config.block_size,
-            num_kv_heads=slots.num_slots,
-            tensor_parallel_size=fd_config.parallel_config.tensor_parallel_size,
-            swa_kv_heads=slots.slots_of(kind) if kind else (),
-            window=kind.window if kind else 0,
-            sink=kind.sink if kind else 0,
-            recycle=fd_config.swa_recycle_active,
-        )
+        groups = slots.sliding_groups()
+        common = dict(block_size=fd_config.cache_config.block_size, num_kv_heads=slots.num_slots,
+                      tensor_parallel_size=fd_config.parallel_config.tensor_parallel_size,
+                      recycle=fd_config.swa_recycle_active)
+        if len(groups) == 1:
+            (kind, heads), = groups
+            return cls(**common, swa_kv_heads=heads, window=kind.window, sink=kind.sink)
+        return cls(**common, sliding=groups)
 
     @property
     def heads_per_rank(self) -> int:
@@ -100,68 +128,118 @@ class PageLayout:
 
     @property
     def recycling_heads(self) -> tuple:
-        """Global KV heads whose out-of-window pages are returned early."""
+        """Global slots whose out-of-window pages are returned early (every sliding type's)."""
         return self.swa_kv_heads if self.recycle else ()
+
+    @property
+    def recycling_groups(self) -> tuple:
+        """((AttentionType, its global slots), ...) of the types that recycle; () when nothing does."""
+        return self.sliding if self.recycle else ()
+
+    @cached_property
+    def _column_types(self) -> tuple:
+        """The type of each recycling column: one per sliding type, or one (of this window) when none."""
+        return tuple(kind for kind, _ in self.sliding) or (AttentionType(self.window, self.sink),)
 
     def rank_of(self, head: int) -> int:
         return head // self.heads_per_rank
 
     def rank_head_counts(self) -> list:
-        """Per rank: (heads that keep every page, heads that recycle)."""
+        """Per rank: (slots that keep every page, recycling slots of each sliding type...)."""
         return list(self._rank_head_counts)
 
     @cached_property
     def _rank_head_counts(self) -> tuple:  # read by every page-need call: computed once
-        counts = [[self.heads_per_rank, 0] for _ in range(self.tensor_parallel_size)]
-        for h in self.recycling_heads:
-            counts[self.rank_of(h)][0] -= 1
-            counts[self.rank_of(h)][1] += 1
+        columns = len(self._column_types)
+        counts = [[self.heads_per_rank] + [0] * columns for _ in range(self.tensor_parallel_size)]
+        for k, (_, slots) in enumerate(self.recycling_groups):
+            for h in slots:
+                counts[self.rank_of(h)][0] -= 1
+                counts[self.rank_of(h)][1 + k] += 1
         return tuple(tuple(c) for c in counts)
 
+    def _single_type(self, what: str) -> AttentionType:
+        if len(self._column_types) != 1:
+            raise ValueError(f"PageLayout.{what}: the layout has {len(self._column_types)} sliding types; "
+                             f"ask per type")
+        return self._column_types[0]
+
     # -- the one page-need function ------------------------------------------------------------
-    def dead_blocks(self, num_processed: int) -> int:
-        """Dead (recyclable) blocks of a recycling head after `num_processed` tokens."""
+    def dead_blocks_per_type(self, num_processed: int) -> tuple:
+        """Dead (recyclable) blocks of each recycling column after `num_processed` tokens."""
         if not self.recycle:
-            return 0
-        return num_dead_blocks(num_processed, self.window, self.sink, self.block_size)
+            return (0,) * len(self._column_types)
+        bs = self.block_size
+        if self._one_type:
+            return (num_dead_blocks(num_processed, self.window, self.sink, bs),)
+        return tuple(num_dead_blocks(num_processed, t.window, t.sink, bs) if t.sliding else 0
+                     for t in self._column_types)
+
+    def dead_blocks(self, num_processed: int) -> int:
+        """Dead (recyclable) blocks of a recycling head after `num_processed` tokens (one sliding type)."""
+        self._single_type("dead_blocks")
+        return self.dead_blocks_per_type(num_processed)[0]
 
     def pages_needed(self, num_processed: int, num_new: int) -> tuple:
-        """Live pages (full head, recycling head) for a step computing tokens [n, n + num_new).
+        """Live pages (full slot, recycling slot of each type...) for a step computing tokens [n, n + num_new).
 
         Dead blocks are judged on the processed-token basis `n`: every query of the step has
         position >= n, so nothing it can see lies in a block dead at n.
         """
         full = table_length(num_processed + num_new, self.block_size)
-        return full, full - self.dead_blocks(num_processed)
+        if self._one_type:
+            if not self.recycle:
+                return full, full
+            return full, full - num_dead_blocks(num_processed, self.window, self.sink, self.block_size)
+        return (full,) + tuple(full - d for d in self.dead_blocks_per_type(num_processed))
 
     def pages_per_rank(self, num_processed: int, num_new: int) -> list:
         """Live pages a request needs on each rank for that step."""
-        full, recycling = self.pages_needed(num_processed, num_new)
-        return [n_full * full + n_rec * recycling for n_full, n_rec in self.rank_head_counts()]
+        if self._one_type:  # (full, recycling): the hot path of every scheduler step
+            full, recycling = self.pages_needed(num_processed, num_new)
+            return [n_full * full + n_rec * recycling for n_full, n_rec in self._rank_head_counts]
+        need = self.pages_needed(num_processed, num_new)
+        return [sum(c * p for c, p in zip(counts, need)) for counts in self._rank_head_counts]
 
     def largest_chunk_within(self, num_processed: int, num_new: int, limit_per_rank: list) -> int:
         """Most tokens (at most `num_new`) a step starting at `n` may compute while
         `pages_per_rank(n, c)` stays within `limit_per_rank` on every rank; 0 if not even one fits.
 
         The need grows with c only through the table length F = ceil((n + c) / bs); the dead blocks
-        are fixed by n. So on a rank with f keeping and r recycling heads the bound is
-        (f + r) * F - r * dead(n) <= limit, i.e. F <= (limit + r * dead(n)) // (f + r).
+        are fixed by n. So on a rank with f keeping slots and r_k recycling slots of type k the bound is
+        (f + sum r_k) * F - sum r_k * dead_k(n) <= limit, i.e. F <= (limit + sum r_k * dead_k(n)) // (f + sum r_k).
         """
         if num_new <= 0:
             return 0
-        dead = self.dead_blocks(num_processed)
         best = num_new
-        for (n_full, n_rec), limit in zip(self.rank_head_counts(), limit_per_rank):
-            max_len = (limit + n_rec * dead) // (n_full + n_rec)
+        if self._one_type:
+            dead = self.dead_blocks_per_type(num_processed)[0]
+            for (n_full, n_rec), limit in zip(self._rank_head_counts, limit_per_rank):
+                max_len = (limit + n_rec * dead) // (n_full + n_rec)
+                best = min(best, max_len * self.block_size - num_processed)
+            return max(0, best)
+        dead = self.dead_blocks_per_type(num_processed)
+        for counts, limit in zip(self._rank_head_counts, limit_per_rank):
+            freed = sum(r * d for r, d in zip(counts[1:], dead))
+            max_len = (limit + freed) // sum(counts)
             best = min(best, max_len * self.block_size - num_processed)
         return max(0, best)
 
     def cut_chunk(self, budget: int) -> int:
         """The chunk a prefill is cut to when pages are short: the window in whole blocks (at least one
-        block, at most the budget); the budget itself where nothing recycles (a cut frees nothing)."""
+        block, at most the budget); the budget itself where nothing recycles (a cut frees nothing).
+
+        With several sliding types the cut is the *widest* window's blocks: a chunk that long holds at
+        most twice the widest window in any recycling slot, and no type's prefill is cut below what the
+        widest one allows (cutting to a narrower window would shorten every chunk further for a
+        transient saving on the narrow slots alone). The chunk rule (`chunk_for`) still takes the cut
+        only where it lets more requests run; rank_ceilings always takes it (a shorter chunk starts later,
+        past more dead blocks, so it never raises a peak).
+        """
         if not self.recycling_heads:
             return budget
-        return min(budget, max(self.block_size, self.block_size * cdiv(self.window, self.block_size)))
+        widest = max(kind.window for kind, _ in self.recycling_groups)
+        return min(budget, max(self.block_size, self.block_size * cdiv(widest, self.block_size)))
 
     def chunk_for(self, budget: int, running_with) -> int:
         """The one chunk rule: one request's prefill chunk fills the step's budget, unless cutting it to
@@ -181,25 +259,43 @@ class PageLayout:
         return budget
 
     @cached_property
-    def recycling_live_max(self) -> int:
-        """Most pages a recycling head holds in any one-token step: sink blocks plus the window's span.
+    def live_max_per_type(self) -> tuple:
+        """Per recycling column: most pages one of its slots holds in any one-token step, the sink blocks
+        plus the window's span (0 when nothing recycles).
 
         Past the window the count repeats with period block_size, so one period beyond it suffices.
         """
         if not self.recycle:
-            return 0
-        horizon = self.window + sink_blocks(self.sink, self.block_size) * self.block_size + 2 * self.block_size
-        return max(table_length(m + 1, self.block_size) - self.dead_blocks(m) for m in range(horizon))
+            return (0,) * len(self._column_types)
+        bs = self.block_size
+        out = []
+        for k, kind in enumerate(self._column_types):
+            horizon = kind.window + sink_blocks(kind.sink, bs) * bs + 2 * bs
+            out.append(max(table_length(m + 1, bs) - self.dead_blocks_per_type(m)[k] for m in range(horizon)))
+        return tuple(out)
 
-    def recycling_head_bound(self, last_position: int) -> int:
-        """`y` of the linear bound on one-token steps of a request whose last step is at `last_position`.
+    @property
+    def recycling_live_max(self) -> int:
+        """live_max_per_type of a layout with one sliding type."""
+        self._single_type("recycling_live_max")
+        return self.live_max_per_type[0]
 
-        For every position m <= last_position, on a rank with f keeping and r recycling heads:
-        block_size * sum(pages_per_rank(m, 1)) <= f * (m + block_size) + r * y. The bound is
+    def recycling_bounds(self, last_position: int) -> tuple:
+        """`y_k` of the linear bound on one-token steps of a request whose last step is at `last_position`,
+        one per recycling column.
+
+        For every position m <= last_position, on a rank with f keeping and r_k recycling slots of type k:
+        block_size * sum(pages_per_rank(m, 1)) <= f * (m + block_size) + sum_k r_k * y_k. The bound is
         non-decreasing in m and exact up to rounding (ceil((m+1)/bs) <= (m+bs)/bs); the admission
         projection sums it over requests in closed form.
         """
-        return self.block_size * min(table_length(last_position + 1, self.block_size), self.recycling_live_max)
+        length = table_length(last_position + 1, self.block_size)
+        return tuple(self.block_size * min(length, live) for live in self.live_max_per_type)
+
+    def recycling_head_bound(self, last_position: int) -> int:
+        """recycling_bounds of a layout with one sliding type."""
+        self._single_type("recycling_head_bound")
+        return self.recycling_bounds(last_position)[0]
 
     def step_shapes(self, prompt_len: int, max_new_tokens: int, max_chunk: int):
         """(n, num_new) of the steps at which a request's page need can peak.
@@ -277,7 +373,7 @@ def rank_ceilings(fd_config, input_len: int, output_len: int) -> dict:
     peak_off, peak_on = (layout.peak_pages_per_rank(input_len, output_len, layout.cut_chunk(chunk))
                          for layout in (off, on))
     return {
-        "swa_heads_per_rank": [n_rec for _, n_rec in on.rank_head_counts()],
+        "swa_heads_per_rank": [sum(counts[1:]) for counts in on.rank_head_counts()],
         "per_rank": [a / b for a, b in zip(peak_off, peak_on)],
         "ceiling": max(peak_off) / max(peak_on),
     }

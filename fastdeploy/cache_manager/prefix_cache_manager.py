@@ -143,8 +143,7 @@ class PrefixCacheManager:
             layout = self.layout
             slot_rank = [h // self.heads_per_rank for h in range(layout.num_kv_heads)] if self.head_wise else [0]
             self.prefix_cache = PrefixCache(
-                self._pools, slot_rank, layout.recycling_heads if self.head_wise else (), layout.block_size,
-                layout.window, layout.sink)
+                self._pools, slot_rank, layout.recycling_groups if self.head_wise else (), layout.block_size)
 
     # -- 1-D mode ------------------------------------------------------------------------------
     def can_allocate_gpu_blocks(self, num_blocks: int) -> bool:

@@ -64,17 +64,28 @@ STALE_SWA, WHOLE_LEAF, OTHER = 0, 1, 2  # eviction classes, cheapest first
 class BlockNode:
     """One cached full block: its pages per slot and the bookkeeping the eviction policy needs."""
 
-    __slots__ = ("parent", "key", "depth", "children", "pages", "num_referenced", "protect", "anchor")
+    __slots__ = ("parent", "key", "depth", "children", "pages", "num_referenced", "protects", "anchor")
 
-    def __init__(self, parent: Optional["BlockNode"], key: Optional[tuple], depth: int, num_slots: int):
+    def __init__(self, parent: Optional["BlockNode"], key: Optional[tuple], depth: int, num_slots: int,
+                 num_types: int = 1):
         self.parent = parent
         self.key = key
         self.depth = depth            # block index; the root is -1
         self.children: dict = {}
         self.pages = [-1] * num_slots
         self.num_referenced = 0       # pages (slots) of this block referenced by some request
-        self.protect = 0              # anchors whose SWA window covers this block
+        self.protects = [0] * num_types  # per recycling sliding type: anchors whose window covers this block
         self.anchor = False
+
+    @property
+    def protect(self) -> int:
+        """Anchors whose window (of the first recycling sliding type, the only one in most models) covers
+        this block."""
+        return self.protects[0]
+
+    @protect.setter
+    def protect(self, value: int) -> None:
+        self.protects[0] = value
 
     @property
     def detached(self) -> bool:
@@ -88,18 +99,26 @@ class BlockNode:
 class PrefixCache:
     """The trie, per-page reference sets and the eviction heaps over a set of page pools (one per rank)."""
 
-    def __init__(self, pools: list, slot_rank: list, recycling_slots: Iterable[int], block_size: int,
-                 window: int, sink: int):
+    def __init__(self, pools: list, slot_rank: list, recycling_groups: Iterable[tuple], block_size: int):
+        """`recycling_groups`: ((AttentionType, its slots), ...), every sliding type that recycles; each
+        type's hits, dead blocks and stale pages follow its own window and sink."""
         self.pools = pools
         self.slot_rank = list(slot_rank)
         self.num_slots = len(self.slot_rank)
-        rec = set(recycling_slots)
-        self.recycling = [s in rec for s in range(self.num_slots)]
-        self.full_slots = [s for s in range(self.num_slots) if s not in rec]
-        self.rec_slots = sorted(rec)
-        self.block_size, self.window = block_size, window
-        self.sink_blocks = sink_blocks(sink, block_size) if rec else 0
-        self.root = BlockNode(None, None, -1, self.num_slots)
+        groups = [(kind, sorted(slots)) for kind, slots in recycling_groups if slots]
+        self.types = [kind for kind, _ in groups]
+        self.type_slots = [slots for _, slots in groups]
+        self.type_of_slot = [None] * self.num_slots  # recycling type index of each slot (None: full)
+        for k, slots in enumerate(self.type_slots):
+            for s in slots:
+                self.type_of_slot[s] = k
+        self.recycling = [k is not None for k in self.type_of_slot]
+        self.full_slots = [s for s in range(self.num_slots) if not self.recycling[s]]
+        self.rec_slots = sorted(s for slots in self.type_slots for s in slots)
+        self.block_size = block_size
+        self.type_sink_blocks = [sink_blocks(kind.sink, block_size) for kind in self.types]
+        self.num_types = max(1, len(self.types))
+        self.root = BlockNode(None, None, -1, self.num_slots, self.num_types)
         ranks = len(pools)
         self.where = [dict() for _ in range(ranks)]      # page -> (node, slot)
         self.tick_of = [dict() for _ in range(ranks)]    # page -> release tick (LRU key)
@@ -125,35 +144,49 @@ class PrefixCache:
         return path[:self.valid_depth(path)]
 
     def valid_depth(self, path: list) -> int:
-        """Largest n <= len(path) such that the recycling heads hold what a query at n*bs can see."""
+        """Largest n <= len(path) such that every recycling type's slots hold what a query at n*bs can see
+        (their sink blocks and the blocks of their own window)."""
         n = len(path)
         if not self.rec_slots or not n:
             return n
-        pages_ok = lambda i: all(path[i].pages[s] >= 0 for s in self.rec_slots)  # noqa: E731
-        for i in range(min(self.sink_blocks, n)):
-            if not pages_ok(i):
-                return i  # a sink block every later query sees is gone
+        for k, slots in enumerate(self.type_slots):
+            for i in range(min(self.type_sink_blocks[k], n)):
+                if not all(path[i].pages[s] >= 0 for s in slots):
+                    n = i  # a sink block every later query sees is gone
+                    break
         while n > 0:
-            lo = max(self.sink_blocks, first_window_block(n * self.block_size, self.window, self.block_size))
-            missing = next((i for i in range(n - 1, lo - 1, -1) if not pages_ok(i)), None)
+            # For each type the last block of its window span that is missing; a hit longer than the
+            # latest of them can still see it (a type's window start only moves up with n).
+            missing = None
+            for k, slots in enumerate(self.type_slots):
+                lo = self.dead_end(n, k)
+                gone = next((i for i in range(n - 1, lo - 1, -1) if not all(path[i].pages[s] >= 0 for s in slots)),
+                            None)
+                if gone is not None and (missing is None or gone > missing):
+                    missing = gone
             if missing is None:
                 return n
-            n = missing  # every hit longer than `missing` can still see block `missing`
+            n = missing
         return 0
 
-    def dead_end(self, n: int) -> int:
-        """SWA blocks [sink_blocks, dead_end) are dead for a request resuming at n full blocks."""
-        return max(self.sink_blocks, first_window_block(n * self.block_size, self.window, self.block_size))
+    def dead_end(self, n: int, k: int = 0) -> int:
+        """Blocks [sink blocks, dead_end) of recycling type k are dead for a request resuming at n full blocks."""
+        if not self.types:
+            return 0
+        kind, bs = self.types[k], self.block_size
+        return max(self.type_sink_blocks[k], first_window_block(n * bs, kind.window, bs))
 
     def acquire(self, path: list, owner: Hashable) -> list:
         """Reference a valid hit; per slot, its page ids (-1 where a SWA block is already dead)."""
         n = len(path)
-        lo, hi = self.sink_blocks, self.dead_end(n)
+        dead = [(self.type_sink_blocks[k], self.dead_end(n, k)) for k in range(len(self.types))]
+        kinds = self.type_of_slot
         rows = [[] for _ in range(self.num_slots)]
         for i, node in enumerate(path):
             was_unreferenced = node.num_referenced == 0
             for s, p in enumerate(node.pages):
-                if self.recycling[s] and lo <= i < hi:
+                k = kinds[s]
+                if k is not None and dead[k][0] <= i < dead[k][1]:
                     rows[s].append(-1)
                     continue
                 rows[s].append(p)
@@ -179,7 +212,7 @@ class PrefixCache:
         node = parent.children.get(key)
         created = node is None
         if created:
-            node = BlockNode(parent, key, parent.depth + 1, self.num_slots)
+            node = BlockNode(parent, key, parent.depth + 1, self.num_slots, self.num_types)
         adopted, was_unreferenced = False, node.num_referenced == 0
         for s, p in enumerate(pages):
             if p < 0 or node.pages[s] >= 0:
@@ -267,7 +300,8 @@ class PrefixCache:
         self.evictable_per_home[rank][page % self.pools[rank].num_lists] += delta
 
     def _key(self, rank: int, node: BlockNode, slot: int, page: int) -> tuple:
-        if self.recycling[slot] and node.depth >= self.sink_blocks and node.protect == 0:
+        k = self.type_of_slot[slot]
+        if k is not None and node.depth >= self.type_sink_blocks[k] and node.protects[k] == 0:
             cls = STALE_SWA
         elif node.num_referenced == 0 and not node.children:
             cls = WHOLE_LEAF
@@ -343,7 +377,7 @@ class PrefixCache:
             self._repush(node)  # it may have become (or stopped being) a whole leaf
 
     def _update_anchor(self, node: BlockNode, force_off: bool = False) -> None:
-        """Keep `protect` = number of anchors whose SWA window covers each block."""
+        """Keep `protects[k]` = number of anchors whose window of recycling type k covers each block."""
         if not self.rec_slots:
             return
         want = not force_off and len(node.children) != 1  # a leaf or a branch point
@@ -351,14 +385,15 @@ class PrefixCache:
             return
         node.anchor = want
         delta = 1 if want else -1
-        lo = self.dead_end(node.depth + 1)
-        a = node
-        while a is not self.root and a.depth >= lo:
-            was_zero = a.protect == 0
-            a.protect += delta
-            if was_zero != (a.protect == 0):
-                self._repush(a)
-            a = a.parent
+        for k in range(len(self.types)):
+            lo = self.dead_end(node.depth + 1, k)
+            a = node
+            while a is not self.root and a.depth >= lo:
+                was_zero = a.protects[k] == 0
+                a.protects[k] += delta
+                if was_zero != (a.protects[k] == 0):
+                    self._repush(a)
+                a = a.parent
 
     # -- verification --------------------------------------------------------------------------
     def check(self) -> None:
@@ -375,7 +410,7 @@ class PrefixCache:
             raise AssertionError(f"trie has {len(nodes)} nodes, counter says {self.num_nodes}")
         seen = [0] * len(self.pools)
         evictable = [0] * len(self.pools)
-        protect = {id(n): 0 for n in nodes}
+        protect = {id(n): [0] * self.num_types for n in nodes}
         heap_entries = [set(heap) for heap in self.heaps]
         for node in nodes:
             if not node.children and all(p < 0 for p in node.pages):
@@ -402,13 +437,14 @@ class PrefixCache:
                 if anchor != node.anchor:
                     raise AssertionError(f"{node!r}: anchor flag {node.anchor}, expected {anchor}")
                 if anchor:
-                    lo, a = self.dead_end(node.depth + 1), node
-                    while a is not self.root and a.depth >= lo:
-                        protect[id(a)] += 1
-                        a = a.parent
+                    for k in range(len(self.types)):
+                        lo, a = self.dead_end(node.depth + 1, k), node
+                        while a is not self.root and a.depth >= lo:
+                            protect[id(a)][k] += 1
+                            a = a.parent
         for node in nodes:
-            if self.rec_slots and protect[id(node)] != node.protect:
-                raise AssertionError(f"{node!r}: protect {node.protect}, expected {protect[id(node)]}")
+            if self.rec_slots and protect[id(node)] != node.protects:
+                raise AssertionError(f"{node!r}: protect {node.protects}, expected {protect[id(node)]}")
         for rank, pool in enumerate(self.pools):
             if seen[rank] != len(self.where[rank]):
                 raise AssertionError(f"rank {rank}: {len(self.where[rank])} cached pages recorded, "

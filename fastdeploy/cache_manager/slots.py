@@ -8,7 +8,7 @@ holds `block_size` tokens of all k pairs of its slot, and a request's table has 
 
 Layers are assigned to lanes so that every lane holds the same number of pairs of each type (per
 tensor-parallel rank); then slot s can have one type in every lane ("every slot is pure") and the
-SWA retention rule recycles it as a whole. k is the largest lane count for which such an assignment
+SWA retention rule recycles it as a whole, with its own type's window and sink. k is the largest lane count for which such an assignment
 exists. A model whose layers all look alike (today's head-wise presets) gets k = L: a lane per
 layer, G = H and slot h = head h, so its pages are exactly those of the per-head layout.
 
@@ -85,17 +85,10 @@ class SlotLayout:
     def slots_of(self, kind: AttentionType) -> tuple:
         return tuple(s for s, t in enumerate(self.slot_types) if t == kind)
 
-    @property
-    def recycled_type(self) -> Optional[AttentionType]:
-        """The sliding type whose slots recycle: the one with the most slots (then the smallest window).
-
-        The page-need arithmetic follows one window and sink; slots of any other sliding type keep every
-        page like full slots (their attention still slides: that is the kernels' business). None when
-        nothing slides."""
-        kinds = self.sliding_types
-        if not kinds:
-            return None
-        return max(kinds, key=lambda t: (len(self.slots_of(t)), -t.window, -t.sink))
+    def sliding_groups(self) -> tuple:
+        """((type, its global slots), ...) for every sliding type, in type order: with recycling on, each
+        group's slots recycle with that type's window and sink (docs/retention_rule.md)."""
+        return tuple((kind, self.slots_of(kind)) for kind in self.sliding_types)
 
     def layers_of_lane(self, lane: int) -> tuple:
         return tuple(i for i, l in enumerate(self.lane_of_layer) if l == lane)

@@ -54,6 +54,10 @@ class LLMEngine:
         if swa is not None:
             logger.info("head_wise_swa from %s: window %d, sink %d", self.model_config.head_wise_swa_source,
                         swa.sliding_window, swa.sink_size)
+            if swa.per_head_windows:
+                logger.info("per-head windows (load-time order, per layer): windows %s, sinks %s",
+                            [[swa.head_type(l, h)[0] for h in heads] for l, heads in enumerate(swa.layer_kv_heads)],
+                            [[swa.head_type(l, h)[1] for h in heads] for l, heads in enumerate(swa.layer_kv_heads)])
         if swa is not None and swa.layer_kv_heads is not None:
             model = self.model_config
             logger.info("per-layer SWA KV heads (load-time order) %s; KV head order per layer %s",

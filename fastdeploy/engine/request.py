@@ -163,8 +163,10 @@ class Request:
         self.block_tables: list = []
         self.block_tables_head_wise: Optional[list] = None
         self.table_tokens = 0  # tokens the tables can address: entries x block_size
-        self.recycled_upto = 0  # SWA blocks in [sink blocks, recycled_upto) are recycled (-1)
-        self.next_recycle_at = 0  # processed-token count at which the next SWA block dies
+        # Per recycling sliding type (PageLayout.recycling_groups, in order): its slots' blocks in
+        # [that type's sink blocks, recycled_upto_by_type[k]) are recycled (-1).
+        self.recycled_upto_by_type: list = []
+        self.next_recycle_at = 0  # processed-token count at which the next SWA block (of any type) dies
         self.reserved_pages_per_rank: list = []  # peak pages held in reserve while running
         # Prefix caching: the trie node of the last block registered (or matched), how many leading
         # blocks are registered, the last lookup (cache version, path) and the tokens the last
@@ -184,6 +186,22 @@ class Request:
         self.stop_checked = 0  # characters of the output text searched for stop strings so far
         self.num_preemptions = 0
         self.first_token_time: Optional[float] = None
+
+    @property
+    def recycled_upto(self) -> int:
+        """recycled_upto_by_type of a model with one recycling sliding type (0 when nothing recycles)."""
+        ups = self.recycled_upto_by_type
+        if len(ups) > 1:
+            raise ValueError(f"request {self.request_id!r}: {len(ups)} sliding types recycle; read "
+                             f"recycled_upto_by_type")
+        return ups[0] if ups else 0
+
+    @recycled_upto.setter
+    def recycled_upto(self, block: int) -> None:
+        if len(self.recycled_upto_by_type) > 1:
+            raise ValueError(f"request {self.request_id!r}: {len(self.recycled_upto_by_type)} sliding types "
+                             f"recycle; set recycled_upto_by_type")
+        self.recycled_upto_by_type = [block]
 
     @property
     def num_prompt_tokens(self) -> int:

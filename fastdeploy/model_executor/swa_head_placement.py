@@ -72,7 +72,7 @@ def aligning_orders(layers: tuple, num_kv_heads: int) -> list:
 
 def reorder_kv_heads(model, steps: list):
     """Apply one more permutation per layer: new slot i of layer l takes what slot steps[l][i] held.
-    Composes with the orders already there; the SWA head sets follow their heads."""
+    Composes with the orders already there; the SWA head sets (and their windows) follow their heads."""
     if all(list(step) == list(range(model.num_key_value_heads)) for step in steps):
         return model
     layers = range(model.num_hidden_layers)
@@ -80,7 +80,6 @@ def reorder_kv_heads(model, steps: list):
     identity = tuple(range(model.num_key_value_heads))
     spec = model.head_wise_swa
     if spec is not None:
-        spec = spec.with_layer_heads(tuple(
-            tuple(i for i, s in enumerate(steps[l]) if s in spec.heads_of_layer(l)) for l in layers))
+        spec = spec.permuted([list(steps[l]) for l in layers])
     return replace(model, kv_head_orders=None if all(o == identity for o in orders) else orders,
                    head_wise_swa=spec)

@@ -95,6 +95,21 @@ def test_bench_request_pages_counts_one_request_with_the_flag_off_and_on(tmp_pat
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
+def test_bench_request_pages_recycles_each_window_with_its_own_rule(tmp_path):
+    """Per-head windows: layer 0's head 0 slides with W 16, layer 1's with W 48 (one lane, 8 slots: 6 full
+    and one of each window). The script checks every step against the page-need function itself."""
+    out = tmp_path / "pages.json"
+    spec = {"sliding_window": 16, "sink_size": 0, "swa_kv_heads": [[0], [0]], "head_windows": [[16], [48]]}
+    run("bench_request_pages.py", "--models", "ernie-4.5-tiny-swa", "--prompt-len", "96", "--output-len", "24",
+        "--block-size", "16", "--max-num-batched-tokens", "32", "--head-wise-swa-config", json.dumps(spec),
+        "--json", str(out))
+    off, on = json.loads(out.read_text())["models"]["ernie-4.5-tiny-swa"].values()
+    # The last step (118 processed): 8 blocks per full slot; W 16 keeps blocks 6..7, W 48 blocks 4..7.
+    assert (off["end"], on["end"]) == (8 * 8, 6 * 8 + 2 + 4)
+    # The last prefill chunk starts at 64: W 16 has blocks 0..2 dead, W 48 block 0.
+    assert (off["prefill_peak"], on["prefill_peak"]) == (8 * 6, 6 * 6 + 3 + 5)
+
+
 def test_bench_offline_rejects_a_bad_swa_config_without_a_traceback():
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_offline.py"),
                            "--head-wise-swa-config", "{sliding_window: 16"], cwd=REPO, capture_output=True,

@@ -1,68 +1,87 @@
-"""Per-head windows end to end: each (layer, KV head) pair of the tiny preset (2 layers, 4 KV heads) with
-its own window and sink, full heads among them, through the real engine. The type table is built by
-hand (the config's per-head windows come with the slot layout's change); the paged backend passes each
-layer's [2, kv_heads] windows and sinks to the op, the dense NATIVE_ATTN oracle masks every query head
-with its KV head's own pair, and greedy tokens must agree."""
+"""Per-head windows (design §17) end to end: the tiny preset (2 layers, 4 KV heads) slides heads 1 and 3
+of layer 0 with window 24 + sink 4 and heads 0 and 2 of layer 1 with window 48, no sink: two sliding types
+on different layers (one lane of both layers, 8 slots: 4 full, 2 of each window). The paged engine gives
+the dense NATIVE_ATTN oracle's greedy tokens in every memory mode, with each type's pages recycled by
+its own window, through chunked prefill and preemption."""
 
 import pytest
 
-from fastdeploy.cache_manager.slots import FULL, AttentionType
-from fastdeploy.model_executor.layers.attention import append_attn_backend, swa_spec
-from fastdeploy.model_executor.layers.attention.ops.cuda_on_cpu_loader import find_cuda_include
 from greedy_run import MODES, greedy_tokens
 
-# Windows of 9 to 40 tokens: the prompts below run past each by up to ~30x.
-TABLE = ((AttentionType(20, 3), FULL, AttentionType(9, 0), AttentionType(33, 5)),
-         (FULL, AttentionType(33, 5), AttentionType(20, 3), AttentionType(40, 0)))
-SPEC = {"sliding_window": 20, "sink_size": 3, "swa_kv_heads": [0, 2]}  # a valid spec; TABLE replaces it
-PROMPT_LENGTHS = [7, 40, 130, 300]
+from fastdeploy.cache_manager.slots import AttentionType
+
+SPEC = {"sliding_window": 32, "sink_size": 0, "swa_kv_heads": [[1, 3], [0, 2]],
+        "head_windows": [[24, 24], [48, 48]], "head_sinks": [[4, 4], [0, 0]]}
+NARROW, WIDE = AttentionType(24, 4), AttentionType(48, 0)
+PROMPT_LENGTHS = [7, 40, 130, 300]  # past both windows by up to ~12x
 MAX_TOKENS = 16
 
 
 def prompts():
-    return [[3 + (i * 37 + n * 11 + (i * i) % 23) % 250 for i in range(n)] for n in PROMPT_LENGTHS]
+    return [[3 + (i * 29 + n * 17 + (i * i) % 31) % 250 for i in range(n)] for n in PROMPT_LENGTHS]
 
 
-def generate(monkeypatch, backend, table, head_wise="0", recycle="1", **engine_args):
-    monkeypatch.setattr(swa_spec, "attention_type_table", lambda model_config: table)
-    monkeypatch.setattr(append_attn_backend, "attention_type_table", lambda model_config: table)
-    return greedy_tokens(monkeypatch, prompts(), MAX_TOKENS, backend, head_wise, recycle, block_size=16,
-                         max_model_len=512, max_num_seqs=4, num_gpu_blocks_override=256, head_wise_swa_config=SPEC,
-                         **engine_args)
+def generate(monkeypatch, backend, head_wise="0", recycle="1", reserve="1", spec=SPEC, **engine_args):
+    engine_args = {"block_size": 16, "max_model_len": 512, "max_num_seqs": 4, "num_gpu_blocks_override": 256,
+                   **engine_args}
+    return greedy_tokens(monkeypatch, prompts(), MAX_TOKENS, backend, head_wise, recycle, reserve,
+                         head_wise_swa_config=spec, **engine_args)
 
 
 @pytest.fixture(scope="module")
 def oracle():
     mp = pytest.MonkeyPatch()
     try:
-        return generate(mp, "NATIVE_ATTN", TABLE)[0]
+        tokens, _ = generate(mp, "NATIVE_ATTN")
     finally:
         mp.undo()
+    return tokens
 
 
+def record_recycled_slots(monkeypatch):
+    """The slots whose pages the recycle step returns (the real cache manager, observed)."""
+    from fastdeploy.cache_manager.prefix_cache_manager import PrefixCacheManager
+
+    seen = set()
+    real = PrefixCacheManager.recycle_pages_of_heads
+
+    def recycle(self, heads, pages_per_head, req_id):
+        seen.update(h for h, pages in zip(heads, pages_per_head) if pages)
+        return real(self, heads, pages_per_head, req_id)
+
+    monkeypatch.setattr(PrefixCacheManager, "recycle_pages_of_heads", recycle)
+    return seen
+
+
+# Roomy: the whole batch at once; tight: chunks of 40 tokens and too few blocks for every request at once
+# (on-demand admission, so decodes that outgrow the cache preempt). Recycling needs far fewer pages.
+SHAPES = {"roomy": {}, "tight": {"reserve": "0", "max_num_batched_tokens": 40}}
+TIGHT_BLOCKS = {"1d": 24, "head_wise_recycle_off": 24, "head_wise_recycle_on": 16}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("mode", MODES)
-def test_a_window_per_head_gives_the_oracles_tokens(monkeypatch, oracle, mode):
-    """With recycling on, the slots of the layout's recycled type (today one sliding type recycles)
-    hold -1 at their dead blocks while heads of the other types keep theirs."""
-    tokens, engine = generate(monkeypatch, "APPEND_ATTN", TABLE, *MODES[mode])
+def test_two_windows_on_different_layers_match_the_oracle_with_each_window_recycled(monkeypatch, oracle, mode,
+                                                                                     shape):
+    recycled = record_recycled_slots(monkeypatch)
+    blocks = {"num_gpu_blocks_override": TIGHT_BLOCKS[mode]} if shape == "tight" else {}
+    tokens, engine = generate(monkeypatch, "APPEND_ATTN", *MODES[mode], **SHAPES[shape], **blocks)
     assert tokens == oracle
+    slots = engine.fd_config.slot_layout
+    assert slots.num_lanes == 1 and slots.sliding_types == (NARROW, WIDE)
+    stats = engine.get_stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+    if shape == "tight":
+        assert stats["num_preemptions_total"] > 0
     if mode == "head_wise_recycle_on":
-        assert engine.get_stats()["swa_pages_recycled_total"] > 0
+        assert recycled == set(slots.slots_of(NARROW)) | set(slots.slots_of(WIDE))  # both windows recycle
+    else:
+        assert not recycled
 
 
-def test_the_oracle_depends_on_each_heads_own_window(monkeypatch, oracle):
-    """The same heads sliding with one window and sink (today's spec) is a different model, so the
-    comparison above can fail."""
-    one_type = tuple(tuple(AttentionType(20, 3) if t.sliding else FULL for t in row) for row in TABLE)
-    assert generate(monkeypatch, "NATIVE_ATTN", one_type)[0] != oracle
-
-
-@pytest.mark.skipif(find_cuda_include() is None, reason="the CUDA toolkit's headers are needed to build the kernels")
-def test_the_cuda_kernels_on_the_cpu_give_the_cpu_ops_tokens_with_a_window_per_head(monkeypatch):
-    """CUDA_ON_CPU (the CUDA kernels, head_windows 1) and the CPU op on the same bfloat16 pages, the
-    recycled type's dead pages -1, on the head_dim-64 twin of the tiny preset."""
-    args = dict(model="ernie-4.5-tiny-swa-hd64", cache_dtype="bfloat16")
-    cpu_op, _ = generate(monkeypatch, "APPEND_ATTN", TABLE, *MODES["head_wise_recycle_on"], **args)
-    kernels, engine = generate(monkeypatch, "CUDA_ON_CPU", TABLE, *MODES["head_wise_recycle_on"], **args)
-    assert kernels == cpu_op
-    assert engine.get_stats()["swa_pages_recycled_total"] > 0
+def test_the_oracle_depends_on_each_heads_window(monkeypatch, oracle):
+    """Both layers with the wider window is a different model: the comparison above can fail."""
+    one_window = {**SPEC, "head_windows": [[48, 48], [48, 48]]}
+    tokens, _ = generate(monkeypatch, "NATIVE_ATTN", spec=one_window)
+    assert tokens[:1] == oracle[:1]  # a prompt within both windows sees the same keys
+    assert tokens[2:] != oracle[2:]

@@ -3,7 +3,7 @@
 sliding layers masked, and slots + lanes (one lane of 6 layers, 12 slots: 10 sliding, 2 full) with
 recycling off and on; prompts far longer than the window, chunked prefill and preemption included.
 The same holds with head-wise SWA added on the global layer (11 sliding slots, 1 full), of the
-layers' window or of another one (two sliding types: the layers' slots recycle)."""
+layers' window or of another one (two sliding types: each recycles with its own window)."""
 
 import pytest
 
@@ -87,7 +87,7 @@ def test_sliding_layers_with_head_wise_swa_match_the_oracle(monkeypatch, mode, s
     assert tokens == oracle
     layout = engine.fd_config.slot_layout
     assert len(layout.sliding_slots) == 11 and len(layout.sliding_types) == sliding_types
-    if mode == "slots_recycle_on":  # the layer window's 10 slots recycle
-        assert engine.scheduler.layout.swa_kv_heads == layout.slots_of(layout.recycled_type)
-        assert len(engine.scheduler.layout.swa_kv_heads) == 10 + (sliding_types == 1)
+    if mode == "slots_recycle_on":  # every sliding slot recycles, each type with its own window
+        assert engine.scheduler.layout.recycling_groups == layout.sliding_groups()
+        assert engine.scheduler.layout.recycling_heads == layout.sliding_slots
         assert engine.get_stats()["swa_pages_recycled_total"] > 0

@@ -67,12 +67,14 @@ def visible_keys(start, end, window, sink, swa):
 
 
 class ShadowMemory:
-    """What each page holds, written and read through the request tables only."""
+    """What each page holds, written and read through the request tables only. A recycling row is read
+    with its own sliding type's window and sink (several types recycle side by side); every other row,
+    a sliding one whose pages are all kept included, must hold every key."""
 
-    def __init__(self, rm, bs, window, sink, swa_heads, head_wise):
-        self.rm, self.bs, self.window, self.sink = rm, bs, window, sink
-        self.swa = set(swa_heads)
-        self.head_wise = head_wise
+    def __init__(self, rm):
+        self.rm, self.bs = rm, rm.block_size
+        self.row_type = {h: (kind.window, kind.sink) for kind, slots in rm.layout.recycling_groups for h in slots}
+        self.head_wise = rm.head_wise
         self.heads_per_rank = rm.layout.heads_per_rank
         self.rows = rm.layout.num_kv_heads  # table rows: KV heads, or the slots of a slot layout
         self.cells: dict = {}
@@ -100,7 +102,8 @@ class ShadowMemory:
             r, end = s.request, s.start + s.num_tokens
             tokens = tokens_of[r.request_id]
             for h in range(self.rows):
-                for j in visible_keys(s.start, end, self.window, self.sink, h in self.swa):
+                window, sink = self.row_type.get(h, (0, 0))
+                for j in visible_keys(s.start, end, window, sink, h in self.row_type):
                     addr = self.page(r, h, j // self.bs)
                     assert addr is not None, f"{r.request_id} head {h}: key {j} is visible but its entry is -1"
                     held = self.cells.get((addr, j % self.bs))
@@ -146,7 +149,7 @@ def run_workload(make_config, mode, reserve, geometry, jobs, blocks, seen, specu
 
     proposer = ScriptedProposer(truth, boundary_hugging(bs), wrong=lambda t: ALPHABET[0]) if speculate else None
     rm = ResourceManagerV1(cfg, proposer=proposer)
-    shadow = ShadowMemory(rm, bs, window, sink, rm.layout.recycling_heads, rm.head_wise)
+    shadow = ShadowMemory(rm)
     pending = list(enumerate(jobs))
     for t in itertools.count():
         for i, (prompt, max_tokens, eos, arrive, _) in list(pending):
@@ -165,6 +168,7 @@ def run_workload(make_config, mode, reserve, geometry, jobs, blocks, seen, specu
         batch = rm.schedule()
         seen["steps"] += 1
         shadow.step(batch.requests)
+        assert_pages_held_are_the_page_need(rm, batch)
         sampled = [None if not s.samples else truth(s.request, len(s.request.output_token_ids))
                    if not s.draft_token_ids else verified(s, truth) for s in batch.requests]
         for s, token in zip(batch.requests, sampled):
@@ -190,6 +194,20 @@ def run_workload(make_config, mode, reserve, geometry, jobs, blocks, seen, specu
     seen["evictions"] += cm.prefix_cache_stats()["prefix_cache_evictions_total"]
     seen["swa_recycled"] += rm.swa_pages_recycled_total
     return rm
+
+
+def assert_pages_held_are_the_page_need(rm, batch):
+    """After schedule() (recycle step, then table growth) every scheduled request holds, per rank, exactly
+    the pages the one page-need function gives for its step: admission and the recycle step agree."""
+    if not rm.head_wise:
+        return
+    hpr = rm.layout.heads_per_rank
+    for s in batch.requests:
+        held = [0] * rm.layout.tensor_parallel_size
+        for h, row in enumerate(s.request.block_tables_head_wise):
+            held[h // hpr] += sum(p != -1 for p in row)
+        assert held == rm.layout.pages_per_rank(s.start, s.num_tokens), \
+            f"{s.request.request_id} at {s.start} + {s.num_tokens}: holds {held}"
 
 
 def verified(scheduled, truth) -> list:
@@ -323,5 +341,64 @@ def test_random_workloads_on_slot_layouts_read_back_exactly_what_they_wrote(make
 
     run()
     print(f"\nslots {mode} reserve={reserve} {quant}: {dict(seen)}")
+    missing = {k for k in expected if seen[k] == 0}
+    assert not missing, f"never exercised: {missing} ({dict(seen)})"
+
+
+# -- several sliding types (per-head windows, design §17) ------------------------------------------------
+@st.composite
+def per_head_window_geometries(draw):
+    """Per layer of the 2-layer, 4-KV-head preset: the heads that slide, each with its own window and sink
+    from a small menu (so one layer may mix types, and different layers hold different ones)."""
+    bs = draw(st.sampled_from([1, 2, 4, 16]))
+    menu = draw(st.lists(st.tuples(st.integers(1, 3 * bs + 2), st.integers(0, 2 * bs + 1)), min_size=2, max_size=3,
+                         unique=True))
+    layers = []
+    for _ in range(2):
+        heads = draw(st.lists(st.integers(0, HEADS - 1), max_size=HEADS, unique=True))
+        layers.append([(h, draw(st.sampled_from(menu))) for h in sorted(heads)])
+    if not any(layers):
+        layers[0] = [(0, menu[0])]
+    tp = draw(st.sampled_from([1, 2]))
+    return bs, layers, tp
+
+
+def per_head_window_spec(layers) -> dict:
+    return {"sliding_window": 8, "sink_size": 0, "swa_kv_heads": [[h for h, _ in row] for row in layers],
+            "head_windows": [[t[0] for _, t in row] for row in layers],
+            "head_sinks": [[t[1] for _, t in row] for row in layers]}
+
+
+@pytest.mark.parametrize("mode,reserve,expected", [
+    ("head_wise_recycle_on", False, {"preemptions", "prefix_hit_tokens", "evictions", "swa_recycled",
+                                     "several_types_recycling"}),
+    ("head_wise_recycle_on", True, {"prefix_hit_tokens", "evictions", "swa_recycled", "several_types_recycling"}),
+    ("head_wise_recycle_off", False, {"preemptions", "prefix_hit_tokens", "several_types_kept"}),
+])
+def test_random_workloads_with_several_sliding_types_read_back_exactly_what_they_wrote(make_config, mode, reserve,
+                                                                                     expected):
+    """Every sliding type recycles with its own window and sink: each recycling row is read with its
+    type's visibility, so a page freed early (or kept too long) by any type fails here, and the pages a
+    request holds after every recycle step are the page-need function's."""
+    seen = collections.Counter()
+
+    @settings(max_examples=25, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(drawn=per_head_window_geometries(), jobs=workloads(), capacity=st.integers(32, 96))
+    @example(drawn=(4, [[(0, (2, 0)), (1, (9, 5))], [(1, (6, 1)), (3, (2, 0))]], 2), jobs=EDGE_JOBS, capacity=48)
+    def run(drawn, jobs, capacity):
+        bs, layers, tp = drawn
+        cfg_swa = per_head_window_spec(layers)
+
+        def with_windows(mode, reserve=True, head_wise_swa_config=None, **kwargs):
+            return make_config(mode, reserve=reserve, head_wise_swa_config=cfg_swa, **kwargs)
+
+        rm = run_workload(with_windows, mode, reserve, (bs, 8, 0, [0], tp), jobs, -(-capacity // bs), seen)
+        several = len(rm.fd_config.slot_layout.sliding_types) > 1
+        seen["several_types_recycling"] += several and len(rm.layout.recycling_groups) > 1
+        seen["several_types_kept"] += several and not rm.layout.recycling_groups
+
+    run()
+    print(f"\nper-head windows {mode} reserve={reserve}: {dict(seen)}")
     missing = {k for k in expected if seen[k] == 0}
     assert not missing, f"never exercised: {missing} ({dict(seen)})"

@@ -261,3 +261,79 @@ def test_projected_admission_never_preempts_while_decodes_grow(mode, tp):
         assert rm.num_preemptions_total == 0
 
     run()
+
+
+# -- several sliding types, each recycling with its own window and sink (design §17) ---------------------
+def several_types_layout(bs, heads, tp, types):
+    """A PageLayout whose slot h < len(types) slides with types[h] (window, sink); the rest keep every page."""
+    from fastdeploy.cache_manager.slots import AttentionType
+
+    groups = {}
+    for h, (window, sink) in enumerate(types[:heads]):
+        groups.setdefault(AttentionType(window, sink), []).append(h)
+    return PageLayout(bs, heads, tp, recycle=True, sliding=tuple((k, tuple(v)) for k, v in groups.items()))
+
+
+sliding_types = st.lists(st.tuples(st.integers(1, 40), st.integers(0, 20)), min_size=2, max_size=4)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.integers(1, 8), st.sampled_from([2, 4]), sliding_types, st.integers(0, 200), st.integers(0, 300),
+       st.lists(st.integers(0, 200), min_size=2, max_size=2))
+def test_largest_chunk_within_is_the_largest_chunk_that_fits_with_several_sliding_types(bs, heads, types, n, num_new,
+                                                                                       limits):
+    tp = 2 if heads >= 2 else 1
+    layout = several_types_layout(bs, heads, tp, types)
+    limit = limits[:tp]
+    c = layout.largest_chunk_within(n, num_new, limit)
+    fits = [k for k in range(num_new + 1) if all(p <= lim for p, lim in zip(layout.pages_per_rank(n, k), limit))]
+    assert c == (max(fits) if fits else 0)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.integers(1, 8), sliding_types, st.integers(1, 120), st.integers(1, 120), st.integers(1, 130))
+def test_one_token_steps_with_several_sliding_types_stay_under_the_peak_and_the_projection_bound(
+        bs, types, prompt, max_new, chunk):
+    """Each type's pages are counted by its own window: the sum over types never exceeds the lifetime peak
+    (add_request's check) nor the projection's linear bound f * (n + bs) + sum_k r_k * y_k."""
+    layout = several_types_layout(bs, 4, 1, types)
+    peak = layout.peak_pages_per_rank(prompt, max_new, chunk)
+    counts = layout.rank_head_counts()[0]
+    bounds = layout.recycling_bounds(prompt + max_new - 2)
+    for n in range(prompt + max_new - 1):
+        need = layout.pages_needed(n, 1)
+        assert layout.pages_per_rank(n, 1)[0] == sum(c * p for c, p in zip(counts, need)) <= peak[0]
+        assert bs * layout.pages_per_rank(n, 1)[0] <= counts[0] * (n + bs) + sum(
+            r * y for r, y in zip(counts[1:], bounds))
+        for k, (kind, _) in enumerate(layout.sliding):  # each type's column follows its own retention rule
+            from fastdeploy.cache_manager.head_wise import num_dead_blocks, table_length
+
+            assert need[1 + k] == table_length(n + 1, bs) - num_dead_blocks(n, kind.window, kind.sink, bs)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_random_workloads_with_several_sliding_types_always_progress(policy, tp):
+    """Admission with several recycling types neither deadlocks (an idle cache with a waiting request
+    fails fake_step) nor over-admits (the reservation policies never preempt; check_integrity runs
+    the projection's fit every step)."""
+    several = []
+
+    @settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+    @given(engine_shape, st.lists(st.tuples(st.integers(1, 30), st.integers(0, 9)), min_size=4, max_size=4),
+           st.lists(job, min_size=1, max_size=10), st.integers(0, 2 ** 16))
+    def run(shape, types, jobs, seed):
+        heads = [h for h in range(4) if h in shape["swa_heads"] or h == 1]
+        spec = {"sliding_window": 8, "sink_size": 0, "swa_kv_heads": [heads, [0, 3]],
+                "head_windows": [[types[h][0] for h in heads], [types[0][0], shape["window"]]],
+                "head_sinks": [[types[h][1] for h in heads], [types[0][1], shape["sink"]]]}
+        cfg = config(policy, block_size=shape["block_size"], num_gpu_blocks_override=shape["blocks"],
+                     max_num_batched_tokens=shape["chunk"], max_num_seqs=shape["max_num_seqs"], max_model_len=256,
+                     tensor_parallel_size=tp, enable_prefix_caching=shape["prefix_caching"], head_wise_swa_config=spec)
+        rm = run_workload(cfg, jobs, seed)
+        several.append(len(rm.layout.recycling_groups) > 1)
+        if policy != "on_demand":
+            assert rm.num_preemptions_total == 0 and rm.recomputed_tokens_total == 0
+
+    run()
+    assert sum(several) > len(several) // 2  # most examples recycle several types at once

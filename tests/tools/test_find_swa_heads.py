@@ -190,6 +190,27 @@ def test_the_shipped_smollm2_configuration_is_one_of_three_heads_per_layer_with_
     assert ev.page_need_ceiling(section, 30, 3, [4096], 64)["4096"] >= 1.3
 
 
+def test_page_need_ceiling_uses_the_engines_layout_with_every_window_recycling():
+    """Per-head windows: the ceiling counts each sliding pair with its own window, at the prefill peak and
+    once decoding, and equals a pair-by-pair count (a page is one slot's tokens in every lane)."""
+    from fastdeploy.cache_manager.head_wise import num_dead_blocks, table_length
+
+    ev = _eval_module()
+    bs, n = 16, 4096
+    spec = {"sliding_window": 256, "sink_size": 4, "swa_kv_heads": [[0, 2], [1]], "head_windows": [[64, 512], [128]]}
+    off, on = ev.page_need_layouts(spec, 2, 3, bs)
+    assert len(on.recycling_groups) == 3 and not off.recycling_groups
+
+    def pair_pages(window):  # the step computing token n - 1: what a pair holds once decoding
+        return table_length(n, bs) - (num_dead_blocks(n - 1, window, 4, bs) if window else 0)
+
+    pairs = [64, 512, 0, 0, 128, 0]
+    decode = ev.page_need_ceiling(spec, 2, 3, [n], bs, at="decode")[str(n)]
+    assert decode == pytest.approx(6 * pair_pages(0) / sum(pair_pages(w) for w in pairs))
+    prefill = ev.page_need_ceiling(spec, 2, 3, [n], bs)[str(n)]
+    assert 1.0 < prefill < decode  # the last prefill chunk holds CHUNK more tokens in every sliding pair
+
+
 def test_below_window_check_tolerates_only_the_rounding_a_head_permutation_causes():
     ev = _eval_module()
     text = {"exact_below_window": False, "max_abs_logprob_diff_below_window": 1e-4,

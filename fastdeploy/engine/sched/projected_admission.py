@@ -32,7 +32,10 @@ class PageCurves:
         self.block_size = layout.block_size
         self.capacity = capacity  # pages per rank
         self.running = running  # the scheduler's running list, read where the slack is first needed
-        self.head_counts = layout.rank_head_counts()
+        self.head_counts = layout.rank_head_counts()  # per rank (keeping slots, recycling slots of each type...)
+        # One sliding type (or none): a curve's recycling bound y is one number and a rank's claim is
+        # f * x + r * y. Several: y is one bound per type and the claim f * x + sum_k r_k * y_k.
+        self.one_type = len(self.head_counts[0]) == 2
         self.new_step()
 
     def new_step(self) -> None:
@@ -47,14 +50,16 @@ class PageCurves:
         """(L, x, y, decoding, rounding) of a request with `n` tokens computed. On a rank with f keeping
         and r recycling heads its U(t), t < L, is f * min(x + t, x + L - 1 - rounding) + r * y when
         decoding (the linear bound, capped at the exact table length of its last step), else
-        f * x + r * y with x that exact last-step value."""
+        f * x + r * y with x that exact last-step value. With several sliding types y is a tuple, one
+        bound per type, and r * y stands for sum_k r_k * y_k."""
         total = request.num_tokens + request.max_new_tokens
         last = total - 2  # position of the last one-token step (the last sampled token is never cached)
         memo = request.projection_memo
         if memo is None or memo[0] != last:
             bs = self.block_size
             peak = bs * table_length(last + 1, bs)
-            memo = request.projection_memo = (last, self.layout.recycling_head_bound(last), peak, last + bs - peak)
+            bounds = self.layout.recycling_bounds(last)
+            memo = request.projection_memo = (last, bounds[0] if self.one_type else bounds, peak, last + bs - peak)
         _, y, peak, rounding = memo
         if n == request.num_tokens - 1:  # decoding: exactly one position per step from here
             return total - 1 - n, n + self.block_size, y, True, rounding
@@ -64,7 +69,9 @@ class PageCurves:
         """U(0) per rank (x block_size): the pages the curve claims now."""
         steps, x, y, _, rounding = curve
         x = min(x, x + steps - 1 - rounding)
-        return [f * x + r * y for f, r in self.head_counts]
+        if self.one_type:
+            return [f * x + r * y for f, r in self.head_counts]
+        return [c[0] * x + sum(r * yk for r, yk in zip(c[1:], y)) for c in self.head_counts]
 
     def unclaimed(self) -> list:
         """Pages (x bs, per rank) that no running request's curve claims now, less transients granted."""
@@ -173,11 +180,16 @@ class PageCurves:
         curves = sorted(curves, key=lambda c: c[0], reverse=True)
         if limits is None:
             limits = [c * self.block_size for c in self.capacity]
-        sum_x = sum_y = decoding = 0
+        one_type = self.one_type
+        sum_x = decoding = 0
+        sum_y = 0 if one_type else [0] * (len(self.head_counts[0]) - 1)
         capped, capped_count, capped_sum = [], 0, 0  # max-heap (negated) of D of the capped curves
         for i, (steps, x, y, dec, rounding) in enumerate(curves):
             sum_x += x
-            sum_y += y
+            if one_type:
+                sum_y += y
+            else:
+                sum_y = [a + b for a, b in zip(sum_y, y)]
             if dec:
                 decoding += 1
                 if rounding:
@@ -190,7 +202,12 @@ class PageCurves:
                 capped_count, capped_sum = capped_count - 1, capped_sum - d
             t = steps - 1
             above = capped_count * steps - capped_sum
-            for (f, r), limit in zip(self.head_counts, limits):
-                if f * (sum_x + decoding * t - above) + r * sum_y > limit:
+            if one_type:
+                for (f, r), limit in zip(self.head_counts, limits):
+                    if f * (sum_x + decoding * t - above) + r * sum_y > limit:
+                        return False
+                continue
+            for counts, limit in zip(self.head_counts, limits):
+                if counts[0] * (sum_x + decoding * t - above) + sum(r * y for r, y in zip(counts[1:], sum_y)) > limit:
                     return False
         return True

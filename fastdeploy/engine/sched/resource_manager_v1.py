@@ -2,7 +2,8 @@
 
 One `schedule()` call:
 1. SWA recycle step: pages that left a sliding-window head's window (judged on the tokens already
-   processed) go back to the free lists and their table entries become -1;
+   processed, each sliding type by its own window and sink) go back to the free lists and their table
+   entries become -1;
 2. running requests (FCFS) get their next chunk or decode token under the token budget, growing
    their tables; if pages run out, the most recently admitted request is preempted (LIFO) and
    recomputed later (only on-demand admission ever gets there);
@@ -51,6 +52,9 @@ from fastdeploy.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy.engine.request import Request, RequestStatus
 from fastdeploy.engine.sched.projected_admission import PageCurves
 from fastdeploy.spec_decode import build_proposer
+
+
+_NEVER = 1 << 62  # next_recycle_at of a request with nothing to recycle
 
 
 @dataclass
@@ -110,10 +114,14 @@ class ResourceManagerV1:
         self.requests: dict = {}
         self._reserved_per_rank = [0] * self.layout.tensor_parallel_size  # the running requests' peaks
         self._recycling_heads = self.layout.recycling_heads
+        # Every recycling sliding type with its slots, and each slot's type index (docs/retention_rule.md:
+        # each type's dead range uses its own window and sink).
+        self._recycling_groups = self.layout.recycling_groups
+        self._type_of_slot = {h: k for k, (_, slots) in enumerate(self._recycling_groups) for h in slots}
         # Running requests whose processed tokens reached next_recycle_at, noted where their
         # progress is recorded so the recycle pass need not scan every running request.
         self._recycle_due: list = []
-        self._sink_blocks = sink_blocks(self.layout.sink, self.block_size)
+        self._sink_blocks = [sink_blocks(kind.sink, self.block_size) for kind, _ in self._recycling_groups]
         self.num_preemptions_total = 0
         self.recomputed_tokens_total = 0  # tokens computed again after a preemption dropped them
         self.swa_pages_recycled_total = 0
@@ -406,19 +414,29 @@ class ResourceManagerV1:
         return freed
 
     def _recycle_request(self, request: Request) -> int:
-        start = request.recycled_upto
-        end = first_window_block(request.num_computed_tokens, self.layout.window, self.block_size)
-        tables = request.block_tables_head_wise
-        heads = self._recycling_heads
-        self.cache_manager.recycle_pages_of_heads(heads, [tables[h][start:end] for h in heads], request.request_id)
-        for h in heads:
-            tables[h][start:end] = [-1] * (end - start)
-        self._set_recycled_upto(request, end)
-        return (end - start) * len(heads)
+        """Return every sliding type's newly dead blocks, each type by its own window."""
+        tables, n, freed = request.block_tables_head_wise, request.num_computed_tokens, 0
+        ups = list(request.recycled_upto_by_type)
+        for k, (kind, heads) in enumerate(self._recycling_groups):
+            start = ups[k]
+            end = first_window_block(n, kind.window, self.block_size)
+            if end <= start:
+                continue
+            self.cache_manager.recycle_pages_of_heads(heads, [tables[h][start:end] for h in heads],
+                                                      request.request_id)
+            for h in heads:
+                tables[h][start:end] = [-1] * (end - start)
+            ups[k] = end
+            freed += (end - start) * len(heads)
+        self._set_recycled_upto(request, ups)
+        return freed
 
-    def _set_recycled_upto(self, request: Request, block: int) -> None:
-        request.recycled_upto = block
-        request.next_recycle_at = tokens_to_kill_block(block, self.layout.window, self.block_size)
+    def _set_recycled_upto(self, request: Request, blocks: list) -> None:
+        """Each recycling type's first live non-sink block, and the processed-token count at which the
+        next block of any type dies."""
+        request.recycled_upto_by_type = list(blocks)
+        request.next_recycle_at = min((tokens_to_kill_block(b, kind.window, self.block_size)
+                                       for b, (kind, _) in zip(blocks, self._recycling_groups)), default=_NEVER)
 
     # -- pages ---------------------------------------------------------------------------------
     def _grow_tables(self, request: Request, num_new: int) -> bool:
@@ -537,8 +555,8 @@ class ResourceManagerV1:
         request.cache_parent, request.num_registered_blocks = hit[-1], n
         request.prefix_match = None
         if self._recycling_heads:
-            self._set_recycled_upto(request, dead_block_range(cached, self.layout.window, self.layout.sink,
-                                                              self.block_size).stop)
+            self._set_recycled_upto(request, [dead_block_range(cached, kind.window, kind.sink, self.block_size).stop
+                                              for kind, _ in self._recycling_groups])
 
     def _register_blocks(self, request: Request) -> None:
         """Cache every block the request has fully computed since the last call."""
@@ -631,16 +649,18 @@ class ResourceManagerV1:
         hpr = self.layout.heads_per_rank
         for request in self.running:
             rid = request.request_id
-            if self._recycling_heads:
-                limit = dead_block_range(request.num_computed_tokens, self.layout.window, self.layout.sink,
-                                         self.block_size).stop
-                if request.recycled_upto > limit:  # never recycle a block a future query can see
-                    raise AssertionError(f"{rid}: recycled up to block {request.recycled_upto}, "
+            ups = request.recycled_upto_by_type
+            for (kind, _), upto in zip(self._recycling_groups, ups):
+                limit = dead_block_range(request.num_computed_tokens, kind.window, kind.sink, self.block_size).stop
+                if upto > limit:  # never recycle a block a future query can see
+                    which = f" ({kind} slots)" if len(ups) > 1 else ""
+                    raise AssertionError(f"{rid}: recycled up to block {upto}{which}, "
                                          f"but only blocks below {limit} are dead")
             if self.head_wise:
                 for h, row in enumerate(request.block_tables_head_wise):
+                    k = self._type_of_slot.get(h)
                     for i, p in enumerate(row):
-                        dead = h in self._recycling_heads and self._sink_blocks <= i < request.recycled_upto
+                        dead = k is not None and self._sink_blocks[k] <= i < ups[k]
                         if (p == -1) != dead:
                             raise AssertionError(f"{rid}: head {h} entry {i} is {p}, dead={dead}")
                         if p != -1:
