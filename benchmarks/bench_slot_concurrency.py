@@ -12,7 +12,8 @@ one request alone holds at its prefill peak and at its decode peak (counted in i
 With --kv-cache-memory the arms get the blocks those bytes hold, so --kv-cache-quant-types (the page
 formats of --kv-cache-quant-type) compare at equal memory: every format runs OFF and ON, and the table
 gives each arm's running requests against float32-OFF's (the compounded multiplier). A named model with
-a calibrated head_wise_swa section (smollm2-135m-instruct) serves it in the ON arm, as it ships.
+a calibrated head_wise_swa section (smollm2-135m-instruct) serves it in the ON arm, as it ships, or the
+configuration --head-wise-swa-config gives (JSON or one of the model's named configurations).
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def run_arm(args, flags: dict, quant: str = "none") -> dict:
     with envs.override(**flags):
         cfg = EngineArgs(model=args.model, max_model_len=args.prompt_len + args.output_len, block_size=args.block_size,
                          max_num_seqs=args.num_requests, max_num_batched_tokens=args.max_num_batched_tokens,
-                         enable_prefix_caching=False, kv_cache_quant_type=quant, **sizing).create_engine_config()
+                         enable_prefix_caching=False, kv_cache_quant_type=quant,
+                         head_wise_swa_config=args.head_wise_swa_config if flags["FD_HEAD_WISE_KV_CACHE"] else None,
+                         **sizing).create_engine_config()
     rm = ResourceManagerV1(cfg)
     for i in range(args.num_requests):
         prompt = [5 + (i * 7 + j) % 200 for j in range(args.prompt_len)]
@@ -88,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--head-wise-swa-config", default=None,
+                   help="the ON arm's configuration: JSON, or a named model's calibrated configuration by name "
+                        "(default: what the model serves with FD_HEAD_WISE_KV_CACHE=1)")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -100,9 +106,11 @@ def main(argv=None) -> None:
     out = {"peak_running_off": off["peak_running"], "peak_running_on": on["peak_running"],
            "concurrency_gain": on["peak_running"] / off["peak_running"],
            "steps_off": off["engine_steps"], "steps_on": on["engine_steps"],
-           "ceiling": off["pages_per_request"] / on["pages_per_request"],
-           "prefill_peak_share": on["alone"]["prefill"] / off["alone"]["prefill"],
-           "decode_peak_share": on["alone"]["decode"] / off["alone"]["decode"], "arms": res}
+           # in bytes: a page is one slot of every lane, and the two arms' layouts may differ in lanes
+           "ceiling": off["pages_per_request"] * off["page_bytes"] / (on["pages_per_request"] * on["page_bytes"]),
+           "prefill_peak_share": on["alone"]["prefill"] * on["page_bytes"] / (off["alone"]["prefill"] * off["page_bytes"]),
+           "decode_peak_share": on["alone"]["decode"] * on["page_bytes"] / (off["alone"]["decode"] * off["page_bytes"]),
+           "arms": res}
     for arm in ("off", "on"):
         r = res[arm]
         print(f"{arm:>3}: {r['layout']}; {r['pages']} pages, {r['pages_per_request']} per request (one-token steps); "
@@ -110,9 +118,10 @@ def main(argv=None) -> None:
               f"steps with chunks cut to {r['cut_chunk']} tokens {r['cut_steps']}")
     print(f"concurrency OFF -> ON {out['concurrency_gain']:.2f}x (page-need ceiling {out['ceiling']:.2f}x), "
           f"engine steps {off['engine_steps']} -> {on['engine_steps']}")
-    print(f"one request alone, ON / OFF pages: prefill peak {on['alone']['prefill']} / {off['alone']['prefill']} = "
-          f"{out['prefill_peak_share']:.2f} (alone, nothing waits: chunks of {args.max_num_batched_tokens} tokens), "
-          f"decode peak {on['alone']['decode']} / {off['alone']['decode']} = {out['decode_peak_share']:.2f}")
+    print(f"one request alone, ON / OFF KV bytes: prefill peak {on['alone']['prefill']} x {on['page_bytes']} / "
+          f"{off['alone']['prefill']} x {off['page_bytes']} = {out['prefill_peak_share']:.2f} (alone, nothing waits: "
+          f"chunks of {args.max_num_batched_tokens} tokens), decode peak {on['alone']['decode']} x {on['page_bytes']} / "
+          f"{off['alone']['decode']} x {off['page_bytes']} = {out['decode_peak_share']:.2f}")
     if len(runs) > 1 or args.kv_cache_memory is not None:
         base = off["peak_running"]
         print(f"\nat equal KV memory ({args.kv_cache_memory or 'blocks'} bytes), against the first format's OFF arm")

@@ -350,6 +350,9 @@ class ModelConfig:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_pos}")
         swa_spec, source = head_wise_swa_override, "--head-wise-swa-config"
+        if isinstance(swa_spec, str) and not swa_spec.lstrip().startswith("{") and named is not None:
+            # a name: one of the named model's calibrated configurations (calibrated/NAME.json)
+            swa_spec = named.calibrated_head_wise_swa(swa_spec.strip())
         if swa_spec is None and raw.get("head_wise_swa") is not None:
             swa_spec, source = raw.get("head_wise_swa"), "config.json"
         if swa_spec is None and named is not None and envs.FD_HEAD_WISE_KV_CACHE == 1:

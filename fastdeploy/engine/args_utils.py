@@ -113,7 +113,8 @@ class EngineArgs:
                        help='JSON {"sliding_window": W, "sink_size": S, "swa_kv_heads": [..]}, the heads '
                             "one list (every layer) or one list per layer (then optional head_windows / "
                             "head_sinks of the same shape give each listed head its own window / sink); "
-                            "overrides the model's head_wise_swa section")
+                            "overrides the model's head_wise_swa section; for a named model also the name of "
+                            "one of its calibrated configurations (e.g. one-head-per-layer-w512)")
         g.add_argument("--admission-policy", choices=list(ADMISSION_POLICIES), default=d.admission_policy,
                        help="when a waiting request may start: reserve (its lifetime peak pages), on_demand "
                             "(upstream: first chunk, preempt when short) or projected (page curves of the "

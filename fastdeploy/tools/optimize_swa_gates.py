@@ -95,11 +95,19 @@ def _check(args) -> list:
     return _fractions(args.fractions)
 
 
-def sections(gates: np.ndarray, candidates: list, fractions, window: int, sink: int) -> dict:
-    """{fraction: head_wise_swa section}: the lowest-gate share of the candidate (layer, KV head) pairs."""
+def sections(gates: np.ndarray, candidates: list, fractions, window: int, sink: int,
+             mean_gates: np.ndarray = None) -> dict:
+    """{fraction: head_wise_swa section}: the lowest-gate share of the candidate (layer, KV head) pairs.
+
+    Many gates end clamped at 0 with the push to streaming; among equal gates the lower mean gate over the
+    run (the head the optimizer let go of sooner) slides first, `mean_gates` (default: no tie-break)."""
+    tie = np.zeros(gates.shape) if mean_gates is None else np.asarray(mean_gates, dtype=float)
+    order = np.lexsort((tie.ravel(), gates.ravel()))  # by gate, then by mean gate
+    rank = np.empty(gates.size)
+    rank[order] = np.arange(gates.size)
     scores = np.full(gates.shape, np.inf)
     for layer, head in candidates:
-        scores[layer, head] = gates[layer, head]
+        scores[layer, head] = rank.reshape(gates.shape)[layer, head]
     out = {}
     for f in fractions:
         count = max(1, int(round(f * len(candidates))))
@@ -135,6 +143,7 @@ def optimize(args, log=print) -> dict:
     settings = {k: getattr(args, k) for k in ("window", "sink", "seq_tokens", "l1", "lr", "seed", "compute_dtype")}
     settings["model"] = os.path.basename(path)
     history, step = [], 0
+    gate_sum = torch.zeros_like(gates.data)  # the clamped gates summed over the steps: the tie-break
     if os.path.exists(checkpoint):
         state = torch.load(checkpoint, weights_only=False)
         if state["settings"] != settings:
@@ -143,6 +152,7 @@ def optimize(args, log=print) -> dict:
         gates.data.copy_(state["gates"])
         opt.load_state_dict(state["optimizer"])
         history, step = state["history"], state["step"]
+        gate_sum = state["gate_sum"]
         log(f"[optimize_swa_gates] resumed from {checkpoint} at step {step}")
     if not args.no_recompute:
         if hasattr(model.model, "activation_checkpointing_enable"):
@@ -158,7 +168,8 @@ def optimize(args, log=print) -> dict:
 
     def save():
         torch.save({"settings": settings, "gates": gates.data.clone(), "optimizer": opt.state_dict(),
-                    "history": history, "step": step}, checkpoint + ".tmp")
+                    "history": history, "step": step, "gate_sum": gate_sum},
+                   checkpoint + ".tmp")
         os.replace(checkpoint + ".tmp", checkpoint)
 
     started = time.time()
@@ -182,6 +193,7 @@ def optimize(args, log=print) -> dict:
         opt.step()
         with torch.no_grad():
             gates.clamp_(0.0, 1.0)
+            gate_sum += gates
         step += 1
         mean_gate = float(gates.detach()[tuple(zip(*candidates))].mean())
         history.append({"step": step, "loss": float(loss.detach()), "distill": float(distill.detach()),
@@ -193,7 +205,9 @@ def optimize(args, log=print) -> dict:
         if step % args.save_every == 0 or step == args.steps:
             save()
     final = gates.detach().numpy().astype(float)
-    by_fraction = sections(final, candidates, sorted(set(fractions) | {args.fraction}), args.window, args.sink)
+    mean_gates = (gate_sum / max(step, 1)).numpy().astype(float)
+    by_fraction = sections(final, candidates, sorted(set(fractions) | {args.fraction}), args.window, args.sink,
+                           mean_gates)
     log(f"[optimize_swa_gates] done in {time.time() - t0:.0f} s")
     return {
         "model": os.path.basename(path),
@@ -201,6 +215,7 @@ def optimize(args, log=print) -> dict:
         "fraction": args.fraction,
         "sections": by_fraction,
         "gates": np.round(final, 6).tolist(),
+        "mean_gates": np.round(mean_gates, 6).tolist(),
         "gateable": [list(c) for c in candidates],
         "history": history,
         "settings": settings,

@@ -35,7 +35,40 @@ def test_the_override_wins_over_the_calibrated_configuration():
     assert cfg.head_wise_swa.to_dict() == override and cfg.head_wise_swa_source == "--head-wise-swa-config"
 
 
-def test_the_shipped_configuration_slides_one_of_three_kv_heads_per_layer_within_512_tokens():
-    shipped = _shipped()
-    assert shipped["sliding_window"] <= 512
-    assert len(shipped["swa_kv_heads"]) == 30 and all(len(layer) == 1 for layer in shipped["swa_kv_heads"])
+def test_the_shipped_configuration_holds_at_most_1_over_1_7_of_the_flag_off_pages_once_decoding():
+    """A 3968 + 128-token request at its last decode step, counted by the engine's own page accounting
+    (the slot layout and PageLayout of the configuration it serves) with the flag on and off, as a share
+    of the cache (a page holds one slot of every lane: its size differs between the two layouts)."""
+    from fastdeploy.cache_manager.head_wise import PageLayout
+    from fastdeploy.engine.args_utils import EngineArgs
+
+    held = {}
+    for flag in (0, 1):
+        with envs.override(FD_HEAD_WISE_KV_CACHE=flag):
+            fd = EngineArgs(model="smollm2-135m-instruct", max_model_len=4096, block_size=64,
+                            num_gpu_blocks_override=4096).create_engine_config()
+        layout = PageLayout.from_config(fd)
+        held[flag] = sum(layout.pages_per_rank(3968 + 128 - 1, 1)) / (fd.slot_layout.slots_per_rank * 4096)
+    assert held[0] / held[1] >= 1.7, held
+
+
+def _named(name: str) -> dict:
+    with open(f"{CALIBRATED_DIR}/smollm2-135m-instruct.json", encoding="utf-8") as f:
+        return json.load(f)["named_configurations"][name]["head_wise_swa"]
+
+
+def test_an_earlier_calibrated_configuration_serves_by_its_name():
+    with envs.override(FD_HEAD_WISE_KV_CACHE=1):
+        cfg = ModelConfig.create("smollm2-135m-instruct", 1024, "one-head-per-layer-w512")
+    old = _named("one-head-per-layer-w512")
+    assert cfg.head_wise_swa.to_dict()["swa_kv_heads"] == old["swa_kv_heads"]
+    assert [len(layer) for layer in old["swa_kv_heads"]] == [1] * 30 and old["sliding_window"] == 512
+
+
+def test_an_unknown_configuration_name_is_one_line_listing_the_names():
+    import pytest
+
+    with envs.override(FD_HEAD_WISE_KV_CACHE=1), pytest.raises(ValueError) as err:
+        ModelConfig.create("smollm2-135m-instruct", 1024, "no-such-configuration")
+    assert "not a named configuration of smollm2-135m-instruct" in str(err.value)
+    assert "one-head-per-layer-w512" in str(err.value) and "\n" not in str(err.value)

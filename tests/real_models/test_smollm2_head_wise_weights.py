@@ -1,5 +1,5 @@
-"""SmolLM2 with the head-wise configuration it ships (one sliding KV head of three per layer, not the
-same head in every layer): turning the flag on costs no weight bytes — each layer's heads meet their
+"""SmolLM2 with the head-wise configuration it ships (two of three KV heads sliding, uneven per layer, each
+with its own window from a menu of 256 to 2048 tokens): turning the flag on costs no weight bytes — each layer's heads meet their
 cache slots through the attention op's head -> slot map, so the weights keep the file's GGUF blocks in
 the checkpoint's order — and the tokens are those of full attention (transformers) within the window
 and those of the dense per-(layer, head) oracle past it."""
@@ -9,6 +9,7 @@ import json
 import pytest
 
 from fastdeploy import LLM, SamplingParams, envs
+from fastdeploy.model_executor.layers.attention.swa_spec import attention_type_table
 from fastdeploy.model_executor.models.named_models import CALIBRATED_DIR
 from transformers_reference import reference_greedy
 
@@ -30,8 +31,11 @@ def test_head_wise_mode_holds_the_flag_off_weights_format_and_bytes(smollm2_flag
     assert on.dense_layer_bytes() == off.dense_layer_bytes()
     assert {layer.storage for layer in on.dense_layers()} == {"gguf Q4_1", "gguf Q8_0"}  # no float32 copy
     slots = smollm2_flag_on.engine.fd_config.slot_layout
-    swa_slot = [s for s, t in enumerate(slots.slot_types) if t.sliding]
-    assert len(swa_slot) == 1 and all(slots.head_slots[l][h] == swa_slot[0] for l, hs in enumerate(heads) for h in hs)
+    types = attention_type_table(on.config)
+    assert len({t for row in types for t in row if t.sliding}) > 1  # several windows
+    # every (layer, head) reads and writes a slot of its own attention type
+    assert all(slots.slot_types[slots.head_slots[layer][h]] == types[layer][h]
+               for layer in range(len(types)) for h in range(len(types[layer])))
 
 
 def test_within_the_window_head_wise_tokens_equal_flag_off_and_transformers(smollm2_flag_off, smollm2_flag_on,
@@ -48,10 +52,12 @@ def test_within_the_window_head_wise_tokens_equal_flag_off_and_transformers(smol
 
 
 def test_past_the_window_the_slot_mapped_heads_give_the_dense_oracles_tokens(smollm2_flag_on):
-    """The shipped per-layer heads with a 64-token window, so that short prompts reach past it: the paged
-    path (weights in checkpoint order, per-layer head -> slot map, recycling) against NATIVE_ATTN, which
-    masks every (layer, head) of the same checkpoint densely."""
-    spec = dict(_shipped(), sliding_window=64, sink_size=4)
+    """The shipped per-layer heads with their windows divided by 32 (8 to 64 tokens), so that short prompts
+    reach past them: the paged path (weights in checkpoint order, per-layer head -> slot map, every window
+    recycling) against NATIVE_ATTN, which masks every (layer, head) of the same checkpoint densely."""
+    shipped = _shipped()
+    spec = dict(shipped, sliding_window=64, sink_size=4,
+                head_windows=[[w // 32 for w in layer] for layer in shipped["head_windows"]])
     tokenizer = smollm2_flag_on.engine.tokenizer
     text = "The history of the printing press begins in China, long before Gutenberg. " * 12
     prompts = [tokenizer.encode(text)[:150], tokenizer.encode("def fibonacci(n):\n    " * 20)[:120]]

@@ -95,3 +95,15 @@ def test_the_written_section_is_served_by_the_engine(tiny_dir, pushed):
         out = llm.generate([list(range(100, 300))], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert len(out[0].outputs.token_ids) == 8
     assert llm.engine.scheduler.swa_pages_recycled_total > 0  # the sliding heads' pages came back
+
+
+def test_among_gates_clamped_at_zero_the_head_let_go_of_sooner_slides_first():
+    from fastdeploy.tools.optimize_swa_gates import sections
+
+    gates = np.array([[0.0, 0.0, 0.7], [0.0, 0.3, 0.0]])
+    mean_gates = np.array([[0.4, 0.1, 0.9], [0.2, 0.6, 0.5]])
+    candidates = [(layer, h) for layer in range(2) for h in range(3)]
+    got = sections(gates, candidates, [2 / 6, 4 / 6, 5 / 6], 8, 2, mean_gates)
+    assert got["0.3333"]["swa_kv_heads"] == [[1], [0]]            # mean gates 0.1 and 0.2 of the four zeros
+    assert got["0.6667"]["swa_kv_heads"] == [[0, 1], [0, 2]]      # every zero before any open gate
+    assert got["0.8333"]["swa_kv_heads"] == [[0, 1], [0, 1, 2]]   # then the lowest open gate (0.3)

@@ -176,18 +176,23 @@ def test_eval_is_exact_below_sink_plus_window_and_differs_past_it(planted_model,
     assert m["kl_mean_past_window"] > 1e-3  # sliding the planted head changes what comes after the window
 
 
-def test_the_shipped_smollm2_configuration_is_one_of_three_heads_per_layer_with_its_memory_gain():
+def test_the_shipped_smollm2_configuration_has_a_window_per_head_and_its_memory_gain():
     """What ships with `smollm2-135m-instruct` (docs/swa_quality.md): a valid section for its 30 layers
-    x 3 KV heads, one sliding head in every layer, W <= 512, page-need ceiling >= 1.3 at 4096 tokens."""
+    x 3 KV heads with a window per sliding head from the menu, page-need ceiling >= 1.7 at 4096 tokens once
+    decoding; the earlier one-head-per-layer section stays by name with its own >= 1.3."""
     from fastdeploy.config import HeadWiseSWAConfig
     from fastdeploy.model_executor.models.named_models import NAMED_MODELS
 
-    section = NAMED_MODELS["smollm2-135m-instruct"].calibrated_head_wise_swa()
+    model = NAMED_MODELS["smollm2-135m-instruct"]
+    section = model.calibrated_head_wise_swa()
     spec = HeadWiseSWAConfig.from_dict(section, 3, 30)
-    assert spec.sliding_window <= 512
-    assert [len(spec.heads_of_layer(layer)) for layer in range(30)] == [1] * 30
+    assert {w for layer in section["head_windows"] for w in layer} <= {256, 512, 1024, 2048}
+    assert spec.to_dict()["head_windows"] == section["head_windows"]
     ev = _eval_module()
-    assert ev.page_need_ceiling(section, 30, 3, [4096], 64)["4096"] >= 1.3
+    assert ev.page_need_ceiling(section, 30, 3, [4096], 64, at="decode")["4096"] >= 1.7
+    old = model.calibrated_head_wise_swa("one-head-per-layer-w512")
+    assert [len(h) for h in HeadWiseSWAConfig.from_dict(old, 3, 30).layer_kv_heads] == [1] * 30
+    assert ev.page_need_ceiling(old, 30, 3, [4096], 64)["4096"] >= 1.3
 
 
 def test_page_need_ceiling_uses_the_engines_layout_with_every_window_recycling():

@@ -24,12 +24,22 @@ class NamedModel:
     filename: str
     install: str       # the command that installs it
 
-    def calibrated_head_wise_swa(self) -> Optional[dict]:
+    def calibrated_head_wise_swa(self, configuration: Optional[str] = None) -> Optional[dict]:
+        """The calibrated `head_wise_swa` section (None: the model has none), or one of its other named
+        configurations (`--head-wise-swa-config NAME`); an unknown name is a ValueError listing them."""
         path = os.path.join(CALIBRATED_DIR, f"{self.name}.json")
-        if not os.path.isfile(path):
-            return None
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)["head_wise_swa"]
+        doc = {}
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+        if configuration is None:
+            return doc.get("head_wise_swa")
+        named = doc.get("named_configurations", {})
+        if configuration not in named:
+            known = ", ".join(sorted(named)) or "none"
+            raise ValueError(f"--head-wise-swa-config {configuration!r}: not JSON and not a named configuration "
+                             f"of {self.name} (it has: {known})")
+        return named[configuration]["head_wise_swa"]
 
 
 NAMED_MODELS = {m.name: m for m in (
