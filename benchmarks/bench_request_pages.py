@@ -7,8 +7,9 @@ scheduler; no model runs (each step 'samples' one token).
 With the flag off a request keeps every token of every KV head until it ends. With it on, a sliding head's
 (or sliding layer's) pages that leave its window go back to the free lists while the request runs, and any
 request may take them. `gemma-3-270m` slides five of its six layers (its own, window 512);
-`smollm2-135m-instruct` slides one of three KV heads per layer (its calibrated configuration, window 512,
-sink 64). Counted from the tables after every step: a 1-D block is one page of every slot. With
+`smollm2-135m-instruct` slides 59 of its 90 (layer, KV head) pairs, each with its own window from 256 to
+2048 tokens, sink 64 (its calibrated configuration). Counted from the tables after every step: a 1-D block
+is one page of every slot, and a page holds one slot of every lane, so the curves count pages x lanes. With
 `--head-wise-swa-config` (for instance a per-head window menu: `head_windows`) every model serves that spec
 instead; each sliding type recycles with its own window. Every step's count is checked against the
 page-need function (PageLayout.pages_per_rank), so the curve is also the one admission plans with.
@@ -21,6 +22,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, REPO_ROOT)  # runs from a checkout without installing
@@ -79,9 +81,14 @@ def pages_over_life(model: str, flags: dict, args) -> dict:
                                  f"the page-need function says {rm.layout.pages_per_rank(step.start, step.num_tokens)}")
         rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
         rm.cache_manager.check_integrity()
-    return {"layout": cfg.slot_layout.describe(), "tokens": tokens, "pages": pages,
-            "prefill_peak": max(p for t, p in zip(tokens, pages) if t <= args.prompt_len),
-            "end": pages[-1], "peak": max(pages)}
+    # A page is one slot in every lane: the two arms' pages differ in size where their lane counts differ
+    # (SmolLM2's window menu: one lane of 90 slots against 1-D's 30 lanes of 3), so what is compared is
+    # pages x lanes, the (layer, KV head) blocks held.
+    lanes = cfg.slot_layout.num_lanes
+    held = [p * lanes for p in pages]
+    return {"layout": cfg.slot_layout.describe(), "tokens": tokens, "pages": pages, "pair_blocks": held,
+            "prefill_peak": max(p for t, p in zip(tokens, held) if t <= args.prompt_len),
+            "end": held[-1], "peak": max(held)}
 
 
 def write_plot(path: str, results: dict, args) -> None:
@@ -93,17 +100,17 @@ def write_plot(path: str, results: dict, args) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(4.6 * len(results), 3.6), squeeze=False)
     for ax, (model, arms) in zip(axes[0], results.items()):
         (off_name, off), (on_name, on) = arms.items()
-        ax.step(off["tokens"], off["pages"], where="pre", color="tab:gray", label=off_name)
-        ax.step(on["tokens"], on["pages"], where="pre", color="tab:blue",
+        ax.step(off["tokens"], off["pair_blocks"], where="pre", color="tab:gray", label=off_name)
+        ax.step(on["tokens"], on["pair_blocks"], where="pre", color="tab:blue",
                 label=f"{on_name}: {on['end'] / off['end']:.0%} of off at the end")
         ax.axvline(args.prompt_len, color="black", linestyle=":", linewidth=1)
         ax.text(args.prompt_len, 2, " prompt in: decoding", fontsize=7, va="bottom")
         slots = on["layout"][on["layout"].rfind("(") + 1:-1]  # "1 full, 5 window 512 + sink 0"
-        ax.set_title(f"{model}\nslots per block, flag on: {slots}", fontsize=8)
+        ax.set_title(f"{model}\n" + textwrap.fill(f"slots per block, flag on: {slots}", 60), fontsize=8)
         ax.set_xlabel("tokens the request has processed")
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left", fontsize=7)
-    axes[0][0].set_ylabel("KV pages the request holds")
+    axes[0][0].set_ylabel("KV the request holds\n(blocks of one layer's KV head)")
     fig.suptitle(f"One request of {args.prompt_len} + {args.output_len} tokens "
                  f"(block {args.block_size}, prefill chunks of {args.max_num_batched_tokens})", fontsize=9)
     fig.tight_layout()
@@ -123,7 +130,7 @@ def main(argv=None) -> int:
             return 2
         (_, off), (_, on) = results[model].items()
         print(f"{model}: {on['layout']}")
-        print(f"  pages held, flag off -> on: prefill peak {off['prefill_peak']} -> {on['prefill_peak']} "
+        print(f"  (layer, KV head) blocks held, flag off -> on: prefill peak {off['prefill_peak']} -> {on['prefill_peak']} "
               f"({on['prefill_peak'] / off['prefill_peak']:.0%}), at the end {off['end']} -> {on['end']} "
               f"({on['end'] / off['end']:.0%}), steps {len(off['tokens']) - 1}")
     if args.json:
