@@ -370,6 +370,9 @@ def parse_args(argv=None):
     g.add_argument("--table", nargs="+", metavar="RESULTS_JSON", help="only print the table of result files")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="write KL past the window against the page-need ceiling (at the longest length) here")
+    p.add_argument("--kl-from", type=int, default=0,
+                   help="--table: KL and top-1 over the positions from this one on (the same positions for every "
+                        "configuration; default: each configuration's own past-the-window positions)")
     p.add_argument("--only", default=None, help="comma-separated config names to run (default: all)")
     p.add_argument("--json", default=None, help="results file (rewritten after each config; reruns resume)")
     p.add_argument("--text-segments", type=int, default=2)
@@ -396,9 +399,11 @@ def main(argv=None) -> int:
     if args.table:
         lengths = [int(x) for x in args.lengths.split(",") if x]
         rows = merged(args.table)
-        print_table(rows, lengths)
+        if args.model:  # the ceilings are arithmetic on each row's spec: recomputed at --lengths
+            recompute_ceilings(rows, args.model, lengths, args.block_size)
+        print_table(rows, lengths, args.kl_from)
         if args.plot:
-            plot_tradeoff(rows, lengths[-1], args.plot)
+            plot_tradeoff(rows, lengths[-1], args.plot, args.kl_from)
         return 0
     from fastdeploy.config import ModelConfig
 
@@ -542,13 +547,41 @@ def merged(files: list) -> dict:
     return rows
 
 
-def print_table(rows: dict, lengths: list) -> None:
-    print("| config | path | KL past window | top-1 past window | ppl | below sink + window | retrieval found | "
+def recompute_ceilings(rows: dict, model: str, lengths: list, block_size: int) -> None:
+    """Both page-need ceilings of every row at `lengths`, from its spec and the model's shape."""
+    from fastdeploy.config import ModelConfig
+
+    mc = ModelConfig.create(model, None, None)
+    for r in rows.values():
+        spec = r.get("head_wise_swa")
+        args = (spec, mc.num_hidden_layers, mc.num_key_value_heads, lengths, block_size)
+        r["page_need_ceiling"] = page_need_ceiling(*args, layer_windows=mc.layer_sliding_window) \
+            if spec or mc.layer_sliding_window else {str(n): 1.0 for n in lengths}
+        r["page_need_ceiling_decode"] = page_need_ceiling(*args, at="decode", layer_windows=mc.layer_sliding_window) \
+            if spec or mc.layer_sliding_window else {str(n): 1.0 for n in lengths}
+
+
+def text_from(text: dict, first: int) -> tuple:
+    """(KL, top-1) over the position buckets that start at `first` or later, weighted by their lengths:
+    the same positions for configurations whose windows differ."""
+    picked = [b for b in text["buckets"] if b["positions"][0] >= first]
+    n = sum(b["positions"][1] - b["positions"][0] for b in picked)
+    if not n:
+        return float("nan"), float("nan")
+    weight = [(b["positions"][1] - b["positions"][0]) / n for b in picked]
+    return (sum(w * b["kl"] for w, b in zip(weight, picked)), sum(w * b["top1"] for w, b in zip(weight, picked)))
+
+
+def print_table(rows: dict, lengths: list, kl_from: int = 0) -> None:
+    past = f"from position {kl_from}" if kl_from else "past window"
+    print(f"| config | path | KL {past} | top-1 {past} | ppl | below sink + window | retrieval found | "
           + " | ".join(f"ceiling@{n} prefill / decode" for n in lengths) + " |")
     print("|---" * (7 + len(lengths)) + "|")
     for name, r in rows.items():
         t = r.get("text")
-        cells = [f"{t['kl_mean_past_window']:.4f}", f"{t['top1_past_window']:.3f}", f"{t['perplexity']:.3f}",
+        kl, top1 = text_from(t, kl_from) if t and kl_from else \
+            (t["kl_mean_past_window"], t["top1_past_window"]) if t else (None, None)
+        cells = [f"{kl:.4f}", f"{top1:.3f}", f"{t['perplexity']:.3f}",
                  t.get("below_window_check", "exact" if t["exact_below_window"] else "FAIL")] if t else ["-"] * 4
         ret = r.get("retrieval")
         found = f"{sum(x['found'] for x in ret)}/{sum(x['total'] for x in ret)}" if ret else "-"
@@ -584,7 +617,7 @@ def family(name: str) -> str:
     return "full attention"
 
 
-def plot_tradeoff(rows: dict, length: int, path: str) -> None:
+def plot_tradeoff(rows: dict, length: int, path: str, kl_from: int = 0) -> None:
     """Accuracy against memory: each configuration's KL past the window (left) and its retrieval (right,
     where it ran) at its page-need ceiling (x: how many more requests fit in the same pages at `length`
     tokens), one marker per way of choosing heads."""
@@ -598,12 +631,16 @@ def plot_tradeoff(rows: dict, length: int, path: str) -> None:
               "head finder, whole-model ranking": ("tab:orange", "v"), "shipped (calibrated file)": ("tab:red", "*"),
               "optimized gates (DuoAttention-style)": ("tab:purple", "D"),
               "window menu (a window per head)": ("tab:green", "P")}
+    # once decoding where the rows carry it (the issue's measure), else the prefill peak (older result files)
+    key = "page_need_ceiling_decode" if all(r.get("page_need_ceiling_decode") for r in rows.values()) \
+        else "page_need_ceiling"
+    when = "once decoding" if key.endswith("decode") else "at the prefill peak"
     with_retrieval = any(r.get("retrieval") for r in rows.values())
     fig, axes = plt.subplots(1, 2 if with_retrieval else 1, figsize=(12 if with_retrieval else 7, 4), squeeze=False)
     kl_ax, ret_ax = axes[0][0], axes[0][-1]
     plotted = set()
     for name, r in rows.items():
-        text, ceiling = r.get("text"), r.get("page_need_ceiling", {}).get(str(length))
+        text, ceiling = r.get("text"), r.get(key, {}).get(str(length))
         if ceiling is None:
             continue
         fam = family(name)
@@ -611,19 +648,20 @@ def plot_tradeoff(rows: dict, length: int, path: str) -> None:
         style = dict(color=color, marker=marker, s=140 if marker == "*" else 40, zorder=3)
         label = None if fam in plotted else fam
         if text:
-            kl_ax.scatter(ceiling, text["kl_mean_past_window"], label=label, **style)
+            kl = text_from(text, kl_from)[0] if kl_from else text["kl_mean_past_window"]
+            kl_ax.scatter(ceiling, kl, label=label, **style)
             plotted.add(fam)
         if with_retrieval and r.get("retrieval"):
             found = sum(x["found"] for x in r["retrieval"]) / sum(x["total"] for x in r["retrieval"])
             ret_ax.scatter(ceiling, found, label=None if with_retrieval and text else label, **style)
             plotted.add(fam)
-    kl_ax.set_xlabel(f"page-need ceiling at {length} tokens (requests that fit ON / OFF)")
-    kl_ax.set_ylabel("KL(full || config) past the window")
+    kl_ax.set_xlabel(f"page-need ceiling at {length} tokens {when} (requests that fit ON / OFF)")
+    kl_ax.set_ylabel(f"KL(full || config) from position {kl_from}" if kl_from else "KL(full || config) past the window")
     kl_ax.set_title("Which heads slide: accuracy (lower is better) against memory (right is better)", fontsize=10)
     kl_ax.grid(alpha=0.3)
     kl_ax.legend(fontsize=8, loc="upper left")
     if with_retrieval:
-        ret_ax.set_xlabel(f"page-need ceiling at {length} tokens")
+        ret_ax.set_xlabel(f"page-need ceiling at {length} tokens {when}")
         ret_ax.set_ylabel("retrieval prompts answered (share)")
         ret_ax.set_title("Retrieval (higher is better)", fontsize=10)
         ret_ax.grid(alpha=0.3)

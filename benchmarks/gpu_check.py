@@ -128,7 +128,8 @@ def kernel_params(fd_config, layout: StepBufferLayout, num_tokens: int, dtype: i
                 head_wise_table=int(layout.head_wise), max_position=model.max_model_len,
                 sliding_window=spec.sliding_window, sink_size=spec.sink_size, visit_all_pages=0, dual_pass=0,
                 kv_slots=0,  # 0: the per-head cache layout (slot h = head h), what this check's presets use
-                cache_quant=gpu_harness.CACHE_FLOAT)  # the A/B runs 16-bit pages
+                cache_quant=gpu_harness.CACHE_FLOAT,  # the A/B runs 16-bit pages
+                head_windows=0)  # swa_head_mask is one flag per KV head: the presets slide with one window
 
 
 def buffer_addresses(base: int, layout: StepBufferLayout) -> dict:
