@@ -82,13 +82,13 @@ def standard_configs(finder_json: str, num_layers: int, num_kv: int, random_seed
     return out
 
 
-def exact_span(spec: dict) -> int:
+def exact_span(spec: dict, num_layers: int, num_kv: int) -> int:
     """Positions below which every sliding head still sees every key: the smallest window + sink of the
     spec's sliding heads (each head's own with per-head windows)."""
-    windows = [w for ws in spec.get("head_windows", [[spec["sliding_window"]]]) for w in ws]
-    sinks = [s for ss in spec.get("head_sinks", [[spec["sink_size"]] * len(ws) for ws in
-                                                 spec.get("head_windows", [[spec["sliding_window"]]])]) for s in ss]
-    return min(w + s for w, s in zip(windows, sinks))
+    from fastdeploy.config import HeadWiseSWAConfig
+
+    parsed = HeadWiseSWAConfig.from_dict(spec, num_kv, num_layers)
+    return min(sum(parsed.head_type(layer, h)) for layer in range(num_layers) for h in parsed.heads_of_layer(layer))
 
 
 def path_of(spec, num_layers: int) -> str:
@@ -465,7 +465,7 @@ def main(argv=None) -> int:
             continue
         t0 = time.time()
         path = path_of(spec, num_layers)
-        exact_below = 0 if quant != "none" else exact_span(spec) if spec else args.segment_tokens
+        exact_below = 0 if quant != "none" else exact_span(spec, num_layers, num_kv) if spec else args.segment_tokens
         row = {"head_wise_swa": spec, "path": path, "kv_cache_quant_type": quant, "head_wise_kv_cache": head_wise,
                "kv_quant_rotation": rotation, "kv_quant_value_rotation": value_rotation}
         is_reference = spec is None and quant == "none" and not head_wise

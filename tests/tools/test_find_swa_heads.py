@@ -241,3 +241,13 @@ def test_eval_runs_a_quantized_pages_arm_against_the_float32_pages_reference(pla
     assert 0 < m["kl_mean_past_window"] < 1e-2 and m["top1_past_window"] > 0.9
     assert not m["exact_below_window"]
     assert ev.below_window_check(m, permuted_heads=False, quantized=True) == "n/a (quantized pages)"
+
+
+def test_the_evaluations_exact_span_is_the_smallest_window_and_sink_of_any_sliding_head():
+    """Below it every sliding head sees every key, so the evaluation checks those positions bit for bit."""
+    ev = _eval_module()
+    one = {"sliding_window": 512, "sink_size": 64, "swa_kv_heads": [0]}
+    per_head = {"sliding_window": 512, "sink_size": 64, "swa_kv_heads": [[0, 2], [1]],
+                "head_windows": [[1024, 256], [2048]], "head_sinks": [[64, 8], [0]]}
+    assert ev.exact_span(one, 2, 3) == 576
+    assert ev.exact_span(per_head, 2, 3) == 264
