@@ -16,16 +16,11 @@ from fastdeploy.model_executor.layers.attention.ops.cuda_on_cpu_loader import fi
 SWA = {"sliding_window": 20, "sink_size": 3, "swa_kv_heads": [0, 2]}
 
 
-@pytest.mark.parametrize("mode", ["1d", "head_wise_recycle_off", "head_wise_recycle_on"])
-def test_paged_backend_matches_dense_backend_step_by_step(make_config, mode):
-    cfg = make_config(mode, num_gpu_blocks_override=40, block_size=8, max_num_batched_tokens=24, max_num_seqs=4,
-                      max_model_len=256, head_wise_swa_config=SWA, enable_prefix_caching=False)
-    runner = StepRunner(cfg)
-    paged = runner.attn_backend
-    assert isinstance(paged, AppendAttentionBackend)
-    dense = NativeAttentionBackend(cfg, paged.rotary)
+def _worst_step_difference(cfg, runner, paged, dense, shapes):
+    """Run requests of (prompt, output) `shapes` through the real scheduler; at every step feed layer 0 of
+    both backends the same random qkv. Returns (worst relative difference, steps, the resource manager)."""
     rm = ResourceManagerV1(cfg)
-    for i, (plen, out) in enumerate([(45, 30), (7, 40), (60, 12)]):
+    for i, (plen, out) in enumerate(shapes):
         rm.add_request(Request(f"r{i}", [5] * plen, SamplingParams(max_tokens=out, ignore_eos=True), eos_token_id=2))
     rng = np.random.default_rng(0)
     model = cfg.model_config
@@ -35,7 +30,7 @@ def test_paged_backend_matches_dense_backend_step_by_step(make_config, mode):
         batch = rm.schedule()
         meta = runner.ranks.build_forward_meta(runner.build_step_input(batch))
         qkv = paddle.to_tensor(rng.standard_normal((batch.num_tokens, width)).astype(np.float32))
-        a = paged.forward(0, qkv, meta).numpy()
+        a = paged.forward(0, qkv, meta).astype("float32").numpy()
         b = dense.forward(0, qkv, meta).numpy()
         worst = max(worst, float(np.linalg.norm(a - b) / np.linalg.norm(b)))
         rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
@@ -43,6 +38,18 @@ def test_paged_backend_matches_dense_backend_step_by_step(make_config, mode):
             if r.request.is_finished:
                 runner.release(r.request.request_id)
         steps += 1
+    return worst, steps, rm
+
+
+@pytest.mark.parametrize("mode", ["1d", "head_wise_recycle_off", "head_wise_recycle_on"])
+def test_paged_backend_matches_dense_backend_step_by_step(make_config, mode):
+    cfg = make_config(mode, num_gpu_blocks_override=40, block_size=8, max_num_batched_tokens=24, max_num_seqs=4,
+                      max_model_len=256, head_wise_swa_config=SWA, enable_prefix_caching=False)
+    runner = StepRunner(cfg)
+    paged = runner.attn_backend
+    assert isinstance(paged, AppendAttentionBackend)
+    dense = NativeAttentionBackend(cfg, paged.rotary)
+    worst, steps, rm = _worst_step_difference(cfg, runner, paged, dense, [(45, 30), (7, 40), (60, 12)])
     assert steps > 20
     if mode == "head_wise_recycle_on":
         assert rm.swa_pages_recycled_total > 0
@@ -50,8 +57,8 @@ def test_paged_backend_matches_dense_backend_step_by_step(make_config, mode):
 
 
 # -- per-head windows: each (layer, KV head) pair with its own window and sink ---------------------------
-# The type table is built by hand here (the config's per-head windows, head_wise_swa.head_windows, come
-# with the slot layout's change); the backends read it through swa_spec.attention_type_table.
+# The type table is built by hand here (three sliding types and a full head in every layer of the tiny
+# preset); the backends read it through swa_spec.attention_type_table.
 MIXED_TYPES = (AttentionType(20, 3), FULL, AttentionType(9, 0), AttentionType(33, 5))
 
 
@@ -99,7 +106,7 @@ def test_paged_backends_match_dense_backend_with_a_window_per_head(make_config, 
                                                                    backend, mode, cache_dtype, tolerance):
     """APPEND_ATTN (the CPU op) and CUDA_ON_CPU (the CUDA kernels) pass each head's own window and sink
     ([2, kv_heads] masks); the dense backend masks per query head: the same attention step by step
-    (no recycling: the cache manager's per-type recycling is not part of this change)."""
+    (recycling off: the hand-built table bypasses the config the cache manager's slot layout reads)."""
     if backend == "CUDA_ON_CPU" and find_cuda_include() is None:
         pytest.skip("the CUDA toolkit's headers are needed to build the kernels for the CPU")
     monkeypatch.setenv("FD_ATTENTION_BACKEND", backend)
@@ -112,24 +119,6 @@ def test_paged_backends_match_dense_backend_with_a_window_per_head(make_config, 
     assert isinstance(paged, AppendAttentionBackend)
     assert all(mask.shape == [2, cfg.model_config.num_key_value_heads] for mask, *_ in paged.layer_args)
     dense = NativeAttentionBackend(cfg, paged.rotary)
-    rm = ResourceManagerV1(cfg)
-    for i, (plen, out) in enumerate([(45, 12), (7, 30), (60, 6)]):
-        rm.add_request(Request(f"r{i}", [5] * plen, SamplingParams(max_tokens=out, ignore_eos=True), eos_token_id=2))
-    rng = np.random.default_rng(0)
-    model = cfg.model_config
-    width = (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim
-    worst, steps = 0.0, 0
-    while rm.has_unfinished_requests():
-        batch = rm.schedule()
-        meta = runner.ranks.build_forward_meta(runner.build_step_input(batch))
-        qkv = paddle.to_tensor(rng.standard_normal((batch.num_tokens, width)).astype(np.float32))
-        a = paged.forward(0, qkv, meta).astype("float32").numpy()
-        b = dense.forward(0, qkv, meta).numpy()
-        worst = max(worst, float(np.linalg.norm(a - b) / np.linalg.norm(b)))
-        rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
-        for r in batch.requests:
-            if r.request.is_finished:
-                runner.release(r.request.request_id)
-        steps += 1
+    worst, steps, _ = _worst_step_difference(cfg, runner, paged, dense, [(45, 12), (7, 30), (60, 6)])
     assert steps > 20
     assert worst < tolerance, worst
