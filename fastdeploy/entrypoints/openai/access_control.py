@@ -85,10 +85,25 @@ class BodySizeLimit:
             length = _content_length(scope)
             if length is not None and length > self.max_body_bytes:
                 err = body_too_large(self.max_body_bytes)
+                if length <= DRAIN_LIMIT:
+                    # Read what the client is still sending: answering and closing mid-upload resets the
+                    # connection under the client, which then sees a reset instead of the 413.
+                    await _drain(receive)
                 await JSONResponse(err.to_dict(), status_code=413, headers={"Connection": "close"})(
                     scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+# Bodies up to this size are read and discarded before the 413 (cheap); larger ones get it at once.
+DRAIN_LIMIT = 8 << 20
+
+
+async def _drain(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
 
 
 def body_too_large(limit: int) -> APIError:
