@@ -9,6 +9,8 @@ cProfile and prints the top entries, to see what a step costs besides the GEMMs.
     python benchmarks/bench_decode_cpu.py --model smollm2-135m-instruct --kv-cache-quant-types none int8 \
         --concurrency 8 --input-len 4096 --decode-steps 24   # decode steps over float32 vs int8 KV pages
 
+    python benchmarks/bench_decode_cpu.py --model smollm2-135m-instruct --fused-layers-ab --concurrency 1 8 32
+
     python benchmarks/bench_decode_cpu.py --model smollm2-135m-instruct --head-wise-ab \
         --concurrency 1 8 32 --input-lens 128 3000 --decode-steps 24   # FD_HEAD_WISE_KV_CACHE=0 vs 1
 
@@ -139,6 +141,40 @@ def decode_steps_by_format(args) -> list:
                      "step_ms": [t * 1e3 for t in ts]})
         print(f"{quant:<16} median decode step {med * 1e3:7.1f} ms  {n / med:7.1f} tok/s  x{med / first:.3f}",
               flush=True)
+    return rows
+
+
+def fused_layers_ab(args) -> list:
+    """Median decode step of one engine with its layers as two op calls each around the attention op
+    (FD_CPU_FUSED_LAYERS=1) vs every layer in one op call (2, the default): the flag is read per step,
+    so the two arms take turns on the same requests (1, 2, 2, 1, 1, 2, ...) at the same contexts."""
+    from fastdeploy import LLM, SamplingParams, envs
+
+    rows = []
+    for n in args.concurrency:
+        llm = LLM(model=args.model or write_checkpoint(args.model_dir), block_size=64, max_num_seqs=n,
+                  max_model_len=args.input_len + 2 * args.decode_steps + 16, max_num_batched_tokens=2048,
+                  kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False)
+        engine = llm.engine
+        vocab = engine.model_config.vocab_size
+        rng = np.random.default_rng(n)
+        prompts = [rng.integers(3, min(vocab, 30000), args.input_len).tolist() for _ in range(n)]
+        params = SamplingParams(temperature=0, max_tokens=2 * args.decode_steps + 4, ignore_eos=True)
+        add_and_prefill(engine, "ab", prompts, params)
+        times = {1: [], 2: []}
+        for i in range(2 * args.decode_steps):
+            arm = (1, 2, 2, 1)[i % 4]
+            with envs.override(FD_CPU_FUSED_LAYERS=arm):
+                t0 = time.perf_counter()
+                engine.step()
+                times[arm].append(time.perf_counter() - t0)
+        per_layer, stack = (float(np.median(times[a])) for a in (1, 2))
+        rows.append({"concurrency": n, "context": args.input_len, "per_layer_step_ms": per_layer * 1e3,
+                     "stack_step_ms": stack * 1e3, "stack_speedup": per_layer / stack})
+        print(f"N={n:<3} context {args.input_len}: median decode step {per_layer * 1e3:7.2f} ms with two op calls "
+              f"a layer, {stack * 1e3:7.2f} ms with every layer in one op call: x{per_layer / stack:.3f}", flush=True)
+        while engine.has_unfinished_requests():
+            engine.step()
     return rows
 
 
@@ -297,10 +333,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-quant-types", nargs="+", default=None, choices=["none", "int8", "block_wise_fp8", "block_wise_int4"],
                     help="compare decode steps over these KV page formats (one engine each, steps interleaved)")
     ap.add_argument("--decode-steps", type=int, default=24, help="timed decode steps per format")
-    ap.add_argument("--kv-cache-memory", type=int, default=4 << 30, help="KV bytes of each engine (formats)")
+    ap.add_argument("--kv-cache-memory", type=int, default=4 << 30,
+                    help="KV bytes of each engine (formats, fused-layers A/B)")
     ap.add_argument("--head-wise-ab", action="store_true",
                     help="FD_HEAD_WISE_KV_CACHE=0 vs 1 on the same prompts, decode steps interleaved, with each "
                          "step's host parts, at every --concurrency and --input-lens")
+    ap.add_argument("--fused-layers-ab", action="store_true",
+                    help="FD_CPU_FUSED_LAYERS=1 (two op calls a layer) vs 2 (every layer in one op call): one "
+                         "engine per --concurrency, decode steps alternating between the two")
     ap.add_argument("--repeats", type=int, default=50, help="--head-wise-ab: reruns of each repeatable host part")
     ap.add_argument("--input-lens", type=int, nargs="+", default=[128, 3000],
                     help="prompt lengths (contexts) of --head-wise-ab")
@@ -309,7 +349,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    mode = head_wise_ab if args.head_wise_ab else decode_steps_by_format if args.kv_cache_quant_types else None
+    mode = head_wise_ab if args.head_wise_ab else decode_steps_by_format if args.kv_cache_quant_types else \
+        fused_layers_ab if args.fused_layers_ab else None
     if mode is not None:
         rows = mode(args)
         if args.json:

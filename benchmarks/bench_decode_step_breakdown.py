@@ -9,7 +9,9 @@ One engine, one request of `--input-len` random prompt tokens, greedy; once its 
 decode steps are timed, each split by wrapping the engine's parts (schedule, step input, buffer fill,
 the forward pass, argmax, update, detokenize, output) and every Paddle custom-op call (by op name).
 "dense" is every op that multiplies by the weights (linear_blocks*, linear_packed, and the fused layer
-ops, which include their norms and activation); "host" is the step's time outside any custom op. The
+ops, which include their norms and activation); with every layer in one op (the default,
+FD_CPU_FUSED_LAYERS=2) that op is its own line, and FD_CPU_FUSED_LAYERS=1 splits it into dense and
+attention; "host" is the step's time outside any custom op. The
 wrapping adds ~1 us per op call. With `--clock cpu` the main thread's CPU time is counted (the op's
 helper thread works in parallel and is not), which a busy machine disturbs least; compare runs of
 one clock only.
@@ -29,6 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 DENSE_OPS = ("linear_blocks", "linear_blocks_int8", "linear_packed", "linear_sgemm", "norm_qkv_blocks", "mlp_blocks")
 NORM_OPS = ("rms_norm_rows", "add_rms_norm_rows", "gated_activation")
+# Every layer in one op (FD_CPU_FUSED_LAYERS=2, the default): its dense products, attention and norms
+# together; FD_CPU_FUSED_LAYERS=1 splits them (two op calls a layer around the attention op).
+STACK_OPS = ("decoder_stack_forward",)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -107,7 +112,8 @@ def main(argv=None) -> int:
     dense = sum(v for k, v in ops.items() if k in DENSE_OPS)
     attention = sum(v for k, v in ops.items() if "attention" in k)
     norms = sum(v for k, v in ops.items() if k in NORM_OPS)
-    other_ops = sum(ops.values()) - dense - attention - norms
+    stack = sum(v for k, v in ops.items() if k in STACK_OPS)
+    other_ops = sum(ops.values()) - dense - attention - norms - stack
     step = float(np.mean(steps)) * 1e3
     host = step - sum(ops.values())
     flags = {k: os.environ[k] for k in ("FD_CPU_INT8_ACTIVATIONS", "FD_CPU_FUSED_LAYERS", "FD_CPU_GGUF_BLOCKS")
@@ -115,6 +121,8 @@ def main(argv=None) -> int:
     print(f"{args.model}, 1 request, {args.input_len} prompt tokens, {n} decode steps, clock {args.clock}, "
           f"flags {flags or 'default'}, load average {os.getloadavg()[0]:.1f}")
     print(f"step mean {step:.2f} ms (median {np.median(steps) * 1e3:.2f} ms, {1e3 / step:.1f} tok/s)")
+    if stack:
+        print(f"  every layer in one op (dense products, attention, norms) {stack:6.2f} ms")
     print(f"  dense products (weights) {dense:6.2f} ms   attention {attention:6.2f} ms   norms + activation "
           f"{norms:6.2f} ms   other ops {other_ops:6.2f} ms")
     print(f"  host (outside ops)       {host:6.2f} ms, of which: "

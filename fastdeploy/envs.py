@@ -91,10 +91,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # llama.cpp does: faster decode, outputs no longer transformers' bits (custom_ops/cpu_ops/
     # linear_blocks_int8.cc; accuracy in docs/benchmarks.md). 0: the exact float32 products.
     "FD_CPU_INT8_ACTIVATIONS": _int_flag("FD_CPU_INT8_ACTIVATIONS", "0"),
-    # 1: on the CPU, a decoder layer whose dense weights are all GGUF blocks runs its dense work as two
-    # op calls around its attention (custom_ops/cpu_ops/decoder_block_ops.cc: the same bits, less
-    # host time per decode step); 0: one op call per norm, product and activation.
-    "FD_CPU_FUSED_LAYERS": _int_flag("FD_CPU_FUSED_LAYERS", "1"),
+    # On the CPU, for a model whose dense weights are all GGUF blocks (the same bits in every mode):
+    # 2 (default): the whole decoder stack of a step in one op call where the attention backend is the
+    # CPU op (custom_ops/cpu_ops/decoder_stack.cc), else as 1; 1: a layer's dense work as two op calls
+    # around its attention (decoder_block_ops.cc); 0: one op call per norm, product and activation.
+    "FD_CPU_FUSED_LAYERS": _int_flag("FD_CPU_FUSED_LAYERS", "2"),
     # Where the CPU op is compiled and cached (unset: ~/.cache/fastdeploy/custom_ops).
     "FD_CUSTOM_OP_DIR": _str_flag("FD_CUSTOM_OP_DIR", ""),
     # Comma-separated API keys the server requires on /v1/* (upstream's name); --api-key overrides it.

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <vector>
 
+#include "decoder_block_ops.h"
 #include "gated_activation_row.h"
 #include "linear_blocks.h"
 #include "paddle/extension.h"
@@ -57,7 +58,9 @@ void add_norm(const float* x, const float* delta, const float* w, int64_t rows, 
   });
 }
 
-std::vector<paddle::Tensor> NormQkvBlocks(const paddle::Tensor& hidden_in,
+}  // namespace
+
+std::vector<paddle::Tensor> fd_cpu::decoder::NormQkvBlocks(const paddle::Tensor& hidden_in,
                                           const paddle::optional<paddle::Tensor>& delta_in,
                                           const paddle::Tensor& norm_in, const paddle::Tensor& q,
                                           const paddle::Tensor& scale, const paddle::optional<paddle::Tensor>& offset,
@@ -82,7 +85,7 @@ std::vector<paddle::Tensor> NormQkvBlocks(const paddle::Tensor& hidden_in,
   return {sum, qkv};
 }
 
-std::vector<paddle::Tensor> MlpBlocks(const paddle::Tensor& attn_in, const paddle::Tensor& hidden_in,
+std::vector<paddle::Tensor> fd_cpu::decoder::MlpBlocks(const paddle::Tensor& attn_in, const paddle::Tensor& hidden_in,
                                       const paddle::Tensor& o_q, const paddle::Tensor& o_scale,
                                       const paddle::optional<paddle::Tensor>& o_offset, const paddle::Tensor& norm_in,
                                       const paddle::Tensor& gu_q, const paddle::Tensor& gu_scale,
@@ -122,13 +125,11 @@ std::vector<paddle::Tensor> MlpBlocks(const paddle::Tensor& attn_in, const paddl
   return {sum, ffn};
 }
 
-}  // namespace
-
 PD_BUILD_OP(norm_qkv_blocks)
     .Inputs({"hidden", paddle::Optional("delta"), "norm", "q", "scale", paddle::Optional("offset")})
     .Outputs({"sum", "qkv"})
     .Attrs({"n: int64_t", "group: int64_t", "kind: int64_t", "eps: float"})
-    .SetKernelFn(PD_KERNEL(NormQkvBlocks));
+    .SetKernelFn(PD_KERNEL(fd_cpu::decoder::NormQkvBlocks));
 
 PD_BUILD_OP(mlp_blocks)
     .Inputs({"attn", "hidden", "o_q", "o_scale", paddle::Optional("o_offset"), "norm", "gu_q", "gu_scale",
@@ -136,4 +137,4 @@ PD_BUILD_OP(mlp_blocks)
     .Outputs({"sum", "ffn"})
     .Attrs({"o_group: int64_t", "o_kind: int64_t", "gu_n: int64_t", "gu_group: int64_t", "gu_kind: int64_t",
             "down_group: int64_t", "down_kind: int64_t", "eps: float", "act: int"})
-    .SetKernelFn(PD_KERNEL(MlpBlocks));
+    .SetKernelFn(PD_KERNEL(fd_cpu::decoder::MlpBlocks));

@@ -49,9 +49,10 @@ def _link() -> tuple:
 
 GEMM_OPS = CpuOpLibrary("fd_cpu_gemm", ("linear_packed.cc", "linear_blocks.cc", "linear_blocks_int8.cc",
                                         "linear_sgemm.cc", "rms_norm.cc", "gated_activation.cc",
-                                        "decoder_block_ops.cc"),
+                                        "decoder_block_ops.cc", "decoder_stack.cc"),
                         "the CPU dense-layer ops (packed GEMM, GGUF-block GEMM exact and with int8 activations, "
-                        "OpenBLAS sgemm, RMSNorm, gated activation, a decoder layer's dense work fused)",
+                        "OpenBLAS sgemm, RMSNorm, gated activation, a decoder layer's dense work fused, the whole "
+                        "decoder stack in one call)",
                         dir_prefix="gemm-", link=_link)
 
 
@@ -167,6 +168,15 @@ def decoder_block_ops() -> tuple:
     linear_sgemm()
     lib = load_library(GEMM_OPS)
     return lib.norm_qkv_blocks, lib.mlp_blocks
+
+
+@lru_cache(maxsize=None)
+def decoder_stack_ops() -> tuple:
+    """(decoder_stack_bind, decoder_stack_forward, decoder_stack_release): every decoder layer of a
+    step in one op call (custom_ops/cpu_ops/decoder_stack.cc), the bits of the per-layer calls."""
+    linear_sgemm()
+    lib = load_library(GEMM_OPS)
+    return lib.decoder_stack_bind, lib.decoder_stack_forward, lib.decoder_stack_release
 
 
 @lru_cache(maxsize=None)

@@ -230,8 +230,10 @@ class CausalLM:
     def _bind_fused_layers(self, eps: float, act) -> None:
         """Every layer's dense work as two op calls (decoder_block_ops.cc), where each of its weights is
         GGUF blocks and the layer is the plain kind (one rank, no MoE, no bias / q-k norm / sandwich
-        norms): the bits of the op-by-op path, ~5 fewer Paddle op calls per layer."""
+        norms): the bits of the op-by-op path, ~5 fewer Paddle op calls per layer; and those layers'
+        operands for the whole stack in one call (_decoder_stack)."""
         self.fused_layers = None
+        self._stack_layers, self._stack = None, None
         if (envs.FD_CPU_FUSED_LAYERS == 0 or act is None or self.tp_size > 1 or self.moe or not self.plain_qkv
                 or self.arch.sandwich_norms):
             return
@@ -250,6 +252,21 @@ class CausalLM:
             self.fused_layers.append((
                 lambda hidden, pending, a=qkv_args: norm_qkv_op(hidden, pending, *a),
                 lambda attn, hidden, a=mlp_args: mlp_op(attn, hidden, *a)))
+        # For the whole stack in one call: bound to the attention backend's lanes at its first step.
+        self._stack_layers = ([(*norms, *ops) for norms, ops in zip(self.layer_norms, operands)], eps, act)
+
+    def _decoder_stack(self, backend):
+        """Every layer of a step in one op call (models/decoder_stack.py), where the backend's attention
+        is the CPU op and FD_CPU_FUSED_LAYERS is 2; None otherwise (the per-layer calls then run)."""
+        if (self._stack_layers is None or envs.FD_CPU_FUSED_LAYERS < 2
+                or not getattr(backend, "runs_cpu_op", lambda: False)()):
+            return None
+        if self._stack is None or self._stack.backend() is not backend:
+            from fastdeploy.model_executor.models.decoder_stack import DecoderStack
+
+            layers, eps, act = self._stack_layers
+            self._stack = DecoderStack(layers, backend, eps, act)
+        return self._stack
 
     def _rms_norm(self, x: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
         return rms_norm(x, weight, self.config.rms_norm_eps)
@@ -300,7 +317,10 @@ class CausalLM:
         # output is added after the loop, the final norm runs on the sampled rows only.
         pending = None
         tp, sandwich, attention = self.tp_size, self.arch.sandwich_norms, meta.attn_backend.forward
-        if self.fused_layers is not None:  # two op calls per layer around its attention, same bits
+        stack = self._decoder_stack(meta.attn_backend) if self.fused_layers is not None else None
+        if stack is not None:  # every layer in one op call, same bits
+            hidden = stack(hidden, meta)
+        elif self.fused_layers is not None:  # two op calls per layer around its attention, same bits
             for layer_id, (norm_qkv, mlp) in enumerate(self.fused_layers):
                 hidden, qkv = norm_qkv(hidden, pending)
                 hidden, pending = mlp(attention(layer_id, qkv, meta), hidden)

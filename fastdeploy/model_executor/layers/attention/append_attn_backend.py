@@ -85,17 +85,35 @@ class AppendAttentionBackend:
     def _bind_cpu_op(self):
         return load_cpu_ops().append_attention_cpu
 
+    @staticmethod
+    def step_tensors(meta: ForwardMeta) -> tuple:
+        """The step's tensors every layer's call passes: (seq_lens_encoder, seq_lens_decoder,
+        seq_lens_this_time, cu_seqlens_q, the block table: head-wise where the step has one)."""
+        table = meta.block_tables_head_wise if meta.block_tables_head_wise is not None else meta.block_tables
+        return meta.seq_lens_encoder, meta.seq_lens_decoder, meta.seq_lens_this_time, meta.cu_seqlens_q, table
+
+    def layer_operands(self, layer_id: int) -> dict:
+        """The CPU op's arguments of layer `layer_id` that do not change between steps: its cache lane,
+        scales, rotary tables, heads' windows and slots, and attributes."""
+        swa_head_mask, _, _, head_slots = self.layer_args[layer_id]
+        cos, sin = self.rotary[layer_id]
+        return dict(key_cache=self.key_caches[layer_id], value_cache=self.value_caches[layer_id],
+                    rotary_cos=cos, rotary_sin=sin, swa_head_mask=swa_head_mask, kv_head_slots=head_slots,
+                    key_cache_scales=self.key_scales[layer_id], value_cache_scales=self.value_scales[layer_id])
+
+    def runs_cpu_op(self) -> bool:
+        """True where forward is the CPU op's call (not the CUDA op, not a subclass's own kernels): a
+        caller may then run the op itself on layer_operands (the whole decoder stack in one call)."""
+        return self.cpu_op is not None and type(self).forward is AppendAttentionBackend.forward
+
     def forward(self, layer_id: int, qkv: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         table = meta.block_tables_head_wise if meta.block_tables_head_wise is not None else meta.block_tables
         swa_head_mask, window, sink, head_slots = self.layer_args[layer_id]
         cos, sin = self.rotary[layer_id]
         if self.cpu_op is not None:
-            tensors = dict(qkv=qkv, key_cache=self.key_caches[layer_id], value_cache=self.value_caches[layer_id],
-                           seq_lens_encoder=meta.seq_lens_encoder, seq_lens_decoder=meta.seq_lens_decoder,
-                           seq_lens_this_time=meta.seq_lens_this_time, cu_seqlens_q=meta.cu_seqlens_q,
-                           block_tables=table, rotary_cos=cos, rotary_sin=sin, swa_head_mask=swa_head_mask,
-                           kv_head_slots=head_slots, key_cache_scales=self.key_scales[layer_id],
-                           value_cache_scales=self.value_scales[layer_id])
+            encoder, decoder, this_time, cu_seqlens_q, table = self.step_tensors(meta)
+            tensors = dict(qkv=qkv, seq_lens_encoder=encoder, seq_lens_decoder=decoder, seq_lens_this_time=this_time,
+                           cu_seqlens_q=cu_seqlens_q, block_tables=table, **self.layer_operands(layer_id))
             return _call(self.cpu_op, *cpu_op_arguments(tensors, self.cpu_attrs[layer_id]))[0]
         return append_attention(
             qkv, self.key_caches[layer_id], self.value_caches[layer_id], meta.seq_lens_encoder,

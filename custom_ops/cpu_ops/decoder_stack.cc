@@ -1,0 +1,171 @@
+// Every decoder layer of a step in one op call: for each layer, norm + q/k/v (decoder_block_ops),
+// the paged attention step (append_attention_step.h) and o_proj + residual + norm + MLP, then the
+// last residual add.
+//
+// Why: a one-request decode step of SmolLM2 made 91 Paddle op calls (three a layer), each ~12 us of
+// dispatch on this machine, plus the Python loop around them: ~1.5 ms of a ~11 ms step in which one
+// core waits. The layer's constant operands (weights, norms, KV-cache lanes, rotary tables, each
+// head's window and slot, the attributes) are bound once (decoder_stack_bind) and kept here,
+// holding the tensors (so their memory lives as long as the binding); a step passes only what
+// changes: the hidden rows and the step's lengths and block table.
+//
+// The same functions run in the same order on the same inputs as the op-by-op path
+// (norm_qkv_blocks, append_attention_cpu, mlp_blocks, then hidden + pending), so the outputs have
+// its bits (tests/layers/test_decoder_stack.py), and a row's bits never depend on its batch mates.
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "append_attention_step.h"
+#include "decoder_block_ops.h"
+#include "paddle/extension.h"
+
+namespace {
+
+// Per layer, the tensors in this order (an absent u4 offset is a tensor with no elements):
+enum LayerTensor {
+  kInputNorm, kQkvQ, kQkvScale, kQkvOffset, kOQ, kOScale, kOOffset, kPostNorm, kGuQ, kGuScale, kGuOffset, kDownQ,
+  kDownScale, kDownOffset, kKeyCache, kValueCache, kKeyScales, kValueScales, kCos, kSin, kSwaHeadMask,
+  kKvHeadSlots, kTensorsPerLayer
+};
+// ... and the integers in this order:
+enum LayerInt {
+  kQkvN, kQkvGroup, kQkvKind, kOGroup, kOKind, kGuN, kGuGroup, kGuKind, kDownGroup, kDownKind, kNumHeads,
+  kKvHeads, kHeadDim, kWindow, kSink, kVisitAll, kIntsPerLayer
+};
+
+struct Layer {
+  std::vector<paddle::Tensor> t;  // kTensorsPerLayer
+  std::vector<int64_t> i;         // kIntsPerLayer
+  paddle::optional<paddle::Tensor> offset(LayerTensor k) const {
+    if (t[k].numel() == 0) return paddle::none;
+    return t[k];
+  }
+};
+
+struct Stack {
+  std::vector<Layer> layers;
+  float eps;
+  int act;
+};
+
+// Bindings by id; never destroyed (their tensors must not be freed during static teardown).
+struct Registry {
+  std::mutex mutex;
+  int64_t next = 1;
+  std::map<int64_t, std::shared_ptr<const Stack>> stacks;
+};
+
+Registry& registry() {
+  static Registry* r = new Registry();
+  return *r;
+}
+
+int64_t handle_of(const paddle::Tensor& handle) {
+  PD_CHECK(handle.is_cpu() && handle.dtype() == paddle::DataType::INT64 && handle.numel() == 1,
+           "decoder_stack: the handle must be the int64 [1] tensor decoder_stack_bind returned");
+  return handle.data<int64_t>()[0];
+}
+
+std::shared_ptr<const Stack> find(const paddle::Tensor& handle) {
+  const int64_t id = handle_of(handle);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const auto it = r.stacks.find(id);
+  PD_CHECK(it != r.stacks.end(), "decoder_stack: no binding ", id, " (released, or never bound)");
+  return it->second;
+}
+
+std::vector<paddle::Tensor> DecoderStackBind(const std::vector<paddle::Tensor>& tensors,
+                                             const std::vector<int64_t>& ints, float eps, int act) {
+  PD_CHECK(!tensors.empty() && tensors.size() % kTensorsPerLayer == 0,
+           "decoder_stack_bind: ", kTensorsPerLayer, " tensors per layer, got ", tensors.size());
+  const size_t layers = tensors.size() / kTensorsPerLayer;
+  PD_CHECK(ints.size() == layers * kIntsPerLayer, "decoder_stack_bind: ", kIntsPerLayer,
+           " integers per layer, got ", ints.size(), " for ", layers, " layers");
+  PD_CHECK(act == 0 || act == 1, "decoder_stack_bind: act must be 0 (silu) or 1 (gelu_tanh), got ", act);
+  auto stack = std::make_shared<Stack>();
+  stack->eps = eps;
+  stack->act = act;
+  for (size_t l = 0; l < layers; ++l) {
+    Layer layer;
+    layer.t.assign(tensors.begin() + l * kTensorsPerLayer, tensors.begin() + (l + 1) * kTensorsPerLayer);
+    layer.i.assign(ints.begin() + l * kIntsPerLayer, ints.begin() + (l + 1) * kIntsPerLayer);
+    for (const paddle::Tensor& t : layer.t)
+      PD_CHECK(t.is_cpu(), "decoder_stack_bind: layer ", l, ": every tensor must be on the CPU");
+    stack->layers.push_back(std::move(layer));
+  }
+  Registry& r = registry();
+  paddle::Tensor handle = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
+  std::lock_guard<std::mutex> lock(r.mutex);
+  handle.data<int64_t>()[0] = r.next;
+  r.stacks[r.next++] = std::move(stack);
+  return {handle};
+}
+
+std::vector<paddle::Tensor> DecoderStackRelease(const paddle::Tensor& handle) {
+  const int64_t id = handle_of(handle);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.stacks.erase(id);
+  return {paddle::empty({0}, paddle::DataType::INT64, paddle::CPUPlace())};
+}
+
+std::vector<paddle::Tensor> DecoderStackForward(const paddle::Tensor& handle, const paddle::Tensor& hidden_in,
+                                                const paddle::Tensor& seq_lens_encoder,
+                                                const paddle::Tensor& seq_lens_decoder,
+                                                const paddle::Tensor& seq_lens_this_time,
+                                                const paddle::Tensor& cu_seqlens_q,
+                                                const paddle::Tensor& block_tables) {
+  const std::shared_ptr<const Stack> stack = find(handle);  // alive for the call even if released meanwhile
+  paddle::Tensor hidden = hidden_in;
+  paddle::optional<paddle::Tensor> pending;
+  for (const Layer& L : stack->layers) {
+    const auto& t = L.t;
+    const auto& i = L.i;
+    std::vector<paddle::Tensor> normed = fd_cpu::decoder::NormQkvBlocks(
+        hidden, pending, t[kInputNorm], t[kQkvQ], t[kQkvScale], L.offset(kQkvOffset), i[kQkvN], i[kQkvGroup],
+        i[kQkvKind], stack->eps);
+    const paddle::Tensor attn = fd_cpu::append_attention_step(
+        normed[1], t[kKeyCache], t[kValueCache], seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
+        cu_seqlens_q, block_tables, t[kCos], t[kSin], t[kSwaHeadMask], t[kKvHeadSlots], t[kKeyScales],
+        t[kValueScales], int(i[kNumHeads]), int(i[kKvHeads]), int(i[kHeadDim]), int(i[kWindow]), int(i[kSink]),
+        i[kVisitAll] != 0);
+    std::vector<paddle::Tensor> out = fd_cpu::decoder::MlpBlocks(
+        attn, normed[0], t[kOQ], t[kOScale], L.offset(kOOffset), t[kPostNorm], t[kGuQ], t[kGuScale],
+        L.offset(kGuOffset), t[kDownQ], t[kDownScale], L.offset(kDownOffset), i[kOGroup], i[kOKind], i[kGuN],
+        i[kGuGroup], i[kGuKind], i[kDownGroup], i[kDownKind], stack->eps, stack->act);
+    hidden = out[0];
+    pending = out[1];
+  }
+  if (!pending) return {hidden};
+  // The last MLP output joins the residual here, as `hidden + pending` does after the op-by-op loop.
+  paddle::Tensor sum = paddle::empty(hidden.shape(), paddle::DataType::FLOAT32, hidden.place());
+  const float* a = hidden.data<float>();
+  const float* b = pending->data<float>();
+  float* s = sum.data<float>();
+  for (int64_t k = 0; k < sum.numel(); ++k) s[k] = a[k] + b[k];
+  return {sum};
+}
+
+}  // namespace
+
+PD_BUILD_OP(decoder_stack_bind)
+    .Inputs({paddle::Vec("tensors")})
+    .Outputs({"handle"})
+    .Attrs({"ints: std::vector<int64_t>", "eps: float", "act: int"})
+    .SetKernelFn(PD_KERNEL(DecoderStackBind));
+
+PD_BUILD_OP(decoder_stack_release)
+    .Inputs({"handle"})
+    .Outputs({"none"})
+    .SetKernelFn(PD_KERNEL(DecoderStackRelease));
+
+PD_BUILD_OP(decoder_stack_forward)
+    .Inputs({"handle", "hidden", "seq_lens_encoder", "seq_lens_decoder", "seq_lens_this_time", "cu_seqlens_q",
+             "block_tables"})
+    .Outputs({"hidden_out"})
+    .SetKernelFn(PD_KERNEL(DecoderStackForward));

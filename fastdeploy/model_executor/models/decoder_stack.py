@@ -1,0 +1,52 @@
+"""Every decoder layer of a step in one op call (custom_ops/cpu_ops/decoder_stack.cc).
+
+On the CPU, a model whose dense weights are all GGUF blocks runs each layer as norm + q/k/v, the
+attention op, and o_proj + MLP: three Paddle op calls a layer and a Python loop, ~1.5 ms of a
+one-request SmolLM2 decode step during which one core waits. Where the attention backend is the
+CPU op, the layers' constant operands are bound once here and a step is one call with the hidden
+rows and the step's lengths and block table; the op runs the same functions in the same order, so
+the outputs keep the per-layer path's bits (tests/layers/test_decoder_stack.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import paddle
+
+from fastdeploy.model_executor.layers.attention.ops.append_attention import _call
+
+
+def _placeholder() -> paddle.Tensor:
+    return paddle.zeros([0], dtype="float32")  # an absent u4 offset (i8 weights have none)
+
+
+class DecoderStack:
+    """The binding of one model's layers to one attention backend's cache lanes."""
+
+    def __init__(self, layers: list, backend, eps: float, act: int):
+        """`layers`: per layer (input_norm, post_norm, qkv, o, gate_up, down), each weight its
+        `block_operand` (q, scale, offset | None, n, group, kind); `backend` runs the CPU op."""
+        from fastdeploy.model_executor.layers.blas_gemm import decoder_stack_ops
+
+        bind, self._forward, release = decoder_stack_ops()
+        tensors, ints = [], []
+        none = _placeholder()
+        for layer_id, (input_norm, post_norm, qkv, o, gu, down) in enumerate(layers):
+            att = backend.layer_operands(layer_id)
+            for weight_tensors in ((input_norm, *qkv[:3], *o[:3], post_norm, *gu[:3], *down[:3])):
+                tensors.append(none if weight_tensors is None else weight_tensors)
+            tensors += [att["key_cache"], att["value_cache"], att["key_cache_scales"], att["value_cache_scales"],
+                        att["rotary_cos"], att["rotary_sin"], att["swa_head_mask"], att["kv_head_slots"]]
+            num_heads, kv_heads, head_dim, window, sink, visit_all = backend.cpu_attrs[layer_id]
+            ints += [qkv[3], qkv[4], qkv[5], o[4], o[5], gu[3], gu[4], gu[5], down[4], down[5],
+                     num_heads, kv_heads, head_dim, window, sink, int(visit_all)]
+        self.handle = bind(tensors, [int(i) for i in ints], float(eps), int(act))
+        self.backend = weakref.ref(backend)
+        # The binding holds the weights and cache lanes; released with this object (not at interpreter
+        # exit, when Paddle can no longer run an op: the process's memory goes anyway).
+        weakref.finalize(self, release, self.handle).atexit = False
+
+    def __call__(self, hidden: paddle.Tensor, meta) -> paddle.Tensor:
+        """The last layer's output plus its residual (what the per-layer loop ends with)."""
+        return _call(self._forward, self.handle, hidden, *self.backend().step_tensors(meta))
