@@ -68,8 +68,10 @@ class ModelRunner:
         prompt = capture.logprobs() if capture is not None else None
         greedy = np.full(len(step.greedy), -1, np.int64)
         if len(step.greedy) and step.greedy.all():
-            # argmax where the logits are (the GPU): only the tokens cross over.
-            greedy[:] = paddle.argmax(logits, axis=-1).numpy()
+            # argmax where the logits are (the GPU): only the tokens cross over. On the CPU numpy's is
+            # cheaper than an op call (~15 vs ~45 us); both take the first of equal maxima.
+            greedy[:] = np.argmax(logits.numpy(), axis=-1) if logits.place.is_cpu_place() else \
+                paddle.argmax(logits, axis=-1).numpy()
             return StepOutput(greedy_tokens=greedy, logits=np.zeros((0, logits.shape[-1]), np.float32),
                               prompt_logprobs=prompt)
         host = logits.numpy()

@@ -344,7 +344,8 @@ class CausalLM:
         num_sampled = meta.sample_rows.shape[0]
         if num_sampled == 0:
             return paddle.zeros([0, self.config.vocab_size], dtype="float32")
-        return self.lm_logits(paddle.gather(hidden, meta.sample_rows))
+        # Every row sampled (a decode step without drafts): sample_rows is 0..n-1, no gather needed.
+        return self.lm_logits(hidden if num_sampled == hidden.shape[0] else paddle.gather(hidden, meta.sample_rows))
 
     def lm_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """float32 logits [rows, vocab] of final hidden states."""
