@@ -60,6 +60,13 @@ void add_norm(const float* x, const float* delta, const float* w, int64_t rows, 
 
 }  // namespace
 
+void fd_cpu::decoder::block_weight_product(const paddle::Tensor& q, const paddle::Tensor& scale,
+                                           const paddle::optional<paddle::Tensor>& offset, int64_t n,
+                                           int64_t group, int64_t kind, const float* x, int64_t m, int64_t k,
+                                           float* y) {
+  product(Weight{q, scale, offset, n, group, kind}, x, m, k, y);
+}
+
 std::vector<paddle::Tensor> fd_cpu::decoder::NormQkvBlocks(const paddle::Tensor& hidden_in,
                                           const paddle::optional<paddle::Tensor>& delta_in,
                                           const paddle::Tensor& norm_in, const paddle::Tensor& q,

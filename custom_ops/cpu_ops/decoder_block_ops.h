@@ -27,5 +27,10 @@ std::vector<paddle::Tensor> MlpBlocks(const paddle::Tensor& attn_in, const paddl
                                       int64_t o_kind, int64_t gu_n, int64_t gu_group, int64_t gu_kind,
                                       int64_t down_group, int64_t down_kind, float eps, int act);
 
+// y [m, n] = x [m, k] . W^T for a weight of the kinds above (0 / 1 exact, 2 int8 activations).
+void block_weight_product(const paddle::Tensor& q, const paddle::Tensor& scale,
+                          const paddle::optional<paddle::Tensor>& offset, int64_t n, int64_t group, int64_t kind,
+                          const float* x, int64_t m, int64_t k, float* y);
+
 }  // namespace decoder
 }  // namespace fd_cpu

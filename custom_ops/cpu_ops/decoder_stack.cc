@@ -1,6 +1,6 @@
 // Every decoder layer of a step in one op call: for each layer, norm + q/k/v (decoder_block_ops),
 // the paged attention step (append_attention_step.h) and o_proj + residual + norm + MLP, then the
-// last residual add.
+// last residual add; and, where a head is bound, the final norm and the LM head on the sampled rows.
 //
 // Why: a one-request decode step of SmolLM2 made 91 Paddle op calls (three a layer), each ~12 us of
 // dispatch on this machine, plus the Python loop around them: ~1.5 ms of a ~11 ms step in which one
@@ -10,8 +10,8 @@
 // changes: the hidden rows and the step's lengths and block table.
 //
 // The same functions run in the same order on the same inputs as the op-by-op path
-// (norm_qkv_blocks, append_attention_cpu, mlp_blocks, then hidden + pending), so the outputs have
-// its bits (tests/layers/test_decoder_stack.py), and a row's bits never depend on its batch mates.
+// (norm_qkv_blocks, append_attention_cpu, mlp_blocks, then hidden + pending; rms_norm_rows and the
+// LM head's product on the gathered rows), so the outputs have its bits (tests/layers/test_decoder_stack.py), and a row's bits never depend on its batch mates.
 
 #include <cstring>
 #include <map>
@@ -22,6 +22,7 @@
 #include "append_attention_step.h"
 #include "decoder_block_ops.h"
 #include "paddle/extension.h"
+#include "rms_norm_row.h"
 
 namespace {
 
@@ -46,8 +47,14 @@ struct Layer {
   }
 };
 
+// The final norm and the LM head (a GGUF-block weight: q, scale, offset; n, group, kind).
+enum HeadTensor { kHeadNorm, kHeadQ, kHeadScale, kHeadOffset, kHeadTensors };
+enum HeadInt { kHeadN, kHeadGroup, kHeadKind, kHeadInts };
+
 struct Stack {
   std::vector<Layer> layers;
+  std::vector<paddle::Tensor> head;  // kHeadTensors, or empty: no head bound
+  std::vector<int64_t> head_ints;
   float eps;
   int act;
 };
@@ -80,7 +87,9 @@ std::shared_ptr<const Stack> find(const paddle::Tensor& handle) {
 }
 
 std::vector<paddle::Tensor> DecoderStackBind(const std::vector<paddle::Tensor>& tensors,
-                                             const std::vector<int64_t>& ints, float eps, int act) {
+                                             const std::vector<paddle::Tensor>& head,
+                                             const std::vector<int64_t>& ints, const std::vector<int64_t>& head_ints,
+                                             float eps, int act) {
   PD_CHECK(!tensors.empty() && tensors.size() % kTensorsPerLayer == 0,
            "decoder_stack_bind: ", kTensorsPerLayer, " tensors per layer, got ", tensors.size());
   const size_t layers = tensors.size() / kTensorsPerLayer;
@@ -98,6 +107,14 @@ std::vector<paddle::Tensor> DecoderStackBind(const std::vector<paddle::Tensor>& 
       PD_CHECK(t.is_cpu(), "decoder_stack_bind: layer ", l, ": every tensor must be on the CPU");
     stack->layers.push_back(std::move(layer));
   }
+  // No head: head_ints empty (the tensors given are then placeholders, not kept).
+  PD_CHECK(head_ints.empty() || (head.size() == kHeadTensors && head_ints.size() == kHeadInts),
+           "decoder_stack_bind: a head is ", int(kHeadTensors), " tensors (norm, q, scale, offset) and ",
+           int(kHeadInts), " integers (n, group, kind)");
+  if (!head_ints.empty()) {
+    stack->head = head;
+    stack->head_ints = head_ints;
+  }
   Registry& r = registry();
   paddle::Tensor handle = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
   std::lock_guard<std::mutex> lock(r.mutex);
@@ -114,12 +131,42 @@ std::vector<paddle::Tensor> DecoderStackRelease(const paddle::Tensor& handle) {
   return {paddle::empty({0}, paddle::DataType::INT64, paddle::CPUPlace())};
 }
 
+// Logits [rows, n] of the sampled rows: rms_norm_rows' norm_row on each, then the LM head's product
+// (what the model's lm_logits runs on the gathered rows); [0, 0] without a head or rows.
+paddle::Tensor head_logits(const Stack& stack, const paddle::Tensor& hidden, const paddle::Tensor& sample_rows) {
+  if (stack.head.empty() || sample_rows.numel() == 0)
+    return paddle::empty({0, 0}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const bool int32 = sample_rows.dtype() == paddle::DataType::INT32;
+  PD_CHECK(sample_rows.is_cpu() && (int32 || sample_rows.dtype() == paddle::DataType::INT64),
+           "decoder_stack_forward: sample_rows must be a CPU int32 or int64 tensor");
+  const auto& h = stack.head;
+  const auto& i = stack.head_ints;
+  const int64_t rows = sample_rows.numel(), tokens = hidden.shape()[0], d = hidden.shape()[1];
+  PD_CHECK(h[kHeadNorm].numel() == d, "decoder_stack_forward: the final norm has ", h[kHeadNorm].numel(),
+           " elements, hidden ", d);
+  thread_local std::vector<float> normed;
+  normed.resize(size_t(rows * d));
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = int32 ? int64_t(sample_rows.data<int32_t>()[r]) : sample_rows.data<int64_t>()[r];
+    PD_CHECK(row >= 0 && row < tokens, "decoder_stack_forward: sample row ", row, " out of [0, ", tokens, ")");
+    fd_cpu::norm_row(hidden.data<float>() + row * d, h[kHeadNorm].data<float>(), d, stack.eps,
+                     normed.data() + r * d);
+  }
+  paddle::Tensor logits = paddle::empty({rows, i[kHeadN]}, paddle::DataType::FLOAT32, hidden.place());
+  const paddle::optional<paddle::Tensor> offset =
+      h[kHeadOffset].numel() == 0 ? paddle::optional<paddle::Tensor>(paddle::none) : h[kHeadOffset];
+  fd_cpu::decoder::block_weight_product(h[kHeadQ], h[kHeadScale], offset, i[kHeadN], i[kHeadGroup], i[kHeadKind],
+                                        normed.data(), rows, d, logits.data<float>());
+  return logits;
+}
+
 std::vector<paddle::Tensor> DecoderStackForward(const paddle::Tensor& handle, const paddle::Tensor& hidden_in,
                                                 const paddle::Tensor& seq_lens_encoder,
                                                 const paddle::Tensor& seq_lens_decoder,
                                                 const paddle::Tensor& seq_lens_this_time,
                                                 const paddle::Tensor& cu_seqlens_q,
-                                                const paddle::Tensor& block_tables) {
+                                                const paddle::Tensor& block_tables,
+                                                const paddle::Tensor& sample_rows) {
   const std::shared_ptr<const Stack> stack = find(handle);  // alive for the call even if released meanwhile
   paddle::Tensor hidden = hidden_in;
   paddle::optional<paddle::Tensor> pending;
@@ -141,22 +188,24 @@ std::vector<paddle::Tensor> DecoderStackForward(const paddle::Tensor& handle, co
     hidden = out[0];
     pending = out[1];
   }
-  if (!pending) return {hidden};
-  // The last MLP output joins the residual here, as `hidden + pending` does after the op-by-op loop.
-  paddle::Tensor sum = paddle::empty(hidden.shape(), paddle::DataType::FLOAT32, hidden.place());
-  const float* a = hidden.data<float>();
-  const float* b = pending->data<float>();
-  float* s = sum.data<float>();
-  for (int64_t k = 0; k < sum.numel(); ++k) s[k] = a[k] + b[k];
-  return {sum};
+  if (pending) {
+    // The last MLP output joins the residual here, as `hidden + pending` does after the op-by-op loop.
+    paddle::Tensor sum = paddle::empty(hidden.shape(), paddle::DataType::FLOAT32, hidden.place());
+    const float* a = hidden.data<float>();
+    const float* b = pending->data<float>();
+    float* s = sum.data<float>();
+    for (int64_t k = 0; k < sum.numel(); ++k) s[k] = a[k] + b[k];
+    hidden = sum;
+  }
+  return {hidden, head_logits(*stack, hidden, sample_rows)};
 }
 
 }  // namespace
 
 PD_BUILD_OP(decoder_stack_bind)
-    .Inputs({paddle::Vec("tensors")})
+    .Inputs({paddle::Vec("tensors"), paddle::Vec("head")})
     .Outputs({"handle"})
-    .Attrs({"ints: std::vector<int64_t>", "eps: float", "act: int"})
+    .Attrs({"ints: std::vector<int64_t>", "head_ints: std::vector<int64_t>", "eps: float", "act: int"})
     .SetKernelFn(PD_KERNEL(DecoderStackBind));
 
 PD_BUILD_OP(decoder_stack_release)
@@ -166,6 +215,6 @@ PD_BUILD_OP(decoder_stack_release)
 
 PD_BUILD_OP(decoder_stack_forward)
     .Inputs({"handle", "hidden", "seq_lens_encoder", "seq_lens_decoder", "seq_lens_this_time", "cu_seqlens_q",
-             "block_tables"})
-    .Outputs({"hidden_out"})
+             "block_tables", "sample_rows"})
+    .Outputs({"hidden_out", "logits"})
     .SetKernelFn(PD_KERNEL(DecoderStackForward));

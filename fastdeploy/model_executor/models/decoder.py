@@ -252,8 +252,11 @@ class CausalLM:
             self.fused_layers.append((
                 lambda hidden, pending, a=qkv_args: norm_qkv_op(hidden, pending, *a),
                 lambda attn, hidden, a=mlp_args: mlp_op(attn, hidden, *a)))
-        # For the whole stack in one call: bound to the attention backend's lanes at its first step.
-        self._stack_layers = ([(*norms, *ops) for norms, ops in zip(self.layer_norms, operands)], eps, act)
+        # For the whole stack in one call: bound to the attention backend's lanes at its first step; the
+        # LM head too where it is GGUF blocks (one rank: its logits are the whole vocabulary).
+        head = self.lm_head.block_operand
+        self._stack_layers = ([(*norms, *ops) for norms, ops in zip(self.layer_norms, operands)],
+                              None if head is None else (self.weights["model.norm.weight"], head), eps, act)
 
     def _decoder_stack(self, backend):
         """Every layer of a step in one op call (models/decoder_stack.py), where the backend's attention
@@ -264,8 +267,8 @@ class CausalLM:
         if self._stack is None or self._stack.backend() is not backend:
             from fastdeploy.model_executor.models.decoder_stack import DecoderStack
 
-            layers, eps, act = self._stack_layers
-            self._stack = DecoderStack(layers, backend, eps, act)
+            layers, head, eps, act = self._stack_layers
+            self._stack = DecoderStack(layers, head, backend, eps, act)
         return self._stack
 
     def _rms_norm(self, x: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
@@ -318,8 +321,10 @@ class CausalLM:
         pending = None
         tp, sandwich, attention = self.tp_size, self.arch.sandwich_norms, meta.attn_backend.forward
         stack = self._decoder_stack(meta.attn_backend) if self.fused_layers is not None else None
-        if stack is not None:  # every layer in one op call, same bits
-            hidden = stack(hidden, meta)
+        if stack is not None:  # every layer in one op call (and the LM head on the sampled rows), same bits
+            hidden, logits = stack(hidden, meta, with_head=self.hidden_observer is None)
+            if logits is not None:
+                return logits
         elif self.fused_layers is not None:  # two op calls per layer around its attention, same bits
             for layer_id, (norm_qkv, mlp) in enumerate(self.fused_layers):
                 hidden, qkv = norm_qkv(hidden, pending)

@@ -1,4 +1,5 @@
-"""Every decoder layer of a step in one op call (custom_ops/cpu_ops/decoder_stack.cc).
+"""Every decoder layer of a step in one op call (custom_ops/cpu_ops/decoder_stack.cc), with the final
+norm and the LM head on the sampled rows.
 
 On the CPU, a model whose dense weights are all GGUF blocks runs each layer as norm + q/k/v, the
 attention op, and o_proj + MLP: three Paddle op calls a layer and a Python loop, ~1.5 ms of a
@@ -24,9 +25,10 @@ def _placeholder() -> paddle.Tensor:
 class DecoderStack:
     """The binding of one model's layers to one attention backend's cache lanes."""
 
-    def __init__(self, layers: list, backend, eps: float, act: int):
+    def __init__(self, layers: list, head, backend, eps: float, act: int):
         """`layers`: per layer (input_norm, post_norm, qkv, o, gate_up, down), each weight its
-        `block_operand` (q, scale, offset | None, n, group, kind); `backend` runs the CPU op."""
+        `block_operand` (q, scale, offset | None, n, group, kind); `head`: (final norm, the LM head's
+        block_operand) or None; `backend` runs the CPU op."""
         from fastdeploy.model_executor.layers.blas_gemm import decoder_stack_ops
 
         bind, self._forward, release = decoder_stack_ops()
@@ -41,12 +43,23 @@ class DecoderStack:
             num_heads, kv_heads, head_dim, window, sink, visit_all = backend.cpu_attrs[layer_id]
             ints += [qkv[3], qkv[4], qkv[5], o[4], o[5], gu[3], gu[4], gu[5], down[4], down[5],
                      num_heads, kv_heads, head_dim, window, sink, int(visit_all)]
-        self.handle = bind(tensors, [int(i) for i in ints], float(eps), int(act))
+        head_tensors, head_ints = [none] * 4, []
+        if head is not None:
+            norm, (q, scale, offset, n, group, kind) = head
+            head_tensors, head_ints = [norm, q, scale, none if offset is None else offset], [n, group, kind]
+        self.has_head = head is not None
+        self.handle = bind(tensors, head_tensors, [int(i) for i in ints], [int(i) for i in head_ints], float(eps),
+                           int(act))
+        self._no_rows = paddle.zeros([0], dtype="int64")
         self.backend = weakref.ref(backend)
         # The binding holds the weights and cache lanes; released with this object (not at interpreter
         # exit, when Paddle can no longer run an op: the process's memory goes anyway).
         weakref.finalize(self, release, self.handle).atexit = False
 
-    def __call__(self, hidden: paddle.Tensor, meta) -> paddle.Tensor:
-        """The last layer's output plus its residual (what the per-layer loop ends with)."""
-        return _call(self._forward, self.handle, hidden, *self.backend().step_tensors(meta))
+    def __call__(self, hidden: paddle.Tensor, meta, with_head: bool) -> tuple:
+        """(the last layer's output plus its residual, what the per-layer loop ends with; the logits of
+        the sampled rows where a head is bound, `with_head` and some row samples, else None)."""
+        rows = meta.sample_rows if with_head and self.has_head and meta.sample_rows.shape[0] else None
+        out, logits = _call(self._forward, self.handle, hidden, *self.backend().step_tensors(meta),
+                            self._no_rows if rows is None else rows)
+        return out, None if rows is None else logits

@@ -93,8 +93,8 @@ class AppendAttentionBackend:
         return meta.seq_lens_encoder, meta.seq_lens_decoder, meta.seq_lens_this_time, meta.cu_seqlens_q, table
 
     def layer_operands(self, layer_id: int) -> dict:
-        """The CPU op's arguments of layer `layer_id` that do not change between steps: its cache lane,
-        scales, rotary tables, heads' windows and slots, and attributes."""
+        """The CPU op's tensors of layer `layer_id` that do not change between steps: its cache lane,
+        scales, rotary tables, heads' windows and slots (its attributes: cpu_attrs[layer_id])."""
         swa_head_mask, _, _, head_slots = self.layer_args[layer_id]
         cos, sin = self.rotary[layer_id]
         return dict(key_cache=self.key_caches[layer_id], value_cache=self.value_caches[layer_id],
@@ -107,14 +107,14 @@ class AppendAttentionBackend:
         return self.cpu_op is not None and type(self).forward is AppendAttentionBackend.forward
 
     def forward(self, layer_id: int, qkv: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
-        table = meta.block_tables_head_wise if meta.block_tables_head_wise is not None else meta.block_tables
-        swa_head_mask, window, sink, head_slots = self.layer_args[layer_id]
-        cos, sin = self.rotary[layer_id]
         if self.cpu_op is not None:
             encoder, decoder, this_time, cu_seqlens_q, table = self.step_tensors(meta)
             tensors = dict(qkv=qkv, seq_lens_encoder=encoder, seq_lens_decoder=decoder, seq_lens_this_time=this_time,
                            cu_seqlens_q=cu_seqlens_q, block_tables=table, **self.layer_operands(layer_id))
             return _call(self.cpu_op, *cpu_op_arguments(tensors, self.cpu_attrs[layer_id]))[0]
+        table = meta.block_tables_head_wise if meta.block_tables_head_wise is not None else meta.block_tables
+        swa_head_mask, window, sink, head_slots = self.layer_args[layer_id]
+        cos, sin = self.rotary[layer_id]
         return append_attention(
             qkv, self.key_caches[layer_id], self.value_caches[layer_id], meta.seq_lens_encoder,
             meta.seq_lens_decoder, meta.seq_lens_this_time, meta.cu_seqlens_q, table, cos, sin,
