@@ -76,3 +76,25 @@ def test_a_decode_step_is_one_op_call_for_every_layer(smollm2_flag_on):
     assert calls.count("decoder_stack_forward") == 1
     # ... and the final norm and the LM head ran inside it: what is left is the embedding's row lookup.
     assert set(calls) == {"block_rows", "decoder_stack_forward"}, calls
+
+
+def test_a_wrapper_on_the_attention_backend_is_called_not_bypassed(smollm2_flag_on):
+    """Whoever wraps the backend's forward (a probe, a timer) sees every layer's call: the one-op path
+    steps aside for that backend."""
+    engine = smollm2_flag_on.engine
+    backend = engine.runner.ranks.attn_backend
+    seen = []
+    inner = backend.forward
+
+    def wrapped(layer_id, qkv, meta):
+        seen.append(layer_id)
+        return inner(layer_id, qkv, meta)
+
+    backend.forward = wrapped
+    try:
+        out = smollm2_flag_on.generate([engine.tokenizer.encode_chat([{"role": "user", "content": CHATS[0]}])],
+                                       SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    finally:
+        del backend.forward
+    assert len(out[0].outputs.token_ids) == 2
+    assert seen[:30] == list(range(30)) and len(seen) >= 60  # every layer, in each of the two steps
