@@ -93,8 +93,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FD_CPU_INT8_ACTIVATIONS": _int_flag("FD_CPU_INT8_ACTIVATIONS", "0"),
     # On the CPU, for a model whose dense weights are all GGUF blocks (the same bits in every mode):
     # 2 (default): the whole decoder stack of a step and its LM head in one op call where the attention
-    # backend is the CPU op (custom_ops/cpu_ops/decoder_stack.cc), else as 1; 1: a layer's dense work as two op calls
-    # around its attention (decoder_block_ops.cc); 0: one op call per norm, product and activation.
+    # backend is the CPU op (custom_ops/cpu_ops/decoder_stack.cc), else as 1; 1: a layer's dense work as
+    # two op calls around its attention (decoder_block_ops.cc); 0: one op call per norm, product and
+    # activation.
     "FD_CPU_FUSED_LAYERS": _int_flag("FD_CPU_FUSED_LAYERS", "2"),
     # Where the CPU op is compiled and cached (unset: ~/.cache/fastdeploy/custom_ops).
     "FD_CUSTOM_OP_DIR": _str_flag("FD_CUSTOM_OP_DIR", ""),

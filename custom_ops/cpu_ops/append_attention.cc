@@ -96,17 +96,12 @@ std::vector<paddle::Tensor> AppendAttentionValidate(
     bool visit_all_pages, bool gpu_rules, bool check_place) {
   fd_attn::DeviceRules rules = gpu_rules ? fd_attn::gpu_rules() : fd_attn::cpu_rules();
   rules.check_place = check_place;
-  const fd_attn::Geometry g = fd_attn::check_inputs(
-      rules, qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
-      cu_seqlens_q, block_tables, rotary_cos, rotary_sin, swa_head_mask, kv_head_slots,
-      key_cache_scales, value_cache_scales, num_heads, kv_num_heads, head_dim, sliding_window,
-      sink_size, visit_all_pages);
-  const fd_attn::HostBatch host = fd_attn::host_batch(g, seq_lens_decoder, seq_lens_this_time,
-                                                      cu_seqlens_q, block_tables, swa_head_mask,
-                                                      kv_head_slots);
-  fd_attn::check_batch(rules, g, host.batch);
+  const fd_attn::CheckedStep step = fd_attn::check_step(
+      rules, qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time, cu_seqlens_q,
+      block_tables, rotary_cos, rotary_sin, swa_head_mask, kv_head_slots, key_cache_scales, value_cache_scales,
+      num_heads, kv_num_heads, head_dim, sliding_window, sink_size, visit_all_pages);
   paddle::Tensor rows = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
-  rows.data<int64_t>()[0] = g.token_num;
+  rows.data<int64_t>()[0] = step.g.token_num;
   return {rows};
 }
 

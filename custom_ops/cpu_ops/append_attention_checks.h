@@ -452,4 +452,31 @@ inline void check_batch(const DeviceRules& rules, const Geometry& g, const Batch
   check_pages(rules, g, b);
 }
 
+// Both checks of a step and the host batch they read, in the order every CPU entry runs them (the
+// attention op, its validate-only twin, the whole decoder stack): the shapes, then the values.
+struct CheckedStep {
+  Geometry g;
+  HostBatch host;
+};
+
+inline CheckedStep check_step(const DeviceRules& rules, const paddle::Tensor& qkv, const paddle::Tensor& key_cache,
+                              const paddle::Tensor& value_cache, const paddle::Tensor& seq_lens_encoder,
+                              const paddle::Tensor& seq_lens_decoder, const paddle::Tensor& seq_lens_this_time,
+                              const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& block_tables,
+                              const paddle::Tensor& rotary_cos, const paddle::Tensor& rotary_sin,
+                              const paddle::Tensor& swa_head_mask, const paddle::Tensor& kv_head_slots,
+                              const paddle::Tensor& key_cache_scales, const paddle::Tensor& value_cache_scales,
+                              int num_heads, int kv_num_heads, int head_dim, int sliding_window, int sink_size,
+                              bool visit_all_pages) {
+  CheckedStep step;
+  step.g = check_inputs(rules, qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
+                        cu_seqlens_q, block_tables, rotary_cos, rotary_sin, swa_head_mask, kv_head_slots,
+                        key_cache_scales, value_cache_scales, num_heads, kv_num_heads, head_dim, sliding_window,
+                        sink_size, visit_all_pages);
+  step.host = host_batch(step.g, seq_lens_decoder, seq_lens_this_time, cu_seqlens_q, block_tables, swa_head_mask,
+                         kv_head_slots);
+  check_batch(rules, step.g, step.host.batch);
+  return step;
+}
+
 }  // namespace fd_attn

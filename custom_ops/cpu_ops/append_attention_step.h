@@ -396,7 +396,6 @@ void run_step_for_cache(const Geometry& g, const Batch& b, const paddle::Tensor&
   }
 }
 
-
 // One layer's step on CPU tensors: every check of the op (docs/op_contract.md), then the passes;
 // returns [token_num, num_heads * head_dim] in qkv's dtype.
 paddle::Tensor append_attention_step(
@@ -407,17 +406,12 @@ paddle::Tensor append_attention_step(
     const paddle::Tensor& kv_head_slots, const paddle::Tensor& key_cache_scales,
     const paddle::Tensor& value_cache_scales, int num_heads, int kv_num_heads, int head_dim, int sliding_window,
     int sink_size, bool visit_all_pages) {
-  const fd_attn::DeviceRules rules = fd_attn::cpu_rules();
-  const Geometry g = fd_attn::check_inputs(
-      rules, qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
-      cu_seqlens_q, block_tables, rotary_cos, rotary_sin, swa_head_mask, kv_head_slots,
-      key_cache_scales, value_cache_scales, num_heads, kv_num_heads, head_dim, sliding_window,
-      sink_size, visit_all_pages);
-  const fd_attn::HostBatch host = fd_attn::host_batch(g, seq_lens_decoder, seq_lens_this_time,
-                                                      cu_seqlens_q, block_tables, swa_head_mask,
-                                                      kv_head_slots);
-  const Batch& b = host.batch;
-  fd_attn::check_batch(rules, g, b);
+  const fd_attn::CheckedStep step = fd_attn::check_step(
+      fd_attn::cpu_rules(), qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
+      cu_seqlens_q, block_tables, rotary_cos, rotary_sin, swa_head_mask, kv_head_slots, key_cache_scales,
+      value_cache_scales, num_heads, kv_num_heads, head_dim, sliding_window, sink_size, visit_all_pages);
+  const Geometry& g = step.g;
+  const Batch& b = step.host.batch;
 
   const auto& qs = qkv.shape();
   paddle::Tensor out =

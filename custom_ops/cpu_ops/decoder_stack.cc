@@ -7,11 +7,12 @@
 // core waits. The layer's constant operands (weights, norms, KV-cache lanes, rotary tables, each
 // head's window and slot, the attributes) are bound once (decoder_stack_bind) and kept here,
 // holding the tensors (so their memory lives as long as the binding); a step passes only what
-// changes: the hidden rows and the step's lengths and block table.
+// changes: the hidden rows, the step's lengths and block table, and the rows that sample.
 //
 // The same functions run in the same order on the same inputs as the op-by-op path
 // (norm_qkv_blocks, append_attention_cpu, mlp_blocks, then hidden + pending; rms_norm_rows and the
-// LM head's product on the gathered rows), so the outputs have its bits (tests/layers/test_decoder_stack.py), and a row's bits never depend on its batch mates.
+// LM head's product on the gathered rows), so the outputs have its bits
+// (tests/real_models/test_decoder_stack.py), and a row's bits never depend on its batch mates.
 
 #include <cstring>
 #include <map>
@@ -38,13 +39,16 @@ enum LayerInt {
   kKvHeads, kHeadDim, kWindow, kSink, kVisitAll, kIntsPerLayer
 };
 
+// A u4 weight's offset, or none for an i8 weight (bound as a tensor with no elements).
+paddle::optional<paddle::Tensor> offset_of(const paddle::Tensor& bound) {
+  if (bound.numel() == 0) return paddle::none;
+  return bound;
+}
+
 struct Layer {
   std::vector<paddle::Tensor> t;  // kTensorsPerLayer
   std::vector<int64_t> i;         // kIntsPerLayer
-  paddle::optional<paddle::Tensor> offset(LayerTensor k) const {
-    if (t[k].numel() == 0) return paddle::none;
-    return t[k];
-  }
+  paddle::optional<paddle::Tensor> offset(LayerTensor k) const { return offset_of(t[k]); }
 };
 
 // The final norm and the LM head (a GGUF-block weight: q, scale, offset; n, group, kind).
@@ -153,10 +157,8 @@ paddle::Tensor head_logits(const Stack& stack, const paddle::Tensor& hidden, con
                      normed.data() + r * d);
   }
   paddle::Tensor logits = paddle::empty({rows, i[kHeadN]}, paddle::DataType::FLOAT32, hidden.place());
-  const paddle::optional<paddle::Tensor> offset =
-      h[kHeadOffset].numel() == 0 ? paddle::optional<paddle::Tensor>(paddle::none) : h[kHeadOffset];
-  fd_cpu::decoder::block_weight_product(h[kHeadQ], h[kHeadScale], offset, i[kHeadN], i[kHeadGroup], i[kHeadKind],
-                                        normed.data(), rows, d, logits.data<float>());
+  fd_cpu::decoder::block_weight_product(h[kHeadQ], h[kHeadScale], offset_of(h[kHeadOffset]), i[kHeadN],
+                                        i[kHeadGroup], i[kHeadKind], normed.data(), rows, d, logits.data<float>());
   return logits;
 }
 

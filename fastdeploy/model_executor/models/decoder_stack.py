@@ -5,8 +5,8 @@ On the CPU, a model whose dense weights are all GGUF blocks runs each layer as n
 attention op, and o_proj + MLP: three Paddle op calls a layer and a Python loop, ~1.5 ms of a
 one-request SmolLM2 decode step during which one core waits. Where the attention backend is the
 CPU op, the layers' constant operands are bound once here and a step is one call with the hidden
-rows and the step's lengths and block table; the op runs the same functions in the same order, so
-the outputs keep the per-layer path's bits (tests/layers/test_decoder_stack.py).
+rows, the step's lengths and block table, and the rows that sample; the op runs the same functions in
+the same order, so the outputs keep the per-layer path's bits (tests/real_models/test_decoder_stack.py).
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import paddle
 from fastdeploy.model_executor.layers.attention.ops.append_attention import _call
 
 
-def _placeholder() -> paddle.Tensor:
-    return paddle.zeros([0], dtype="float32")  # an absent u4 offset (i8 weights have none)
 
 
 class DecoderStack:
@@ -32,12 +30,11 @@ class DecoderStack:
         from fastdeploy.model_executor.layers.blas_gemm import decoder_stack_ops
 
         bind, self._forward, release = decoder_stack_ops()
+        none = paddle.zeros([0], dtype="float32")  # an absent offset (i8 weights have none)
         tensors, ints = [], []
-        none = _placeholder()
         for layer_id, (input_norm, post_norm, qkv, o, gu, down) in enumerate(layers):
             att = backend.layer_operands(layer_id)
-            for weight_tensors in ((input_norm, *qkv[:3], *o[:3], post_norm, *gu[:3], *down[:3])):
-                tensors.append(none if weight_tensors is None else weight_tensors)
+            tensors += [none if t is None else t for t in (input_norm, *qkv[:3], *o[:3], post_norm, *gu[:3], *down[:3])]
             tensors += [att["key_cache"], att["value_cache"], att["key_cache_scales"], att["value_cache_scales"],
                         att["rotary_cos"], att["rotary_sin"], att["swa_head_mask"], att["kv_head_slots"]]
             num_heads, kv_heads, head_dim, window, sink, visit_all = backend.cpu_attrs[layer_id]

@@ -81,6 +81,7 @@ class AppendAttentionBackend:
                                             head_dim=self.head_dim, sliding_window=window, sink_size=sink,
                                             visit_all_pages=self.dual_pass))
                           for _, window, sink, _ in self.layer_args]
+        self._layer_operands = [self._operands_of(layer) for layer in range(len(self.layer_args))]
 
     def _bind_cpu_op(self):
         return load_cpu_ops().append_attention_cpu
@@ -94,7 +95,11 @@ class AppendAttentionBackend:
 
     def layer_operands(self, layer_id: int) -> dict:
         """The CPU op's tensors of layer `layer_id` that do not change between steps: its cache lane,
-        scales, rotary tables, heads' windows and slots (its attributes: cpu_attrs[layer_id])."""
+        scales, rotary tables, heads' windows and slots (its attributes: cpu_attrs[layer_id]). Built
+        once: forward merges them into every call."""
+        return self._layer_operands[layer_id]
+
+    def _operands_of(self, layer_id: int) -> dict:
         swa_head_mask, _, _, head_slots = self.layer_args[layer_id]
         cos, sin = self.rotary[layer_id]
         return dict(key_cache=self.key_caches[layer_id], value_cache=self.value_caches[layer_id],
