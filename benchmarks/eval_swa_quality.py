@@ -554,11 +554,10 @@ def recompute_ceilings(rows: dict, model: str, lengths: list, block_size: int) -
     mc = ModelConfig.create(model, None, None)
     for r in rows.values():
         spec = r.get("head_wise_swa")
-        args = (spec, mc.num_hidden_layers, mc.num_key_value_heads, lengths, block_size)
-        r["page_need_ceiling"] = page_need_ceiling(*args, layer_windows=mc.layer_sliding_window) \
-            if spec or mc.layer_sliding_window else {str(n): 1.0 for n in lengths}
-        r["page_need_ceiling_decode"] = page_need_ceiling(*args, at="decode", layer_windows=mc.layer_sliding_window) \
-            if spec or mc.layer_sliding_window else {str(n): 1.0 for n in lengths}
+        for key, at in (("page_need_ceiling", "prefill"), ("page_need_ceiling_decode", "decode")):
+            r[key] = page_need_ceiling(spec, mc.num_hidden_layers, mc.num_key_value_heads, lengths, block_size,
+                                       at=at, layer_windows=mc.layer_sliding_window) \
+                if spec or mc.layer_sliding_window else {str(n): 1.0 for n in lengths}
 
 
 def text_from(text: dict, first: int) -> tuple:

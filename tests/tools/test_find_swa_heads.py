@@ -251,3 +251,28 @@ def test_the_evaluations_exact_span_is_the_smallest_window_and_sink_of_any_slidi
                 "head_windows": [[1024, 256], [2048]], "head_sinks": [[64, 8], [0]]}
     assert ev.exact_span(one, 2, 3) == 576
     assert ev.exact_span(per_head, 2, 3) == 264
+
+
+def test_kl_from_weighs_the_buckets_from_that_position_on_by_their_lengths():
+    """`--table --kl-from N`: every configuration's KL and top-1 over the same positions (those from N on)."""
+    ev = _eval_module()
+    text = {"buckets": [{"positions": [0, 100], "kl": 9.0, "top1": 0.0},
+                        {"positions": [100, 200], "kl": 1.0, "top1": 1.0},
+                        {"positions": [200, 500], "kl": 3.0, "top1": 0.5}]}
+    assert ev.text_from(text, 100) == pytest.approx((2.5, 0.625))
+    assert all(np.isnan(v) for v in ev.text_from(text, 600))
+
+
+def test_the_table_recomputes_both_ceilings_of_every_row_at_the_lengths_asked(planted_model):
+    """`--table --model M --lengths ...`: the ceilings are arithmetic on each row's spec, recomputed at
+    the lengths asked (prefill peak and once decoding); full attention stays at 1."""
+    ev = _eval_module()
+    spec = {"sliding_window": WINDOW, "sink_size": SINK, "swa_kv_heads": [0]}
+    rows = {"full": {"head_wise_swa": None}, "sliding": {"head_wise_swa": spec, "page_need_ceiling": {"4096": 9.9}}}
+    ev.recompute_ceilings(rows, planted_model, [256, 1024], 16)
+    assert rows["full"]["page_need_ceiling"] == rows["full"]["page_need_ceiling_decode"] == {"256": 1.0, "1024": 1.0}
+    sliding = rows["sliding"]
+    assert set(sliding["page_need_ceiling"]) == set(sliding["page_need_ceiling_decode"]) == {"256", "1024"}
+    # once decoding a sliding slot holds sink + window; at the prefill peak a chunk more
+    assert 1.0 < sliding["page_need_ceiling"]["1024"] < sliding["page_need_ceiling_decode"]["1024"]
+    assert sliding["page_need_ceiling"]["256"] < sliding["page_need_ceiling"]["1024"]  # more tokens, more recycled
