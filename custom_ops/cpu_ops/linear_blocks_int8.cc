@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "paddle/extension.h"
+#include "block_tables.h"
 #include "linear_blocks.h"
 #include "linear_tiles.h"
 #include "work_pool.h"
@@ -89,31 +90,6 @@ void quantize_row(const float* x, int64_t k_dim, int8_t* a, float* dx, int32_t* 
   }
 }
 
-// An IEEE half's exact float32 value (normal, subnormal, zero, inf / nan).
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-  uint32_t bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: man * 2^-24, exact in float32
-    float v = float(man) * 5.9604644775390625e-8f;
-    std::memcpy(&bits, &v, 4);
-    bits |= sign;
-  }
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-}
-
-// Scale or offset i of a block table, as float32.
-inline float table_at(const void* table, bool half, int64_t i) {
-  return half ? half_to_float(static_cast<const uint16_t*>(table)[i]) : static_cast<const float*>(table)[i];
-}
-
 // Column j's integer at input k of panel p, and the weight's integers' zero point (i8: 128).
 inline int32_t q_at(const Int8Blocks& b, int64_t p, int64_t k, int j) {
   const uint8_t* quad = b.q + p * b.q_stride() + (k / 4) * b.quad_bytes();
@@ -161,14 +137,6 @@ bool cpu_has_vnni() {
 
 // R rows x the 32 columns of panel p: per quad, the weight bytes are loaded and split once and
 // multiplied into every row's int32 sums; per block the sums become floats in the order above.
-// 16 table entries from i as float32 (float16: vcvtph2ps, exact).
-template <bool HALF>
-VNNI_TARGET inline __m512 load_table16(const void* table, int64_t i) {
-  if constexpr (HALF)
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(table) + i)));
-  return _mm512_loadu_ps(static_cast<const float*>(table) + i);
-}
-
 template <bool U4, int R, bool HALF>
 VNNI_TARGET void panel_rows_vnni(const QuantRow* rows_q, const Int8Blocks& b, int64_t p, float* y, int64_t ldy,
                                  int cols) {

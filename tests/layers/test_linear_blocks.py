@@ -17,7 +17,7 @@ from fastdeploy.model_executor.layers.blas_gemm import block_rows, linear_blocks
 
 # "u4_f16": u4 blocks with half-precision scales and offsets, as Q4_1 stores them (scale * q exact in float32: the
 # decode rebuilds each weight with one FMA); "u4": float32 scales of full precision (two roundings).
-FORMS = [("u4", 32), ("u4_f16", 32), ("i8", 32), ("i8", 16)]
+FORMS = [("u4", 32), ("u4_f16", 32), ("i8", 32), ("i8_f16", 32), ("i8", 16)]
 
 
 def random_blocks(kind: str, group: int, n: int, k: int, seed: int = 0) -> gguf_blocks.BlockWeight:
@@ -73,6 +73,14 @@ def test_one_fma_rebuild_only_where_every_scale_times_q_is_exact():
     assert gguf_blocks.pack(random_blocks("u4_f16", 32, 64, 64)).one_rounding
     assert not gguf_blocks.pack(random_blocks("u4", 32, 64, 64)).one_rounding
     assert not gguf_blocks.pack(random_blocks("i8", 32, 64, 64)).one_rounding
+
+
+def test_tables_are_float16_where_every_value_is_one():
+    # Q4_1 / Q8_0 store halves: half the table bytes to read; a float32-only value keeps float32
+    assert gguf_blocks.pack(random_blocks("u4_f16", 32, 64, 64)).scale.dtype == paddle.float16
+    assert gguf_blocks.pack(random_blocks("i8_f16", 32, 64, 64)).scale.dtype == paddle.float16
+    assert gguf_blocks.pack(random_blocks("u4", 32, 64, 64)).offset.dtype == paddle.float32
+    assert gguf_blocks.pack(random_blocks("i8", 32, 64, 64)).scale.dtype == paddle.float32
 
 
 def test_block_rows_are_the_dequantized_weight_rows():

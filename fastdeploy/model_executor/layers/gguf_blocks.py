@@ -162,8 +162,8 @@ def _panels(a: np.ndarray) -> np.ndarray:
 
 @dataclass
 class PackedBlocks:
-    """linear_blocks.cc's operands: q [P, K, 16] uint8 (u4) or [P, K, 32] int8 (i8), scale and offset
-    [P, K / group, 32] float32 (paddle tensors)."""
+    """linear_blocks.cc's operands: q [P, K / 8, 128] uint8 (u4 words) or [P, K, 32] int8 (i8), scale and
+    offset [P, K / group, 32] float32, or float16 where every value is one (paddle tensors)."""
 
     q: object
     scale: object
@@ -190,13 +190,35 @@ def scale_times_q_is_exact(weight: BlockWeight) -> bool:
     return True
 
 
+def _u4_words(q: np.ndarray) -> np.ndarray:
+    """[P, K, 32] nibbles -> [P, K / 8, 128] bytes: per 8 inputs, 32 little-endian uint32 words, word j
+    holding column j's q at input 8c + s in bits 4s..4s+3 (linear_blocks.cc's u4 layout)."""
+    panels, k, _ = q.shape
+    eights = q.reshape(panels, k // 8, 8, PANEL).astype(np.uint32)  # [P, K / 8, s, column]
+    words = np.zeros((panels, k // 8, PANEL), dtype="<u4")
+    for s in range(8):
+        words |= eights[:, :, s, :] << np.uint32(4 * s)
+    return words.view(np.uint8).reshape(panels, k // 8, 4 * PANEL)
+
+
+def _tables(weight: BlockWeight) -> list:
+    """Scale (and offset) as float16 where every value is one (Q4_1, Q8_0 store them so: half the
+    table bytes to read; the kernels widen them exactly), else float32 (Q4_K's d * sc)."""
+    tables = [weight.scale] + ([] if weight.offset is None else [weight.offset])
+    if all(np.array_equal(t.astype(np.float16).astype(np.float32), t) for t in tables):
+        tables = [t.astype(np.float16) for t in tables]
+    return tables
+
+
 def pack(weight: BlockWeight) -> PackedBlocks:
     import paddle
 
+    if weight.kind == "u4" and weight.group % 8:
+        raise ValueError(f"{weight.source}: u4 blocks of {weight.group} inputs are not a multiple of 8")
     q = _panels(weight.q)
     if weight.kind == "u4":
-        q = q[..., :16] | (q[..., 16:] << np.uint8(4))
-    tensors = [q, _panels(weight.scale)] + ([] if weight.offset is None else [_panels(weight.offset)])
+        q = _u4_words(q)
+    tensors = [q] + [_panels(t) for t in _tables(weight)]
     nbytes = sum(t.nbytes for t in tensors)
     q_t, scale_t = paddle.to_tensor(tensors[0]), paddle.to_tensor(tensors[1])
     offset_t = paddle.to_tensor(tensors[2]) if weight.offset is not None else None
@@ -222,12 +244,7 @@ def pack_int8(weight: BlockWeight) -> Optional[PackedBlocks]:
     else:
         packed = (quads.astype(np.int16) + 128).astype(np.uint8)
     packed = np.ascontiguousarray(packed.reshape(panels, k // 4, -1))
-    tables = [weight.scale] + ([] if weight.offset is None else [weight.offset])
-    # float16 where every scale and offset is one (Q4_1, Q8_0 store them so): 4 bytes less to read per 32
-    # weights; the op widens them exactly. Otherwise (Q4_K's d * sc) float32.
-    if all(np.array_equal(t.astype(np.float16).astype(np.float32), t) for t in tables):
-        tables = [t.astype(np.float16) for t in tables]
-    tensors = [packed] + [_panels(t) for t in tables]
+    tensors = [packed] + [_panels(t) for t in _tables(weight)]
     nbytes = sum(t.nbytes for t in tensors)
     offset_t = paddle.to_tensor(tensors[2]) if weight.offset is not None else None
     return PackedBlocks(paddle.to_tensor(tensors[0]), paddle.to_tensor(tensors[1]), offset_t, weight.group, nbytes,
