@@ -12,6 +12,7 @@
 
 #include "append_attention_checks.h"
 #include "attention_math.h"
+#include "scratch.h"
 #include "paddle/extension.h"
 #include "work_pool.h"
 
@@ -197,7 +198,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
   const int threads = pick_threads(key_rows * g.group, items);
   const int max_queries = tile_max * g.group;
 
-  // Per-worker scratch, sized once per step.
+  // Per-worker scratch: the caller's, kept between calls (scratch.h; every tile resets what it reads).
   struct Scratch {
     std::vector<float> scores, ktile, vtile, max, denom, acc, out_row;
     std::vector<KeyRuns> runs;
@@ -206,21 +207,24 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
     std::vector<const float*> q, w;
     std::vector<float*> accs;
   };
-  std::vector<Scratch> scratch(threads);
-  for (Scratch& sc : scratch) {
-    sc.scores.resize(size_t(max_queries) * g.block_size);
-    sc.ktile.resize(size_t(g.block_size) * d);
-    sc.vtile.resize(size_t(g.block_size) * d);
-    sc.max.resize(max_queries);
-    sc.denom.resize(max_queries);
-    sc.acc.resize(size_t(max_queries) * d);
-    sc.out_row.resize(d);
-    sc.runs.resize(tile_max);
-    sc.pieces.resize(tile_max);
-    sc.readers.resize(max_queries);
-    sc.q.resize(max_queries);
-    sc.w.resize(kLanes);
-    sc.accs.resize(kLanes);
+  thread_local std::vector<Scratch> kept;
+  std::vector<Scratch>& scratch = kept;  // what the helpers capture: the caller's vector, not their own
+  grown(scratch, size_t(threads));
+  for (int t = 0; t < threads; ++t) {
+    Scratch& sc = scratch[t];
+    grown(sc.scores, size_t(max_queries) * g.block_size);
+    grown(sc.ktile, size_t(g.block_size) * d);
+    grown(sc.vtile, size_t(g.block_size) * d);
+    grown(sc.max, size_t(max_queries));
+    grown(sc.denom, size_t(max_queries));
+    grown(sc.acc, size_t(max_queries) * d);
+    grown(sc.out_row, size_t(d));
+    grown(sc.runs, size_t(tile_max));
+    grown(sc.pieces, size_t(tile_max));
+    grown(sc.readers, size_t(max_queries));
+    grown(sc.q, size_t(max_queries));
+    grown(sc.w, size_t(kLanes));
+    grown(sc.accs, size_t(kLanes));
   }
 
   WorkPool::instance().run(items, threads, [&](int64_t item, int worker) {

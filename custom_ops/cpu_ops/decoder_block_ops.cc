@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "decoder_block_ops.h"
+#include "scratch.h"
 #include "gated_activation_row.h"
 #include "linear_blocks.h"
 #include "paddle/extension.h"
@@ -84,11 +85,11 @@ std::vector<paddle::Tensor> fd_cpu::decoder::NormQkvBlocks(const paddle::Tensor&
   }
   paddle::Tensor sum = paddle::empty({rows, d}, paddle::DataType::FLOAT32, hidden.place());
   paddle::Tensor qkv = paddle::empty({rows, n}, paddle::DataType::FLOAT32, hidden.place());
-  thread_local std::vector<float> normed;
-  normed.resize(size_t(rows * d));
+  thread_local std::vector<float> normed_buf;
+  float* normed = fd_cpu::grown(normed_buf, size_t(rows * d));
   add_norm(hidden.data<float>(), delta_in ? delta.data<float>() : nullptr, norm.data<float>(), rows, d, eps,
-           sum.data<float>(), normed.data());
-  product(Weight{q, scale, offset, n, group, kind}, normed.data(), rows, d, qkv.data<float>());
+           sum.data<float>(), normed);
+  product(Weight{q, scale, offset, n, group, kind}, normed, rows, d, qkv.data<float>());
   return {sum, qkv};
 }
 
@@ -112,22 +113,21 @@ std::vector<paddle::Tensor> fd_cpu::decoder::MlpBlocks(const paddle::Tensor& att
   PD_CHECK(norm.numel() == d, "mlp_blocks: the norm weight has ", norm.numel(), " elements, hidden ", d);
   paddle::Tensor sum = paddle::empty({rows, d}, paddle::DataType::FLOAT32, hidden.place());
   paddle::Tensor ffn = paddle::empty({rows, d}, paddle::DataType::FLOAT32, hidden.place());
-  thread_local std::vector<float> o_out, normed, gate_up, gated;
-  o_out.resize(size_t(rows * d));
-  normed.resize(size_t(rows * d));
-  gate_up.resize(size_t(rows * gu_n));
-  gated.resize(size_t(rows * f));
-  product(Weight{o_q, o_scale, o_offset, d, o_group, o_kind}, attn.data<float>(), rows, attn.shape()[1],
-          o_out.data());
-  add_norm(hidden.data<float>(), o_out.data(), norm.data<float>(), rows, d, eps, sum.data<float>(), normed.data());
-  product(Weight{gu_q, gu_scale, gu_offset, gu_n, gu_group, gu_kind}, normed.data(), rows, d, gate_up.data());
+  thread_local std::vector<float> o_out_buf, normed_buf, gate_up_buf, gated_buf;
+  float* o_out = fd_cpu::grown(o_out_buf, size_t(rows * d));
+  float* normed = fd_cpu::grown(normed_buf, size_t(rows * d));
+  float* gate_up = fd_cpu::grown(gate_up_buf, size_t(rows * gu_n));
+  float* gated = fd_cpu::grown(gated_buf, size_t(rows * f));
+  product(Weight{o_q, o_scale, o_offset, d, o_group, o_kind}, attn.data<float>(), rows, attn.shape()[1], o_out);
+  add_norm(hidden.data<float>(), o_out, norm.data<float>(), rows, d, eps, sum.data<float>(), normed);
+  product(Weight{gu_q, gu_scale, gu_offset, gu_n, gu_group, gu_kind}, normed, rows, d, gate_up);
   const bool avx512 = fd_cpu::cpu_has_avx512f();
-  const float* gu = gate_up.data();
-  float* out = gated.data();
+  const float* gu = gate_up;
+  float* out = gated;
   // gated_activation.cc's rows, items and threshold
   fd_cpu::for_each_row(rows, 16, rows * f > (1 << 16),
                        [&](int64_t r) { fd_cpu::gated::gated_row(gu + r * gu_n, f, act, out + r * f, avx512); });
-  product(Weight{down_q, down_scale, down_offset, d, down_group, down_kind}, gated.data(), rows, f,
+  product(Weight{down_q, down_scale, down_offset, d, down_group, down_kind}, gated, rows, f,
           ffn.data<float>());
   return {sum, ffn};
 }

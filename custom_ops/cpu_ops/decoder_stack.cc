@@ -24,6 +24,7 @@
 #include "decoder_block_ops.h"
 #include "paddle/extension.h"
 #include "rms_norm_row.h"
+#include "scratch.h"
 
 namespace {
 
@@ -148,17 +149,17 @@ paddle::Tensor head_logits(const Stack& stack, const paddle::Tensor& hidden, con
   const int64_t rows = sample_rows.numel(), tokens = hidden.shape()[0], d = hidden.shape()[1];
   PD_CHECK(h[kHeadNorm].numel() == d, "decoder_stack_forward: the final norm has ", h[kHeadNorm].numel(),
            " elements, hidden ", d);
-  thread_local std::vector<float> normed;
-  normed.resize(size_t(rows * d));
+  thread_local std::vector<float> normed_buf;
+  float* normed = fd_cpu::grown(normed_buf, size_t(rows * d));
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = int32 ? int64_t(sample_rows.data<int32_t>()[r]) : sample_rows.data<int64_t>()[r];
     PD_CHECK(row >= 0 && row < tokens, "decoder_stack_forward: sample row ", row, " out of [0, ", tokens, ")");
     fd_cpu::norm_row(hidden.data<float>() + row * d, h[kHeadNorm].data<float>(), d, stack.eps,
-                     normed.data() + r * d);
+                     normed + r * d);
   }
   paddle::Tensor logits = paddle::empty({rows, i[kHeadN]}, paddle::DataType::FLOAT32, hidden.place());
   fd_cpu::decoder::block_weight_product(h[kHeadQ], h[kHeadScale], offset_of(h[kHeadOffset]), i[kHeadN],
-                                        i[kHeadGroup], i[kHeadKind], normed.data(), rows, d, logits.data<float>());
+                                        i[kHeadGroup], i[kHeadKind], normed, rows, d, logits.data<float>());
   return logits;
 }
 

@@ -41,6 +41,7 @@
 #include "block_tables.h"
 #include "linear_blocks.h"
 #include "linear_tiles.h"
+#include "scratch.h"
 #include "work_pool.h"
 
 namespace {
@@ -273,8 +274,7 @@ void product_of_form(const Blocks& b, const float* xp, int64_t m, int64_t n, int
     // Several row blocks (prefill): dequantize the whole weight once, then the packed float32
     // kernel's loop; per row block it would be dequantized again (15-19% slower at 2048 rows).
     thread_local std::vector<float> scratch;  // the caller's; helpers get its address, not their own
-    scratch.resize(size_t(dense_floats) + 16);
-    float* dense = align64(scratch.data());  // whole-line panel loads, as on the packed tensor
+    float* dense = align64(fd_cpu::grown(scratch, size_t(dense_floats) + 16));  // whole-line panel loads, as on the packed tensor
     fd_cpu::WorkPool::instance().run(panels, fd_cpu::usable_cpus(), [&](int64_t p, int) {
       dequant_panel(p, dense + p * b.k_dim * kPanel);
     });
@@ -301,9 +301,9 @@ void product_of_form(const Blocks& b, const float* xp, int64_t m, int64_t n, int
     if (avx512 && rows <= kFusedRows)
       return fused_rows<U4, HALF, ONE_ROUNDING, kFusedRows>(rows, xp + r0 * b.k_dim, b, p, yo, n, cols_of(p));
     thread_local std::vector<float> panel;
-    panel.resize(size_t(b.k_dim) * kPanel + 16);
-    dequant_panel(p, align64(panel.data()));
-    rows_times_panel(isa, xp + r0 * b.k_dim, rows, b.k_dim, align64(panel.data()), yo, n, cols_of(p));
+    float* buffer = align64(fd_cpu::grown(panel, size_t(b.k_dim) * kPanel + 16));
+    dequant_panel(p, buffer);
+    rows_times_panel(isa, xp + r0 * b.k_dim, rows, b.k_dim, buffer, yo, n, cols_of(p));
   });
 }
 

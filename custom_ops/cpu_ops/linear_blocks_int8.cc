@@ -40,6 +40,7 @@
 #include "block_tables.h"
 #include "linear_blocks.h"
 #include "linear_tiles.h"
+#include "scratch.h"
 #include "work_pool.h"
 
 namespace {
@@ -246,12 +247,9 @@ void fd_cpu::linear::int8_blocks_product(const paddle::Tensor& q, const paddle::
   thread_local std::vector<int8_t> a_buf;
   thread_local std::vector<float> dx_buf;
   thread_local std::vector<int32_t> sa_buf;
-  a_buf.resize(size_t(m * b.k_dim));
-  dx_buf.resize(size_t(m * groups));
-  sa_buf.resize(size_t(m * groups));
-  int8_t* a = a_buf.data();
-  float* dx = dx_buf.data();
-  int32_t* sa = sa_buf.data();
+  int8_t* a = fd_cpu::grown(a_buf, size_t(m * b.k_dim));
+  float* dx = fd_cpu::grown(dx_buf, size_t(m * groups));
+  int32_t* sa = fd_cpu::grown(sa_buf, size_t(m * groups));
   for (int64_t r = 0; r < m; ++r)
     quantize_row(xp + r * b.k_dim, b.k_dim, a + r * b.k_dim, dx + r * groups, sa + r * groups);
 
