@@ -83,6 +83,15 @@ def test_tables_are_float16_where_every_value_is_one():
     assert gguf_blocks.pack(random_blocks("i8", 32, 64, 64)).scale.dtype == paddle.float32
 
 
+def test_u4_blocks_must_come_in_whole_words_of_8_inputs():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gguf_blocks.pack(random_blocks("u4", 4, 64, 64))
+    b = gguf_blocks.pack(random_blocks("u4", 32, 64, 64))
+    bytes_per_input = paddle.to_tensor(b.q.numpy().reshape(b.q.shape[0], -1, 16))  # a [P, K, 16] byte layout
+    with pytest.raises(Exception, match="128 \\(u4\\)"):
+        linear_blocks()(paddle.ones([1, 64]), bytes_per_input, b.scale, b.offset, 64, 32, b.one_rounding)
+
+
 def test_block_rows_are_the_dequantized_weight_rows():
     weight = random_blocks("u4", 32, 70, 64)
     b = gguf_blocks.pack(weight)
