@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ import paddle
 
 from fastdeploy.cache_manager.head_wise import dead_block_range
 from fastdeploy.model_executor.layers.attention.ops import append_attention
-from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import compile_flags
+from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import compile_flags, set_cpu_options
 
 
 # Page formats of --kv-cache-quant-type int8 / block_wise_fp8 / block_wise_int4 (cache dtypes, int4: uint8 pairs).
@@ -216,7 +215,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    os.environ["FD_CPU_ATTN_NUM_THREADS"] = str(args.threads)
+    set_cpu_options(attn_threads=args.threads)
 
     log(f"[bench] compile flags: {' '.join(compile_flags())}")
     rows, thread_rows, format_rows = [], [], []
@@ -240,12 +239,12 @@ def main(argv=None) -> None:
 
             def with_threads(n, fn=fn):
                 def run():
-                    os.environ["FD_CPU_ATTN_NUM_THREADS"] = str(n)
+                    set_cpu_options(attn_threads=n)
                     fn()
                 return run
 
             per = time_arms({1: with_threads(1), 2: with_threads(2)}, args.reps)
-            os.environ["FD_CPU_ATTN_NUM_THREADS"] = str(args.threads)
+            set_cpu_options(attn_threads=args.threads)
             thread_rows.append(dict(context=ctx, arm=name, ms_1_thread=per[1][0], ms_2_threads=per[2][0],
                                     scaling=per[1][0] / per[2][0]))
             log(f"[bench]   threads {name:<18} 1: {per[1][0]:.2f} ms  2: {per[2][0]:.2f} ms")

@@ -146,9 +146,10 @@ def decode_steps_by_format(args) -> list:
 
 def fused_layers_ab(args) -> list:
     """Median decode step of one engine with its layers as two op calls each around the attention op
-    (FD_CPU_FUSED_LAYERS=1) vs every layer in one op call (2, the default): the flag is read per step,
-    so the two arms take turns on the same requests (1, 2, 2, 1, 1, 2, ...) at the same contexts."""
-    from fastdeploy import LLM, SamplingParams, envs
+    (FD_CPU_FUSED_LAYERS=1) vs every layer in one op call (2, the default): the model's level is set
+    between steps, so the two arms take turns on the same requests (1, 2, 2, 1, 1, 2, ...) at the same
+    contexts."""
+    from fastdeploy import LLM, SamplingParams
 
     rows = []
     for n in args.concurrency:
@@ -163,11 +164,10 @@ def fused_layers_ab(args) -> list:
         add_and_prefill(engine, "ab", prompts, params)
         times = {1: [], 2: []}
         for i in range(2 * args.decode_steps):
-            arm = (1, 2, 2, 1)[i % 4]
-            with envs.override(FD_CPU_FUSED_LAYERS=arm):
-                t0 = time.perf_counter()
-                engine.step()
-                times[arm].append(time.perf_counter() - t0)
+            arm = engine.runner.model.fused_layers_level = (1, 2, 2, 1)[i % 4]
+            t0 = time.perf_counter()
+            engine.step()
+            times[arm].append(time.perf_counter() - t0)
         per_layer, stack = (float(np.median(times[a])) for a in (1, 2))
         rows.append({"concurrency": n, "context": args.input_len, "per_layer_step_ms": per_layer * 1e3,
                      "stack_step_ms": stack * 1e3, "stack_speedup": per_layer / stack})

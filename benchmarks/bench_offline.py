@@ -192,9 +192,7 @@ def median_full_step(timeline: list, peak_running: int):
 def pages_held(engine, request) -> int:
     """Live pages a running request holds: its table entries that are not recycled (-1), one page per slot
     and block; in 1-D mode a block is a page of every slot."""
-    if request.block_tables_head_wise is not None:
-        return sum(len(row) - row.count(-1) for row in request.block_tables_head_wise)
-    return len(request.block_tables) * engine.scheduler.layout.num_kv_heads
+    return sum(engine.scheduler.kv_cache_manager.held_pages_per_slot(request.request_id))
 
 
 def steps_gain_share(gain: float, steps_ratio: float):

@@ -63,7 +63,6 @@ def pages_over_life(model: str, flags: dict, args) -> dict:
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          enable_prefix_caching=False).create_engine_config()
     rm = ResourceManagerV1(cfg)
-    slots = cfg.slot_layout.num_slots
     request = Request("one", [5 + j % 200 for j in range(args.prompt_len)],
                       SamplingParams(max_tokens=args.output_len, ignore_eos=True), eos_token_id=-1)
     rm.add_request(request)
@@ -72,8 +71,7 @@ def pages_over_life(model: str, flags: dict, args) -> dict:
         batch = rm.schedule()
         # Counted after schedule(): the pages the step runs with (recycled ones already returned), against
         # the tokens the request has once the step is done.
-        tables = request.block_tables_head_wise or [request.block_tables] * slots
-        pages.append(sum(page >= 0 for row in tables for page in row))
+        pages.append(sum(rm.kv_cache_manager.held_pages_per_slot("one")))
         step = batch.requests[0]
         tokens.append(step.start + step.num_tokens)
         if cfg.head_wise_kv_cache and pages[-1] != sum(rm.layout.pages_per_rank(step.start, step.num_tokens)):

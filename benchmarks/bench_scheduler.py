@@ -168,7 +168,7 @@ def main(argv=None) -> int:
                    "running": args.running, "context": args.context,
                    "one_d_ms": med["1-D"], "head_wise_ms": med["head-wise"],
                    "ratio": med["head-wise"] / med["1-D"],
-                   "pages_recycled": arms["head-wise"].swa_pages_recycled_total}
+                   "pages_recycled": arms["head-wise"].kv_cache_manager.swa_pages_recycled_total}
             rows.append(row)
 
     print(f"\nschedule() per decode step, median of {args.decode_steps} steps "

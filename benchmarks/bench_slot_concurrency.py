@@ -41,8 +41,7 @@ def pages_held_alone(cfg, args) -> dict:
     while rm.has_unfinished_requests():
         batch = rm.schedule()
         phase = "prefill" if batch.requests[0].num_tokens > 1 else "decode"
-        tables = request.block_tables_head_wise or [request.block_tables] * cfg.slot_layout.num_slots
-        held[phase] = max(held[phase], sum(page >= 0 for row in tables for page in row))
+        held[phase] = max(held[phase], sum(rm.kv_cache_manager.held_pages_per_slot("alone")))
         rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
     return held
 
@@ -74,7 +73,7 @@ def run_arm(args, flags: dict, quant: str = "none") -> dict:
             "blocks": cfg.cache_config.num_gpu_blocks, "pages": rm.cache_manager.num_total_pages,
             "page_bytes": cfg.cache_config.block_bytes(cfg.model_config, 1) // cfg.slot_layout.slots_per_rank,
             "peak_running": peak, "engine_steps": steps, "pages_per_request": need,
-            "recycled": rm.swa_pages_recycled_total, "cut_chunk": rm.cut_chunk,
+            "recycled": rm.kv_cache_manager.swa_pages_recycled_total, "cut_chunk": rm.cut_chunk,
             "cut_steps": rm.cut_chunk_steps_total, "alone": pages_held_alone(cfg, args)}
 
 

@@ -105,12 +105,12 @@ def build_llm(model: str, spec, path: str, max_model_len: int, prefix_caching: b
     int8 / int4 keys stored unrotated (FD_KV_QUANT_ROTATION=0, a CPU-op measurement knob);
     `value_rotation=True`: values stored rotated too (FD_KV_QUANT_ROTATE_VALUES=1, the same kind)."""
     from fastdeploy import LLM
+    from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import set_cpu_options
     from fastdeploy.tools.probed_attention import install
 
     common = dict(model=model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=CHUNK, enable_prefix_caching=prefix_caching)
-    os.environ["FD_KV_QUANT_ROTATION"] = "1" if rotation else "0"
-    os.environ["FD_KV_QUANT_ROTATE_VALUES"] = "1" if value_rotation else "0"
+    set_cpu_options(kv_key_rotation=rotation, kv_value_rotation=value_rotation)
     if quant != "none":
         if path in ("native", "native-full"):
             raise ValueError("quantized KV pages need the paged path; this config runs on NATIVE_ATTN")

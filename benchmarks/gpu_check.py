@@ -15,7 +15,7 @@ says why under "skipped" and the rest still run):
                  offline recycle A/B (bench_offline.py --device gpu)
   ab             no Paddle needed (PyTorch or CuPy + nvcc): a step loop that drives the real
                  ResourceManagerV1 / PrefixCacheManager, packs each step with the engine's own
-                 StepRunner.build_step_input + HostStepBuffer, calls the project's CUDA AppendAttention
+                 the engine's PersistentBatch + HostStepBuffer, calls the project's CUDA AppendAttention
                  through its C ABI on CuPy device buffers, and spends the model's GEMM time with cuBLAS
                  at ERNIE-4.5-21B-A3B shapes (random 16-bit weights, fewer layers; MoE as expert GEMMs
                  over the experts the batch's random top-k routing touches). Recycle OFF vs ON at equal
@@ -49,12 +49,12 @@ sys.path.insert(0, str(REPO / "tests" / "custom_ops"))
 
 from benchmarks.serving_sim.hardware import get_hardware  # noqa: E402
 from benchmarks.serving_sim.simulator import (  # noqa: E402
-    SAMPLED_TOKEN, EngineSettings, _materialize, ceiling, make_fd_config, memoize_peaks, simulate)
+    SAMPLED_TOKEN, EngineSettings, _materialize, ceiling, make_fd_config, simulate)
 from benchmarks.serving_sim.step_model import ModelShape, StepModel  # noqa: E402
 from benchmarks.serving_sim.workload import Workload  # noqa: E402
 from fastdeploy.engine.request import Request, SamplingParams  # noqa: E402
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1  # noqa: E402
-from fastdeploy.engine.step_runner import StepRunner  # noqa: E402
+from fastdeploy.engine.persistent_batch import PersistentBatch  # noqa: E402
 from fastdeploy.model_executor.models.tiny_preset import TINY_GPU_PRESET_NAME, TINY_MOE_GPU_PRESET_NAME  # noqa: E402
 from fastdeploy.worker.step_buffers import HostStepBuffer, StepBufferLayout  # noqa: E402
 
@@ -103,29 +103,17 @@ def engine_settings(cfg: ABConfig) -> EngineSettings:
                           cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.swa_heads, cfg.window, cfg.sink)
 
 
-class SchedulerSide(StepRunner):
-    """The engine's StepRunner without a model: its build_step_input (slots, tables, seq lens) is what
-    the engine sends its workers each step; here the step goes to the C ABI instead."""
-
-    def __init__(self, fd_config):  # noqa: super().__init__ would load a Paddle model
-        self.fd_config = fd_config
-        self.head_wise = fd_config.head_wise_kv_cache
-        self.num_kv_heads = fd_config.model_config.num_key_value_heads
-        self.num_slots = fd_config.slot_layout.num_slots  # head-wise table rows, as StepRunner has them
-        self.eos_token_id = fd_config.model_config.eos_token_ids
-        self._free_slots = list(range(fd_config.scheduler_config.max_num_seqs - 1, -1, -1))
-        self._slot_of = {}
-
-
 # -- the op's arguments from the packed step buffer (shared by the GPU executor and the CPU tests) ---
 def kernel_params(fd_config, layout: StepBufferLayout, num_tokens: int, dtype: int) -> dict:
     """AppendAttnParams for one layer of this step: the whole fixed buffer (idle rows included)."""
     model = fd_config.model_config
     spec = model.head_wise_swa
     return dict(dtype=dtype, token_num=num_tokens, bsz=layout.max_num_seqs, num_heads=model.num_attention_heads,
-                kv_num_heads=layout.num_kv_heads, head_dim=model.head_dim, block_size=fd_config.cache_config.block_size,
-                num_blocks=fd_config.cache_config.num_gpu_blocks, max_blocks_per_seq=layout.max_blocks_per_seq,
-                head_wise_table=int(layout.head_wise), max_position=model.max_model_len,
+                kv_num_heads=model.num_key_value_heads, head_dim=model.head_dim,
+                block_size=fd_config.cache_config.block_size, num_blocks=fd_config.cache_config.num_gpu_blocks,
+                max_blocks_per_seq=layout.max_blocks_per_seq,
+                # A 1-D table [bsz, 1, max_blocks] is the kernels' [bsz, max_blocks] byte for byte.
+                head_wise_table=int(fd_config.head_wise_kv_cache), max_position=model.max_model_len,
                 sliding_window=spec.sliding_window, sink_size=spec.sink_size, visit_all_pages=0, dual_pass=0,
                 kv_slots=0,  # 0: the per-head cache layout (slot h = head h), what this check's presets use
                 cache_quant=gpu_harness.CACHE_FLOAT,  # the A/B runs 16-bit pages
@@ -147,7 +135,7 @@ def needed_entries_present(host: HostStepBuffer, swa_mask: list, window: int, si
             continue
         last = (n + c - 1) // block_size
         for h, swa in enumerate(swa_mask):
-            row = table[r, h] if host.layout.head_wise else table[r]
+            row = table[r, h if host.layout.table_rows > 1 else 0]
             if swa:  # keys j < sink, or j > t - window for some query t in [n, n + c)
                 first_live = max(0, n - window + 1) // block_size
                 blocks = set(range(first_live, last + 1)) | set(range(-(-min(sink, n + c) // block_size)))
@@ -177,9 +165,8 @@ def run_arm(cfg: ABConfig, recycle: bool, executor, time_limit_s: float = math.i
     """Every request of the burst to completion through the real scheduler; wall-clock metrics."""
     fd = make_fd_config(engine_settings(cfg), recycle)
     rm = ResourceManagerV1(fd)
-    memoize_peaks(rm)
-    side = SchedulerSide(fd)
-    host = HostStepBuffer(StepBufferLayout.from_config(fd, fd.model_config.num_key_value_heads))
+    side = PersistentBatch(fd, rm.kv_cache_manager)  # the engine's: what it sends its workers each step
+    host = HostStepBuffer(StepBufferLayout.from_config(fd, fd.table_rows_per_rank))
     executor.prepare(fd, host.layout)
     eos = fd.model_config.eos_token_id
     for r in Workload(cfg.num_prompts, cfg.input_len, cfg.output_len).requests():
@@ -197,7 +184,7 @@ def run_arm(cfg: ABConfig, recycle: bool, executor, time_limit_s: float = math.i
         if not batch.requests:
             raise RuntimeError("the scheduler scheduled nothing with requests left")
         peak_running = max(peak_running, len(rm.running))
-        host.pack(side.build_step_input(batch))
+        host.pack(side.step_input(batch)[0])
         t1 = time.perf_counter()
         executor.step(host)
         t2 = time.perf_counter()
@@ -219,7 +206,7 @@ def run_arm(cfg: ABConfig, recycle: bool, executor, time_limit_s: float = math.i
             "output_throughput": output_tokens / wall if wall > 0 else None, "steps": steps,
             "mean_step_ms": 1e3 * wall / max(steps, 1), "host_ms_per_step": 1e3 * host_s / max(steps, 1),
             "peak_running": peak_running, "preemptions": rm.num_preemptions_total,
-            "swa_pages_recycled": rm.swa_pages_recycled_total, "timed_out": timed_out}
+            "swa_pages_recycled": rm.kv_cache_manager.swa_pages_recycled_total, "timed_out": timed_out}
 
 
 def predicted_arm(cfg: ABConfig, recycle: bool, hardware: str = "H200") -> dict:

@@ -9,7 +9,6 @@ stops the server before it loads anything instead of crashing a step later.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -102,8 +101,11 @@ class FDConfig:
     head_wise_attn: str = "SINGLE_PASS"  # FD_HEAD_WISE_ATTN: SINGLE_PASS or DUAL_PASS (upstream's baseline)
     speculative_config: Any = None  # spec_decode.config.SpeculativeConfig, or None: no speculation
     guided_decoding_backend: str = "auto"  # --guided-decoding-backend (model_executor/guided_decoding/backend.py)
+    env: Any = None  # every environment flag as it was when the config was made (envs.snapshot())
 
     def __post_init__(self) -> None:
+        if self.env is None:  # built directly (tests): the flags as they are now
+            self.env = envs.snapshot()
         self._validate()
         self._resolve_slots()
         self._resolve_num_blocks()
@@ -114,19 +116,21 @@ class FDConfig:
         return self.admission_policy == "reserve"
 
     @classmethod
-    def from_env(cls, admission_policy: Optional[str] = None, **parts: Any) -> "FDConfig":
-        """Snapshot the env flags now; later changes to the environment do not affect this config."""
-        if envs.ENABLE_V1_KVCACHE_SCHEDULER != 1:
+    def from_env(cls, admission_policy: Optional[str] = None, env: Any = None, **parts: Any) -> "FDConfig":
+        """The config with the env flags of `env` (an envs.snapshot(); None: taken now). It keeps them:
+        later changes to the environment do not affect it, and nothing reads the environment after it."""
+        env = env if env is not None else envs.snapshot()
+        if env.ENABLE_V1_KVCACHE_SCHEDULER != 1:
             raise ValueError("ENABLE_V1_KVCACHE_SCHEDULER=0: this engine only has the V1 KV-cache scheduler; "
                              "unset the flag or set it to 1")
-        head_wise = _bool_flag("FD_HEAD_WISE_KV_CACHE", envs.FD_HEAD_WISE_KV_CACHE)
         return cls(
-            head_wise_kv_cache=head_wise,
-            swa_recycle=_bool_flag("FD_HEAD_WISE_SWA_RECYCLE", envs.FD_HEAD_WISE_SWA_RECYCLE),
-            admission_policy=_admission_policy(admission_policy),
-            enc_dec_block_num=envs.FD_ENC_DEC_BLOCK_NUM,
-            attention_backend=envs.FD_ATTENTION_BACKEND,
-            head_wise_attn=envs.FD_HEAD_WISE_ATTN,
+            head_wise_kv_cache=_bool_flag("FD_HEAD_WISE_KV_CACHE", env.FD_HEAD_WISE_KV_CACHE),
+            swa_recycle=_bool_flag("FD_HEAD_WISE_SWA_RECYCLE", env.FD_HEAD_WISE_SWA_RECYCLE),
+            admission_policy=_admission_policy(admission_policy, env),
+            enc_dec_block_num=env.FD_ENC_DEC_BLOCK_NUM,
+            attention_backend=env.FD_ATTENTION_BACKEND,
+            head_wise_attn=env.FD_HEAD_WISE_ATTN,
+            env=env,
             **parts,
         )
 
@@ -273,7 +277,7 @@ class FDConfig:
 
         model = self.model_config
         layout = PageLayout.from_config(self)
-        pages = self.cache_config.num_gpu_blocks * layout.heads_per_rank
+        pages = self.cache_config.num_gpu_blocks * layout.slots_per_rank
         chunk = self.scheduler_config.max_num_batched_tokens
 
         def fits(length: int) -> bool:  # all prompt, or a one-token prompt and all output
@@ -300,6 +304,63 @@ class FDConfig:
                        low, model.max_model_len, self.cache_config.num_gpu_blocks, self.cache_config.block_size)
         model.max_model_len = low
 
+    def startup_log(self, num_pages: int) -> list:
+        """(logging level, message) lines the engine logs once built: the memory mode, the page format,
+        where the sliding heads come from, and what recycling can buy on each tensor-parallel rank."""
+        model = self.model_config
+        lines = [(logging.INFO, f"engine built: {model.served_model_name}, {self.cache_config.num_gpu_blocks} KV "
+                                f"blocks ({num_pages} pages), head-wise={self.head_wise_kv_cache} recycle="
+                                f"{self.swa_recycle_active} backend={self.attention_backend}"),
+                 (logging.INFO, self.kv_cache_summary)]  # the page format, its bytes (scales included), pages
+        swa = model.head_wise_swa
+        if swa is not None:
+            lines.append((logging.INFO, f"head_wise_swa from {model.head_wise_swa_source}: window "
+                                        f"{swa.sliding_window}, sink {swa.sink_size}"))
+            if swa.per_head_windows:
+                types = [[swa.head_type(layer, h) for h in heads] for layer, heads in enumerate(swa.layer_kv_heads)]
+                lines.append((logging.INFO, f"per-head windows (load-time order, per layer): windows "
+                                            f"{[[w for w, _ in row] for row in types]}, sinks "
+                                            f"{[[s for _, s in row] for row in types]}"))
+            if swa.layer_kv_heads is not None:
+                lines.append((logging.INFO, f"per-layer SWA KV heads (load-time order) "
+                                            f"{[list(h) for h in swa.layer_kv_heads]}; KV head order per layer "
+                                            f"{[list(model.layer_kv_head_order(l)) for l in range(model.num_hidden_layers)]}"))
+        if model.preset is not None:
+            lines.append((logging.WARNING, f"model {model.preset} is a built-in preset with random weights: its "
+                                           f"generated text is meaningless"))
+        return lines + self._rank_ceilings_log()
+
+    def _rank_ceilings_log(self) -> list:
+        """How much recycling can buy on each rank (admission waits for the fullest one)."""
+        from fastdeploy.cache_manager.head_wise import rank_ceilings
+
+        model, tp = self.model_config, self.parallel_config.tensor_parallel_size
+        if tp == 1 or model.head_wise_swa is None:
+            return []
+        half = model.max_model_len // 2
+        c = rank_ceilings(self, half, model.max_model_len - half)
+        orders = [list(model.layer_kv_head_order(l)) for l in range(model.num_hidden_layers)]
+        order = orders[0] if all(o == orders[0] for o in orders) else f"per layer {orders}"
+        lines = [(logging.INFO, f"tensor parallel {tp}: SWA KV heads per rank {c['swa_heads_per_rank']} (KV head "
+                                f"order {order}); recycling ceiling per rank "
+                                f"[{', '.join(f'{x:.2f}' for x in c['per_rank'])}] for a {model.max_model_len}-token "
+                                f"request, engine ceiling {c['ceiling']:.2f} (the fullest rank)")]
+        counts = c["swa_heads_per_rank"]
+        if max(counts) - min(counts) > 1:
+            lines.append((logging.WARNING, "the SWA heads sit unevenly on the ranks: pass --balance-swa-heads to "
+                                           "spread them"))
+        return lines
+
+    @property
+    def table_rows(self) -> int:
+        """Rows of a request's block table, all ranks: one per KV slot head-wise; 1 in 1-D mode, where a
+        block id addresses every head (and is the same on every rank)."""
+        return self.slot_layout.num_slots if self.head_wise_kv_cache else 1
+
+    @property
+    def table_rows_per_rank(self) -> int:
+        return self.slot_layout.slots_per_rank if self.head_wise_kv_cache else 1
+
     @property
     def swa_recycle_active(self) -> bool:
         """True when SWA pages really are returned early: head-wise tables, SWA heads, recycle on."""
@@ -312,12 +373,12 @@ def _bool_flag(name: str, value: int) -> bool:
     return bool(value)
 
 
-def _admission_policy(cli_value: Optional[str]) -> str:
+def _admission_policy(cli_value: Optional[str], env) -> str:
     """The engine arg, else FD_ADMISSION_POLICY, else the legacy FD_RESERVE_OUTPUT_PAGES if set, else the default."""
     if cli_value is not None:
         return str(cli_value).strip().lower().replace("-", "_")
-    if envs.FD_ADMISSION_POLICY is not None:
-        return envs.FD_ADMISSION_POLICY
-    if os.getenv("FD_RESERVE_OUTPUT_PAGES", "").strip():
-        return "reserve" if _bool_flag("FD_RESERVE_OUTPUT_PAGES", envs.FD_RESERVE_OUTPUT_PAGES) else "on_demand"
+    if env.FD_ADMISSION_POLICY is not None:
+        return env.FD_ADMISSION_POLICY
+    if env.FD_RESERVE_OUTPUT_PAGES is not None:
+        return "reserve" if _bool_flag("FD_RESERVE_OUTPUT_PAGES", env.FD_RESERVE_OUTPUT_PAGES) else "on_demand"
     return DEFAULT_ADMISSION_POLICY

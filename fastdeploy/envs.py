@@ -1,23 +1,29 @@
 """Environment flags, read lazily (upstream FastDeploy style).
 
 `fastdeploy.envs.FD_HEAD_WISE_KV_CACHE` evaluates the variable at access time, so tests and
-launchers may change the environment after import. Configs snapshot the values when created.
+launchers may change the environment after import. Configs snapshot the values when created
+(`snapshot()`, kept as FDConfig.env); nothing in a step or an op call reads the environment. Every
+variable the product reads is declared here, so `--help` lists it.
 """
 
 import contextlib
 import os
+from types import SimpleNamespace
 from typing import Any, Callable
 
 
 def _int_flag(name: str, default: str) -> Callable[[], int]:
+    """An integer flag; with default "" an unset (or empty) flag reads None."""
     def read() -> int:
         raw = os.getenv(name, default).strip()
+        if not raw and not default:
+            return None
         try:
             return int(raw)
         except ValueError:
             raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
 
-    read.default = default
+    read.default = default or "(unset)"
     return read
 
 
@@ -58,8 +64,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Blocks of decode headroom a request must find free to be admitted (on-demand admission only).
     "FD_ENC_DEC_BLOCK_NUM": _int_flag("FD_ENC_DEC_BLOCK_NUM", "2"),
     # 1: admit a request only if the pages of its whole life fit (no preemption); 0: upstream on-demand admission.
-    # Legacy alias, read only when FD_ADMISSION_POLICY is unset (1 = reserve, 0 = on_demand).
-    "FD_RESERVE_OUTPUT_PAGES": _int_flag("FD_RESERVE_OUTPUT_PAGES", "1"),
+    # Legacy alias, read only when FD_ADMISSION_POLICY is unset (1 = reserve, 0 = on_demand; unset: neither).
+    "FD_RESERVE_OUTPUT_PAGES": _int_flag("FD_RESERVE_OUTPUT_PAGES", ""),
     # Admission policy: reserve, on_demand or projected (see fastdeploy/config.py); unset = the default.
     "FD_ADMISSION_POLICY": lambda: os.getenv("FD_ADMISSION_POLICY", "").strip().lower().replace("-", "_") or None,
     # The device when --device / LLM(device=...) is not given: AUTO (the GPU when Paddle has CUDA and
@@ -109,8 +115,25 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # `paddle.distributed.launch ... fastdeploy/worker/worker_process.py --engine-address HOST:PORT`
     # (several machines); they connect to FD_TP_ENGINE_HOST:FD_TP_ENGINE_PORT (results) and PORT+1+rank (steps).
     "FD_TP_LAUNCH_WORKERS": _int_flag("FD_TP_LAUNCH_WORKERS", "1"),
-    "FD_TP_ENGINE_HOST": lambda: os.getenv("FD_TP_ENGINE_HOST", "127.0.0.1"),
+    "FD_TP_ENGINE_HOST": _str_flag("FD_TP_ENGINE_HOST", "127.0.0.1"),
     "FD_TP_ENGINE_PORT": _int_flag("FD_TP_ENGINE_PORT", "0"),
+    # Where named models that ship in pieces (gemma-3-270m) are assembled (unset: ~/.cache/fastdeploy/models).
+    "FD_MODEL_DIR": _str_flag("FD_MODEL_DIR", ""),
+    # A test knob of the CPU dense layers: avx2 or generic holds their tiles below the CPU's best (the
+    # tests compare all three, which give the same bits); unset: the best the CPU has.
+    "FD_CPU_LINEAR_ISA": _str_flag("FD_CPU_LINEAR_ISA", ""),
+    # A test knob of the CPU attention op: generic runs its portable kernels (the same bits as AVX-512).
+    "FD_CPU_ATTN_ISA": _str_flag("FD_CPU_ATTN_ISA", ""),
+    # A measurement knob of the CPU op: 0 stores int8 / int4 keys unrotated (what the rotation buys;
+    # docs/swa_quality.md); those pages are not the page rule's bytes, which the CUDA kernels read.
+    "FD_KV_QUANT_ROTATION": _int_flag("FD_KV_QUANT_ROTATION", "1"),
+    # A measurement knob of the CPU op: 1 stores int8 / int4 values rotated as the keys are.
+    "FD_KV_QUANT_ROTATE_VALUES": _int_flag("FD_KV_QUANT_ROTATE_VALUES", "0"),
+    # CUDA_ON_CPU: the thread orders each kernel launch runs under (comma-separated: forward, reverse,
+    # shuffled...; several catch races), the executor's worker threads and the SM count it reports.
+    "CUDA_ON_CPU_ORDERS": _str_flag("CUDA_ON_CPU_ORDERS", "forward"),
+    "CUDA_ON_CPU_THREADS": _str_flag("CUDA_ON_CPU_THREADS", ""),
+    "CUDA_ON_CPU_SM_COUNT": _str_flag("CUDA_ON_CPU_SM_COUNT", ""),
 }
 
 
@@ -122,6 +145,11 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list:
     return list(environment_variables.keys())
+
+
+def snapshot() -> SimpleNamespace:
+    """Every flag's value now, by name: what a config keeps (a bad value raises here, at start-up)."""
+    return SimpleNamespace(**{name: read() for name, read in environment_variables.items()})
 
 
 def describe() -> list:

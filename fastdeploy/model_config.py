@@ -14,7 +14,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from fastdeploy import envs
 from fastdeploy.json_flag import json_object
 from fastdeploy.model_executor.models.architectures import ACTIVATIONS, ERNIE4_5, Architecture, architecture
 from fastdeploy.model_executor.models.named_models import NAMED_MODELS
@@ -299,7 +298,10 @@ class ModelConfig:
 
     @classmethod
     def create(cls, model: Optional[str], max_model_len: Optional[int], head_wise_swa_override: Any,
-               served_model_name: Optional[str] = None, dtype: str = "auto", device: str = "cpu") -> "ModelConfig":
+               served_model_name: Optional[str] = None, dtype: str = "auto", device: str = "cpu",
+               calibrated: bool = False) -> "ModelConfig":
+        """`calibrated`: a named model without an override serves its calibrated head_wise_swa section
+        (it trades accuracy: the engine passes FD_HEAD_WISE_KV_CACHE=1, the user's choice of the feature)."""
         named = NAMED_MODELS.get(model) if model is not None else None
         preset = default_preset(device) if model is None else (model if model in PRESETS else None)
         gguf_file = None
@@ -355,7 +357,7 @@ class ModelConfig:
             swa_spec = named.calibrated_head_wise_swa(swa_spec.strip())
         if swa_spec is None and raw.get("head_wise_swa") is not None:
             swa_spec, source = raw.get("head_wise_swa"), "config.json"
-        if swa_spec is None and named is not None and envs.FD_HEAD_WISE_KV_CACHE == 1:
+        if swa_spec is None and named is not None and calibrated:
             # A calibrated section trades accuracy: only when the user turned the feature on.
             swa_spec, source = named.calibrated_head_wise_swa(), f"the calibrated configuration of {named.name}"
         swa = None if swa_spec is None else HeadWiseSWAConfig.from_dict(swa_spec, kv_heads,

@@ -36,15 +36,18 @@ def always_wrong(request, k):
     return 0
 
 
-def boundary_hugging(block_size: int):
+def boundary_hugging(block_size: int, windows=(128,)):
     """Accept up to a page boundary or a sliding window's kill point when one is within reach, so the
     rejected drafts sit just past it (their pages must go back; the window must not move); else a
-    number that cycles through 0..k."""
+    number that cycles through 0..k. `windows`: the sliding windows whose kill points count (a block of
+    window W dies when the processed tokens reach (b + 1) * block_size + W - 1; the tiny preset's 128)."""
+    def at_edge(end: int) -> bool:
+        return any((end - w + 1) % block_size in (0, 1) for w in windows) or end % block_size in (0, 1)
+
     def num_right(request, k):
         n = request.num_computed_tokens + 1  # KV kept after the step if m drafts are accepted: n + m
         for m in range(k + 1):
-            end = n + m
-            if end % block_size in (0, 1) or end in (request.next_recycle_at - 1, request.next_recycle_at):
+            if at_edge(n + m):
                 return m
         return (n * 7) % (k + 1)
     return num_right

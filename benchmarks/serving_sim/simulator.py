@@ -162,13 +162,13 @@ def ceiling(settings: EngineSettings, workload: Workload) -> dict:
         return predicted_concurrency(fd, workload.input_len, workload.output_len)
     on = PageLayout.from_config(fd)
     off = dataclasses.replace(on, recycle=False)
-    chunk, pages = fd.scheduler_config.max_num_batched_tokens, fd.cache_config.num_gpu_blocks * on.heads_per_rank
+    chunk, pages = fd.scheduler_config.max_num_batched_tokens, fd.cache_config.num_gpu_blocks * on.slots_per_rank
     reqs = workload.requests()
 
     def mean_peak(layout, max_chunk=None):
         if max_chunk is None:  # the engine's chunk rule: the window only where it lets more run
             max_chunk = layout.chunk_for(chunk, lambda c: running(layout, c))
-        return statistics.fmean(max(_peak(layout, r.input_len, r.output_len, max_chunk)) for r in reqs)
+        return statistics.fmean(max(layout.peak_pages_per_rank(r.input_len, r.output_len, max_chunk)) for r in reqs)
 
     def running(layout, max_chunk=None):
         return min(fd.scheduler_config.max_num_seqs, pages / mean_peak(layout, max_chunk))
@@ -188,32 +188,6 @@ def sliding_pairs(fd_config) -> tuple:
         raise ValueError(f"the step model follows one sliding window; this model has {len(kinds)} sliding types")
     kind = kinds.pop()
     return sum(t.sliding for row in table for t in row), kind.window, kind.sink
-
-
-# -- the scheduler's peak-page computation, memoized -------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _peak_cached(layout: PageLayout, prompt_len: int, max_new: int, chunk: int) -> tuple:
-    return tuple(PageLayout.peak_pages_per_rank(layout, prompt_len, max_new, chunk))
-
-
-def _peak(layout: PageLayout, prompt_len: int, max_new: int, chunk: int) -> list:
-    return list(_peak_cached(layout, prompt_len, max_new, chunk))
-
-
-@dataclass(frozen=True)
-class _MemoizedLayout(PageLayout):
-    """PageLayout whose (pure) peak computation is cached.
-
-    schedule() recomputes the peak of the head-of-line request on every step it cannot be admitted
-    (about 2.5 ms for a 10.6k/4k request); caching the pure function changes no decision.
-    """
-
-    def peak_pages_per_rank(self, prompt_len: int, max_new_tokens: int, max_chunk: int) -> list:
-        return _peak(self, prompt_len, max_new_tokens, max_chunk)
-
-
-def memoize_peaks(rm: ResourceManagerV1) -> None:
-    rm.layout = _MemoizedLayout(**{f.name: getattr(rm.layout, f.name) for f in dataclasses.fields(PageLayout)})
 
 
 # -- one arm -----------------------------------------------------------------------------------
@@ -245,11 +219,9 @@ class ArmResult:
         return self.output_tokens / self.makespan
 
 
-def simulate(fd_config, step_model: StepModel, requests: list, memoize: bool = True) -> ArmResult:
+def simulate(fd_config, step_model: StepModel, requests: list) -> ArmResult:
     """Run `requests` (SimRequest list, by arrival) to completion; return per-request metrics."""
     rm = ResourceManagerV1(fd_config)
-    if memoize:
-        memoize_peaks(rm)
     cm = rm.cache_manager
     eos = fd_config.model_config.eos_token_id
     n = len(requests)
@@ -342,7 +314,7 @@ def simulate(fd_config, step_model: StepModel, requests: list, memoize: bool = T
         computed_tokens=computed,
         # The scheduler's own count, where it keeps one (the same quantity, counted at preemption).
         recomputed_tokens_scheduler=getattr(rm, "recomputed_tokens_total", None),
-        swa_pages_recycled=rm.swa_pages_recycled_total,
+        swa_pages_recycled=rm.kv_cache_manager.swa_pages_recycled_total,
         steps=steps,
         saturated_until=saturated_until,
         series=_downsample(ts, running, used),

@@ -101,18 +101,15 @@ void rope_and_write(const Geometry& g, const Batch& b,
   }
 }
 
-// Threads for pass 3: FD_CPU_ATTN_NUM_THREADS if set, else every usable CPU; small steps stay on one
+// Threads for pass 3: FD_CPU_ATTN_NUM_THREADS (cpu_options.h) if set, else every usable CPU; small steps stay on one
 // thread because waking a helper would cost more than it saves (1k key rows x q heads ~ 15
 // microseconds of work; the helper is usually still polling from the layer's products). A decode
 // step of one request at a few hundred tokens is past that: its three KV heads' pages (read from
 // memory: the weights' stream has evicted them) go to both cores.
 int pick_threads(int64_t key_rows, int64_t items) {
   constexpr int64_t kMinRowsToSplit = 1024;
-  int want = usable_cpus();
-  if (const char* env = std::getenv("FD_CPU_ATTN_NUM_THREADS")) {
-    const int v = std::atoi(env);
-    if (v > 0) want = v;
-  }
+  const int asked = cpu_options().attn_threads;
+  const int want = asked > 0 ? asked : usable_cpus();
   if (key_rows < kMinRowsToSplit || items < 2) return 1;
   return int(std::max<int64_t>(1, std::min<int64_t>(want, items)));
 }

@@ -30,13 +30,9 @@ namespace fd_cpu {
 
 constexpr int kLanes = 16;
 
-// FD_CPU_ATTN_ISA=generic forces the portable kernels (tests compare the two).
+// FD_CPU_ATTN_ISA=generic (cpu_options.h) forces the portable kernels (tests compare the two).
 inline bool attention_uses_avx512() {
-  static const bool use = [] {
-    const char* env = std::getenv("FD_CPU_ATTN_ISA");
-    if (env != nullptr && std::strcmp(env, "generic") == 0) return false;
-    return cpu_has_avx512f();
-  }();
+  static const bool use = !cpu_options().attn_generic && cpu_has_avx512f();
   return use;
 }
 

@@ -26,22 +26,16 @@ struct Int4Pair {
   uint8_t bits;
 };
 
-// FD_KV_QUANT_ROTATION=0 stores int8 / int4 keys unrotated (and leaves the queries alone): a
-// measurement knob of the CPU op only, to show what the rotation buys (docs/swa_quality.md); pages
-// written with it are not the page rule's bytes, which the CUDA kernels read. Read per step, so one
-// process can measure both.
-inline bool key_rotation_enabled() {
-  const char* env = std::getenv("FD_KV_QUANT_ROTATION");
-  return env == nullptr || std::strcmp(env, "0") != 0;
-}
+// FD_KV_QUANT_ROTATION=0 (cpu_options.h) stores int8 / int4 keys unrotated (and leaves the queries
+// alone): a measurement knob of the CPU op only, to show what the rotation buys (docs/swa_quality.md);
+// pages written with it are not the page rule's bytes, which the CUDA kernels read. Read per step (an
+// option, set between calls), so one process can measure both.
+inline bool key_rotation_enabled() { return cpu_options().kv_key_rotation != 0; }
 
 // FD_KV_QUANT_ROTATE_VALUES=1 stores int8 / int4 values rotated as the keys are (v' = H v) and
 // rotates each output row back (out = H out' / d): a measurement knob of the CPU op only, to show
 // what rotating the values too would buy; off by default, and not the page rule's bytes.
-inline bool value_rotation_enabled() {
-  const char* env = std::getenv("FD_KV_QUANT_ROTATE_VALUES");
-  return env != nullptr && std::strcmp(env, "1") == 0;
-}
+inline bool value_rotation_enabled() { return cpu_options().kv_value_rotation != 0; }
 
 // The rotations a step's pages use: the page rule's (rotated int8 / int4 keys) with the two measurement
 // knobs above applied; the write pass and the attention pass both ask here, so they always agree.

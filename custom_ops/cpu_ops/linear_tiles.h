@@ -98,12 +98,11 @@ void avx512_tail(int rows, const float* x, int64_t k_dim, const float* panel, fl
 
 enum class Isa { kAvx512, kAvx2, kScalar };
 
-// FD_CPU_LINEAR_ISA=avx2 or =generic holds the tiles below the CPU's best: the
+// FD_CPU_LINEAR_ISA=avx2 or =generic (cpu_options.h) holds the tiles below the CPU's best: the
 // tests compare all three, which give the same bits.
 inline Isa detect_isa() {
-  const char* env = std::getenv("FD_CPU_LINEAR_ISA");
-  const bool generic = env != nullptr && std::strcmp(env, "generic") == 0;
-  const bool avx2 = env != nullptr && std::strcmp(env, "avx2") == 0;
+  const bool generic = fd_cpu::cpu_options().linear_isa == 2;
+  const bool avx2 = fd_cpu::cpu_options().linear_isa == 1;
   if (fd_cpu::cpu_has_avx512f() && !avx2 && !generic) return Isa::kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !generic) return Isa::kAvx2;
   return Isa::kScalar;

@@ -25,6 +25,8 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_options.h"
+
 namespace fd_cpu {
 
 // CPUs this process may run on (respects taskset/cgroup cpusets).
@@ -141,17 +143,14 @@ class WorkPool {
   }
 
   // How long a helper keeps polling for the next job, and the caller for the helpers' last items,
-  // before sleeping on a condition variable: FD_CPU_POOL_SPIN_US microseconds (default 1000; 0 sleeps at
-  // once). Why spin: on a KVM guest an idle vCPU halts and the host may hand its core to another
+  // before sleeping on a condition variable: FD_CPU_POOL_SPIN_US microseconds (cpu_options.h; default
+  // 1000; 0 sleeps at once). Why spin: on a KVM guest an idle vCPU halts and the host may hand its core to another
   // guest, so a futex wake-up reaches a sleeping helper late and the caller does the layer alone
   // (SmolLM2 decode steps measured ~9% faster at 8 and 32 requests with the helper polling).
   // A decode step runs ~200 pool jobs with tens of microseconds of Python between them; 1 ms
   // bridges those gaps and the host work between steps, and bounds what an idle engine burns.
   static int spin_us() {
-    static const int us = [] {
-      const char* env = std::getenv("FD_CPU_POOL_SPIN_US");
-      return env != nullptr && *env != '\0' ? std::max(0, std::atoi(env)) : 1000;
-    }();
+    static const int us = std::max(0, cpu_options().pool_spin_us);
     return us;
   }
 

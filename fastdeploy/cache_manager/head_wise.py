@@ -16,7 +16,7 @@ recycling all go through `PageLayout`, so they cannot disagree about how many pa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from fastdeploy.cache_manager.slots import AttentionType
 
@@ -68,81 +68,70 @@ def table_length(num_tokens: int, block_size: int) -> int:
 class PageLayout:
     """How many pages each slot holds, for one engine configuration.
 
-    `recycle` is False for 1-D mode and for head-wise mode with FD_HEAD_WISE_SWA_RECYCLE=0:
-    then SWA heads keep every page like full heads (the attention semantics do not change).
-    `num_kv_heads` counts slots (all ranks). Every sliding type recycles with its own window and sink
-    (design §17): `sliding` holds ((AttentionType, its global slots), ...) in type order. A layout with
-    one sliding type may be given the old way, `swa_kv_heads` + `window` + `sink` (then those are the
-    truth and `sliding` follows from them); with several types `sliding` is the truth, `swa_kv_heads` is
-    the union of their slots and `window` / `sink` the widest type's (read only by one-window callers).
+    `sliding` lists every sliding type with its global slots, ((AttentionType, slots), ...); the other
+    slots attend fully. `recycle` is False for 1-D mode and for head-wise mode with
+    FD_HEAD_WISE_SWA_RECYCLE=0: then sliding slots keep every page like full ones (the attention
+    semantics do not change). Every sliding type recycles with its own window and sink (design §17).
 
     Page counts are per *column*: column 0 the slots that keep every page, column 1 + k the recycling
-    slots of sliding type k (`pages_needed`, `rank_head_counts`). With one sliding type (or none) the
-    columns are exactly (full, recycling), as before several types existed.
+    slots of sliding type k (`pages_needed`, `rank_head_counts`); the columns do not depend on `recycle`.
     """
 
     block_size: int
-    num_kv_heads: int
+    num_slots: int
     tensor_parallel_size: int
-    swa_kv_heads: tuple = ()
-    window: int = 0
-    sink: int = 0
-    recycle: bool = False
     sliding: tuple = ()
+    recycle: bool = False
 
     def __post_init__(self):
-        groups = tuple(self.sliding)
-        if len(groups) == 1 and not self.swa_kv_heads:  # one type given as a group: fill the one-type fields
-            (kind, slots), = groups
-            for name, value in (("swa_kv_heads", tuple(slots)), ("window", kind.window), ("sink", kind.sink)):
-                object.__setattr__(self, name, value)
-        if len(groups) <= 1:  # the one-type form: (swa_kv_heads, window, sink) are the truth
-            groups = ((AttentionType(self.window, self.sink), tuple(self.swa_kv_heads)),) if self.swa_kv_heads \
-                else ()
-        else:
-            groups = tuple(sorted((kind, tuple(sorted(slots))) for kind, slots in groups))
-            widest = max(kind for kind, _ in groups)
-            object.__setattr__(self, "swa_kv_heads", tuple(sorted(s for _, slots in groups for s in slots)))
-            object.__setattr__(self, "window", widest.window)
-            object.__setattr__(self, "sink", widest.sink)
+        groups = tuple(sorted((kind, tuple(sorted(slots))) for kind, slots in self.sliding if slots))
         object.__setattr__(self, "sliding", groups)
-        # One sliding type (or none): the page-need calls below take the two-column path of the scheduler's
-        # every step, with the arithmetic of a single (window, sink).
-        object.__setattr__(self, "_one_type", len(groups) <= 1)
 
     @classmethod
     def from_config(cls, fd_config) -> "PageLayout":
         slots = fd_config.slot_layout
-        groups = slots.sliding_groups()
-        common = dict(block_size=fd_config.cache_config.block_size, num_kv_heads=slots.num_slots,
-                      tensor_parallel_size=fd_config.parallel_config.tensor_parallel_size,
-                      recycle=fd_config.swa_recycle_active)
-        if len(groups) == 1:
-            (kind, heads), = groups
-            return cls(**common, swa_kv_heads=heads, window=kind.window, sink=kind.sink)
-        return cls(**common, sliding=groups)
+        return cls(block_size=fd_config.cache_config.block_size, num_slots=slots.num_slots,
+                   tensor_parallel_size=fd_config.parallel_config.tensor_parallel_size,
+                   sliding=slots.sliding_groups(), recycle=fd_config.swa_recycle_active)
 
     @property
-    def heads_per_rank(self) -> int:
-        return self.num_kv_heads // self.tensor_parallel_size
+    def slots_per_rank(self) -> int:
+        return self.num_slots // self.tensor_parallel_size
 
     @property
-    def recycling_heads(self) -> tuple:
-        """Global slots whose out-of-window pages are returned early (every sliding type's)."""
-        return self.swa_kv_heads if self.recycle else ()
+    def sliding_slots(self) -> tuple:
+        """Every sliding type's slots, in order."""
+        return tuple(sorted(s for _, slots in self.sliding for s in slots))
 
     @property
     def recycling_groups(self) -> tuple:
-        """((AttentionType, its global slots), ...) of the types that recycle; () when nothing does."""
+        """((AttentionType, its global slots), ...) of the types that recycle; () when nothing does.
+        Computed once per engine: the KV cache manager and the prefix cache read it from here."""
         return self.sliding if self.recycle else ()
 
     @cached_property
-    def _column_types(self) -> tuple:
-        """The type of each recycling column: one per sliding type, or one (of this window) when none."""
-        return tuple(kind for kind, _ in self.sliding) or (AttentionType(self.window, self.sink),)
+    def type_of_slot(self) -> tuple:
+        """Per global slot, the index of its recycling type in recycling_groups (None: keeps every page)."""
+        kinds = [None] * self.num_slots
+        for k, (_, slots) in enumerate(self.recycling_groups):
+            for s in slots:
+                kinds[s] = k
+        return tuple(kinds)
 
-    def rank_of(self, head: int) -> int:
-        return head // self.heads_per_rank
+    @cached_property
+    def sink_blocks_per_type(self) -> tuple:
+        """Blocks each recycling type keeps for a request's life (its sink's)."""
+        return tuple(sink_blocks(kind.sink, self.block_size) for kind, _ in self.recycling_groups)
+
+    def first_live_block(self, k: int, num_processed: int) -> int:
+        """Recycling type k's lowest non-sink block a query at `num_processed` or later can see: the
+        blocks [sink blocks, first_live_block) are dead (the retention rule)."""
+        kind = self.recycling_groups[k][0]
+        return max(self.sink_blocks_per_type[k], first_window_block(num_processed, kind.window, self.block_size))
+
+    def recycle_point(self, k: int, block: int) -> int:
+        """Fewest processed tokens at which `block` of recycling type k is dead."""
+        return tokens_to_kill_block(block, self.recycling_groups[k][0].window, self.block_size)
 
     def rank_head_counts(self) -> list:
         """Per rank: (slots that keep every page, recycling slots of each sliding type...)."""
@@ -150,56 +139,42 @@ class PageLayout:
 
     @cached_property
     def _rank_head_counts(self) -> tuple:  # read by every page-need call: computed once
-        columns = len(self._column_types)
-        counts = [[self.heads_per_rank] + [0] * columns for _ in range(self.tensor_parallel_size)]
+        counts = [[self.slots_per_rank] + [0] * len(self.sliding) for _ in range(self.tensor_parallel_size)]
         for k, (_, slots) in enumerate(self.recycling_groups):
-            for h in slots:
-                counts[self.rank_of(h)][0] -= 1
-                counts[self.rank_of(h)][1 + k] += 1
+            for s in slots:
+                counts[s // self.slots_per_rank][0] -= 1
+                counts[s // self.slots_per_rank][1 + k] += 1
         return tuple(tuple(c) for c in counts)
 
-    def _single_type(self, what: str) -> AttentionType:
-        if len(self._column_types) != 1:
-            raise ValueError(f"PageLayout.{what}: the layout has {len(self._column_types)} sliding types; "
-                             f"ask per type")
-        return self._column_types[0]
+    @cached_property
+    def _rank_recycling(self) -> tuple:
+        """Per rank: (all its slots, ((recycling type k, its slots there), ...) for the types it holds)."""
+        return tuple((sum(c), tuple((k, r) for k, r in enumerate(c[1:]) if r)) for c in self._rank_head_counts)
 
     # -- the one page-need function ------------------------------------------------------------
     def dead_blocks_per_type(self, num_processed: int) -> tuple:
-        """Dead (recyclable) blocks of each recycling column after `num_processed` tokens."""
+        """Dead (recyclable) blocks of each sliding type's slots after `num_processed` tokens (0 where
+        nothing recycles)."""
         if not self.recycle:
-            return (0,) * len(self._column_types)
+            return (0,) * len(self.sliding)
         bs = self.block_size
-        if self._one_type:
-            return (num_dead_blocks(num_processed, self.window, self.sink, bs),)
-        return tuple(num_dead_blocks(num_processed, t.window, t.sink, bs) if t.sliding else 0
-                     for t in self._column_types)
-
-    def dead_blocks(self, num_processed: int) -> int:
-        """Dead (recyclable) blocks of a recycling head after `num_processed` tokens (one sliding type)."""
-        self._single_type("dead_blocks")
-        return self.dead_blocks_per_type(num_processed)[0]
+        return tuple(num_dead_blocks(num_processed, kind.window, kind.sink, bs) for kind, _ in self.sliding)
 
     def pages_needed(self, num_processed: int, num_new: int) -> tuple:
-        """Live pages (full slot, recycling slot of each type...) for a step computing tokens [n, n + num_new).
+        """Live pages (a slot keeping every page, a recycling slot of each type...) for a step computing
+        tokens [n, n + num_new).
 
         Dead blocks are judged on the processed-token basis `n`: every query of the step has
         position >= n, so nothing it can see lies in a block dead at n.
         """
         full = table_length(num_processed + num_new, self.block_size)
-        if self._one_type:
-            if not self.recycle:
-                return full, full
-            return full, full - num_dead_blocks(num_processed, self.window, self.sink, self.block_size)
         return (full,) + tuple(full - d for d in self.dead_blocks_per_type(num_processed))
 
     def pages_per_rank(self, num_processed: int, num_new: int) -> list:
         """Live pages a request needs on each rank for that step."""
-        if self._one_type:  # (full, recycling): the hot path of every scheduler step
-            full, recycling = self.pages_needed(num_processed, num_new)
-            return [n_full * full + n_rec * recycling for n_full, n_rec in self._rank_head_counts]
-        need = self.pages_needed(num_processed, num_new)
-        return [sum(c * p for c, p in zip(counts, need)) for counts in self._rank_head_counts]
+        full = table_length(num_processed + num_new, self.block_size)
+        dead = self.dead_blocks_per_type(num_processed)
+        return [total * full - sum(r * dead[k] for k, r in rec) for total, rec in self._rank_recycling]
 
     def largest_chunk_within(self, num_processed: int, num_new: int, limit_per_rank: list) -> int:
         """Most tokens (at most `num_new`) a step starting at `n` may compute while
@@ -212,16 +187,9 @@ class PageLayout:
         if num_new <= 0:
             return 0
         best = num_new
-        if self._one_type:
-            dead = self.dead_blocks_per_type(num_processed)[0]
-            for (n_full, n_rec), limit in zip(self._rank_head_counts, limit_per_rank):
-                max_len = (limit + n_rec * dead) // (n_full + n_rec)
-                best = min(best, max_len * self.block_size - num_processed)
-            return max(0, best)
         dead = self.dead_blocks_per_type(num_processed)
-        for counts, limit in zip(self._rank_head_counts, limit_per_rank):
-            freed = sum(r * d for r, d in zip(counts[1:], dead))
-            max_len = (limit + freed) // sum(counts)
+        for (total, rec), limit in zip(self._rank_recycling, limit_per_rank):
+            max_len = (limit + sum(r * dead[k] for k, r in rec)) // total
             best = min(best, max_len * self.block_size - num_processed)
         return max(0, best)
 
@@ -236,7 +204,7 @@ class PageLayout:
         only where it lets more requests run; rank_ceilings always takes it (a shorter chunk starts later,
         past more dead blocks, so it never raises a peak).
         """
-        if not self.recycling_heads:
+        if not self.recycling_groups:
             return budget
         widest = max(kind.window for kind, _ in self.recycling_groups)
         return min(budget, max(self.block_size, self.block_size * cdiv(widest, self.block_size)))
@@ -260,29 +228,24 @@ class PageLayout:
 
     @cached_property
     def live_max_per_type(self) -> tuple:
-        """Per recycling column: most pages one of its slots holds in any one-token step, the sink blocks
-        plus the window's span (0 when nothing recycles).
+        """Per sliding type: most pages one of its slots holds in any one-token step, the sink blocks plus
+        the window's span (0 when nothing recycles).
 
         Past the window the count repeats with period block_size, so one period beyond it suffices.
         """
         if not self.recycle:
-            return (0,) * len(self._column_types)
+            return (0,) * len(self.sliding)
         bs = self.block_size
         out = []
-        for k, kind in enumerate(self._column_types):
+        for kind, _ in self.sliding:
             horizon = kind.window + sink_blocks(kind.sink, bs) * bs + 2 * bs
-            out.append(max(table_length(m + 1, bs) - self.dead_blocks_per_type(m)[k] for m in range(horizon)))
+            out.append(max(table_length(m + 1, bs) - num_dead_blocks(m, kind.window, kind.sink, bs)
+                           for m in range(horizon)))
         return tuple(out)
-
-    @property
-    def recycling_live_max(self) -> int:
-        """live_max_per_type of a layout with one sliding type."""
-        self._single_type("recycling_live_max")
-        return self.live_max_per_type[0]
 
     def recycling_bounds(self, last_position: int) -> tuple:
         """`y_k` of the linear bound on one-token steps of a request whose last step is at `last_position`,
-        one per recycling column.
+        one per sliding type.
 
         For every position m <= last_position, on a rank with f keeping and r_k recycling slots of type k:
         block_size * sum(pages_per_rank(m, 1)) <= f * (m + block_size) + sum_k r_k * y_k. The bound is
@@ -291,11 +254,6 @@ class PageLayout:
         """
         length = table_length(last_position + 1, self.block_size)
         return tuple(self.block_size * min(length, live) for live in self.live_max_per_type)
-
-    def recycling_head_bound(self, last_position: int) -> int:
-        """recycling_bounds of a layout with one sliding type."""
-        self._single_type("recycling_head_bound")
-        return self.recycling_bounds(last_position)[0]
 
     def step_shapes(self, prompt_len: int, max_new_tokens: int, max_chunk: int):
         """(n, num_new) of the steps at which a request's page need can peak.
@@ -315,11 +273,17 @@ class PageLayout:
             yield n, 1
 
     def peak_pages_per_rank(self, prompt_len: int, max_new_tokens: int, max_chunk: int) -> list:
-        """Most live pages a request holds on each rank at any one step of its life."""
-        peak = [0] * self.tensor_parallel_size
-        for n, num_new in self.step_shapes(prompt_len, max_new_tokens, max_chunk):
-            peak = [max(a, b) for a, b in zip(peak, self.pages_per_rank(n, num_new))]
-        return peak
+        """Most live pages a request holds on each rank at any one step of its life (memoised: a blocked
+        queue head is asked every step, and requests of one shape share the answer)."""
+        return list(_peak_pages(self, prompt_len, max_new_tokens, max_chunk))
+
+
+@lru_cache(maxsize=4096)
+def _peak_pages(layout: PageLayout, prompt_len: int, max_new_tokens: int, max_chunk: int) -> tuple:
+    peak = [0] * layout.tensor_parallel_size
+    for n, num_new in layout.step_shapes(prompt_len, max_new_tokens, max_chunk):
+        peak = [max(a, b) for a, b in zip(peak, layout.pages_per_rank(n, num_new))]
+    return tuple(peak)
 
 
 def predicted_concurrency(fd_config, input_len: int, output_len: int) -> dict:
@@ -332,9 +296,9 @@ def predicted_concurrency(fd_config, input_len: int, output_len: int) -> dict:
     from dataclasses import replace
 
     on = PageLayout.from_config(fd_config)
-    on = replace(on, recycle=bool(on.swa_kv_heads))
+    on = replace(on, recycle=bool(on.sliding))
     off = replace(on, recycle=False)
-    pages_per_rank = fd_config.cache_config.num_gpu_blocks * on.heads_per_rank
+    pages_per_rank = fd_config.cache_config.num_gpu_blocks * on.slots_per_rank
     chunk = fd_config.scheduler_config.max_num_batched_tokens
     max_seqs = fd_config.scheduler_config.max_num_seqs
 
@@ -366,7 +330,7 @@ def rank_ceilings(fd_config, input_len: int, output_len: int) -> dict:
     from dataclasses import replace
 
     on = PageLayout.from_config(fd_config)
-    on = replace(on, recycle=bool(on.swa_kv_heads))
+    on = replace(on, recycle=bool(on.sliding))
     off = replace(on, recycle=False)
     chunk = fd_config.scheduler_config.max_num_batched_tokens
     # A ceiling is the gain where pages bind, and there the rule cuts whenever the cut lowers the peak.

@@ -121,7 +121,13 @@ class _Pool:
 
 
 class PrefixCacheManager:
-    """Free-list manager for the KV cache, in 1-D or head-wise mode (docs/memory_model.md)."""
+    """The pages of the KV cache: free lists and prefix cache, in 1-D or head-wise mode (docs/memory_model.md).
+
+    Pages are handed out and taken back in *rows*, one list of ids per slot: in head-wise mode a slot
+    is a global KV slot (ids local to its rank), in 1-D mode there is one slot holding block ids. One
+    call allocates (`allocate`) and one frees (`free`); the upstream-named methods below are that pair
+    in each mode's shape (the contract of DESIGN.md §6).
+    """
 
     def __init__(self, fd_config, tensor_parallel_size: int = 1):
         if tensor_parallel_size != fd_config.parallel_config.tensor_parallel_size:
@@ -131,114 +137,123 @@ class PrefixCacheManager:
         self.layout = PageLayout.from_config(fd_config)
         self.num_gpu_blocks = fd_config.cache_config.num_gpu_blocks
         self.tensor_parallel_size = tensor_parallel_size
-        self.heads_per_rank = self.layout.heads_per_rank
+        self.heads_per_rank = self.layout.slots_per_rank
+        self.num_slots = fd_config.table_rows  # rows a request's pages come in
         if self.head_wise:
             pages = self.num_gpu_blocks * self.heads_per_rank
             self._pools = [_Pool(pages, self.heads_per_rank) for _ in range(tensor_parallel_size)]
+            self.slot_rank = [s // self.heads_per_rank for s in range(self.num_slots)]
+            table_layout = self.layout
         else:
-            # Every rank holds the same block ids for its own heads: one pool serves them all.
+            # Every rank holds the same block ids for its own heads: one pool, one slot, serves them all.
             self._pools = [_Pool(self.num_gpu_blocks, 1)]
+            self.slot_rank = [0]
+            table_layout = PageLayout(self.layout.block_size, 1, 1)
         self.prefix_cache: Optional[PrefixCache] = None
         if fd_config.cache_config.enable_prefix_caching:
-            layout = self.layout
-            slot_rank = [h // self.heads_per_rank for h in range(layout.num_kv_heads)] if self.head_wise else [0]
-            self.prefix_cache = PrefixCache(
-                self._pools, slot_rank, layout.recycling_groups if self.head_wise else (), layout.block_size)
+            self.prefix_cache = PrefixCache(self._pools, self.slot_rank, table_layout)
 
-    # -- 1-D mode ------------------------------------------------------------------------------
+    # -- the one allocation and the one free ---------------------------------------------------
+    def allocate(self, counts, req_id: Optional[Hashable] = None) -> Optional[list]:
+        """Rows of new page ids, `counts` per slot (one int: the same count for every slot); None, with
+        nothing taken, when a rank lacks room. Each slot takes from its home list first (lowest ids
+        first), then borrows from the fullest other list of its rank."""
+        owner = _owner(req_id)
+        uniform = isinstance(counts, int) and not isinstance(counts, bool)
+        if uniform:
+            _check_count(counts, owner)
+            need = [counts * self.heads_per_rank] * len(self._pools) if self.head_wise else [counts]
+        else:
+            need = self._need_per_rank(counts, owner)
+        for rank, (pool, n) in enumerate(zip(self._pools, need)):
+            if n > pool.num_free and n > self._available(rank):
+                return None
+        if self.prefix_cache is not None:
+            for rank, n in enumerate(need):
+                self._make_room(rank, n)
+        if uniform:
+            return [row for pool in self._pools for row in pool.take_from_every_list(counts, owner)]
+        hpr = self.heads_per_rank
+        return [self._pools[s // hpr].take(s % hpr, n, owner) for s, n in enumerate(counts)]
+
+    def can_allocate(self, counts) -> bool:
+        """Whether `allocate(counts)` would succeed now."""
+        uniform = isinstance(counts, int) and not isinstance(counts, bool)
+        if uniform:
+            _check_count(counts, _ANONYMOUS)
+            need = [counts * self.heads_per_rank] * len(self._pools) if self.head_wise else [counts]
+        else:
+            need = self._need_per_rank(counts, _ANONYMOUS)
+        return all(n <= self._available(rank) for rank, n in enumerate(need))
+
+    def free(self, rows: Sequence[Iterable[int]], req_id: Optional[Hashable] = None,
+             slots: Optional[Sequence[int]] = None) -> None:
+        """Give back a request's pages, one row of ids per slot (`slots`: which slots the rows are, default
+        every slot in order): private pages to their free lists, cached ones only lose this reference.
+        Every id is validated, per rank, before any is freed; a bad one raises ValueError naming it."""
+        owner = _owner(req_id)
+        if slots is None:
+            rows = [list(r) for r in rows]
+            if len(rows) != self.num_slots:
+                raise ValueError(f"request {owner!r}: expected pages for {self._rows_name()}, got {len(rows)}")
+            slots = range(self.num_slots)
+        what = "page" if self.head_wise else "block"
+        if len(self._pools) == 1:  # one page space: no per-rank split (the scheduler's every step)
+            pages = rows[0] if len(rows) == 1 else [p for row in rows for p in row]
+            self._pools[0].check_owned(pages, owner, what, 0 if self.head_wise else None)
+            if pages:
+                self._release(0, list(pages), owner)
+            return
+        per_rank: list = [[] for _ in self._pools]
+        for s, pages in zip(slots, rows):
+            per_rank[self.slot_rank[s]].extend(pages)
+        for rank, (pool, pages) in enumerate(zip(self._pools, per_rank)):
+            pool.check_owned(pages, owner, what, rank)
+        for rank, pages in enumerate(per_rank):
+            if pages:
+                self._release(rank, pages, owner)
+
+    # -- the same pair in each mode's shape (DESIGN.md §6, upstream's names) --------------------
     def can_allocate_gpu_blocks(self, num_blocks: int) -> bool:
         self._require_mode(False, "can_allocate_gpu_blocks")
-        return num_blocks <= self._available(0)
+        _check_count(num_blocks, _ANONYMOUS)
+        return self.can_allocate(num_blocks)
 
     def allocate_gpu_blocks(self, num_blocks: int, req_id: Optional[Hashable] = None) -> list:
         self._require_mode(False, "allocate_gpu_blocks")
-        owner = _owner(req_id)
-        _check_count(num_blocks, owner)
-        pool = self._pools[0]
-        if not self._make_room(0, num_blocks):
-            raise ValueError(f"request {owner!r} asked for {num_blocks} blocks but only {self._available(0)} are "
-                             f"free")
-        return pool.take(0, num_blocks, owner)
+        _check_count(num_blocks, _owner(req_id))
+        return self._allocated(self.allocate(num_blocks, req_id), [num_blocks], req_id)[0]
 
     def recycle_gpu_blocks(self, block_ids: Iterable[int], req_id: Optional[Hashable] = None) -> None:
         """Give back a request's blocks: private ones to the free list, cached ones stay cached."""
         self._require_mode(False, "recycle_gpu_blocks")
-        owner, ids = _owner(req_id), list(block_ids)
-        self._pools[0].check_owned(ids, owner, "block")
-        self._release(0, ids, owner)
+        self.free([list(block_ids)], req_id)
 
-    # -- head-wise mode ------------------------------------------------------------------------
     def can_allocate_gpu_blocks_head_wise(self, num_blocks_per_head: Sequence[int]) -> bool:
         self._require_mode(True, "can_allocate_gpu_blocks_head_wise")
-        need = self._need_per_rank(num_blocks_per_head, _ANONYMOUS)
-        return all(n <= self._available(rank) for rank, n in enumerate(need))
+        return self.can_allocate(list(num_blocks_per_head))
 
     def allocate_gpu_blocks_head_wise(self, num_blocks_per_head: Sequence[int],
                                       req_id: Optional[Hashable] = None) -> list:
         """One list of rank-local page ids per global KV head; all-or-nothing."""
         self._require_mode(True, "allocate_gpu_blocks_head_wise")
-        owner = _owner(req_id)
-        need = self._need_per_rank(num_blocks_per_head, owner)
-        pages = self._take_per_head(num_blocks_per_head, need, owner)
-        if pages is None:
-            rank = next(r for r, n in enumerate(need) if n > self._available(r))
-            raise ValueError(f"request {owner!r} asked for {need[rank]} pages on rank {rank} but only "
-                             f"{self._available(rank)} are free")
-        return pages
-
-    def try_allocate_pages_every_head(self, count: int, req_id: Hashable) -> Optional[list]:
-        """Scheduler fast path of allocate_gpu_blocks_head_wise: `count` pages for every KV head, or
-        None (nothing taken) when a rank lacks room. The caller guarantees a valid count."""
-        need = count * self.heads_per_rank
-        for rank, pool in enumerate(self._pools):
-            if need > pool.num_free and need > self._available(rank):
-                return None
-        if self.prefix_cache is not None:
-            for rank in range(len(self._pools)):
-                self._make_room(rank, need)
-        return [row for pool in self._pools for row in pool.take_from_every_list(count, req_id)]
-
-    def _take_per_head(self, counts: Sequence[int], need_per_rank: list, owner: Hashable) -> Optional[list]:
-        for rank, (pool, n) in enumerate(zip(self._pools, need_per_rank)):
-            if n > pool.num_free and n > self._available(rank):
-                return None
-        if self.prefix_cache is not None:
-            for rank, n in enumerate(need_per_rank):
-                self._make_room(rank, n)
-        hpr = self.heads_per_rank
-        return [self._pools[h // hpr].take(h % hpr, n, owner) for h, n in enumerate(counts)]
-
-    def recycle_pages_of_heads(self, heads: Sequence[int], pages_per_head: Sequence[list], req_id: Hashable) -> None:
-        """Scheduler fast path of recycle_gpu_blocks_head_wise for a few heads; the same checks."""
-        self._recycle(heads, pages_per_head, req_id)
+        counts = list(num_blocks_per_head)
+        return self._allocated(self.allocate(counts, req_id), counts, req_id)
 
     def recycle_gpu_blocks_head_wise(self, pages_per_head: Sequence[Iterable[int]],
                                      req_id: Optional[Hashable] = None) -> None:
         self._require_mode(True, "recycle_gpu_blocks_head_wise")
-        owner = _owner(req_id)
-        pages_per_head = [list(p) for p in pages_per_head]
-        if len(pages_per_head) != self.layout.num_kv_heads:
-            raise ValueError(f"request {owner!r}: expected pages for {self.layout.num_kv_heads} KV heads, "
-                             f"got {len(pages_per_head)}")
-        self._recycle(range(self.layout.num_kv_heads), pages_per_head, owner)
+        self.free(pages_per_head, req_id)
 
-    def _recycle(self, heads: Iterable[int], pages_per_head: Sequence[list], owner: Hashable) -> None:
-        """Validate every page (per rank: a page listed under two heads is caught) before freeing any."""
-        if len(self._pools) == 1:  # one page space: no per-rank split (the scheduler's every step)
-            pages = pages_per_head[0] if len(pages_per_head) == 1 else [p for row in pages_per_head for p in row]
-            self._pools[0].check_owned(pages, owner, "page", 0)
-            if pages:
-                self._release(0, pages, owner)
-            return
-        hpr = self.heads_per_rank
-        per_rank: list = [[] for _ in self._pools]
-        for h, pages in zip(heads, pages_per_head):
-            per_rank[h // hpr].extend(pages)
-        for rank, (pool, pages) in enumerate(zip(self._pools, per_rank)):
-            pool.check_owned(pages, owner, "page", rank)
-        for rank, pages in enumerate(per_rank):
-            if pages:
-                self._release(rank, pages, owner)
+    def _allocated(self, rows: Optional[list], counts: list, req_id) -> list:
+        if rows is not None:
+            return rows
+        need = [counts[0]] if not self.head_wise else self._need_per_rank(counts, _owner(req_id))
+        rank = next(r for r, n in enumerate(need) if n > self._available(r))
+        where = "" if not self.head_wise else f" on rank {rank}"
+        what = "pages" if self.head_wise else "blocks"
+        raise ValueError(f"request {_owner(req_id)!r} asked for {need[rank]} {what}{where} but only "
+                         f"{self._available(rank)} are free")
 
     @property
     def num_free_pages(self) -> int:
@@ -248,11 +263,11 @@ class PrefixCacheManager:
         """
         if self.head_wise:
             return sum(self._available(rank) for rank in range(len(self._pools)))
-        return self._available(0) * self.layout.num_kv_heads
+        return self._available(0) * self.layout.num_slots
 
     @property
     def num_total_pages(self) -> int:
-        return self.num_gpu_blocks * self.layout.num_kv_heads
+        return self.num_gpu_blocks * self.layout.num_slots
 
     @property
     def num_free_blocks(self) -> int:
@@ -262,7 +277,7 @@ class PrefixCacheManager:
     def free_pages_per_head(self) -> list:
         """Free (or evictable) pages whose home is each global KV head (1-D mode: every head sees the free blocks)."""
         if not self.head_wise:
-            return [self._available(0)] * self.layout.num_kv_heads
+            return [self._available(0)] * self.layout.num_slots
         cache = self.prefix_cache
         return [len(free) + (cache.evictable_per_home[rank][h] if cache else 0)
                 for rank, pool in enumerate(self._pools) for h, free in enumerate(pool.free_lists)]
@@ -323,7 +338,7 @@ class PrefixCacheManager:
         if cache is None:
             return {"prefix_cache_cached_pages": 0, "prefix_cache_evictable_pages": 0,
                     "prefix_cache_evictions_total": 0, "prefix_cache_cached_blocks": 0}
-        scale = 1 if self.head_wise else self.layout.num_kv_heads  # 1-D: a block is one page per head
+        scale = 1 if self.head_wise else self.layout.num_slots  # 1-D: a block is one page per head
         return {"prefix_cache_cached_pages": cache.num_cached_pages * scale,
                 "prefix_cache_evictable_pages": sum(cache.num_evictable) * scale,
                 "prefix_cache_evictions_total": cache.evictions_total * scale,
@@ -360,14 +375,17 @@ class PrefixCacheManager:
             mode = "head-wise (FD_HEAD_WISE_KV_CACHE=1)" if self.head_wise else "1-D (FD_HEAD_WISE_KV_CACHE=0)"
             raise ValueError(f"{method} called on a cache manager in {mode} mode")
 
-    def _need_per_rank(self, num_blocks_per_head: Sequence[int], owner: Hashable) -> list:
-        if len(num_blocks_per_head) != self.layout.num_kv_heads:
-            raise ValueError(f"request {owner!r}: expected a page count for each of {self.layout.num_kv_heads} "
-                             f"KV heads, got {len(num_blocks_per_head)}")
-        need = [0] * self.tensor_parallel_size
-        for h, n in enumerate(num_blocks_per_head):
+    def _rows_name(self) -> str:
+        return f"{self.num_slots} KV heads" if self.head_wise else "1 row (1-D mode)"
+
+    def _need_per_rank(self, counts: Sequence[int], owner: Hashable) -> list:
+        if len(counts) != self.num_slots:
+            raise ValueError(f"request {owner!r}: expected a page count for each of {self._rows_name()}, got "
+                             f"{len(counts)}")
+        need = [0] * len(self._pools)
+        for s, n in enumerate(counts):
             _check_count(n, owner)
-            need[h // self.heads_per_rank] += n
+            need[self.slot_rank[s]] += n
         return need
 
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import heapq
 from typing import Hashable, Iterable, Optional
 
-from fastdeploy.cache_manager.head_wise import first_window_block, sink_blocks
 
 
 class _Marker:
@@ -99,24 +98,20 @@ class BlockNode:
 class PrefixCache:
     """The trie, per-page reference sets and the eviction heaps over a set of page pools (one per rank)."""
 
-    def __init__(self, pools: list, slot_rank: list, recycling_groups: Iterable[tuple], block_size: int):
-        """`recycling_groups`: ((AttentionType, its slots), ...), every sliding type that recycles; each
-        type's hits, dead blocks and stale pages follow its own window and sink."""
+    def __init__(self, pools: list, slot_rank: list, layout):
+        """`layout` (head_wise.PageLayout) has one slot per entry of `slot_rank`; its recycling groups are
+        the sliding types whose hits, dead blocks and stale pages follow their own window and sink."""
         self.pools = pools
         self.slot_rank = list(slot_rank)
         self.num_slots = len(self.slot_rank)
-        groups = [(kind, sorted(slots)) for kind, slots in recycling_groups if slots]
-        self.types = [kind for kind, _ in groups]
-        self.type_slots = [slots for _, slots in groups]
-        self.type_of_slot = [None] * self.num_slots  # recycling type index of each slot (None: full)
-        for k, slots in enumerate(self.type_slots):
-            for s in slots:
-                self.type_of_slot[s] = k
-        self.recycling = [k is not None for k in self.type_of_slot]
-        self.full_slots = [s for s in range(self.num_slots) if not self.recycling[s]]
-        self.rec_slots = sorted(s for slots in self.type_slots for s in slots)
-        self.block_size = block_size
-        self.type_sink_blocks = [sink_blocks(kind.sink, block_size) for kind in self.types]
+        self.layout = layout
+        self.types = [kind for kind, _ in layout.recycling_groups]
+        self.type_slots = [slots for _, slots in layout.recycling_groups]
+        self.type_of_slot = layout.type_of_slot  # recycling type index of each slot (None: full)
+        self.full_slots = [s for s in range(self.num_slots) if self.type_of_slot[s] is None]
+        self.rec_slots = layout.sliding_slots if self.types else ()
+        self.block_size = layout.block_size
+        self.type_sink_blocks = layout.sink_blocks_per_type
         self.num_types = max(1, len(self.types))
         self.root = BlockNode(None, None, -1, self.num_slots, self.num_types)
         ranks = len(pools)
@@ -173,8 +168,7 @@ class PrefixCache:
         """Blocks [sink blocks, dead_end) of recycling type k are dead for a request resuming at n full blocks."""
         if not self.types:
             return 0
-        kind, bs = self.types[k], self.block_size
-        return max(self.type_sink_blocks[k], first_window_block(n * bs, kind.window, bs))
+        return self.layout.first_live_block(k, n * self.block_size)
 
     def acquire(self, path: list, owner: Hashable) -> list:
         """Reference a valid hit; per slot, its page ids (-1 where a SWA block is already dead)."""

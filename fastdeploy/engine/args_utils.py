@@ -39,16 +39,19 @@ class EngineArgs:
 
     def create_engine_config(self) -> FDConfig:
         """Validate every flag (env flags included) and build the config; raises ValueError naming the field."""
-        device = resolve_device(self.device or envs.FD_DEVICE.lower())
+        env = envs.snapshot()  # every flag, read once: the config keeps it
+        device = resolve_device(self.device or env.FD_DEVICE.lower())
         model_config = ModelConfig.create(self.model, self.max_model_len, self.head_wise_swa_config,
-                                          self.served_model_name, self.dtype, device)
+                                          self.served_model_name, self.dtype, device,
+                                          calibrated=env.FD_HEAD_WISE_KV_CACHE == 1)
         return FDConfig.from_env(
+            env=env,
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 kv_cache_memory=self.kv_cache_memory,
-                cache_dtype=self.cache_dtype or default_cache_dtype(device, model_config.dtype, envs.FD_ATTENTION_BACKEND),
+                cache_dtype=self.cache_dtype or default_cache_dtype(device, model_config.dtype, env.FD_ATTENTION_BACKEND),
                 kv_cache_quant_type=self.kv_cache_quant_type,
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
@@ -113,8 +116,8 @@ class EngineArgs:
                        help='JSON {"sliding_window": W, "sink_size": S, "swa_kv_heads": [..]}, the heads '
                             "one list (every layer) or one list per layer (then optional head_windows / "
                             "head_sinks of the same shape give each listed head its own window / sink); "
-                            "overrides the model's head_wise_swa section; for a named model also the name of "
-                            "one of its calibrated configurations (e.g. one-head-per-layer-w512)")
+                            "overrides the model's own section of sliding heads; for a named model also the "
+                            "name of one of its calibrated configurations (e.g. one-head-per-layer-w512)")
         g.add_argument("--admission-policy", choices=list(ADMISSION_POLICIES), default=d.admission_policy,
                        help="when a waiting request may start: reserve (its lifetime peak pages), on_demand "
                             "(upstream: first chunk, preempt when short) or projected (page curves of the "

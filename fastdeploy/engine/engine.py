@@ -8,9 +8,7 @@ from typing import Union
 
 import numpy as np
 
-from fastdeploy import envs
 from fastdeploy.engine.activity_log import ActivityLog
-from fastdeploy.cache_manager.head_wise import rank_ceilings
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
@@ -35,7 +33,7 @@ class LLMEngine:
         self.model_config = fd_config.model_config
         self.tokenizer = load_tokenizer(self.model_config)
         self.scheduler = ResourceManagerV1(fd_config)
-        self.runner = StepRunner(fd_config)
+        self.runner = StepRunner(fd_config, self.scheduler.kv_cache_manager)
         self.guided = None  # guided decoding's grammar engine (llguidance), unless turned off
         if fd_config.guided_decoding_backend != "off":
             self.guided = LLGuidanceBackend(self.tokenizer, self.model_config.vocab_size,
@@ -44,47 +42,9 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.engine_steps_total = 0  # steps that ran the model: the denominator of per-step cost
-        self._activity = ActivityLog(envs.FD_LOG_INTERVAL, logger)
-        logger.info("engine built: %s, %d KV blocks (%d pages), head-wise=%s recycle=%s backend=%s",
-                    self.model_config.served_model_name, fd_config.cache_config.num_gpu_blocks,
-                    self.scheduler.cache_manager.num_total_pages, fd_config.head_wise_kv_cache,
-                    fd_config.swa_recycle_active, fd_config.attention_backend)
-        logger.info("%s", fd_config.kv_cache_summary)  # the page format, its bytes (scales included), pages
-        swa = self.model_config.head_wise_swa
-        if swa is not None:
-            logger.info("head_wise_swa from %s: window %d, sink %d", self.model_config.head_wise_swa_source,
-                        swa.sliding_window, swa.sink_size)
-            if swa.per_head_windows:
-                logger.info("per-head windows (load-time order, per layer): windows %s, sinks %s",
-                            [[swa.head_type(l, h)[0] for h in heads] for l, heads in enumerate(swa.layer_kv_heads)],
-                            [[swa.head_type(l, h)[1] for h in heads] for l, heads in enumerate(swa.layer_kv_heads)])
-        if swa is not None and swa.layer_kv_heads is not None:
-            model = self.model_config
-            logger.info("per-layer SWA KV heads (load-time order) %s; KV head order per layer %s",
-                        [list(h) for h in swa.layer_kv_heads],
-                        [list(model.layer_kv_head_order(l)) for l in range(model.num_hidden_layers)])
-        if self.model_config.preset is not None:
-            logger.warning("model %s is a built-in preset with random weights: its generated text is meaningless",
-                           self.model_config.preset)
-        self._log_rank_ceilings()
-
-    def _log_rank_ceilings(self) -> None:
-        """Start-up: how much recycling can buy on each rank (admission waits for the fullest one)."""
-        fd, model = self.fd_config, self.model_config
-        tp = fd.parallel_config.tensor_parallel_size
-        if tp == 1 or model.head_wise_swa is None:
-            return
-        half = model.max_model_len // 2
-        c = rank_ceilings(fd, half, model.max_model_len - half)
-        orders = [list(model.layer_kv_head_order(l)) for l in range(model.num_hidden_layers)]
-        order = orders[0] if all(o == orders[0] for o in orders) else f"per layer {orders}"
-        logger.info("tensor parallel %d: SWA KV heads per rank %s (KV head order %s); recycling ceiling per rank "
-                    "%s for a %d-token request, engine ceiling %.2f (the fullest rank)", tp, c["swa_heads_per_rank"],
-                    order, "[" + ", ".join(f"{x:.2f}" for x in c["per_rank"]) + "]", model.max_model_len,
-                    c["ceiling"])
-        counts = c["swa_heads_per_rank"]
-        if max(counts) - min(counts) > 1:
-            logger.warning("the SWA heads sit unevenly on the ranks: pass --balance-swa-heads to spread them")
+        self._activity = ActivityLog(fd_config.env.FD_LOG_INTERVAL, logger)
+        for level, message in fd_config.startup_log(self.scheduler.cache_manager.num_total_pages):
+            logger.log(level, message)
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (a no-op with one rank); idempotent."""
@@ -250,9 +210,8 @@ class LLMEngine:
                      generation_tokens_total=self.generation_tokens_total,
                      engine_steps_total=self.engine_steps_total,
                      max_num_seqs=self.fd_config.scheduler_config.max_num_seqs,
-                     # upstream's "block" gauges count pages in head-wise mode, whole blocks in 1-D mode
-                     kv_pages_per_block=1 if self.fd_config.head_wise_kv_cache
-                     else stats["kv_pages_total"] // max(1, self.fd_config.cache_config.num_gpu_blocks))
+                     # upstream's "block" gauges count what a table entry holds: a page head-wise, a block in 1-D mode
+                     kv_pages_per_block=self.scheduler.kv_cache_manager.pages_per_entry)
         # Per tensor-parallel rank: each rank's page pool is that worker's own memory.
         tp = self.fd_config.parallel_config.tensor_parallel_size
         stats.update(kv_pages_total_per_rank=[self.scheduler.pages_per_rank] * tp,

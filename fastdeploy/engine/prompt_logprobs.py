@@ -13,8 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def _segments(scheduled: list, cu) -> list:
-    """(request, first scored position, rows, first row) of each request that scores prompt rows now."""
+def _segments(scheduled: list, first_rows=None) -> list:
+    """(request, first scored position, rows, first row) of each request that scores prompt rows now;
+    `scheduled` in the step's row order, `first_rows` each one's first token row (None: not needed)."""
     out = []
     for i, s in enumerate(scheduled):
         request = s.request
@@ -22,13 +23,14 @@ def _segments(scheduled: list, cu) -> list:
             continue
         end = min(s.start + s.num_tokens, request.num_prompt_tokens - 1)
         if end > s.start:
-            out.append((request, s.start, end - s.start, int(cu[i])))
+            out.append((request, s.start, end - s.start, None if first_rows is None else first_rows[i]))
     return out
 
 
-def attach_prompt_rows(step, scheduled: list) -> None:
-    """Fill the StepInput's prompt_rows / prompt_targets / prompt_top_k for the requests that ask."""
-    segments = _segments(scheduled, step.cu_seqlens_q)
+def attach_prompt_rows(step, scheduled: list, first_rows: list) -> None:
+    """Fill the StepInput's prompt_rows / prompt_targets / prompt_top_k for the requests that ask
+    (`scheduled` in the step's row order, `first_rows` the first token row of each)."""
+    segments = _segments(scheduled, first_rows)
     if not segments:
         return
     rows, targets, k = [], [], 0
@@ -39,13 +41,14 @@ def attach_prompt_rows(step, scheduled: list) -> None:
     step.prompt_rows, step.prompt_targets, step.prompt_top_k = np.concatenate(rows), np.concatenate(targets), k
 
 
-def store_prompt_logprobs(scheduled: list, step, prompt_logprobs) -> None:
-    """Write the step's scored rows into each request's prompt_logprobs, by position."""
+def store_prompt_logprobs(scheduled: list, prompt_logprobs) -> None:
+    """Write the step's scored rows into each request's prompt_logprobs, by position (`scheduled` in the
+    order attach_prompt_rows was given)."""
     if prompt_logprobs is None:
         return
     chosen, top_ids, top_lps = prompt_logprobs
     at = 0
-    for request, first, n, _ in _segments(scheduled, step.cu_seqlens_q):
+    for request, first, n, _ in _segments(scheduled):
         k = request.sampling_params.prompt_logprobs
         if request.prompt_logprobs is None:
             request.prompt_logprobs = [None] * request.num_prompt_tokens

@@ -138,11 +138,10 @@ class RequestOutput:
 
 
 class Request:
-    """A request as the scheduler sees it: tokens, progress, and the KV pages it owns.
+    """A request as the scheduler sees it: tokens and progress. Its KV pages are the KV cache manager's
+    (cache_manager/kv_cache_manager.py), by request id.
 
-    `num_computed_tokens` counts tokens whose KV is in the cache. In 1-D mode `block_tables`
-    lists block ids; in head-wise mode `block_tables_head_wise[h]` is head h's positional row of
-    page ids, with -1 where a page was recycled.
+    `num_computed_tokens` counts tokens whose KV is in the cache.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list, sampling_params: SamplingParams,
@@ -160,24 +159,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: Optional[str] = None
         self.num_computed_tokens = 0
-        self.block_tables: list = []
-        self.block_tables_head_wise: Optional[list] = None
-        self.table_tokens = 0  # tokens the tables can address: entries x block_size
-        # Per recycling sliding type (PageLayout.recycling_groups, in order): its slots' blocks in
-        # [that type's sink blocks, recycled_upto_by_type[k]) are recycled (-1).
-        self.recycled_upto_by_type: list = []
-        self.next_recycle_at = 0  # processed-token count at which the next SWA block (of any type) dies
-        self.reserved_pages_per_rank: list = []  # peak pages held in reserve while running
-        # Prefix caching: the trie node of the last block registered (or matched), how many leading
-        # blocks are registered, the last lookup (cache version, path) and the tokens the last
-        # admission found cached.
-        self.cache_parent = None
-        self.num_registered_blocks = 0
-        self.prefix_match: Optional[tuple] = None
-        self.num_cached_tokens = 0
-        self.peak_memo: dict = {}  # (num_tokens, max_new, chunk) -> peak pages per rank
-        self.admitted_chunk = 0  # the scheduler's prefill chunk when it admitted the request (chunk rule)
-        self.projection_memo: Optional[tuple] = None  # (last position, recycling-head page bound x bs)
+        self.num_cached_tokens = 0  # tokens the last admission found in the prefix cache
         self.computed_high_water = 0  # most tokens ever computed; a preemption makes it recompute them
         self.generator = None  # numpy Generator for sampling, set by the engine (seeded or not)
         self.draft_state = None  # the draft proposer's index of this request's tokens (spec_decode/)
@@ -186,22 +168,6 @@ class Request:
         self.stop_checked = 0  # characters of the output text searched for stop strings so far
         self.num_preemptions = 0
         self.first_token_time: Optional[float] = None
-
-    @property
-    def recycled_upto(self) -> int:
-        """recycled_upto_by_type of a model with one recycling sliding type (0 when nothing recycles)."""
-        ups = self.recycled_upto_by_type
-        if len(ups) > 1:
-            raise ValueError(f"request {self.request_id!r}: {len(ups)} sliding types recycle; read "
-                             f"recycled_upto_by_type")
-        return ups[0] if ups else 0
-
-    @recycled_upto.setter
-    def recycled_upto(self, block: int) -> None:
-        if len(self.recycled_upto_by_type) > 1:
-            raise ValueError(f"request {self.request_id!r}: {len(self.recycled_upto_by_type)} sliding types "
-                             f"recycle; set recycled_upto_by_type")
-        self.recycled_upto_by_type = [block]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,7 +18,6 @@ import time
 import weakref
 from pathlib import Path
 
-from fastdeploy import envs
 
 logger = logging.getLogger("fastdeploy.engine.worker_group")
 
@@ -82,8 +81,10 @@ class WorkerGroup:
         import zmq
 
         self.tp = tp = fd_config.parallel_config.tensor_parallel_size
-        self.step_timeout_s = envs.FD_TP_STEP_TIMEOUT
-        host, base_port = envs.FD_TP_ENGINE_HOST, envs.FD_TP_ENGINE_PORT
+        self.table_rows = fd_config.table_rows  # the persistent block table's rows, all ranks (for_rank)
+        env = fd_config.env
+        self.step_timeout_s = env.FD_TP_STEP_TIMEOUT
+        host, base_port = env.FD_TP_ENGINE_HOST, env.FD_TP_ENGINE_PORT
         self._ctx = zmq.Context()
         self._results = self._ctx.socket(zmq.PULL)
         self._steps = [self._ctx.socket(zmq.PUSH) for _ in range(tp)]
@@ -102,15 +103,15 @@ class WorkerGroup:
         self.rank_info: list = [None] * tp
         self._failure = None
         try:
-            if envs.FD_TP_LAUNCH_WORKERS:
+            if env.FD_TP_LAUNCH_WORKERS:
                 self._launch(tp, host, result_port, step_ports, getattr(fd_config, "device", "cpu") == "gpu")
             else:
                 logger.info("waiting for %d tensor-parallel workers launched with --engine-address %s:%d", tp, host,
                             result_port)
             for sock in self._steps:
-                self._send(sock, fd_config, envs.FD_TP_START_TIMEOUT, "start")
+                self._send(sock, fd_config, env.FD_TP_START_TIMEOUT, "start")
             while None in self.rank_info:
-                _, rank, info = self._receive("ready", envs.FD_TP_START_TIMEOUT, "start")
+                _, rank, info = self._receive("ready", env.FD_TP_START_TIMEOUT, "start")
                 self.rank_info[rank] = info
         except BaseException:
             self.close()
@@ -148,7 +149,7 @@ class WorkerGroup:
         if not self._finalizer.alive:  # stopped: by close(), or by an earlier failure
             raise WorkerFailure(self._failure or "the tensor-parallel workers were stopped")
         for rank, sock in enumerate(self._steps):
-            self._send(sock, step.for_rank(rank, self.tp), self.step_timeout_s, "step")
+            self._send(sock, step.for_rank(rank, self.tp, self.table_rows), self.step_timeout_s, "step")
         return self._receive("step", self.step_timeout_s, "step")[1]
 
     # -- transport with liveness ----------------------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import paddle
 
@@ -13,11 +13,12 @@ class ForwardMeta:
     """Per-step batch description, upstream names.
 
     Request i computes tokens [seq_lens_decoder[i], seq_lens_decoder[i] + seq_lens_this_time[i]),
-    which are rows [cu_seqlens_q[i], cu_seqlens_q[i+1]) of the step's token tensor. Exactly one
-    of `block_tables` ([bsz, max_blocks], 1-D) and `block_tables_head_wise` ([bsz, H, max_blocks],
-    page ids, -1 = recycled) is set. From the model runner, the batch-sized tensors are views of the
-    fixed step buffers (worker/step_buffers.py): `bsz` is max_num_seqs and rows past the step's
-    requests are idle (0 new tokens, -1 entries); `starts`/`lengths`/`slot_ids` list the live ones.
+    which are rows [cu_seqlens_q[i], cu_seqlens_q[i+1]) of the step's token tensor. `block_tables`
+    is `[bsz, rows, max_blocks]`: one row of block ids in 1-D mode, one row of page ids per KV slot
+    head-wise (-1 = recycled); the attention backend hands the kernels their form. From the model
+    runner, the batch-sized tensors are views of the fixed step buffers (worker/step_buffers.py): `bsz`
+    is max_num_seqs and rows not scheduled in the step are idle (0 new tokens); `starts`/`lengths`/
+    `slot_ids` list the scheduled ones in row order.
     """
 
     input_ids: paddle.Tensor           # int64 [token_num]
@@ -25,8 +26,7 @@ class ForwardMeta:
     seq_lens_decoder: paddle.Tensor    # int32 [bsz]
     seq_lens_this_time: paddle.Tensor  # int32 [bsz]
     cu_seqlens_q: paddle.Tensor        # int32 [bsz + 1]
-    block_tables: Optional[paddle.Tensor]
-    block_tables_head_wise: Optional[paddle.Tensor]
+    block_tables: paddle.Tensor        # int32 [bsz, rows, max_blocks]
     sample_rows: paddle.Tensor         # int64 [num_sampled]: last row of each request that samples
     starts: list                       # python copies for the dense reference backend
     lengths: list

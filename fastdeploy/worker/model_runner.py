@@ -38,23 +38,17 @@ class ModelRunner:
         self.kv_heads = local_kv_heads(model.num_key_value_heads, tp_rank, self.tp_size)
         self.model = CausalLM.load(model, tp_rank, self.tp_size)
         self.attn_backend = get_attention_backend(fd_config, layer_rope_tables(model), tp_rank)
-        self.num_slots = fd_config.slot_layout.slots_per_rank  # table rows of this rank (slots.py)
-        self.buffers = StepBuffers(StepBufferLayout.from_config(fd_config, self.num_slots))
+        # The persistent block table's rows on this rank: 1 in 1-D mode, its KV slots head-wise (slots.py).
+        self.buffers = StepBuffers(StepBufferLayout.from_config(fd_config, fd_config.table_rows_per_rank))
 
     def build_forward_meta(self, step: StepInput) -> ForwardMeta:
-        """One host-to-device copy into the fixed buffers. A head-wise table holds this rank's slots
-        only (StepInput.for_rank), with rank-local page ids."""
-        if step.block_tables_head_wise is not None and step.block_tables_head_wise.shape[1] != self.num_slots:
-            raise ValueError(f"rank {self.tp_rank}: step table has {step.block_tables_head_wise.shape[1]} "
-                             f"rows, this rank holds {self.num_slots} KV slots")
+        """The step in the fixed buffers (its table updates applied to the persistent block table: those of
+        this rank's slots, StepInput.for_rank); on a GPU, one host-to-device copy."""
         t = self.buffers.fill(step)
-        head_wise = self.buffers.host.layout.head_wise
         return ForwardMeta(
             input_ids=t["input_ids"], seq_lens_encoder=t["seq_lens_encoder"], seq_lens_decoder=t["seq_lens_decoder"],
             seq_lens_this_time=t["seq_lens_this_time"], cu_seqlens_q=t["cu_seqlens_q"],
-            block_tables=None if head_wise else t["block_tables"],
-            block_tables_head_wise=t["block_tables"] if head_wise else None,
-            sample_rows=t["sample_rows"], starts=step.starts, lengths=step.lengths,
+            block_tables=t["block_tables"], sample_rows=t["sample_rows"], starts=step.starts, lengths=step.lengths,
             slot_ids=step.slot_ids, attn_backend=self.attn_backend)
 
     def execute_model(self, step: StepInput) -> StepOutput:

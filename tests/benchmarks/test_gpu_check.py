@@ -50,7 +50,7 @@ def test_the_precondition_check_catches_a_missing_page():
 
 def test_kernel_params_and_addresses_follow_the_c_abi():
     fd = gpu_check.make_fd_config(gpu_check.engine_settings(SMALL), True)
-    layout = StepBufferLayout.from_config(fd, 4)
+    layout = StepBufferLayout.from_config(fd, fd.table_rows_per_rank)
     params = gpu_check.kernel_params(fd, layout, 37, gpu_harness.BF16)
     assert tuple(params) == gpu_harness.PARAM_FIELDS  # every field, in the struct's order
     assert params["bsz"] == SMALL.max_num_seqs and params["token_num"] == 37

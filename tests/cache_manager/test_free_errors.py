@@ -30,7 +30,7 @@ def cache_chain(cm, owner, n):
     """`owner` computes n blocks and registers them all; returns its rows (one list per slot)."""
     head_wise = cm.head_wise
     if head_wise:
-        rows = cm.allocate_gpu_blocks_head_wise([n] * cm.layout.num_kv_heads, owner)
+        rows = cm.allocate_gpu_blocks_head_wise([n] * cm.layout.num_slots, owner)
     else:
         rows = [cm.allocate_gpu_blocks(n, owner)]
     parent = cm.prefix_root
@@ -54,7 +54,7 @@ def test_freeing_a_cached_page_the_request_does_not_reference_changes_nothing(ma
     hit = cm.match_prefix([key(0), key(1)])
     assert len(hit) == 2
     b_rows = cm.acquire_prefix(hit, "b")  # b references the cached blocks 0 and 1, not block 2
-    own = cm.allocate_gpu_blocks_head_wise([1] * cm.layout.num_kv_heads, "b") if cm.head_wise \
+    own = cm.allocate_gpu_blocks_head_wise([1] * cm.layout.num_slots, "b") if cm.head_wise \
         else [cm.allocate_gpu_blocks(1, "b")]
     before = snapshot(cm)
     # Valid pages first (b's references to blocks 0 and 1, its private page), then a's block 2.
@@ -77,7 +77,7 @@ def test_freeing_a_cached_page_the_request_does_not_reference_changes_nothing(ma
 @pytest.mark.parametrize("bad_kind", ["cached_not_referenced", "double_free", "foreign"])
 def test_a_bad_page_on_one_rank_frees_nothing_on_the_other(make_config, bad_kind):
     cm = manager(make_config, "head_wise_recycle_on", tp=2)
-    heads = cm.layout.num_kv_heads
+    heads = cm.layout.num_slots
     a_rows = cache_chain(cm, "a", 2)
     b_rows = cm.acquire_prefix(cm.match_prefix([key(0)]), "b")
     b_own = cm.allocate_gpu_blocks_head_wise([1] * heads, "b")
@@ -87,7 +87,7 @@ def test_a_bad_page_on_one_rank_frees_nothing_on_the_other(make_config, bad_kind
     if bad_kind == "cached_not_referenced":
         rows[last].append(a_rows[last][1])
     elif bad_kind == "double_free":
-        cm.recycle_pages_of_heads([last], [[b_own[last][0]]], "b")
+        cm.free([[b_own[last][0]]], "b", slots=[last])
     else:
         rows[last].append(c_own[last][0])
     before = snapshot(cm)

@@ -18,6 +18,7 @@ from fastdeploy.cache_manager.head_wise import (
     table_length,
     tokens_to_kill_block,
 )
+from fastdeploy.cache_manager.slots import AttentionType
 
 
 def visible(j, t, window, sink):
@@ -70,11 +71,11 @@ def test_page_ids_round_trip_through_block_and_head():
         assert page_location(page_id(block, head, 4), 4) == (block, head)
 
 
-def layout(**kw):
-    base = dict(block_size=4, num_kv_heads=4, tensor_parallel_size=1, swa_kv_heads=(0,), window=6, sink=2,
-                recycle=True)
+def layout(swa_kv_heads=(0,), window=6, sink=2, **kw):
+    """Four slots, `swa_kv_heads` of them sliding with one window and sink."""
+    base = dict(block_size=4, num_slots=4, tensor_parallel_size=1, recycle=True)
     base.update(kw)
-    return PageLayout(**base)
+    return PageLayout(**base, sliding=((AttentionType(window, sink), tuple(swa_kv_heads)),))
 
 
 def test_pages_needed_for_chunked_steps_counts_only_live_blocks():

@@ -38,7 +38,7 @@ def cached(make_config):
         rm = ResourceManagerV1(make_config("head_wise_recycle_on", num_gpu_blocks_override=128,
                                            max_num_batched_tokens=512, head_wise_swa_config=swa))
         run(rm, request("a"))
-        path = rm._match_prefix(request("probe"))
+        path = rm.kv_cache_manager.match_prefix(request("probe"))
         assert len(path) == 18
         return rm, path
 
@@ -76,6 +76,6 @@ def test_hit_length_when_one_swa_page_at_the_window_edge_is_gone(cached, window,
     rm, path = cached(window, sink)
     evict_swa_page(rm, path[evicted])
     rm.check_integrity()
-    assert len(rm._match_prefix(request("probe"))) == hit
+    assert len(rm.kv_cache_manager.match_prefix(request("probe"))) == hit
     # The repeat really starts where the hit ends (the last block is computed again if all hit).
     assert run(rm, request("b")) == hit * BS

@@ -86,7 +86,7 @@ def test_head_wise_misuse_messages_name_the_rank_and_the_request(make_config):
 def test_single_pool_messages_name_rank_0(make_config):
     cm = manager(make_config, "head_wise_recycle_on")
     cm.allocate_gpu_blocks_head_wise([1, 1, 1, 1], "a")
-    assert message(lambda: cm.recycle_pages_of_heads([0, 1], [[0], [9]], "a")) == \
+    assert message(lambda: cm.free([[0], [9]], "a", slots=[0, 1])) == \
         "double free: page (rank 0) 9 freed by request 'a' is already free"
     assert message(lambda: cm.recycle_gpu_blocks_head_wise([[0], [1], [2], [0]], "a")) == \
         "page (rank 0) 0 appears twice in one free call of request 'a'"
@@ -139,7 +139,7 @@ def test_without_a_prefix_cache_every_page_is_free_or_private(make_config, mode)
     else:
         rows = cm.allocate_gpu_blocks_head_wise([6, 6, 6, 6], "a")
         assert cm.free_pages_per_head() == [0, 0, 0, 0]
-        cm.recycle_pages_of_heads([1, 2], [rows[1], rows[2]], "a")  # two heads' rows in one call
+        cm.free([rows[1], rows[2]], "a", slots=[1, 2])  # two heads' rows in one call
         assert cm.free_pages_per_head() == [0, 6, 6, 0]
         cm.recycle_gpu_blocks_head_wise([rows[0], [], [], rows[3]], "a")
     assert cm.num_free_pages == cm.num_total_pages == 24

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from fastdeploy.cache_manager.head_wise import PageLayout, predicted_concurrency
+from fastdeploy.cache_manager.slots import AttentionType
 from fastdeploy.model_executor.models.tiny_preset import TINY_PRESET_CONFIG
 
 TWO_SWA = {"sliding_window": 17, "sink_size": 0, "swa_kv_heads": [0, 1]}
@@ -37,7 +38,7 @@ def test_a_ceiling_with_no_request_fitting_without_recycling_is_infinite(make_co
 
 def test_a_whole_prompt_chunk_at_block_size_1_and_window_1_holds_every_prompt_page():
     # Prefill [0, 8) at n = 0: nothing is dead yet, 8 one-token pages. Decode at n >= 8 needs 1.
-    lay = PageLayout(block_size=1, num_kv_heads=1, tensor_parallel_size=1, swa_kv_heads=(0,), window=1, sink=0,
+    lay = PageLayout(block_size=1, num_slots=1, tensor_parallel_size=1, sliding=((AttentionType(1, 0), (0,)),),
                      recycle=True)
     assert lay.peak_pages_per_rank(8, 4, 16) == [8]
     assert lay.pages_per_rank(8, 1) == [1]
@@ -47,5 +48,4 @@ def test_a_model_without_swa_heads_has_a_plain_layout(make_config, tmp_path):
     model = {k: v for k, v in TINY_PRESET_CONFIG.items() if k != "head_wise_swa"}
     (tmp_path / "config.json").write_text(json.dumps(model))
     fd = make_config("1d", model=str(tmp_path))
-    assert PageLayout.from_config(fd) == PageLayout(block_size=16, num_kv_heads=4, tensor_parallel_size=1,
-                                                    swa_kv_heads=(), window=0, sink=0, recycle=False)
+    assert PageLayout.from_config(fd) == PageLayout(block_size=16, num_slots=4, tensor_parallel_size=1)

@@ -47,7 +47,7 @@ def manager(make_config, mode="head_wise_recycle_on", blocks=128, **kwargs):
 
 def cached_path(rm, prompt):
     """The cached path a new request with this prompt would hit (validity rule applied)."""
-    return rm._match_prefix(request("probe", prompt))
+    return rm.kv_cache_manager.match_prefix(request("probe", prompt))
 
 
 def evict(rm, node, head):
@@ -83,12 +83,12 @@ def test_shared_blocks_are_refcounted_and_released_pages_stay_cached(make_config
     step(rm)
     rm.add_request(request("b", prompt, max_tokens=20))
     step(rm)
-    a, b = rm.requests["a"], rm.requests["b"]
-    assert a.block_tables[:3] == b.block_tables[:3]  # shared blocks, one copy
-    assert a.block_tables[3] != b.block_tables[3]    # b computed its last block itself
+    (a,), (b,) = rm.kv_cache_manager.table("a"), rm.kv_cache_manager.table("b")
+    assert a[:3] == b[:3]  # shared blocks, one copy
+    assert a[3] != b[3]    # b computed its last block itself
     rm.abort_request("a")
     rm.check_integrity()  # b still references the shared blocks
-    assert rm.cache_manager.references(0, b.block_tables[0]) == {"b"}
+    assert rm.cache_manager.references(0, b[0]) == {"b"}
     rm.abort_request("b")
     cm = rm.cache_manager
     assert cm.num_free_pages == cm.num_total_pages  # cached but unreferenced pages are available
@@ -176,11 +176,10 @@ def test_hit_rows_match_what_the_recycler_would_have_left(long_prefix):
     rm, prompt, _ = long_prefix
     rm.add_request(request("b", prompt, max_tokens=3))
     step(rm)
-    b = rm.requests["b"]
-    swa = b.block_tables_head_wise[0]
-    assert [i for i, p in enumerate(swa) if p == -1] == list(range(1, 10))
-    assert all(-1 not in row for row in b.block_tables_head_wise[1:])
-    assert b.recycled_upto == 10
+    table = rm.kv_cache_manager.table("b")
+    assert [i for i, p in enumerate(table[0]) if p == -1] == list(range(1, 10))
+    assert all(-1 not in row for row in table[1:])
+    assert rm.kv_cache_manager.recycled_upto("b") == [10]
     while rm.has_unfinished_requests():
         step(rm)
 
@@ -238,14 +237,14 @@ def test_running_request_swa_pages_outside_its_window_are_reclaimable(make_confi
     rm.add_request(request("long", tokens(600), max_tokens=50))
     for _ in range(5):
         step(rm)
-    long = rm.requests["long"]
-    assert long.recycled_upto > 20
+    upto, = rm.kv_cache_manager.recycled_upto("long")
+    assert upto > 20
     stats = rm.stats()
-    assert stats["prefix_cache_evictable_pages"] >= long.recycled_upto - 1  # dead SWA pages: reclaimable
+    assert stats["prefix_cache_evictable_pages"] >= upto - 1  # dead SWA pages: reclaimable
     cache = rm.cache_manager.prefix_cache
-    cache.evict(0, long.recycled_upto - 1)
+    cache.evict(0, upto - 1)
     # Only SWA pages went; every full-head page of the running request is intact and still referenced.
-    assert all(p >= 0 for row in long.block_tables_head_wise[1:] for p in row)
+    assert all(p >= 0 for row in rm.kv_cache_manager.table("long")[1:] for p in row)
     rm.check_integrity()
     while rm.has_unfinished_requests():
         step(rm)

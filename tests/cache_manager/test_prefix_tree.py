@@ -39,7 +39,7 @@ class Writer:
 
     def __init__(self, cm, rid, keys, hit=()):
         self.cm, self.rid, self.keys = cm, rid, keys
-        heads = cm.layout.num_kv_heads
+        heads = cm.layout.num_slots
         self.rows = cm.acquire_prefix(hit, rid) if hit else [[] for _ in range(heads)]
         self.parent = hit[-1] if hit else cm.prefix_root
         self.done = len(hit)
@@ -63,7 +63,7 @@ class Writer:
         """Return the SWA head's blocks that left the window (one release call = one LRU tick)."""
         end = max(self.recycled_upto, first_window_block(self.done * BS, WINDOW, BS))
         dead = self.rows[0][self.recycled_upto:end]
-        self.cm.recycle_pages_of_heads([0], [dead], self.rid)
+        self.cm.free([dead], self.rid, slots=[0])
         self.rows[0][self.recycled_upto:end] = [-1] * len(dead)
         self.recycled_upto = end
         self.cm.check_integrity()

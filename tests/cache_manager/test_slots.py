@@ -112,8 +112,8 @@ def test_bad_tables_are_errors_naming_the_problem():
 
 def test_gemma3_page_need_at_4096_tokens_is_384_pages_1d_and_109_with_recycling():
     layout = assign_slots(gemma3_270m_types())
-    kwargs = dict(block_size=64, num_kv_heads=layout.num_slots, tensor_parallel_size=1,
-                  swa_kv_heads=layout.sliding_slots, window=512, sink=0)
+    kwargs = dict(block_size=64, num_slots=layout.num_slots, tensor_parallel_size=1,
+                  sliding=layout.sliding_groups())
     off, on = PageLayout(**kwargs, recycle=False), PageLayout(**kwargs, recycle=True)
     # A request decoding up to a 4096-token context: 64 blocks x 6 slots without recycling; with it
     # the full slot keeps 64 pages and each sliding slot at most 9 (512 / 64 + the partial block).
@@ -132,4 +132,4 @@ def test_the_head_wise_presets_keep_the_per_head_layout(make_config, model):
     assert (slots.num_lanes, slots.slots_per_rank) == (model_config.num_hidden_layers, heads)
     assert slots.lane_of_layer == tuple(range(model_config.num_hidden_layers))
     assert all(row == tuple(range(heads)) for row in slots.head_slots)
-    assert PageLayout.from_config(cfg).swa_kv_heads == model_config.swa_kv_heads
+    assert PageLayout.from_config(cfg).sliding_slots == model_config.swa_kv_heads

@@ -88,6 +88,7 @@ C_ABI = {
 EXECUTOR_ABI = {
     "cuda_on_cpu_set_orders": (ctypes.c_int, [ctypes.c_char_p]),
     "cuda_on_cpu_set_threads": (None, [ctypes.c_int]),
+    "cuda_on_cpu_set_sm_count": (None, [ctypes.c_int]),
     "cuda_on_cpu_races": (ctypes.c_char_p, []),
     "cuda_on_cpu_clear_races": (None, []),
 }
@@ -309,6 +310,10 @@ class Harness:
         self.on_cpu = hasattr(self.lib, "cuda_on_cpu_races")
         if self.on_cpu:
             bind(self.lib, EXECUTOR_ABI)
+            from fastdeploy import envs
+
+            if envs.CUDA_ON_CPU_THREADS.strip():  # a launch's blocks on this many OS threads at once
+                self.lib.cuda_on_cpu_set_threads(int(envs.CUDA_ON_CPU_THREADS))
 
     def device_count(self) -> int:
         return self.lib.aa_device_count()
@@ -333,7 +338,7 @@ class Harness:
         executor every launch runs under `orders` (default: CUDA_ON_CPU_ORDERS, else
         "forward,reverse") and RunResult.races lists the launches whose results differ."""
         if self.on_cpu:
-            spec = orders or os.environ.get("CUDA_ON_CPU_ORDERS") or "forward,reverse"
+            spec = orders or os.environ.get("CUDA_ON_CPU_ORDERS") or "forward,reverse"  # the tests' default: two
             if self.lib.cuda_on_cpu_set_orders(spec.encode()) != 0:
                 raise ValueError(f"bad thread orders {spec!r}")
             self.lib.cuda_on_cpu_clear_races()

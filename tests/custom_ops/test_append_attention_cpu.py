@@ -17,6 +17,7 @@ import paddle
 import pytest
 
 from fastdeploy.model_executor.layers.attention.ops import append_attention
+from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import set_cpu_options
 from reference_attention import reference_append_attention, round_to_bf16
 
 FP32_TOL = 1e-5
@@ -257,20 +258,23 @@ def test_visit_all_pages_matches_skipping():
     assert rel_err(visit_all, ref) < FP32_TOL
 
 
-def test_parallel_and_serial_runs_are_bit_identical(monkeypatch):
+def test_parallel_and_serial_runs_are_bit_identical():
     # Long enough that the helper thread really takes items while the caller
     # works (a shared-scratch race shows up here); every (token, head) item
     # has a fixed summation order, so the thread count cannot change a bit.
     case = Case(14, [(1500, 1)] * 4 + [(0, 48)], block_size=64, kv_heads=2, group=4, head_dim=128,
                 window=256, sink=16, swa_heads=(0,))
     arrays = build_inputs(case)
-    monkeypatch.setenv("FD_CPU_ATTN_NUM_THREADS", "1")
-    serial, _, _ = run_op(case, arrays)
-    assert np.isfinite(serial).all()
-    monkeypatch.setenv("FD_CPU_ATTN_NUM_THREADS", "2")
-    for _ in range(3):
-        parallel, _, _ = run_op(case, arrays)
-        assert np.array_equal(serial, parallel)
+    saved = set_cpu_options(attn_threads=1)  # FD_CPU_ATTN_NUM_THREADS, changed between calls
+    try:
+        serial, _, _ = run_op(case, arrays)
+        assert np.isfinite(serial).all()
+        set_cpu_options(attn_threads=2)
+        for _ in range(3):
+            parallel, _, _ = run_op(case, arrays)
+            assert np.array_equal(serial, parallel)
+    finally:
+        set_cpu_options(**saved)
 
 
 def test_padding_rows_past_the_batch_are_zeroed():

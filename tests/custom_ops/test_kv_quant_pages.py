@@ -20,6 +20,7 @@ import paddle
 import pytest
 
 from fastdeploy.model_executor.layers.attention.ops import append_attention
+from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import set_cpu_options
 from reference_attention import reference_append_attention
 from reference_kv_quant import FORMATS, dequantize_rows, error_bound, hadamard, pack_int4, quantize_rows, \
     rotates_keys, unpack_int4
@@ -200,11 +201,24 @@ def test_attention_over_quantized_pages_matches_float64(fmt, name, table):
         np.testing.assert_array_equal(new, old)
 
 
+@pytest.fixture
+def cpu_options():
+    """set_cpu_options (the CPU op's measurement knobs, changed between calls) for one test, restored after."""
+    saved = {}
+
+    def change(**options):
+        for name, value in set_cpu_options(**options).items():
+            saved.setdefault(name, value)
+
+    yield change
+    set_cpu_options(**saved)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "block_wise_int4"])
-def test_the_rotation_knob_stores_keys_as_they_are(monkeypatch, fmt):
+def test_the_rotation_knob_stores_keys_as_they_are(cpu_options, fmt):
     """FD_KV_QUANT_ROTATION=0 (a measurement knob: what the rotation buys) writes the keys' own codes
     and leaves the queries alone, so attention is still over the values the pages hold."""
-    monkeypatch.setenv("FD_KV_QUANT_ROTATION", "0")
+    cpu_options(kv_key_rotation=0)  # FD_KV_QUANT_ROTATION=0
     case = CASES["chunk_over_cached_pages_d64"]
     arrays = build_inputs(case)
     t = quantized_tensors(arrays, fmt)  # the prior pages as the rule writes them (rotated keys) ...
@@ -228,10 +242,10 @@ def test_the_rotation_knob_stores_keys_as_they_are(monkeypatch, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "block_wise_int4"])
-def test_the_value_rotation_knob_stores_rotated_values_and_rotates_the_output_back(monkeypatch, fmt):
+def test_the_value_rotation_knob_stores_rotated_values_and_rotates_the_output_back(cpu_options, fmt):
     """FD_KV_QUANT_ROTATE_VALUES=1 (a measurement knob: what rotating the values would buy) writes H v's
     codes and returns H out' / d: attention over the values the pages hold, rotated back."""
-    monkeypatch.setenv("FD_KV_QUANT_ROTATE_VALUES", "1")
+    cpu_options(kv_value_rotation=1)  # FD_KV_QUANT_ROTATE_VALUES=1
     case = CASES["chunk_over_cached_pages_d64"]
     arrays = build_inputs(case)
     t = quantized_tensors(arrays, fmt)

@@ -37,7 +37,7 @@ def test_moe_tokens_equal_the_oracle(monkeypatch, oracle, head_wise, recycle, ex
     tokens, engine = run(monkeypatch, "APPEND_ATTN", head_wise, recycle, num_gpu_blocks_override=128, **extra)
     assert tokens == oracle
     if head_wise == "1" and recycle == "1":
-        assert engine.scheduler.swa_pages_recycled_total > 0  # the SWA heads really gave pages back
+        assert engine.scheduler.kv_cache_manager.swa_pages_recycled_total > 0  # the SWA heads really gave pages back
 
 
 def test_moe_prefix_cache_hit_gives_the_same_tokens(monkeypatch, oracle):

@@ -43,13 +43,14 @@ def record_recycled_slots(monkeypatch):
     from fastdeploy.cache_manager.prefix_cache_manager import PrefixCacheManager
 
     seen = set()
-    real = PrefixCacheManager.recycle_pages_of_heads
+    real = PrefixCacheManager.free
 
-    def recycle(self, heads, pages_per_head, req_id):
-        seen.update(h for h, pages in zip(heads, pages_per_head) if pages)
-        return real(self, heads, pages_per_head, req_id)
+    def free(self, rows, req_id=None, slots=None):
+        if slots is not None:  # the recycle step frees some slots' rows; a release frees every row
+            seen.update(s for s, pages in zip(slots, rows) if pages)
+        return real(self, rows, req_id, slots)
 
-    monkeypatch.setattr(PrefixCacheManager, "recycle_pages_of_heads", recycle)
+    monkeypatch.setattr(PrefixCacheManager, "free", free)
     return seen
 
 

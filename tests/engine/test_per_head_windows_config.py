@@ -90,7 +90,7 @@ def test_every_sliding_type_recycles_with_its_own_window(monkeypatch):
     slots = cfg.slot_layout
     assert slots.sliding_types == (AttentionType(4, 0), AttentionType(12, 0))
     layout = PageLayout.from_config(cfg)
-    assert layout.recycling_groups == slots.sliding_groups() and len(layout.recycling_heads) == 2
+    assert layout.recycling_groups == slots.sliding_groups() and len(layout.sliding_slots) == 2
     # Columns: (keeping slots, window-4 slots, window-12 slots). At n = 20 a window-4 slot has blocks
     # [0, 4) dead, a window-12 slot [0, 2): the step computing token 20 holds 6, 2 and 4 pages.
     assert layout.rank_head_counts() == [(slots.slots_per_rank - 2, 1, 1)]

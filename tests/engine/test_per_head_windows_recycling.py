@@ -27,18 +27,19 @@ def test_each_sliding_type_recycles_at_its_own_window(make_config, policy, monke
     rm.add_request(request)
     kills = {NARROW: set(), WIDE: set()}  # the processed-token counts at which each type lost a block
     while rm.has_unfinished_requests():
-        before = list(request.recycled_upto_by_type) or [None] * len(groups)  # [] until admitted
+        kv = rm.kv_cache_manager
+        before = kv.recycled_upto("r") if kv.holds("r") else [None] * len(groups)  # none until admitted
         batch = rm.schedule()
         (step,), n = batch.requests, request.num_computed_tokens
         for k, (kind, slots) in enumerate(rm.layout.recycling_groups):
             dead = dead_block_range(n, kind.window, kind.sink, 4)
-            assert request.recycled_upto_by_type[k] == dead.stop  # every dead block of this type is back
+            assert kv.recycled_upto("r")[k] == dead.stop  # every dead block of this type is back
             for s in slots:
-                row = request.block_tables_head_wise[s]
+                row = kv.table("r")[s]
                 assert [i for i, p in enumerate(row) if p == -1] == list(dead)
-            if before[k] is not None and request.recycled_upto_by_type[k] > before[k]:
+            if before[k] is not None and kv.recycled_upto("r")[k] > before[k]:
                 kills[kind].add(n)
-        held = sum(p != -1 for row in request.block_tables_head_wise for p in row)
+        held = sum(p != -1 for row in kv.table("r") for p in row)
         assert [held] == rm.layout.pages_per_rank(step.start, step.num_tokens)
         rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
         rm.check_integrity()
@@ -46,6 +47,6 @@ def test_each_sliding_type_recycles_at_its_own_window(make_config, policy, monke
     # block 1 at n = 13 (its block 0 holds the sink and is kept), the wide type's block 0 at n = 17. Prefill
     # runs in chunks of 8, so the recycle steps that see them first are at n = 16 and n = 24.
     assert (min(kills[NARROW]), min(kills[WIDE])) == (16, 24)
-    assert rm.swa_pages_recycled_total > 0
+    assert rm.kv_cache_manager.swa_pages_recycled_total > 0
     cm = rm.cache_manager
     assert cm.num_free_pages == cm.num_total_pages

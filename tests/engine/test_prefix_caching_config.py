@@ -18,7 +18,7 @@ def test_prefix_caching_is_on_by_default_in_every_memory_mode(make_config, mode)
 def test_no_enable_prefix_caching_turns_it_off(make_config):
     cfg = make_config("head_wise_recycle_on", num_gpu_blocks_override=16, enable_prefix_caching=False)
     rm = ResourceManagerV1(cfg)
-    assert rm.cache_manager.prefix_cache is None and not rm.prefix_caching
+    assert rm.cache_manager.prefix_cache is None and not rm.kv_cache_manager.prefix_caching
     assert rm.stats()["prefix_cache_cached_pages"] == 0
 
 

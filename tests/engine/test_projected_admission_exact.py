@@ -22,7 +22,7 @@ def manager(blocks, swa_heads=(0, 1, 2, 3), window=8, head_wise="1", **kwargs):
         config = EngineArgs(block_size=BS, num_gpu_blocks_override=blocks, max_model_len=64,
                             head_wise_swa_config=swa, **kwargs).create_engine_config()
     rm = ResourceManagerV1(config)
-    assert rm.layout.heads_per_rank == 4 and rm.layout.tensor_parallel_size == 1  # what the arithmetic assumes
+    assert rm.layout.slots_per_rank == 4 and rm.layout.tensor_parallel_size == 1  # what the arithmetic assumes
     return rm
 
 
@@ -48,13 +48,13 @@ def step(rm):
 def test_a_prefilling_curve_has_one_step_per_token_left_and_the_last_steps_table_flat():
     rm = manager(16, swa_heads=[0])
     r = request("a", range(3, 13), 7)
-    assert rm.projection.curve(r, 0) == (16, 16, 12, False, 0)  # 16 one-token steps: positions 0..15
-    assert rm.projection.curve(r, 5) == (11, 16, 12, False, 0)  # positions 5..15
-    assert rm.projection.curve(r, 8) == (8, 16, 12, False, 0)   # positions 8..15 (n = 9 would be decoding)
-    assert rm.projection.claim(rm.projection.curve(r, 5)) == [3 * 16 + 12]
+    assert rm.admission.curves.curve(r, 0) == (16, 16, 12, False, 0)  # 16 one-token steps: positions 0..15
+    assert rm.admission.curves.curve(r, 5) == (11, 16, 12, False, 0)  # positions 5..15
+    assert rm.admission.curves.curve(r, 8) == (8, 16, 12, False, 0)   # positions 8..15 (n = 9 would be decoding)
+    assert rm.admission.curves.claim(rm.admission.curves.curve(r, 5)) == [3 * 16 + 12]
     # One output more: the last step computes position 16, a table of ceil(17/4) = 5 blocks: peak 20.
     longer = request("b", range(3, 13), 8)
-    assert rm.projection.curve(longer, 0) == (17, 20, 12, False, 0)
+    assert rm.admission.curves.curve(longer, 0) == (17, 20, 12, False, 0)
 
 
 def test_a_decoding_curve_starts_at_n_plus_a_block_and_is_capped_at_the_last_steps_table():
@@ -68,9 +68,9 @@ def test_a_decoding_curve_starts_at_n_plus_a_block_and_is_capped_at_the_last_ste
                 4: ((3, 17, 12, True, 3), 3 * 16 + 12),   # steps = rounding: capped at 16, not 17
                 6: ((1, 19, 12, True, 3), 3 * 16 + 12)}
     for o in range(7):
-        curve = rm.projection.curve(r, r.num_tokens - 1)
+        curve = rm.admission.curves.curve(r, r.num_tokens - 1)
         if o in expected:
-            assert (curve, rm.projection.claim(curve)) == (expected[o][0], [expected[o][1]]), o
+            assert (curve, rm.admission.curves.claim(curve)) == (expected[o][0], [expected[o][1]]), o
         r.append_output(9)
 
 
@@ -82,16 +82,16 @@ def test_the_curve_counts_exactly_the_steps_left_at_one_token_per_step():
     rm.add_request(r)
     seen = []
     while rm.has_unfinished_requests():
-        curve = rm.projection.curve(r, r.num_computed_tokens)
+        curve = rm.admission.curves.curve(r, r.num_computed_tokens)
         step(rm)
-        held = [sum(p >= 0 for p in row) for row in r.block_tables_head_wise] if not r.is_finished else None
+        held = rm.kv_cache_manager.held_pages_per_slot("a") if not r.is_finished else None
         seen.append((curve, held))
     assert len(seen) == 16
     for i, (curve, held) in enumerate(seen):
         steps, x, y, decoding, rounding = curve
         assert steps == 16 - i
         if held is not None:
-            assert 3 * BS * max(held[1:]) + BS * held[0] <= rm.projection.claim(curve)[0]
+            assert 3 * BS * max(held[1:]) + BS * held[0] <= rm.admission.curves.claim(curve)[0]
 
 
 def test_the_fit_check_sees_the_peak_just_before_the_longest_curves_end_though_a_short_one_follows():
@@ -102,11 +102,11 @@ def test_the_fit_check_sees_the_peak_just_before_the_longest_curves_end_though_a
     t < 3 (at most 360), then 4 * 3 * min(24 + t, 32), 384 from t = 8 to 11. So 384 units fit and
     383 do not, though at the short curve's end the sum is only 360."""
     rm = manager(16, head_wise="0")
-    decoding = rm.projection.curve(request("d", range(3, 24), 12), 20)
-    prefilling = rm.projection.curve(request("p", range(3, 14), 2), 9)
+    decoding = rm.admission.curves.curve(request("d", range(3, 24), 12), 20)
+    prefilling = rm.admission.curves.curve(request("p", range(3, 14), 2), 9)
     assert (decoding, prefilling) == ((12, 24, 0, True, 3), (3, 12, 0, False, 0))
     curves = [decoding] * 3 + [prefilling]
-    assert rm.projection.fit(curves, [384]) and not rm.projection.fit(curves, [383])
+    assert rm.admission.curves.fit(curves, [384]) and not rm.admission.curves.fit(curves, [383])
 
 
 # -- admission at the slack boundary ---------------------------------------------------------------
@@ -134,7 +134,7 @@ def test_chunks_are_cut_to_the_window_when_that_admits_the_second_newcomer_too()
     rm, batch = run_two_newcomers(7, 16)
     assert rm.max_chunk == 8
     assert batch == [("r1", 2, 1), ("n", 0, 8), ("n2", 0, 1)]
-    assert rm.projection.slack == [0]
+    assert rm.admission.curves.slack == [0]
     assert not rm.waiting
 
 
@@ -143,7 +143,7 @@ def test_a_newcomer_whose_whole_prompt_would_not_fit_the_slack_is_admitted_with_
     # (32), where the whole 16-token chunk (64 > 48) kept it waiting. n2 (claim 16) finds 0 left.
     rm, batch = run_two_newcomers(6, 16)
     assert batch == [("r1", 2, 1), ("n", 0, 8)]
-    assert rm.projection.slack == [0]
+    assert rm.admission.curves.slack == [0]
     assert [r.request_id for r in rm.waiting] == ["n2"]
     # Next step no block of n is dead yet ((8 - 8 + 1) // 4 = 0): 8 more tokens would need 4 x 4 pages =
     # 64 units beyond its claim 48 with no slack, so the chunk shrinks to 4 tokens (4 x 3 pages = 48).
@@ -155,7 +155,7 @@ def test_a_chunk_within_its_own_claim_takes_no_slack_so_the_next_newcomer_fits_e
     # 112 - 48 - 48 = 16, exactly n2's claim and chunk, which is admitted (16 > 16 is false): 0 left.
     rm, batch = run_two_newcomers(7, 8)
     assert batch == [("r1", 2, 1), ("n", 0, 8), ("n2", 0, 1)]
-    assert rm.projection.slack == [0]
+    assert rm.admission.curves.slack == [0]
     assert not rm.waiting
 
 
@@ -170,9 +170,9 @@ def test_a_running_chunk_shrinks_to_one_token_when_two_would_need_a_page_nobody_
     rm.add_request(request("b", [3], 3))
     rm.add_request(request("a", range(10, 19), 2))
     assert step(rm) == [("b", 0, 1), ("a", 0, 7)]
-    assert rm.projection.slack == [0]
+    assert rm.admission.curves.slack == [0]
     assert step(rm) == [("b", 1, 1), ("a", 7, 1)]
-    assert rm.projection.slack == [0] and rm.num_preemptions_total == 0
+    assert rm.admission.curves.slack == [0] and rm.num_preemptions_total == 0
 
 
 def test_a_prefill_whose_claim_is_the_window_advances_to_the_next_block_boundary_each_step():
@@ -206,4 +206,4 @@ def test_a_cached_prefix_counts_only_the_tokens_after_it_in_the_first_chunk():
     assert step(rm) == [("r1", 0, 2)]
     rm.add_request(request("n", list(range(100, 108)) + [200, 201, 202, 203], 1))
     assert step(rm) == [("r1", 2, 1), ("n", 8, 4)]
-    assert rm.projection.slack == [96 - 24 - 48]
+    assert rm.admission.curves.slack == [96 - 24 - 48]

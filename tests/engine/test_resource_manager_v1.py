@@ -30,11 +30,14 @@ def step(rm, token=9):
 
 def assert_no_dead_page_held(rm):
     """Right after schedule(), every running request has returned every page that left its window."""
-    if not rm.layout.recycling_heads:
+    groups = rm.layout.recycling_groups
+    if not groups:
         return
+    (kind, _), = groups
     for r in rm.running:
-        dead = dead_block_range(r.num_computed_tokens, rm.layout.window, rm.layout.sink, rm.block_size)
-        assert r.recycled_upto == dead.stop, (r.request_id, r.recycled_upto, dead)
+        dead = dead_block_range(r.num_computed_tokens, kind.window, kind.sink, rm.block_size)
+        upto = rm.kv_cache_manager.recycled_upto(r.request_id)
+        assert upto == [dead.stop], (r.request_id, upto, dead)
 
 
 def run_to_completion(rm, limit=100_000):
@@ -50,12 +53,12 @@ def test_recycle_writes_minus_one_for_dead_swa_blocks_only(make_config):
     rm = ResourceManagerV1(cfg)
     rm.add_request(request("a", 60, 30))
     step(rm)  # prefill 60 tokens; nothing dead yet on the processed basis (n=0 before the step)
-    row = rm.running[0].block_tables_head_wise
+    row = rm.kv_cache_manager.table("a")
     assert -1 not in row[0]
     step(rm)  # n=60 now: blocks [1, (60-20+1)//16) = [1, 2) of head 0 are dead
     assert row[0][1] == -1 and row[0][0] != -1 and row[0][2] != -1
     assert all(-1 not in r for r in row[1:])
-    assert rm.swa_pages_recycled_total == 1
+    assert rm.kv_cache_manager.swa_pages_recycled_total == 1
 
 
 def test_full_heads_reuse_pages_recycled_by_the_swa_head(make_config):
@@ -71,11 +74,11 @@ def test_full_heads_reuse_pages_recycled_by_the_swa_head(make_config):
     borrowed = set()
     while rm.has_unfinished_requests():
         step(rm)
-        if req.block_tables_head_wise:
-            borrowed.update(p for row in req.block_tables_head_wise[1:] for p in row if p % 4 == 0)
+        if rm.kv_cache_manager.holds("a"):
+            borrowed.update(p for row in rm.kv_cache_manager.table("a")[1:] for p in row if p % 4 == 0)
     assert len(req.output_token_ids) == 33
     assert borrowed, "full heads never used a page from the SWA head's list"
-    assert rm.swa_pages_recycled_total >= 5
+    assert rm.kv_cache_manager.swa_pages_recycled_total >= 5
 
 
 def test_recycle_off_keeps_swa_pages_until_the_request_ends(make_config):
@@ -84,8 +87,8 @@ def test_recycle_off_keeps_swa_pages_until_the_request_ends(make_config):
     rm.add_request(request("a", 100, 20))
     for _ in range(10):
         step(rm)
-    assert all(-1 not in row for row in rm.running[0].block_tables_head_wise)
-    assert rm.swa_pages_recycled_total == 0
+    assert all(-1 not in row for row in rm.kv_cache_manager.table("a"))
+    assert rm.kv_cache_manager.swa_pages_recycled_total == 0
 
 
 def test_chunked_prefill_respects_the_token_budget(make_config):
@@ -165,7 +168,7 @@ def test_preempted_request_recomputes_prompt_and_outputs(make_config):
         victim = batch.preempted[0] if batch.preempted else None
     generated = len(victim.output_token_ids)
     assert victim.status == RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
-    assert victim.block_tables_head_wise is None or not any(victim.block_tables_head_wise)
+    assert not rm.kv_cache_manager.holds(victim.request_id)
     while victim.status != RequestStatus.RUNNING:
         batch = step(rm)
     first = [s for s in batch.requests if s.request is victim][0]
@@ -340,6 +343,6 @@ def test_finished_requests_are_not_kept_alive_by_the_scheduler(make_config):
         refs.append(weakref.ref(r))
         del r
     run_to_completion(rm)
-    assert rm.swa_pages_recycled_total > 0
+    assert rm.kv_cache_manager.swa_pages_recycled_total > 0
     gc.collect()
     assert [ref() for ref in refs if ref() is not None] == []  # the engine idles now: nothing may pin them

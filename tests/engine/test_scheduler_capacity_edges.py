@@ -55,7 +55,7 @@ def test_swa_pages_are_recycled_before_the_running_request_grows_its_table(make_
     assert len(r.output_token_ids) == 33 and len(steps) == 33
     assert low == 0  # the cache really was full at the peak
     # Recycled by the end: block 0 at 32 processed tokens, block 1 at 48 (never reached: 47 is last).
-    assert rm.swa_pages_recycled_total == 1 * HEADS
+    assert rm.kv_cache_manager.swa_pages_recycled_total == 1 * HEADS
     assert rm.cache_manager.num_free_pages == 2 * HEADS
 
 

@@ -74,18 +74,19 @@ class ShadowMemory:
     def __init__(self, rm):
         self.rm, self.bs = rm, rm.block_size
         self.row_type = {h: (kind.window, kind.sink) for kind, slots in rm.layout.recycling_groups for h in slots}
-        self.head_wise = rm.head_wise
-        self.heads_per_rank = rm.layout.heads_per_rank
-        self.rows = rm.layout.num_kv_heads  # table rows: KV heads, or the slots of a slot layout
+        self.head_wise = rm.fd_config.head_wise_kv_cache
+        self.heads_per_rank = rm.layout.slots_per_rank
+        self.rows = rm.layout.num_slots  # table rows: KV heads, or the slots of a slot layout
         self.cells: dict = {}
 
     def page(self, request, head, block):
         """Address of a head's page for a block: (rank, page id), or None where the table has none."""
+        rows = self.rm.kv_cache_manager.table(request.request_id)
         if self.head_wise:
-            row = request.block_tables_head_wise[head]
+            row = rows[head]
             p = row[block] if block < len(row) else -1
             return None if p < 0 else (head // self.heads_per_rank, p)
-        table = request.block_tables
+        table, = rows
         return None if block >= len(table) or table[block] < 0 else ("1d", table[block], head)
 
     def step(self, scheduled):
@@ -147,7 +148,8 @@ def run_workload(make_config, mode, reserve, geometry, jobs, blocks, seen, specu
     def truth(request, i):  # the token "the model" samples at output index i
         return EOS if i == eos_at[request.request_id] else FILLER
 
-    proposer = ScriptedProposer(truth, boundary_hugging(bs), wrong=lambda t: ALPHABET[0]) if speculate else None
+    proposer = ScriptedProposer(truth, boundary_hugging(bs, (window,) if swa else ()), wrong=lambda t: ALPHABET[0]) \
+        if speculate else None
     rm = ResourceManagerV1(cfg, proposer=proposer)
     shadow = ShadowMemory(rm)
     pending = list(enumerate(jobs))
@@ -179,32 +181,32 @@ def run_workload(make_config, mode, reserve, geometry, jobs, blocks, seen, specu
         rm.update_from_output(batch, sampled)
         rm.check_integrity()
         for r in rm.running:  # nothing a rejected draft was written to is kept
-            held = len(r.block_tables_head_wise[0]) if rm.head_wise else len(r.block_tables)
+            held = len(rm.kv_cache_manager.table(r.request_id)[0])
             assert held == -(-r.num_computed_tokens // bs), f"{r}: {held} table entries"
         if not pending and not rm.has_unfinished_requests():
             break
         assert t < 3000, "no progress"
     cm = rm.cache_manager
-    assert cm.num_free_pages == cm.num_total_pages == cfg.cache_config.num_gpu_blocks * rm.layout.num_kv_heads
+    assert cm.num_free_pages == cm.num_total_pages == cfg.cache_config.num_gpu_blocks * rm.layout.num_slots
     if reserve:
         assert rm.num_preemptions_total == 0  # reservation admission never preempts
     seen["examples"] += 1
     seen["preemptions"] += rm.num_preemptions_total
     seen["prefix_hit_tokens"] += rm.prefix_cache_hit_tokens_total
     seen["evictions"] += cm.prefix_cache_stats()["prefix_cache_evictions_total"]
-    seen["swa_recycled"] += rm.swa_pages_recycled_total
+    seen["swa_recycled"] += rm.kv_cache_manager.swa_pages_recycled_total
     return rm
 
 
 def assert_pages_held_are_the_page_need(rm, batch):
     """After schedule() (recycle step, then table growth) every scheduled request holds, per rank, exactly
     the pages the one page-need function gives for its step: admission and the recycle step agree."""
-    if not rm.head_wise:
+    if not rm.fd_config.head_wise_kv_cache:
         return
-    hpr = rm.layout.heads_per_rank
+    hpr = rm.layout.slots_per_rank
     for s in batch.requests:
         held = [0] * rm.layout.tensor_parallel_size
-        for h, row in enumerate(s.request.block_tables_head_wise):
+        for h, row in enumerate(rm.kv_cache_manager.table(s.request.request_id)):
             held[h // hpr] += sum(p != -1 for p in row)
         assert held == rm.layout.pages_per_rank(s.start, s.num_tokens), \
             f"{s.request.request_id} at {s.start} + {s.num_tokens}: holds {held}"

@@ -35,29 +35,37 @@ def running(make_config):
     step(rm)
     step(rm)
     r = rm.requests["r"]
-    assert r.num_computed_tokens == 41 and r.recycled_upto == 1
-    assert [row[0] == -1 for row in r.block_tables_head_wise] == [True, False, False, False]
+    assert r.num_computed_tokens == 41 and rm.kv_cache_manager.recycled_upto("r") == [1]
+    assert [row[0] == -1 for row in rm.kv_cache_manager.table("r")] == [True, False, False, False]
     return rm, r
+
+
+def table_of(rm, rid):
+    """The KV cache manager's own table object of a request, to corrupt on purpose."""
+    return rm.kv_cache_manager._tables[rid]
 
 
 def test_table_corruptions_are_named(running):
     rm, r = running
-    r.recycled_upto = 2
+    table = table_of(rm, "r")
+    table.recycled_upto = [2]
     assert broken(rm) == "r: recycled up to block 2, but only blocks below 1 are dead"
-    r.recycled_upto = 1
-    page = r.block_tables_head_wise[1][0]
-    r.block_tables_head_wise[1][0] = -1
+    table.recycled_upto = [1]
+    page = table.rows[1][0]
+    table.rows[1][0] = -1
     assert broken(rm) == "r: head 1 entry 0 is -1, dead=False"
-    r.block_tables_head_wise[1][0] = page
-    r.num_computed_tokens = 64  # 4 blocks' worth, the table has 3 entries
+    table.rows[1][0] = page
+    r.num_computed_tokens = table.num_computed = 64  # 4 blocks' worth, the table has 3 entries
     assert broken(rm) == "r: 64 tokens cached but only 3 entries"
     r.num_computed_tokens = 41
+    assert broken(rm) == "r: the table records 64 computed tokens, the request 41"
+    table.num_computed = 41
     rm.check_integrity()
 
 
 def test_page_reference_corruptions_are_named(running):
     rm, r = running
-    row = r.block_tables_head_wise[2]
+    row = table_of(rm, "r").rows[2]
     row.append(row[0])  # one page twice in r's own table
     assert broken(rm) == f"page {row[0]} appears twice in the tables of 'r'"
     row.pop()
@@ -76,26 +84,33 @@ def test_a_page_shared_by_two_tables_and_repeated_in_one_is_named(make_config):
     rm.add_request(request("a", 8, 5))
     rm.add_request(request("b", 8, 5))
     step(rm)
-    a, b = rm.requests["a"], rm.requests["b"]
-    b.block_tables = [a.block_tables[0], a.block_tables[0]]
-    assert broken(rm) == f"page {a.block_tables[0]} appears twice in the tables of 'b'"
+    a, b = table_of(rm, "a"), table_of(rm, "b")
+    b.rows[0][:] = [a.rows[0][0], a.rows[0][0]]
+    assert broken(rm) == f"page {a.rows[0][0]} appears twice in the tables of 'b'"
 
 
 def test_a_waiting_request_holding_head_wise_pages_is_named(running):
     rm, _ = running
     rm.add_request(request("w", 8, 1))
-    rm.requests["w"].block_tables_head_wise = [[5], [], [], []]
+    rm.kv_cache_manager.start("w")  # a table, as no waiting request may have
     assert broken(rm) == "w: waiting but holds pages"
+
+
+def test_a_table_nobody_runs_is_named(running):
+    rm, _ = running
+    rm.kv_cache_manager.start("ghost")
+    assert broken(rm) == "ghost: holds a page table but is not running"
 
 
 def test_reservation_corruptions_are_named(running):
     rm, r = running
-    held = list(rm._reserved_per_rank)
-    rm._reserved_per_rank = [held[0] + 1]
+    policy = rm.admission
+    held = list(policy.reserved_per_rank)
+    policy.reserved_per_rank = [held[0] + 1]
     assert broken(rm) == f"reservations [{held[0] + 1}] != sum {held} or over capacity"
     # Consistent sums, but more than the cache holds.
     over = rm.pages_per_rank + 1
-    rm._reserved_per_rank, r.reserved_pages_per_rank = [over], [over]
+    policy.reserved_per_rank, policy.reserved["r"] = [over], [over]
     assert broken(rm) == f"reservations [{over}] != sum [{over}] or over capacity"
 
 

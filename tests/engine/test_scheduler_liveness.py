@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastdeploy.cache_manager.head_wise import PageLayout
+from fastdeploy.cache_manager.slots import AttentionType
 from fastdeploy.envs import override
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.request import Request, SamplingParams
@@ -124,7 +125,7 @@ def test_a_recompute_chunk_is_capped_to_what_the_cache_holds():
        st.integers(0, 200), st.integers(0, 300), st.lists(st.integers(0, 200), min_size=2, max_size=2))
 def test_largest_chunk_within_is_the_largest_chunk_that_fits(bs, heads, n_swa, window, sink, n, num_new, limits):
     tp = 2 if heads >= 2 else 1
-    layout = PageLayout(bs, heads, tp, tuple(range(min(n_swa, heads))), window, sink, True)
+    layout = PageLayout(bs, heads, tp, ((AttentionType(window, sink), tuple(range(min(n_swa, heads)))),), True)
     limit = limits[:tp]
     c = layout.largest_chunk_within(n, num_new, limit)
     fits = [k for k in range(num_new + 1) if all(p <= lim for p, lim in zip(layout.pages_per_rank(n, k), limit))]
@@ -136,14 +137,14 @@ def test_largest_chunk_within_is_the_largest_chunk_that_fits(bs, heads, n_swa, w
        st.integers(1, 120), st.integers(1, 120), st.integers(1, 130))
 def test_one_token_steps_never_exceed_the_lifetime_peak(bs, heads, window, sink, prompt, max_new, chunk):
     """So a chunk capped to the cache is never empty once add_request accepted the request."""
-    layout = PageLayout(bs, heads, 1, (0,), window, sink, True)
+    layout = PageLayout(bs, heads, 1, ((AttentionType(window, sink), (0,)),), True)
     peak = layout.peak_pages_per_rank(prompt, max_new, chunk)
     for n in range(prompt + max_new - 1):
         assert layout.pages_per_rank(n, 1)[0] <= peak[0]
         # and the projection's bound holds at every one-token step
         f, r = layout.rank_head_counts()[0]
-        assert bs * layout.pages_per_rank(n, 1)[0] <= f * (n + bs) + r * layout.recycling_head_bound(
-            prompt + max_new - 2)
+        assert bs * layout.pages_per_rank(n, 1)[0] <= f * (n + bs) + r * layout.recycling_bounds(
+            prompt + max_new - 2)[0]
 
 
 # -- the progress property over random workloads -----------------------------------------------
@@ -235,7 +236,7 @@ def test_tight_caches_with_a_late_preemption_always_progress(policy):
            st.integers(50, 300), st.integers(50, 300), st.integers(20, 200), st.integers(0, 3), st.booleans())
     def run(bs, window, sink, px, mx, pa, ma, extra, prefix_caching):
         swa = {"sliding_window": window, "sink_size": sink, "swa_kv_heads": [0]}
-        layout = PageLayout(bs, 4, 1, (0,), window, sink, True)
+        layout = PageLayout(bs, 4, 1, ((AttentionType(window, sink), (0,)),), True)
         peak = max(max(layout.peak_pages_per_rank(p, m, 2048)) for p, m in ((px, mx), (pa, ma)))
         cfg = config(policy, block_size=bs, num_gpu_blocks_override=-(-peak // 4) + extra, max_model_len=640,
                      max_num_batched_tokens=2048, enable_prefix_caching=prefix_caching, head_wise_swa_config=swa)

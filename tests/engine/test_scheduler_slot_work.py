@@ -11,6 +11,7 @@ import heapq
 import pytest
 
 from fastdeploy.cache_manager import prefix_cache_manager
+from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager
 from fastdeploy.engine.request import Request, SamplingParams
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 
@@ -50,22 +51,24 @@ def run_counting(make_config, monkeypatch, swa: dict) -> tuple:
     cfg = make_config("head_wise_recycle_on", num_gpu_blocks_override=64, head_wise_swa_config=swa,
                       max_num_batched_tokens=256, enable_prefix_caching=False)
     rm = ResourceManagerV1(cfg)
-    reset = ResourceManagerV1._reset_tables
+    start = KVCacheManager.start
 
-    def reset_counting(self, request):
-        reset(self, request)
-        request.block_tables_head_wise = RowCountingTables(request.block_tables_head_wise)
+    def start_counting(self, request_id, hit=()):
+        cached = start(self, request_id, hit)
+        table = self._tables[request_id]
+        table.rows = RowCountingTables(table.rows)
+        return cached
 
-    monkeypatch.setattr(ResourceManagerV1, "_reset_tables", reset_counting)
+    monkeypatch.setattr(KVCacheManager, "start", start_counting)
     monkeypatch.setattr(prefix_cache_manager, "heapq", CountingHeap)
     for i in range(3):  # staggered prompts: their blocks cross at different steps
         rm.add_request(Request(f"r{i}", [5] * (40 + 7 * i), SamplingParams(max_tokens=150, ignore_eos=True),
                                eos_token_id=-1))
     steps = []
     while rm.has_unfinished_requests():
-        before = (CountingHeap.pushes, CountingHeap.pops, RowCountingTables.reads, rm.swa_pages_recycled_total)
+        before = (CountingHeap.pushes, CountingHeap.pops, RowCountingTables.reads, rm.kv_cache_manager.swa_pages_recycled_total)
         batch = rm.schedule()
-        after = (CountingHeap.pushes, CountingHeap.pops, RowCountingTables.reads, rm.swa_pages_recycled_total)
+        after = (CountingHeap.pushes, CountingHeap.pops, RowCountingTables.reads, rm.kv_cache_manager.swa_pages_recycled_total)
         steps.append(tuple(a - b for a, b in zip(after, before)) + (len(batch.requests),))
         rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
     rm.check_integrity()

@@ -100,7 +100,7 @@ def test_pages_recycled_in_one_step_by_several_requests_are_all_counted(make_con
         rm.add_request(request(rid, [5 + len(rid)] * 16, 33))
     while rm.has_unfinished_requests():
         step(rm)
-    assert rm.swa_pages_recycled_total == 2 * 4
+    assert rm.kv_cache_manager.swa_pages_recycled_total == 2 * 4
 
 
 def test_a_request_filling_max_model_len_exactly_is_accepted_and_waits(make_config):

@@ -37,7 +37,7 @@ def step(rm, accept=None):
 
 
 def held(rm, request):
-    return len(request.block_tables_head_wise[0]) if rm.head_wise else len(request.block_tables)
+    return len(rm.kv_cache_manager.table(request.request_id)[0])
 
 
 @pytest.mark.parametrize("mode", ["1d", "head_wise_recycle_on"])
@@ -56,7 +56,7 @@ def test_a_page_written_only_by_rejected_drafts_goes_back_in_the_same_step(make_
     rm.check_integrity()
     assert request.num_computed_tokens == 8 + accepted
     assert held(rm, request) == blocks_after  # accepted 0: positions 8..11 were all rejected
-    per_block = rm.layout.heads_per_rank
+    per_block = rm.layout.slots_per_rank
     assert rm.cache_manager.num_free_pages == free - (blocks_after - 2) * per_block
 
 
@@ -72,10 +72,10 @@ def test_a_sliding_heads_window_moves_with_accepted_tokens_only(make_config):
     for _ in range(6):
         step(rm, accept=0)  # 4 drafts written each step, all rejected: one token of progress per step
         limit = dead_block_range(request.num_computed_tokens, 6, 0, 2).stop
-        assert request.recycled_upto <= limit
+        assert rm.kv_cache_manager.recycled_upto("r") <= [limit]
     assert request.num_computed_tokens == 11
     # the last recycle pass ran with 10 tokens processed (the 11th was accepted after it)
-    assert rm.swa_pages_recycled_total == dead_block_range(10, 6, 0, 2).stop
+    assert rm.kv_cache_manager.swa_pages_recycled_total == dead_block_range(10, 6, 0, 2).stop
     assert rm.spec_decode_num_draft_tokens_total == 24 and rm.spec_decode_num_accepted_tokens_total == 0
 
 

@@ -33,9 +33,13 @@ def prose_logprobs(llm) -> np.ndarray:
 
 def assert_stack_equals_per_layer_calls(llm):
     stacked = answers(llm), prose_logprobs(llm)
-    assert llm.engine.runner.model._stack is not None, "the whole-stack op did not run"
-    with envs.override(FD_CPU_FUSED_LAYERS=1):
+    model = llm.engine.runner.model
+    assert model._stack is not None, "the whole-stack op did not run"
+    model.fused_layers_level = 1  # FD_CPU_FUSED_LAYERS=1, in the same engine
+    try:
         per_layer = answers(llm), prose_logprobs(llm)
+    finally:
+        model.fused_layers_level = 2
     assert stacked[0] == per_layer[0]
     assert np.array_equal(stacked[1].view(np.int32), per_layer[1].view(np.int32))
 

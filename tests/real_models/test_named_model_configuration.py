@@ -15,11 +15,9 @@ def _shipped() -> dict:
 
 
 def test_the_calibrated_configuration_serves_only_with_the_feature_on(smollm2_path):
-    with envs.override(FD_HEAD_WISE_KV_CACHE=1):
-        on = ModelConfig.create("smollm2-135m-instruct", 1024, None)
-    with envs.override(FD_HEAD_WISE_KV_CACHE=0):
-        off = ModelConfig.create("smollm2-135m-instruct", 1024, None)
-        by_path = ModelConfig.create(smollm2_path, 1024, None)
+    on = ModelConfig.create("smollm2-135m-instruct", 1024, None, calibrated=True)  # the engine: the flag on
+    off = ModelConfig.create("smollm2-135m-instruct", 1024, None, calibrated=False)
+    by_path = ModelConfig.create(smollm2_path, 1024, None, calibrated=True)  # a path names no calibration
     shipped = _shipped()
     assert on.head_wise_swa.to_dict()["swa_kv_heads"] == shipped["swa_kv_heads"]
     assert (on.head_wise_swa.sliding_window, on.head_wise_swa.sink_size) == (shipped["sliding_window"],
@@ -30,8 +28,7 @@ def test_the_calibrated_configuration_serves_only_with_the_feature_on(smollm2_pa
 
 def test_the_override_wins_over_the_calibrated_configuration():
     override = {"sliding_window": 4096, "sink_size": 4, "swa_kv_heads": [0]}
-    with envs.override(FD_HEAD_WISE_KV_CACHE=1):
-        cfg = ModelConfig.create("smollm2-135m-instruct", 1024, override)
+    cfg = ModelConfig.create("smollm2-135m-instruct", 1024, override, calibrated=True)
     assert cfg.head_wise_swa.to_dict() == override and cfg.head_wise_swa_source == "--head-wise-swa-config"
 
 

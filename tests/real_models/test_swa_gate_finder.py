@@ -94,7 +94,7 @@ def test_the_written_section_is_served_by_the_engine(tiny_dir, pushed):
         assert llm.engine.model_config.head_wise_swa.sliding_window == WINDOW
         out = llm.generate([list(range(100, 300))], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert len(out[0].outputs.token_ids) == 8
-    assert llm.engine.scheduler.swa_pages_recycled_total > 0  # the sliding heads' pages came back
+    assert llm.engine.scheduler.kv_cache_manager.swa_pages_recycled_total > 0  # the sliding heads' pages came back
 
 
 def test_among_gates_clamped_at_zero_the_head_let_go_of_sooner_slides_first():

@@ -129,15 +129,6 @@ def test_every_request_finishes_with_its_length_and_all_pages_come_back(tiny_mod
         assert result.preemptions == 0 and result.recomputed_tokens == 0
 
 
-def test_memoized_peak_pages_change_no_scheduling_decision(tiny_model):
-    sc = tiny_scenario(tiny_model)
-    settings = sc.settings()
-    fd = make_fd_config(settings, True)
-    a = simulate(fd, sc.step_model(settings), sc.workload.requests(), memoize=True)
-    b = simulate(make_fd_config(settings, True), sc.step_model(settings), sc.workload.requests(), memoize=False)
-    assert a.done_times == b.done_times and a.steps == b.steps
-
-
 def test_recycling_gain_is_real_and_bounded_by_the_concurrency_ceiling(tiny_model):
     # A burst of many identical requests: memory bounds concurrency in both arms.
     sc = tiny_scenario(tiny_model, swa_heads=4, workload=Workload(60, 300, 200, seed=0))

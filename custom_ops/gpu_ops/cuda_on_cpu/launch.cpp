@@ -1,5 +1,5 @@
 // A launch: checks the configuration as a GPU would, then runs the grid's blocks. With more than
-// one order configured (CUDA_ON_CPU_ORDERS, or cuda_on_cpu_set_orders) the launch runs once per
+// one order configured (cuda_on_cpu_set_orders: the loader passes CUDA_ON_CPU_ORDERS) the launch runs once per
 // order from the same memory: every device allocation is snapshot before, restored between runs and
 // compared byte for byte after; a difference is a race, reported with the kernel's name
 // (cuda_on_cpu_races). The memory keeps the last order's result.
@@ -56,16 +56,12 @@ bool parse_orders(const char* spec, std::vector<Order>* out) {
   return true;
 }
 
+// The default until a loader sets its own (cuda_on_cpu_set_orders / _set_threads): nothing here reads
+// the environment.
 void configure_locked() {
   if (g_configured) return;
   g_configured = true;
-  const char* spec = getenv("CUDA_ON_CPU_ORDERS");
-  if (spec == nullptr || !parse_orders(spec, &g_orders)) {
-    if (spec != nullptr) fprintf(stderr, "cuda_on_cpu: bad CUDA_ON_CPU_ORDERS '%s', using forward,reverse\n", spec);
-    parse_orders("forward,reverse", &g_orders);
-  }
-  const char* threads = getenv("CUDA_ON_CPU_THREADS");
-  if (threads != nullptr && atoi(threads) > 0) g_threads = atoi(threads);
+  parse_orders("forward,reverse", &g_orders);
 }
 
 std::string dims(const dim3& d) {

@@ -5,6 +5,7 @@
 #include <string.h>
 #include <time.h>
 
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <string>
@@ -35,17 +36,22 @@ size_t max_dynamic_smem(const void* kernel) {
   return it == g_max_dynamic_smem.end() ? 48 * 1024 : (size_t)it->second;  // CUDA's default limit
 }
 
-int sm_count() {
-  const char* env = getenv("CUDA_ON_CPU_SM_COUNT");
-  const int n = env != nullptr ? atoi(env) : 0;
-  return n > 0 ? n : 132;  // an H100 / H200: the launcher sizes decode splits for it
-}
+namespace {
+std::atomic<int> g_sm_count{132};  // an H100 / H200: the launcher sizes decode splits for it
+}  // namespace
+
+int sm_count() { return g_sm_count.load(std::memory_order_relaxed); }
 
 }  // namespace cuda_on_cpu
 
 using namespace cuda_on_cpu;
 
 extern "C" {
+
+// The multiprocessor count cudaDeviceGetAttribute reports (CUDA_ON_CPU_SM_COUNT; <= 0: 132).
+__attribute__((visibility("default"))) void cuda_on_cpu_set_sm_count(int count) {
+  g_sm_count.store(count > 0 ? count : 132, std::memory_order_relaxed);
+}
 
 cudaError_t cudaMalloc(void** ptr, size_t bytes) {
   if (ptr == nullptr) return cudaErrorInvalidValue;

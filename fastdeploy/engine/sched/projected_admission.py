@@ -20,23 +20,82 @@ import heapq
 import itertools
 from typing import Optional
 
-from fastdeploy.cache_manager.head_wise import PageLayout, table_length
+from functools import lru_cache
+
 from fastdeploy.engine.request import Request
+from fastdeploy.engine.sched.admission import AdmissionPolicy
+
+
+class ProjectedAdmission(AdmissionPolicy):
+    """Admit while the running requests' page curves, the newcomer's added, fit every future step."""
+
+    def __init__(self, fd_config, kv, running: list):
+        super().__init__(fd_config, kv, running)
+        self.budget = fd_config.scheduler_config.max_num_batched_tokens
+        self.max_running = self.budget  # every running request must get a token each step (the curves count on it)
+        self.curves = PageCurves(self.layout, self.capacity, running)
+
+    def new_step(self) -> None:
+        self.curves.new_step()
+
+    def admissions_with(self, chunk: int, waiting, seats: int) -> int:
+        return self.curves.admissions_with(chunk, self.budget, waiting, seats)
+
+    def running_chunk(self, request: Request, num_new: int, num_behind: int) -> int:
+        """The chunk's pages beyond its own curve's claim come from the slack, keeping one token of budget
+        for each request behind it. A guard for the curves' premise (one token per running request per
+        step): while admission keeps the running list in order no request runs behind a prefilling one,
+        so num_behind is 0 here (the proof is in docs/mutation_testing.md), but a change to admission must
+        not starve one."""
+        num_new = max(1, num_new - num_behind)
+        if num_new == 1:
+            return 1
+        n = request.num_computed_tokens
+        own = self.curves.claim(self.curves.curve(request, n))
+        return self.curves.take_transient(n, num_new, own)
+
+    def admit(self, request: Request, start: int, step_chunk: int) -> Optional[list]:
+        return self.curves.admit(request, start, step_chunk)
+
+    def first_chunk(self, request: Request, num_new: int, claim) -> int:
+        if num_new <= 1:
+            return num_new
+        return self.curves.take_transient(request.num_computed_tokens, num_new, claim)
+
+    def draft_limit(self):
+        """A request drafts only while the curves still fit with its curve moved as far as its drafts could
+        take it (PageCurves.drafts_within)."""
+        curves = self.curves.running_curves()
+        return lambda request, num: self.curves.drafts_within(curves, self.running.index(request), num)
+
+    def check(self) -> None:
+        if not self.curves.fit(self.curves.running_curves()):
+            raise AssertionError("projected admission: the running requests' page curves overflow the cache "
+                                 "at some future step")
 
 
 class PageCurves:
     """The curves of one scheduler's running requests and this step's unclaimed pages (the slack)."""
 
-    def __init__(self, layout: PageLayout, capacity: list, running: list):
+    def __init__(self, layout, capacity: list, running: list):
         self.layout = layout
         self.block_size = layout.block_size
         self.capacity = capacity  # pages per rank
         self.running = running  # the scheduler's running list, read where the slack is first needed
         self.head_counts = layout.rank_head_counts()  # per rank (keeping slots, recycling slots of each type...)
-        # One sliding type (or none): a curve's recycling bound y is one number and a rank's claim is
-        # f * x + r * y. Several: y is one bound per type and the claim f * x + sum_k r_k * y_k.
+        # One sliding type: a curve's recycling bound y is one number and a rank's claim is f * x + r * y.
+        # None or several: y is one bound per type and the claim f * x + sum_k r_k * y_k.
         self.one_type = len(self.head_counts[0]) == 2
+        self._last_step = lru_cache(maxsize=4096)(self._bounds_at)
         self.new_step()
+
+    def _bounds_at(self, last: int) -> tuple:
+        """(recycling bound y, exact pages x bs of the last step, rounding) of a request whose last
+        one-token step is at position `last`: what its curve needs besides its progress."""
+        bs = self.block_size
+        peak = bs * self.layout.pages_needed(last, 1)[0]  # a slot keeping every page: the table's length
+        bounds = self.layout.recycling_bounds(last)
+        return bounds[0] if self.one_type else bounds, peak, last + bs - peak
 
     def new_step(self) -> None:
         """Forget the last step's slack and curves; the first reader this step recomputes them."""
@@ -53,14 +112,7 @@ class PageCurves:
         f * x + r * y with x that exact last-step value. With several sliding types y is a tuple, one
         bound per type, and r * y stands for sum_k r_k * y_k."""
         total = request.num_tokens + request.max_new_tokens
-        last = total - 2  # position of the last one-token step (the last sampled token is never cached)
-        memo = request.projection_memo
-        if memo is None or memo[0] != last:
-            bs = self.block_size
-            peak = bs * table_length(last + 1, bs)
-            bounds = self.layout.recycling_bounds(last)
-            memo = request.projection_memo = (last, bounds[0] if self.one_type else bounds, peak, last + bs - peak)
-        _, y, peak, rounding = memo
+        y, peak, rounding = self._last_step(total - 2)  # the last one-token step (the last token is never cached)
         if n == request.num_tokens - 1:  # decoding: exactly one position per step from here
             return total - 1 - n, n + self.block_size, y, True, rounding
         return total - 1 - n, peak, y, False, 0

@@ -234,7 +234,10 @@ class CausalLM:
         operands for the whole stack in one call (_decoder_stack)."""
         self.fused_layers = None
         self._stack_layers, self._stack = None, None
-        if (envs.FD_CPU_FUSED_LAYERS == 0 or act is None or self.tp_size > 1 or self.moe or not self.plain_qkv
+        # FD_CPU_FUSED_LAYERS, read once here (the model is built at start-up); a measurement that compares
+        # the levels in one engine sets this attribute between steps.
+        self.fused_layers_level = envs.FD_CPU_FUSED_LAYERS
+        if (self.fused_layers_level == 0 or act is None or self.tp_size > 1 or self.moe or not self.plain_qkv
                 or self.arch.sandwich_norms):
             return
         operands = [(self.qkv[i].block_operand, self.o[i].block_operand, self.gate_up[i].block_operand,
@@ -261,7 +264,7 @@ class CausalLM:
     def _decoder_stack(self, backend):
         """Every layer of a step in one op call (models/decoder_stack.py), where the backend's attention
         is the CPU op and FD_CPU_FUSED_LAYERS is 2; None otherwise (the per-layer calls then run)."""
-        if (self._stack_layers is None or envs.FD_CPU_FUSED_LAYERS < 2
+        if (self._stack_layers is None or self.fused_layers_level < 2
                 or not getattr(backend, "runs_cpu_op", lambda: False)()):
             return None
         if self._stack is None or self._stack.backend() is not backend:

@@ -63,6 +63,9 @@ class AppendAttentionBackend:
             windows, sinks = row_attention_args([types[layer][h] for h in heads])
             self.layer_args.append((paddle.to_tensor([windows, sinks], dtype="int32"), 1, 0,
                                     paddle.to_tensor(slots.layer_head_slots(layer, heads), dtype="int32")))
+        # The step's table is [bsz, rows, max_blocks]; the kernels take a 1-D table's one row as [bsz, max_blocks].
+        self.one_row_table = not fd_config.head_wise_kv_cache
+        self._kernel_table = (None, None)  # (the step buffers' table, its kernel form): made once
         self.on_gpu = getattr(fd_config, "device", "cpu") == "gpu"
         # FD_HEAD_WISE_ATTN=dual_pass: upstream's two passes over the 1-D table (config checks it is
         # the GPU, 1-D mode); the masked passes read every page, as upstream's do.
@@ -86,12 +89,22 @@ class AppendAttentionBackend:
     def _bind_cpu_op(self):
         return load_cpu_ops().append_attention_cpu
 
-    @staticmethod
-    def step_tensors(meta: ForwardMeta) -> tuple:
+    def step_tensors(self, meta: ForwardMeta) -> tuple:
         """The step's tensors every layer's call passes: (seq_lens_encoder, seq_lens_decoder,
-        seq_lens_this_time, cu_seqlens_q, the block table: head-wise where the step has one)."""
-        table = meta.block_tables_head_wise if meta.block_tables_head_wise is not None else meta.block_tables
-        return meta.seq_lens_encoder, meta.seq_lens_decoder, meta.seq_lens_this_time, meta.cu_seqlens_q, table
+        seq_lens_this_time, cu_seqlens_q, the block table in the kernels' form)."""
+        return meta.seq_lens_encoder, meta.seq_lens_decoder, meta.seq_lens_this_time, meta.cu_seqlens_q, \
+            self.kernel_table(meta.block_tables)
+
+    def kernel_table(self, table: paddle.Tensor) -> paddle.Tensor:
+        """The kernels' form of a step's `[bsz, rows, max_blocks]` table (docs/op_contract.md): head-wise as
+        it is, a 1-D table's one row as `[bsz, max_blocks]` (a view, made once for the fixed buffers)."""
+        if not self.one_row_table:
+            return table
+        held, view = self._kernel_table
+        if held is not table:
+            view = table.reshape([table.shape[0], table.shape[2]])
+            self._kernel_table = (table, view)
+        return view
 
     def layer_operands(self, layer_id: int) -> dict:
         """The CPU op's tensors of layer `layer_id` that do not change between steps: its cache lane,
@@ -119,7 +132,7 @@ class AppendAttentionBackend:
             tensors = dict(qkv=qkv, seq_lens_encoder=encoder, seq_lens_decoder=decoder, seq_lens_this_time=this_time,
                            cu_seqlens_q=cu_seqlens_q, block_tables=table, **self.layer_operands(layer_id))
             return _call(self.cpu_op, *cpu_op_arguments(tensors, self.cpu_attrs[layer_id]))[0]
-        table = meta.block_tables_head_wise if meta.block_tables_head_wise is not None else meta.block_tables
+        table = self.kernel_table(meta.block_tables)
         swa_head_mask, window, sink, head_slots = self.layer_args[layer_id]
         cos, sin = self.rotary[layer_id]
         return append_attention(

@@ -12,16 +12,16 @@ kernels under real models, not for serving.
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 import paddle
 
+from fastdeploy import envs
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.append_attn_backend import AppendAttentionBackend
 from fastdeploy.model_executor.layers.attention.ops.append_attention import check_device_errors
 from fastdeploy.model_executor.layers.attention.ops.cuda_on_cpu_loader import AppendAttnBuffers, \
-    AppendAttnParams, load_cuda_on_cpu
+    AppendAttnParams, configure_executor, load_cuda_on_cpu
 
 _BF16 = 0  # AppendAttnDtype
 _CACHE_QUANT = {paddle.bfloat16: 0, paddle.int8: 1, paddle.float8_e4m3fn: 2, paddle.uint8: 3}  # AppendAttnCacheQuant
@@ -35,8 +35,9 @@ class CudaOnCpuAttentionBackend(AppendAttentionBackend):
     def __init__(self, fd_config, rotary: list, tp_rank: int = 0):
         super().__init__(fd_config, rotary, tp_rank)
         self.lib = load_cuda_on_cpu()
-        # One order unless asked: the race check (several orders) snapshots only the harness's buffers.
-        self.lib.cuda_on_cpu_set_orders(os.environ.get("CUDA_ON_CPU_ORDERS", "forward").encode())
+        # One order unless asked (CUDA_ON_CPU_ORDERS): the race check (several orders) snapshots only the
+        # harness's buffers.
+        configure_executor(self.lib, fd_config.env if fd_config.env is not None else envs.snapshot())
         self.quantized = fd_config.cache_config.quantized
         # The kernels read float32 rotary tables: converted once (layers share one pair), not per call.
         float32 = {}
@@ -50,7 +51,7 @@ class CudaOnCpuAttentionBackend(AppendAttentionBackend):
         return None  # forward calls the CUDA kernels' C ABI instead
 
     def forward(self, layer_id: int, qkv: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
-        table = meta.block_tables_head_wise if meta.block_tables_head_wise is not None else meta.block_tables
+        table = self.kernel_table(meta.block_tables)
         # int32 already (AppendAttentionBackend); the mask is [2, kv_heads]: each head's window and sink
         mask, window, sink, slots = self.layer_args[layer_id]
         cos32, sin32 = self.rotary32[layer_id]

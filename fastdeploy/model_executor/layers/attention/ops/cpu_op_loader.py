@@ -196,7 +196,9 @@ def _quiet_paddle_extension_logs():
 
 @lru_cache(maxsize=None)
 def load_library(lib: CpuOpLibrary) -> ModuleType:
-    """The compiled module of `lib`; builds it first if this machine has no copy yet."""
+    """The compiled module of `lib`; builds it first if this machine has no copy yet. Its run-time options
+    (custom_ops/cpu_ops/cpu_options.h) are set before it is returned, from the environment as it is now
+    (start-up: the ops never read it) and any set_cpu_options call made before."""
     with _quiet_paddle_extension_logs():
         from paddle.utils.cpp_extension.extension_utils import _import_module_from_library
 
@@ -205,8 +207,56 @@ def load_library(lib: CpuOpLibrary) -> ModuleType:
         # next to the library while loading it.
         with _locked(out_dir.with_suffix(".lock")):
             if not (out_dir / _BUILT_MARKER).exists():
-                return _build(out_dir, lib)
-            return _import_module_from_library(lib.module_name, str(out_dir / lib.module_name))
+                module = _build(out_dir, lib)
+            else:
+                module = _import_module_from_library(lib.module_name, str(out_dir / lib.module_name))
+    import ctypes
+
+    handle = ctypes.CDLL(str(Path(module.__file__).parent / f"{lib.module_name}.so"))  # the library Paddle loaded
+    handle.fd_cpu_set_options.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    _OPTIONS.setdefault("values", env_cpu_options())
+    _OPTIONS.setdefault("handles", []).append(handle)
+    _send_options(handle, _OPTIONS["values"])
+    return module
+
+
+# The CPU ops' run-time options, in cpu_options.h's order: what every loaded library holds.
+CPU_OPTIONS = ("attn_threads", "pool_spin_us", "linear_isa", "attn_generic", "kv_key_rotation", "kv_value_rotation")
+_OPTIONS: dict = {}
+
+
+def env_cpu_options() -> dict:
+    """The options as the environment sets them (fastdeploy/envs.py), read once when the first library loads."""
+    from fastdeploy import envs
+
+    return dict(attn_threads=envs.FD_CPU_ATTN_NUM_THREADS, pool_spin_us=envs.FD_CPU_POOL_SPIN_US,
+                linear_isa={"avx2": 1, "generic": 2}.get(envs.FD_CPU_LINEAR_ISA.strip().lower(), 0),
+                attn_generic=int(envs.FD_CPU_ATTN_ISA.strip().lower() == "generic"),
+                kv_key_rotation=int(envs.FD_KV_QUANT_ROTATION != 0),
+                kv_value_rotation=int(envs.FD_KV_QUANT_ROTATE_VALUES == 1))
+
+
+def set_cpu_options(**options) -> dict:
+    """Change CPU op options between calls in every loaded op library (and those loaded later); returns the
+    previous values, for a measurement to restore. For the knobs a measurement varies per call
+    (attn_threads, kv_key_rotation, kv_value_rotation): pool_spin_us, linear_isa and attn_generic are
+    fixed at an op's first use."""
+    unknown = set(options) - set(CPU_OPTIONS)
+    if unknown:
+        raise ValueError(f"set_cpu_options: unknown option(s) {sorted(unknown)}; known: {', '.join(CPU_OPTIONS)}")
+    values = _OPTIONS.setdefault("values", env_cpu_options())
+    previous = {name: values[name] for name in options}
+    values.update({name: int(v) for name, v in options.items()})
+    for handle in _OPTIONS.get("handles", []):
+        _send_options(handle, values)
+    return previous
+
+
+def _send_options(handle, values: dict) -> None:
+    import ctypes
+
+    array = (ctypes.c_int * len(CPU_OPTIONS))(*(int(values[name]) for name in CPU_OPTIONS))
+    handle.fd_cpu_set_options(array, len(CPU_OPTIONS))
 
 
 def load_cpu_ops() -> ModuleType:

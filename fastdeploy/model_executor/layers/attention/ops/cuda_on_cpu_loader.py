@@ -180,4 +180,21 @@ def load_cuda_on_cpu() -> ctypes.CDLL:
     lib.append_attention_last_error.restype = ctypes.c_char_p
     lib.cuda_on_cpu_set_orders.restype = ctypes.c_int
     lib.cuda_on_cpu_set_orders.argtypes = [ctypes.c_char_p]
+    lib.cuda_on_cpu_set_threads.argtypes = [ctypes.c_int]
+    lib.cuda_on_cpu_set_sm_count.argtypes = [ctypes.c_int]
     return lib
+
+
+def configure_executor(lib, env) -> None:
+    """The executor's settings from a config's env flags (CUDA_ON_CPU_ORDERS, _THREADS, _SM_COUNT): the
+    library reads no environment of its own."""
+    if lib.cuda_on_cpu_set_orders(env.CUDA_ON_CPU_ORDERS.encode()) != 0:
+        raise ValueError(f"CUDA_ON_CPU_ORDERS={env.CUDA_ON_CPU_ORDERS!r}: expected comma-separated thread orders "
+                         f"(forward, reverse, shuffle:SEED)")
+    for name, setter in (("CUDA_ON_CPU_THREADS", lib.cuda_on_cpu_set_threads),
+                         ("CUDA_ON_CPU_SM_COUNT", lib.cuda_on_cpu_set_sm_count)):
+        raw = getattr(env, name).strip()
+        if raw:
+            if not raw.isdigit():
+                raise ValueError(f"{name}={raw!r} must be a positive integer")
+            setter(int(raw))
