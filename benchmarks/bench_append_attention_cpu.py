@@ -98,28 +98,35 @@ class DecodeStep:
         self.sin = paddle.to_tensor(np.sin(angle).astype(np.float32))
         self.qkv = paddle.uniform([b, (args.num_heads + 2 * H) * D], min=-1, max=1)
 
-    def head_wise_table(self, swa_mask: np.ndarray) -> np.ndarray:
+    def head_wise_table(self, head_windows: np.ndarray) -> np.ndarray:
         """Pages b*H + h of the 1-D blocks; dead blocks of SWA heads recycled to -1."""
         a, H = self.args, self.args.kv_heads
         table = self.table_1d[:, None, :] * H + np.arange(H, dtype=np.int32)[None, :, None]
         dead = dead_block_range(self.context, a.window, a.sink, a.block_size)
-        table[:, swa_mask.astype(bool), dead.start:dead.stop] = -1
+        table[:, head_windows[0] > 0, dead.start:dead.stop] = -1
         return np.ascontiguousarray(table)
 
     def arm(self, swa_heads: int, mode: str):
         """A zero-argument callable running one step of this arm."""
         a = self.args
-        swa = np.zeros(a.kv_heads, np.int32)
-        swa[:swa_heads] = 1
-        table = self.head_wise_table(swa) if mode == "headwise" else self.table_1d
+        windows = head_windows(a.kv_heads, swa_heads, a.window, a.sink)
+        table = self.head_wise_table(windows) if mode == "headwise" else self.table_1d
         tensors = dict(
             qkv=self.qkv, key_cache=self.key_cache, value_cache=self.value_cache, **self.lens,
             block_tables=paddle.to_tensor(table), rotary_cos=self.cos, rotary_sin=self.sin,
-            swa_head_mask=paddle.to_tensor(swa), **self.scales,
+            head_windows=paddle.to_tensor(windows), **self.scales,
         )
         attrs = dict(num_heads=a.num_heads, kv_num_heads=a.kv_heads, head_dim=a.head_dim,
-                     sliding_window=a.window, sink_size=a.sink, visit_all_pages=mode == "1d-mask")
+                     visit_all_pages=mode == "1d-mask")
         return lambda: append_attention(**tensors, **attrs)
+
+
+def head_windows(kv_heads: int, swa_heads: int, window: int, sink: int) -> np.ndarray:
+    """The op's head_windows [2, kv_heads]: the first `swa_heads` KV heads slide with (window, sink), the
+    others are full (window 0)."""
+    rows = np.zeros((2, kv_heads), np.int32)
+    rows[:, :swa_heads] = np.array([[window], [sink]], np.int32)
+    return rows
 
 
 def prefill_step(args, tokens: int, swa_heads: int, page_dtype: str = None):
@@ -133,8 +140,6 @@ def prefill_step(args, tokens: int, swa_heads: int, page_dtype: str = None):
     i32 = lambda a: paddle.to_tensor(np.asarray(a, np.int32))  # noqa: E731
     inv_freq = 10000.0 ** (-np.arange(0, D, 2) / D)
     angle = np.arange(tokens)[:, None] * inv_freq[None, :]
-    swa = np.zeros(H, np.int32)
-    swa[:swa_heads] = 1
     lane_shape, lane_dtype = cache_shape_and_dtype(shape, page_dtype)
     tensors = dict(
         qkv=paddle.uniform([tokens, (args.num_heads + 2 * H) * D], min=-1, max=1),
@@ -144,9 +149,9 @@ def prefill_step(args, tokens: int, swa_heads: int, page_dtype: str = None):
         seq_lens_encoder=i32([tokens]), seq_lens_decoder=i32([0]), seq_lens_this_time=i32([tokens]),
         cu_seqlens_q=i32([0, tokens]), block_tables=paddle.to_tensor(np.arange(blocks, dtype=np.int32)[None]),
         rotary_cos=paddle.to_tensor(np.cos(angle).astype(np.float32)),
-        rotary_sin=paddle.to_tensor(np.sin(angle).astype(np.float32)), swa_head_mask=paddle.to_tensor(swa))
-    attrs = dict(num_heads=args.num_heads, kv_num_heads=H, head_dim=D, sliding_window=args.window,
-                 sink_size=args.sink, visit_all_pages=False)
+        rotary_sin=paddle.to_tensor(np.sin(angle).astype(np.float32)),
+        head_windows=paddle.to_tensor(head_windows(H, swa_heads, args.window, args.sink)))
+    attrs = dict(num_heads=args.num_heads, kv_num_heads=H, head_dim=D, visit_all_pages=False)
     seen = np.arange(1, tokens + 1)
     keys = sum(np.minimum(seen, args.window + args.sink).sum() if h < swa_heads else seen.sum() for h in range(H))
     flops = 4.0 * keys * (args.num_heads // H) * D

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "custom_o
 import gpu_harness  # noqa: E402
 from gpu_harness import BF16, Case  # noqa: E402
 from gpu_reference import QUANT, build_case, quantize_case, reference, relative_error, rotary_tables  # noqa: E402
+from reference_attention import head_window_array  # noqa: E402
 
 NUM_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 20, 4, 128, 64
 SINK = 64
@@ -64,13 +65,12 @@ def workload_case(bsz: int, cached: int, new: int, window: int, arm: dict) -> Ca
         tables = blocks
     max_position = cached + new + 1
     cos, sin = rotary_tables(max_position, HEAD_DIM)
-    mask = np.zeros(KV_HEADS, dtype=np.int32)
-    mask[list(SWA_HEADS)] = 1
+    head_windows = head_window_array(KV_HEADS, window, SINK, SWA_HEADS)  # [2, kv_heads]: the SWA heads' (W, S)
     this_time = np.full(bsz, new, dtype=np.int32)
     params = dict(
         dtype=BF16, token_num=bsz * new, bsz=bsz, num_heads=NUM_HEADS, kv_num_heads=KV_HEADS,
         head_dim=HEAD_DIM, block_size=BLOCK, num_blocks=bsz * need, max_blocks_per_seq=need,
-        max_position=max_position, sliding_window=window, sink_size=SINK, **arm,
+        max_position=max_position, **arm,
     )
     return Case(
         params=params, qkv=None, key_cache=None, value_cache=None,
@@ -78,7 +78,7 @@ def workload_case(bsz: int, cached: int, new: int, window: int, arm: dict) -> Ca
         seq_lens_decoder=np.full(bsz, cached, dtype=np.int32),
         seq_lens_this_time=this_time,
         cu_seqlens_q=np.arange(bsz + 1, dtype=np.int32) * new,
-        block_tables=tables, rotary_cos=cos, rotary_sin=sin, swa_head_mask=mask, out=None,
+        block_tables=tables, rotary_cos=cos, rotary_sin=sin, head_windows=head_windows, out=None,
     )
 
 
@@ -101,7 +101,7 @@ def check_arms(harness) -> dict[str, float]:
         head_wise = bool(arm["head_wise_table"])
         case = build_case(
             rng, requests, num_heads=NUM_HEADS, kv_num_heads=KV_HEADS, head_dim=HEAD_DIM,
-            block_size=BLOCK, sliding_window=256, sink_size=SINK, swa_heads=SWA_HEADS,
+            block_size=BLOCK, window=256, sink=SINK, swa_heads=SWA_HEADS,
             head_wise=head_wise, recycle=head_wise,
         ).with_params(visit_all_pages=arm["visit_all_pages"], dual_pass=arm["dual_pass"])
         result = harness.run(case)
@@ -120,8 +120,8 @@ def check_page_formats(harness, formats=tuple(QUANT)) -> dict[str, float]:
     rng = np.random.default_rng(1)
     for fmt in formats:
         case = build_case(rng, [(0, 200), (700, 1), (300, 40), (1500, 1)], num_heads=NUM_HEADS,
-                          kv_num_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK, sliding_window=256,
-                          sink_size=SINK, swa_heads=SWA_HEADS)
+                          kv_num_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK, window=256,
+                          sink=SINK, swa_heads=SWA_HEADS)
         result = harness.run(quantize_case(case, fmt))
         if result.status != 0:
             raise SystemExit(f"{fmt} pages: kernel failed: {result.message}")

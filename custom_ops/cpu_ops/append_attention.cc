@@ -19,7 +19,7 @@
 //      heads and tokens share each K/V page (dequantized once per visit); a SWA head visits only the sink
 //      pages and the pages that overlap its window, so its cost is
 //      O(window + sink), not O(sequence). Each KV head slides with its own
-//      window and sink (swa_head_mask [2, kv_heads]) or the call's (its [kv_heads] form).
+//      window and sink (head_windows [2, kv_heads]: row 0 windows, 0 = full; row 1 sinks).
 // The argument layout is pinned in docs/op_contract.md.
 
 #include "append_attention_step.h"
@@ -31,15 +31,13 @@ std::vector<paddle::Tensor> AppendAttentionCpu(
     const paddle::Tensor& seq_lens_this_time,
     const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& block_tables,
     const paddle::Tensor& rotary_cos, const paddle::Tensor& rotary_sin,
-    const paddle::Tensor& swa_head_mask, const paddle::Tensor& kv_head_slots,
+    const paddle::Tensor& head_windows, const paddle::Tensor& kv_head_slots,
     const paddle::Tensor& key_cache_scales, const paddle::Tensor& value_cache_scales,
-    int num_heads, int kv_num_heads, int head_dim, int sliding_window, int sink_size,
-    bool visit_all_pages) {
+    int num_heads, int kv_num_heads, int head_dim, bool visit_all_pages) {
   return {fd_cpu::append_attention_step(qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder,
                                         seq_lens_this_time, cu_seqlens_q, block_tables, rotary_cos, rotary_sin,
-                                        swa_head_mask, kv_head_slots, key_cache_scales, value_cache_scales,
-                                        num_heads, kv_num_heads, head_dim, sliding_window, sink_size,
-                                        visit_all_pages)};
+                                        head_windows, kv_head_slots, key_cache_scales, value_cache_scales,
+                                        num_heads, kv_num_heads, head_dim, visit_all_pages)};
 }
 
 std::vector<std::vector<int64_t>> AppendAttentionCpuInferShape(
@@ -50,7 +48,7 @@ std::vector<std::vector<int64_t>> AppendAttentionCpuInferShape(
     const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&, int num_heads, int,
-    int head_dim, int, int, bool) {
+    int head_dim, bool) {
   return {{qkv_shape[0], int64_t(num_heads) * head_dim}};
 }
 
@@ -66,7 +64,7 @@ std::vector<paddle::DataType> AppendAttentionCpuInferDtype(
 PD_BUILD_OP(append_attention_cpu)
     .Inputs({"qkv", "key_cache", "value_cache", "seq_lens_encoder",
              "seq_lens_decoder", "seq_lens_this_time", "cu_seqlens_q",
-             "block_tables", "rotary_cos", "rotary_sin", "swa_head_mask",
+             "block_tables", "rotary_cos", "rotary_sin", "head_windows",
              "kv_head_slots", "key_cache_scales", "value_cache_scales"})
     .Outputs({"out", "key_cache_out", "value_cache_out", "key_cache_scales_out",
               "value_cache_scales_out"})
@@ -74,8 +72,7 @@ PD_BUILD_OP(append_attention_cpu)
                     {"value_cache", "value_cache_out"},
                     {"key_cache_scales", "key_cache_scales_out"},
                     {"value_cache_scales", "value_cache_scales_out"}})
-    .Attrs({"num_heads: int", "kv_num_heads: int", "head_dim: int",
-            "sliding_window: int", "sink_size: int", "visit_all_pages: bool"})
+    .Attrs({"num_heads: int", "kv_num_heads: int", "head_dim: int", "visit_all_pages: bool"})
     .SetKernelFn(PD_KERNEL(AppendAttentionCpu))
     .SetInferShapeFn(PD_INFER_SHAPE(AppendAttentionCpuInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(AppendAttentionCpuInferDtype));
@@ -90,16 +87,16 @@ std::vector<paddle::Tensor> AppendAttentionValidate(
     const paddle::Tensor& seq_lens_this_time,
     const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& block_tables,
     const paddle::Tensor& rotary_cos, const paddle::Tensor& rotary_sin,
-    const paddle::Tensor& swa_head_mask, const paddle::Tensor& kv_head_slots,
+    const paddle::Tensor& head_windows, const paddle::Tensor& kv_head_slots,
     const paddle::Tensor& key_cache_scales, const paddle::Tensor& value_cache_scales,
-    int num_heads, int kv_num_heads, int head_dim, int sliding_window, int sink_size,
-    bool visit_all_pages, bool gpu_rules, bool check_place) {
+    int num_heads, int kv_num_heads, int head_dim, bool visit_all_pages, bool gpu_rules,
+    bool check_place) {
   fd_attn::DeviceRules rules = gpu_rules ? fd_attn::gpu_rules() : fd_attn::cpu_rules();
   rules.check_place = check_place;
   const fd_attn::CheckedStep step = fd_attn::check_step(
       rules, qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time, cu_seqlens_q,
-      block_tables, rotary_cos, rotary_sin, swa_head_mask, kv_head_slots, key_cache_scales, value_cache_scales,
-      num_heads, kv_num_heads, head_dim, sliding_window, sink_size, visit_all_pages);
+      block_tables, rotary_cos, rotary_sin, head_windows, kv_head_slots, key_cache_scales, value_cache_scales,
+      num_heads, kv_num_heads, head_dim, visit_all_pages);
   paddle::Tensor rows = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
   rows.data<int64_t>()[0] = step.g.token_num;
   return {rows};
@@ -112,8 +109,8 @@ std::vector<std::vector<int64_t>> AppendAttentionValidateInferShape(
     const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, const std::vector<int64_t>&, int, int, int, int, int, bool,
-    bool, bool) {
+    const std::vector<int64_t>&, const std::vector<int64_t>&, int, int, int, bool, bool,
+    bool) {
   return {{1}};
 }
 
@@ -129,11 +126,10 @@ std::vector<paddle::DataType> AppendAttentionValidateInferDtype(
 PD_BUILD_OP(append_attention_validate)
     .Inputs({"qkv", "key_cache", "value_cache", "seq_lens_encoder",
              "seq_lens_decoder", "seq_lens_this_time", "cu_seqlens_q",
-             "block_tables", "rotary_cos", "rotary_sin", "swa_head_mask",
+             "block_tables", "rotary_cos", "rotary_sin", "head_windows",
              "kv_head_slots", "key_cache_scales", "value_cache_scales"})
     .Outputs({"token_num"})
-    .Attrs({"num_heads: int", "kv_num_heads: int", "head_dim: int",
-            "sliding_window: int", "sink_size: int", "visit_all_pages: bool",
+    .Attrs({"num_heads: int", "kv_num_heads: int", "head_dim: int", "visit_all_pages: bool",
             "gpu_rules: bool", "check_place: bool"})
     .SetKernelFn(PD_KERNEL(AppendAttentionValidate))
     .SetInferShapeFn(PD_INFER_SHAPE(AppendAttentionValidateInferShape))

@@ -11,8 +11,8 @@
 //      mode), the rotary tables;
 //   2. check_batch() on host copies of the small int32 inputs: cu_seqlens_q
 //      is the prefix sum of seq_lens_this_time and fits the rows of qkv,
-//      positions fit the rotary tables, swa_head_mask holds 0 / 1 flags (its
-//      [kv_heads] form) or windows and sinks >= 0 (its [2, kv_heads] form),
+//      positions fit the rotary tables, head_windows [2, kv_heads] holds each
+//      KV head's window and sink (>= 0; window 0 = full attention),
 //      kv_head_slots maps the KV heads to
 //      distinct slots of the cache, and every table entry the step reads
 //      or writes is a valid page (-1 where a page is needed is a scheduler
@@ -46,9 +46,6 @@ struct Geometry {
   int64_t num_pages = 0;  // num_blocks * slots
   int max_blocks = 0;     // table columns
   bool head_wise = false;
-  int64_t window = 0;  // the call's sliding_window / sink_size: the window of every flagged head
-  int64_t sink = 0;    // in the [kv_heads] form of swa_head_mask; unused in its [2, kv_heads] form
-  bool head_windows = false;  // swa_head_mask is [2, kv_heads]: a window and a sink per head
   bool visit_all = false;
   int64_t max_position = 0;  // rows of the rotary tables
   int64_t token_num = 0;     // rows of qkv
@@ -71,9 +68,9 @@ struct Batch {
   const int32_t* seq_lens_this_time = nullptr;
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* table = nullptr;
-  const int32_t* swa = nullptr;        // swa_head_mask as given ([kv_heads] or [2, kv_heads])
+  const int32_t* windows = nullptr;    // head_windows [2, kv_heads]: row 0 windows, row 1 sinks
   const int32_t* head_slot = nullptr;  // [kv_heads]: slot (table row, cache slot) of each KV head
-  const HeadWindow* head = nullptr;    // [kv_heads]: each KV head's window and sink, either form
+  const HeadWindow* head = nullptr;    // [kv_heads]: each KV head's window and sink (from windows)
 };
 
 // Page id of block `i` of KV head `h` of request `r`: the head reads table row
@@ -190,6 +187,13 @@ inline bool dtype_allowed(paddle::DataType t, bool fp32, bool bf16, bool fp16) {
          (fp16 && t == paddle::DataType::FLOAT16);
 }
 
+// "[2, 4]": a shape as the messages print it.
+inline std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
 inline void check_int32_vector(const DeviceRules& rules, const paddle::Tensor& t, const char* name,
                                int64_t len) {
   PD_CHECK(t.dtype() == paddle::DataType::INT32, rules.op, ": ", name, " must be int32");
@@ -206,12 +210,11 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
                              const paddle::Tensor& cu_seqlens_q,
                              const paddle::Tensor& block_tables,
                              const paddle::Tensor& rotary_cos, const paddle::Tensor& rotary_sin,
-                             const paddle::Tensor& swa_head_mask,
+                             const paddle::Tensor& head_windows,
                              const paddle::Tensor& kv_head_slots,
                              const paddle::Tensor& key_cache_scales,
                              const paddle::Tensor& value_cache_scales, int num_heads,
-                             int kv_num_heads, int head_dim, int sliding_window, int sink_size,
-                             bool visit_all_pages) {
+                             int kv_num_heads, int head_dim, bool visit_all_pages) {
   const std::pair<const paddle::Tensor*, const char*> inputs[] = {
       {&qkv, "qkv"},
       {&key_cache, "key_cache"},
@@ -223,7 +226,7 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
       {&block_tables, "block_tables"},
       {&rotary_cos, "rotary_cos"},
       {&rotary_sin, "rotary_sin"},
-      {&swa_head_mask, "swa_head_mask"},
+      {&head_windows, "head_windows"},
       {&kv_head_slots, "kv_head_slots"},
       {&key_cache_scales, "key_cache_scales"},
       {&value_cache_scales, "value_cache_scales"}};
@@ -240,8 +243,6 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
            kv_num_heads, ")");
   PD_CHECK(head_dim > 0 && head_dim % 2 == 0, rules.op,
            ": head_dim must be positive and even, got ", head_dim);
-  PD_CHECK(sliding_window >= 1, rules.op, ": sliding_window must be >= 1, got ", sliding_window);
-  PD_CHECK(sink_size >= 0, rules.op, ": sink_size must be >= 0, got ", sink_size);
 
   const auto& qs = qkv.shape();
   PD_CHECK(dtype_allowed(qkv.dtype(), rules.qkv_fp32, rules.qkv_bf16, rules.qkv_fp16), rules.op,
@@ -281,12 +282,14 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
   check_int32_vector(rules, seq_lens_encoder, "seq_lens_encoder", bsz);
   check_int32_vector(rules, seq_lens_decoder, "seq_lens_decoder", bsz);
   check_int32_vector(rules, cu_seqlens_q, "cu_seqlens_q", bsz + 1);
-  const auto& ms = swa_head_mask.shape();
-  PD_CHECK(swa_head_mask.dtype() == paddle::DataType::INT32, rules.op, ": swa_head_mask must be int32");
-  PD_CHECK((ms.size() == 1 && ms[0] == kv_num_heads) || (ms.size() == 2 && ms[0] == 2 && ms[1] == kv_num_heads),
-           rules.op, ": swa_head_mask must be [kv_num_heads=", kv_num_heads,
-           "] (1 = the head slides with sliding_window / sink_size) or [2, kv_num_heads=", kv_num_heads,
-           "] (row 0 the window of each head, 0 = full attention; row 1 its sink), got rank ", ms.size());
+  const auto& ws = head_windows.shape();
+  PD_CHECK(head_windows.dtype() == paddle::DataType::INT32, rules.op, ": head_windows must be int32");
+  PD_CHECK(ws.size() == 2 && ws[0] == 2 && ws[1] == kv_num_heads, rules.op,
+           ": head_windows must be [2, kv_num_heads=", kv_num_heads,
+           "] (row 0 the window of each KV head, 0 = full attention; row 1 its sink), got ", shape_text(ws),
+           ws.size() == 1 ? " (the [kv_num_heads] form of 0 / 1 flags is no longer accepted: give every KV "
+                            "head its window and sink)"
+                          : "");
   check_int32_vector(rules, kv_head_slots, "kv_head_slots", kv_num_heads);
 
   const auto& ts = block_tables.shape();
@@ -320,9 +323,6 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
   g.num_pages = cs[0] * cs[1];
   g.head_wise = ts.size() == 3;
   g.max_blocks = int(ts.back());
-  g.window = sliding_window;
-  g.sink = sink_size;
-  g.head_windows = ms.size() == 2;
   g.visit_all = visit_all_pages;
   g.max_position = rotary_cos.shape()[0];
   g.token_num = qs[0];
@@ -342,11 +342,11 @@ struct HostBatch {
 inline HostBatch host_batch(const Geometry& g, const paddle::Tensor& seq_lens_decoder,
                             const paddle::Tensor& seq_lens_this_time,
                             const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& block_tables,
-                            const paddle::Tensor& swa_head_mask,
+                            const paddle::Tensor& head_windows,
                             const paddle::Tensor& kv_head_slots) {
   HostBatch h;
   for (const paddle::Tensor* t : {&seq_lens_decoder, &seq_lens_this_time, &cu_seqlens_q,
-                                  &block_tables, &swa_head_mask, &kv_head_slots}) {
+                                  &block_tables, &head_windows, &kv_head_slots}) {
     h.keep.push_back(t->is_cpu() ? *t : t->copy_to(paddle::CPUPlace(), true));
   }
   h.batch.bsz = g.bsz;
@@ -354,18 +354,13 @@ inline HostBatch host_batch(const Geometry& g, const paddle::Tensor& seq_lens_de
   h.batch.seq_lens_this_time = h.keep[1].data<int32_t>();
   h.batch.cu_seqlens_q = h.keep[2].data<int32_t>();
   h.batch.table = h.keep[3].data<int32_t>();
-  h.batch.swa = h.keep[4].data<int32_t>();
+  h.batch.windows = h.keep[4].data<int32_t>();
   h.batch.head_slot = h.keep[5].data<int32_t>();
-  // One (window, sink) per head from either form; check_batch checks the values they come from.
+  // One (window, sink) per head: row 0 and row 1 of head_windows (check_batch checks the values).
   h.heads.resize(g.kv_heads);
   for (int k = 0; k < g.kv_heads; ++k) {
-    if (g.head_windows) {
-      h.heads[k].window = h.batch.swa[k];
-      h.heads[k].sink = h.batch.swa[g.kv_heads + k];
-    } else if (h.batch.swa[k] != 0) {
-      h.heads[k].window = g.window;
-      h.heads[k].sink = g.sink;
-    }
+    h.heads[k].window = h.batch.windows[k];
+    h.heads[k].sink = h.batch.windows[g.kv_heads + k];
   }
   h.batch.head = h.heads.data();
   return h;
@@ -417,15 +412,10 @@ inline void check_batch(const DeviceRules& rules, const Geometry& g, const Batch
   PD_CHECK(b.bsz == 0 || b.cu_seqlens_q[0] == 0, rules.op, ": cu_seqlens_q[0] must be 0, got ",
            b.cu_seqlens_q[0]);
   for (int h = 0; h < g.kv_heads; ++h) {
-    if (g.head_windows) {
-      PD_CHECK(b.swa[h] >= 0, rules.op, ": swa_head_mask[0][", h, "] (the window of KV head ", h,
-               ") must be >= 0 (0 = full attention), got ", b.swa[h]);
-      PD_CHECK(b.swa[g.kv_heads + h] >= 0, rules.op, ": swa_head_mask[1][", h, "] (the sink of KV head ", h,
-               ") must be >= 0, got ", b.swa[g.kv_heads + h]);
-    } else {
-      PD_CHECK(b.swa[h] == 0 || b.swa[h] == 1, rules.op, ": swa_head_mask[", h,
-               "] must be 0 or 1, got ", b.swa[h]);
-    }
+    PD_CHECK(b.windows[h] >= 0, rules.op, ": head_windows[0][", h, "] (the window of KV head ", h,
+             ") must be >= 0 (0 = full attention), got ", b.windows[h]);
+    PD_CHECK(b.windows[g.kv_heads + h] >= 0, rules.op, ": head_windows[1][", h, "] (the sink of KV head ", h,
+             ") must be >= 0, got ", b.windows[g.kv_heads + h]);
     PD_CHECK(b.head_slot[h] >= 0 && b.head_slot[h] < g.slots, rules.op, ": kv_head_slots[", h,
              "] = ", b.head_slot[h], " is not a slot of the cache (0..", g.slots - 1, ")");
     for (int other = 0; other < h; ++other) {
@@ -464,16 +454,14 @@ inline CheckedStep check_step(const DeviceRules& rules, const paddle::Tensor& qk
                               const paddle::Tensor& seq_lens_decoder, const paddle::Tensor& seq_lens_this_time,
                               const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& block_tables,
                               const paddle::Tensor& rotary_cos, const paddle::Tensor& rotary_sin,
-                              const paddle::Tensor& swa_head_mask, const paddle::Tensor& kv_head_slots,
+                              const paddle::Tensor& head_windows, const paddle::Tensor& kv_head_slots,
                               const paddle::Tensor& key_cache_scales, const paddle::Tensor& value_cache_scales,
-                              int num_heads, int kv_num_heads, int head_dim, int sliding_window, int sink_size,
-                              bool visit_all_pages) {
+                              int num_heads, int kv_num_heads, int head_dim, bool visit_all_pages) {
   CheckedStep step;
   step.g = check_inputs(rules, qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
-                        cu_seqlens_q, block_tables, rotary_cos, rotary_sin, swa_head_mask, kv_head_slots,
-                        key_cache_scales, value_cache_scales, num_heads, kv_num_heads, head_dim, sliding_window,
-                        sink_size, visit_all_pages);
-  step.host = host_batch(step.g, seq_lens_decoder, seq_lens_this_time, cu_seqlens_q, block_tables, swa_head_mask,
+                        cu_seqlens_q, block_tables, rotary_cos, rotary_sin, head_windows, kv_head_slots,
+                        key_cache_scales, value_cache_scales, num_heads, kv_num_heads, head_dim, visit_all_pages);
+  step.host = host_batch(step.g, seq_lens_decoder, seq_lens_this_time, cu_seqlens_q, block_tables, head_windows,
                          kv_head_slots);
   check_batch(rules, step.g, step.host.batch);
   return step;

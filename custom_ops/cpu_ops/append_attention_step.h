@@ -403,14 +403,13 @@ paddle::Tensor append_attention_step(
     const paddle::Tensor& qkv, const paddle::Tensor& key_cache, const paddle::Tensor& value_cache,
     const paddle::Tensor& seq_lens_encoder, const paddle::Tensor& seq_lens_decoder,
     const paddle::Tensor& seq_lens_this_time, const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& block_tables,
-    const paddle::Tensor& rotary_cos, const paddle::Tensor& rotary_sin, const paddle::Tensor& swa_head_mask,
+    const paddle::Tensor& rotary_cos, const paddle::Tensor& rotary_sin, const paddle::Tensor& head_windows,
     const paddle::Tensor& kv_head_slots, const paddle::Tensor& key_cache_scales,
-    const paddle::Tensor& value_cache_scales, int num_heads, int kv_num_heads, int head_dim, int sliding_window,
-    int sink_size, bool visit_all_pages) {
+    const paddle::Tensor& value_cache_scales, int num_heads, int kv_num_heads, int head_dim, bool visit_all_pages) {
   const fd_attn::CheckedStep step = fd_attn::check_step(
       fd_attn::cpu_rules(), qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
-      cu_seqlens_q, block_tables, rotary_cos, rotary_sin, swa_head_mask, kv_head_slots, key_cache_scales,
-      value_cache_scales, num_heads, kv_num_heads, head_dim, sliding_window, sink_size, visit_all_pages);
+      cu_seqlens_q, block_tables, rotary_cos, rotary_sin, head_windows, kv_head_slots, key_cache_scales,
+      value_cache_scales, num_heads, kv_num_heads, head_dim, visit_all_pages);
   const Geometry& g = step.g;
   const Batch& b = step.host.batch;
 

@@ -31,13 +31,13 @@ namespace {
 // Per layer, the tensors in this order (an absent u4 offset is a tensor with no elements):
 enum LayerTensor {
   kInputNorm, kQkvQ, kQkvScale, kQkvOffset, kOQ, kOScale, kOOffset, kPostNorm, kGuQ, kGuScale, kGuOffset, kDownQ,
-  kDownScale, kDownOffset, kKeyCache, kValueCache, kKeyScales, kValueScales, kCos, kSin, kSwaHeadMask,
+  kDownScale, kDownOffset, kKeyCache, kValueCache, kKeyScales, kValueScales, kCos, kSin, kHeadWindows,
   kKvHeadSlots, kTensorsPerLayer
 };
 // ... and the integers in this order:
 enum LayerInt {
   kQkvN, kQkvGroup, kQkvKind, kOGroup, kOKind, kGuN, kGuGroup, kGuKind, kDownGroup, kDownKind, kNumHeads,
-  kKvHeads, kHeadDim, kWindow, kSink, kVisitAll, kIntsPerLayer
+  kKvHeads, kHeadDim, kVisitAll, kIntsPerLayer
 };
 
 // A u4 weight's offset, or none for an i8 weight (bound as a tensor with no elements).
@@ -181,9 +181,8 @@ std::vector<paddle::Tensor> DecoderStackForward(const paddle::Tensor& handle, co
         i[kQkvKind], stack->eps);
     const paddle::Tensor attn = fd_cpu::append_attention_step(
         normed[1], t[kKeyCache], t[kValueCache], seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
-        cu_seqlens_q, block_tables, t[kCos], t[kSin], t[kSwaHeadMask], t[kKvHeadSlots], t[kKeyScales],
-        t[kValueScales], int(i[kNumHeads]), int(i[kKvHeads]), int(i[kHeadDim]), int(i[kWindow]), int(i[kSink]),
-        i[kVisitAll] != 0);
+        cu_seqlens_q, block_tables, t[kCos], t[kSin], t[kHeadWindows], t[kKvHeadSlots], t[kKeyScales],
+        t[kValueScales], int(i[kNumHeads]), int(i[kKvHeads]), int(i[kHeadDim]), i[kVisitAll] != 0);
     std::vector<paddle::Tensor> out = fd_cpu::decoder::MlpBlocks(
         attn, normed[0], t[kOQ], t[kOScale], L.offset(kOOffset), t[kPostNorm], t[kGuQ], t[kGuScale],
         L.offset(kGuOffset), t[kDownQ], t[kDownScale], L.offset(kDownOffset), i[kOGroup], i[kOKind], i[kGuN],

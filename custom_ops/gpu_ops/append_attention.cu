@@ -30,16 +30,15 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
     const paddle::Tensor& seq_lens_encoder, const paddle::Tensor& seq_lens_decoder,
     const paddle::Tensor& seq_lens_this_time, const paddle::Tensor& cu_seqlens_q,
     const paddle::Tensor& block_tables, const paddle::Tensor& rotary_cos,
-    const paddle::Tensor& rotary_sin, const paddle::Tensor& swa_head_mask,
+    const paddle::Tensor& rotary_sin, const paddle::Tensor& head_windows,
     const paddle::Tensor& kv_head_slots, paddle::Tensor& key_cache_scales,
-    paddle::Tensor& value_cache_scales, paddle::Tensor& error_info, int num_heads, int kv_num_heads, int head_dim, int sliding_window, int sink_size,
+    paddle::Tensor& value_cache_scales, paddle::Tensor& error_info, int num_heads, int kv_num_heads, int head_dim,
     bool visit_all_pages, bool dual_pass) {
   // The CPU op's metadata checks (one header); the value checks run on the device (error_info).
   fd_attn::check_inputs(fd_attn::gpu_rules(), qkv, key_cache, value_cache, seq_lens_encoder,
                         seq_lens_decoder, seq_lens_this_time, cu_seqlens_q, block_tables, rotary_cos,
-                        rotary_sin, swa_head_mask, kv_head_slots, key_cache_scales,
-                        value_cache_scales, num_heads, kv_num_heads, head_dim, sliding_window,
-                        sink_size, visit_all_pages);
+                        rotary_sin, head_windows, kv_head_slots, key_cache_scales,
+                        value_cache_scales, num_heads, kv_num_heads, head_dim, visit_all_pages);
   PD_CHECK(error_info.is_gpu() && error_info.dtype() == paddle::DataType::INT32 &&
                error_info.numel() == 4,
            "append_attention_gpu: error_info must be 4 int32 on the GPU");
@@ -59,12 +58,9 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
   p.max_blocks_per_seq = static_cast<int>(table_shape.back());
   p.head_wise_table = table_shape.size() == 3;
   p.max_position = static_cast<int>(rotary_cos.shape()[0]);
-  p.sliding_window = sliding_window;
-  p.sink_size = sink_size;
   p.visit_all_pages = visit_all_pages;
   p.dual_pass = dual_pass ? 1 : 0;
   p.cache_quant = fd_attn::page_format(key_cache.dtype());  // AppendAttnCacheQuant's values
-  p.head_windows = swa_head_mask.shape().size() == 2;  // [2, kv_num_heads]: windows and sinks per head
   const bool quantized = p.cache_quant != APPEND_ATTN_CACHE_FLOAT;
 
   auto out = paddle::empty({p.token_num, num_heads * head_dim}, qkv.dtype(), qkv.place());
@@ -79,7 +75,7 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
   b.block_tables = block_tables.data<int>();
   b.rotary_cos = rotary_cos.data<float>();
   b.rotary_sin = rotary_sin.data<float>();
-  b.swa_head_mask = swa_head_mask.data<int>();
+  b.head_windows = head_windows.data<int>();  // [2, kv_num_heads]: windows and sinks per head
   b.kv_head_slots = kv_head_slots.data<int>();
   b.key_cache_scales = quantized ? key_cache_scales.data<float>() : nullptr;
   b.value_cache_scales = quantized ? value_cache_scales.data<float>() : nullptr;
@@ -101,8 +97,7 @@ std::vector<std::vector<int64_t>> AppendAttentionGpuInferShape(
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, int num_heads, int kv_num_heads, int head_dim, int, int, bool,
-    bool) {
+    const std::vector<int64_t>&, int num_heads, int kv_num_heads, int head_dim, bool, bool) {
   return {{qkv_shape[0], static_cast<int64_t>(num_heads) * head_dim}};
 }
 
@@ -118,7 +113,7 @@ std::vector<paddle::DataType> AppendAttentionGpuInferDtype(
 PD_BUILD_OP(append_attention_gpu)
     .Inputs({"qkv", "key_cache", "value_cache", "seq_lens_encoder", "seq_lens_decoder",
              "seq_lens_this_time", "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin",
-             "swa_head_mask", "kv_head_slots", "key_cache_scales", "value_cache_scales",
+             "head_windows", "kv_head_slots", "key_cache_scales", "value_cache_scales",
              "error_info"})
     .Outputs({"out", "key_cache_out", "value_cache_out", "key_cache_scales_out",
               "value_cache_scales_out", "error_info_out"})
@@ -127,8 +122,8 @@ PD_BUILD_OP(append_attention_gpu)
                     {"key_cache_scales", "key_cache_scales_out"},
                     {"value_cache_scales", "value_cache_scales_out"},
                     {"error_info", "error_info_out"}})
-    .Attrs({"num_heads: int", "kv_num_heads: int", "head_dim: int", "sliding_window: int",
-            "sink_size: int", "visit_all_pages: bool", "dual_pass: bool"})
+    .Attrs({"num_heads: int", "kv_num_heads: int", "head_dim: int", "visit_all_pages: bool",
+            "dual_pass: bool"})
     .SetKernelFn(PD_KERNEL(AppendAttentionGpu))
     .SetInferShapeFn(PD_INFER_SHAPE(AppendAttentionGpuInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(AppendAttentionGpuInferDtype));

@@ -45,7 +45,7 @@ GENCODES = (
 )
 NVCC_FLAGS = ("-std=c++17", "-O3", "-Xcompiler", "-fPIC")
 # What the cached build keeps besides the library: ptxas's per-kernel report (registers, spills, static
-# shared memory) and the PTX (launch bounds), read by benchmarks/kernel_resources.py. No codegen change.
+# shared memory) and the PTX (launch bounds), read by tests/custom_ops/kernel_resources.py. No codegen change.
 RESOURCE_FLAGS = ("--resource-usage", "--keep")
 
 BF16 = 0
@@ -64,6 +64,7 @@ ERR_DEAD_ENTRY_MASKED = 2
 ERR_OUT_OF_RANGE = 3
 ERR_POSITION = 4
 ERR_HEAD_WINDOW = 5
+ERR_DUAL_PASS_WINDOWS = 6
 
 
 class _Params(cuda_on_cpu.AppendAttnParams):
@@ -137,7 +138,7 @@ class BuildResult:
 
 def build(out_dir: Path, jobs: int = 2, nvcc: str | None = None, extra_flags: tuple[str, ...] = ()) -> BuildResult:
     """Compiles every .cu under append_attn/ separately (sm_80 + sm_90) and links the harness.
-    extra_flags go to every compile (benchmarks/kernel_resources.py: --resource-usage)."""
+    extra_flags go to every compile (tests/custom_ops/kernel_resources.py: --resource-usage)."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise BuildError("nvcc not found")
@@ -198,7 +199,7 @@ def _source_key(on_cpu: bool = False) -> str:
 def cached_build(jobs: int | None = None, on_cpu: bool = False) -> Path:
     """The harness library for the current sources (nvcc, or on_cpu: the CUDA-on-CPU executor),
     built once per source hash in the temp dir. Next to an nvcc build: <source stem>.resource_usage.txt
-    (nvcc's report) and keep/<stem>.compute_XX.ptx (benchmarks/kernel_resources.py)."""
+    (nvcc's report) and keep/<stem>.compute_XX.ptx (tests/custom_ops/kernel_resources.py)."""
     kind = "cpu_" if on_cpu else ""
     final = Path(tempfile.gettempdir()) / f"fd_append_attn_harness_{kind}{_source_key(on_cpu)}"
     if (final / LIB_NAME).is_file():
@@ -276,7 +277,7 @@ class Case:
     block_tables: np.ndarray
     rotary_cos: np.ndarray
     rotary_sin: np.ndarray
-    swa_head_mask: np.ndarray
+    head_windows: np.ndarray  # int32 [2, kv_num_heads]: row 0 each KV head's window (0 = full), row 1 its sink
     out: np.ndarray
     kv_head_slots: np.ndarray | None = None  # None: KV head h in slot h (params kv_slots 0)
     # Quantized pages (params cache_quant != 0): the caches are uint8 / int8 codes (int4: uint8
@@ -343,6 +344,10 @@ class Harness:
                 raise ValueError(f"bad thread orders {spec!r}")
             self.lib.cuda_on_cpu_clear_races()
         p = _Params(**case.params)
+        windows_shape = np.shape(case.head_windows)
+        if windows_shape != (2, case.params["kv_num_heads"]):  # the C side reads 2 * kv_num_heads ints
+            raise ValueError(f"head_windows must be [2, kv_num_heads={case.params['kv_num_heads']}], "
+                             f"got {list(windows_shape)}")
         keep = []  # contiguous host arrays must outlive the call
 
         def ptr(arr, dtype, copy=False):
@@ -372,7 +377,7 @@ class Harness:
             block_tables=ptr(case.block_tables, np.int32),
             rotary_cos=ptr(case.rotary_cos, np.float32),
             rotary_sin=ptr(case.rotary_sin, np.float32),
-            swa_head_mask=ptr(case.swa_head_mask, np.int32),
+            head_windows=ptr(case.head_windows, np.int32),
             out=ptr(out, np.uint16),
             kv_head_slots=ptr(case.kv_head_slots, np.int32),
             key_cache_scales=ptr(ks, np.float32),

@@ -13,7 +13,7 @@ import numpy as np
 
 import gpu_harness
 from gpu_harness import BF16, Case, from_storage, storage_nan, to_storage
-from reference_attention import head_windows
+from reference_attention import head_window_array, head_window_pairs
 from reference_kv_quant import quantized_pages
 
 # kv_cache_quant_type -> AppendAttnCacheQuant
@@ -59,7 +59,6 @@ def reference(case: Case):
     dtype = p["dtype"]
     nh, kvh, d, bs = p["num_heads"], p["kv_num_heads"], p["head_dim"], p["block_size"]
     group = nh // kvh
-    window, sink = p["sliding_window"], p["sink_size"]
     head_wise = bool(p["head_wise_table"])
     tables = case.block_tables
     kc = from_storage(case.key_cache, dtype).astype(np.float64)
@@ -96,7 +95,7 @@ def reference(case: Case):
 
     out = np.zeros((qkv.shape[0], nh, d))
     scale = 1.0 / np.sqrt(d)
-    windows = head_windows(case.swa_head_mask, window, sink)
+    windows = head_window_pairs(case.head_windows)
     for r in range(bsz):
         n = int(case.seq_lens_this_time[r])
         if n == 0:
@@ -105,7 +104,7 @@ def reference(case: Case):
         q_pos = int(case.seq_lens_decoder[r]) + np.arange(n)
         k_pos = np.arange(q_pos[-1] + 1)
         for h in range(kvh):
-            w_h, s_h = windows[h]  # the head's own window and sink (either form of the mask)
+            w_h, s_h = windows[h]  # the head's own window and sink
             vis = visible(q_pos, k_pos, w_h > 0, w_h, s_h)
             needed = np.flatnonzero(vis.any(axis=0))
             keys = np.zeros((len(k_pos), d))
@@ -144,8 +143,8 @@ def build_case(
     kv_num_heads: int = 2,
     head_dim: int = 64,
     block_size: int = 16,
-    sliding_window: int = 32,
-    sink_size: int = 4,
+    window: int = 32,
+    sink: int = 4,
     swa_heads: tuple[int, ...] = (0,),
     head_wise: bool = True,
     scatter: bool = True,
@@ -158,9 +157,10 @@ def build_case(
     Cache memory starts as NaN everywhere except the cached tokens, so a kernel that reads an
     unwritten row, a recycled page or a foreign page turns the output into NaN. Head-wise tables
     hand out pages in random order across all heads' home lists (scatter) and, with recycle,
-    mark the SWA heads' dead blocks -1. head_windows: one (window, sink) per KV head (window 0 =
-    full): the mask is then the [2, kv_num_heads] form and each head recycles with its own pair
-    (swa_heads, sliding_window and sink_size then mask nothing).
+    mark the SWA heads' dead blocks -1. The op's head_windows [2, kv_num_heads]: the heads
+    `swa_heads` slide with (window, sink), the others are full; or, given head_windows, one (window,
+    sink) per KV head (window 0 = full; swa_heads, window and sink then unused). Each head recycles
+    with its own pair.
     """
     kvh, d, bs = kv_num_heads, head_dim, block_size
     bsz = len(requests)
@@ -198,12 +198,10 @@ def build_case(
     k_pages = key_cache.reshape(-1, bs, d)
     v_pages = value_cache.reshape(-1, bs, d)
     if head_windows is None:
-        swa_mask = np.zeros(kvh, dtype=np.int32)
-        swa_mask[list(swa_heads)] = 1
-        pairs = [(sliding_window, sink_size) if f else (0, 0) for f in swa_mask]
+        windows = head_window_array(kvh, window, sink, swa_heads)
     else:
-        pairs = [(int(w), int(s)) for w, s in head_windows]
-        swa_mask = np.array(pairs, dtype=np.int32).T.copy()  # [2, kv_num_heads]
+        windows = np.array([(int(w), int(s)) for w, s in head_windows], dtype=np.int32).T.copy()
+    pairs = head_window_pairs(windows)
     for r in range(bsz):
         for h in range(kvh):
             dead = set()
@@ -237,11 +235,8 @@ def build_case(
         max_blocks_per_seq=max_blocks,
         head_wise_table=int(head_wise),
         max_position=max_position,
-        sliding_window=sliding_window,
-        sink_size=sink_size,
         visit_all_pages=0,
         dual_pass=0,
-        head_windows=int(head_windows is not None),
     )
     return Case(
         params=params,
@@ -255,7 +250,7 @@ def build_case(
         block_tables=tables,
         rotary_cos=cos,
         rotary_sin=sin,
-        swa_head_mask=swa_mask,
+        head_windows=windows,
         out=storage_nan((token_num, num_heads * d), dtype),
     )
 

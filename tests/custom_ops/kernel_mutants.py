@@ -68,16 +68,16 @@ MUTANTS = {
         "append_attn_common.cuh", "float(static_cast<int32_t>(word << (28 - 4 * e)) >> 28)",
         "float((word << (28 - 4 * e)) >> 28)", "int4", "decode reads negative int4 codes as 9..15"),
     "per_head_window_ignored": Mutant(
-        "append_attn_common.cuh", "    w.window = max(a.swa_head_mask[head], 0);\n",
-        "    w.window = a.swa_head_mask[head] > 0 ? a.sliding_window : 0;\n",
-        "per_head", "a head of the [2, kv_num_heads] form slides with the call's window, not its own"),
+        "append_attn_common.cuh", "  w.window = max(a.head_windows[head], 0);\n",
+        "  w.window = max(a.head_windows[0], 0);\n",
+        "per_head", "every KV head slides with head 0's window of head_windows, not its own"),
     "per_head_sink_ignored": Mutant(
-        "append_attn_common.cuh", "    w.sink = max(a.swa_head_mask[a.kv_num_heads + head], 0);\n",
-        "    w.sink = a.sink_size;\n",
-        "per_head", "a head of the [2, kv_num_heads] form keeps the call's sink, not its own"),
-    "prefill_masks_with_the_calls_window": Mutant(
-        "prefill_attention.cu", "    head_window_s[1] = window;\n", "    head_window_s[1] = a.sliding_window;\n",
-        "per_head", "prefill visits each head's own pages but masks its scores with the call's window"),
+        "append_attn_common.cuh", "  w.sink = max(a.head_windows[a.kv_num_heads + head], 0);\n",
+        "  w.sink = max(a.head_windows[a.kv_num_heads], 0);\n",
+        "per_head", "every KV head keeps head 0's sink of head_windows, not its own"),
+    "prefill_masks_with_another_heads_window": Mutant(
+        "prefill_attention.cu", "    head_window_s[1] = window;\n", "    head_window_s[1] = max(a.head_windows[0], 1);\n",
+        "per_head", "prefill visits each head's own pages but masks its scores with head 0's window"),
 }
 
 
@@ -86,7 +86,7 @@ def mixed_case(rng):
     from gpu_reference import build_case
 
     return build_case(rng, [(0, 40), (300, 1), (129, 1), (90, 17), (200, 4)], num_heads=8, kv_num_heads=2,
-                      head_dim=64, block_size=16, sliding_window=48, sink_size=20, swa_heads=(0,))
+                      head_dim=64, block_size=16, window=48, sink=20, swa_heads=(0,))
 
 
 def decodes_case(rng):
@@ -94,7 +94,7 @@ def decodes_case(rng):
     from gpu_reference import build_case
 
     return build_case(rng, [(40, 1), (63, 1), (64, 1), (100, 1), (17, 1)], num_heads=8, kv_num_heads=2,
-                      head_dim=64, block_size=16, sliding_window=4, sink_size=0, swa_heads=(0, 1))
+                      head_dim=64, block_size=16, window=4, sink=0, swa_heads=(0, 1))
 
 
 def int8_case(rng):
@@ -110,12 +110,12 @@ def int4_case(rng):
 
 
 def per_head_case(rng):
-    """Per-head windows (swa_head_mask [2, kv_num_heads]): a full head and three sliding types, each
-    head's dead pages -1; the call's window and sink (48, 20) are what a kernel must not use."""
+    """Per-head windows (head_windows [2, kv_num_heads]): a full head and three sliding types, each
+    head's dead pages -1; another head's window or sink is what a kernel must not use."""
     from gpu_reference import MIXED_HEAD_WINDOWS, build_case
 
     return build_case(rng, [(0, 40), (300, 1), (129, 1), (90, 17), (200, 4)], num_heads=8, kv_num_heads=4,
-                      head_dim=64, block_size=16, sliding_window=48, sink_size=20, head_windows=MIXED_HEAD_WINDOWS)
+                      head_dim=64, block_size=16, head_windows=MIXED_HEAD_WINDOWS)
 
 
 CASES = {"mixed": mixed_case, "decodes": decodes_case, "int8": int8_case, "int4": int4_case,

@@ -29,14 +29,21 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return out
 
 
-def head_windows(swa_head_mask, window: int, sink: int) -> list[tuple[int, int]]:
-    """(window, sink) of every KV head from either form of swa_head_mask (docs/op_contract.md):
-    [H] flags (a flagged head slides with the call's window and sink) or [2, H] (row 0 each head's
-    window, row 1 its sink). Window 0 = a full head."""
-    m = np.asarray(swa_head_mask)
-    if m.ndim == 2:
-        return [(int(w), int(s)) for w, s in zip(m[0], m[1])]
-    return [(int(window), int(sink)) if f else (0, 0) for f in m]
+def head_window_array(kv_heads: int, window: int, sink: int, swa_heads) -> np.ndarray:
+    """The op's head_windows [2, kv_heads] where the KV heads `swa_heads` slide with (window, sink) and
+    the others are full (window 0, sink 0)."""
+    rows = np.zeros((2, kv_heads), np.int32)
+    rows[0, list(swa_heads)] = window
+    rows[1, list(swa_heads)] = sink
+    return rows
+
+
+def head_window_pairs(head_windows) -> list[tuple[int, int]]:
+    """(window, sink) of every KV head from the op's head_windows [2, H] (docs/op_contract.md): row 0
+    each head's window, row 1 its sink. Window 0 = a full head."""
+    m = np.asarray(head_windows)
+    assert m.ndim == 2 and m.shape[0] == 2, f"head_windows must be [2, kv_heads], got {m.shape}"
+    return [(int(w), int(s)) for w, s in zip(m[0], m[1])]
 
 
 def visible(t: int, j: np.ndarray, swa: bool, window: int, sink: int) -> np.ndarray:
@@ -55,8 +62,8 @@ def page_id(table: np.ndarray, r: int, h: int, i: int, kv_heads: int) -> int:
 
 def reference_append_attention(
     qkv, key_cache, value_cache, seq_lens_decoder, seq_lens_this_time, cu_seqlens_q,
-    block_tables, rotary_cos, rotary_sin, swa_head_mask, *, num_heads, kv_num_heads,
-    head_dim, sliding_window, sink_size, cache_is_bf16=False, caches_hold_new_rows=False,
+    block_tables, rotary_cos, rotary_sin, head_windows, *, num_heads, kv_num_heads,
+    head_dim, cache_is_bf16=False, caches_hold_new_rows=False,
 ):
     """Returns (out float64 [T, num_heads*D], expected key cache, expected value cache).
 
@@ -91,7 +98,7 @@ def reference_append_attention(
                 v_pages[p, t % bs] = store(v_new[j].astype(np.float32))
 
     # Pass 2: dense attention per request and KV head, each head with its own window and sink.
-    windows = head_windows(swa_head_mask, sliding_window, sink_size)
+    windows = head_window_pairs(head_windows)
     for r in range(len(seq_lens_this_time)):
         n, c, row0 = int(seq_lens_decoder[r]), int(seq_lens_this_time[r]), int(cu_seqlens_q[r])
         if c == 0:

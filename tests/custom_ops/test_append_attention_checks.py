@@ -15,13 +15,14 @@ from fastdeploy.model_executor.layers.attention.ops import append_attention, val
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK, NUM_BLOCKS, MAX_BLOCKS = 2, 2, 16, 16, 8, 4
 NUM_HEADS = KV_HEADS * GROUP
-ATTRS = dict(num_heads=NUM_HEADS, kv_num_heads=KV_HEADS, head_dim=HEAD_DIM, sliding_window=8, sink_size=0)
+ATTRS = dict(num_heads=NUM_HEADS, kv_num_heads=KV_HEADS, head_dim=HEAD_DIM)
 ORDER = ("qkv", "key_cache", "value_cache", "seq_lens_encoder", "seq_lens_decoder", "seq_lens_this_time",
-         "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin", "swa_head_mask")
+         "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin", "head_windows")
 
 
 def valid_inputs() -> dict[str, np.ndarray]:
-    """Request 0 decodes its token 40 (blocks 0-2), request 1 prefills 5 tokens (block 0); head 0 is SWA."""
+    """Request 0 decodes its token 40 (blocks 0-2), request 1 prefills 5 tokens (block 0); head 0 slides
+    (window 8, sink 0), head 1 is full."""
     rng = np.random.default_rng(0)
     this_time = np.array([1, 5], np.int32)
     decoder = np.array([40, 0], np.int32)
@@ -40,7 +41,7 @@ def valid_inputs() -> dict[str, np.ndarray]:
         block_tables=table,
         rotary_cos=np.cos(angle).astype(np.float32),
         rotary_sin=np.sin(angle).astype(np.float32),
-        swa_head_mask=np.array([1, 0], np.int32),
+        head_windows=np.array([[8, 0], [0, 0]], np.int32),
     )
 
 
@@ -83,21 +84,28 @@ BAD_INPUTS = {
     "-1 where the step writes": (_entry(1, 1, 0, -1), r"entry is -1 at request 1, kv head 1, block index 0"),
     "-1 inside a SWA window": (_entry(0, 0, 2, -1), r"entry is -1 at request 0, kv head 0, block index 2"),
     "rotary table too short": (_set("rotary_cos", lambda a: a["rotary_cos"][:10].copy()), "rotary_cos"),
-    "swa_head_mask not 0/1": (_set("swa_head_mask", np.array([2, 0], np.int32)), r"swa_head_mask\[0\] must be 0 or 1"),
     "negative seq_lens_decoder": (_set("seq_lens_decoder", np.array([-1, 0], np.int32)), "negative"),
-    # The [2, kv_heads] form: row 0 each head's window (0 = full), row 1 its sink.
-    "swa_head_mask of 3 rows": (_set("swa_head_mask", np.zeros((3, KV_HEADS), np.int32)),
-                                r"swa_head_mask must be \[kv_num_heads=2\] .* or \[2, kv_num_heads=2\]"),
-    "a negative per-head window": (_set("swa_head_mask", np.array([[8, -1], [0, 0]], np.int32)),
-                                   r"swa_head_mask\[0\]\[1\] \(the window of KV head 1\) must be >= 0"),
-    "a negative per-head sink": (_set("swa_head_mask", np.array([[8, 0], [-2, 0]], np.int32)),
-                                 r"swa_head_mask\[1\]\[0\] \(the sink of KV head 0\) must be >= 0"),
+    # head_windows [2, kv_heads]: row 0 each head's window (0 = full), row 1 its sink; no other form.
+    "head_windows as [kv_heads] flags (the removed form)": (
+        _set("head_windows", np.array([1, 0], np.int32)),
+        r"head_windows must be \[2, kv_num_heads=2\] \(row 0 the window of each KV head, 0 = full attention; row 1 "
+        r"its sink\), got \[2\] \(the \[kv_num_heads\] form of 0 / 1 flags is no longer accepted"),
+    "head_windows of 3 rows": (_set("head_windows", np.zeros((3, KV_HEADS), np.int32)),
+                               r"head_windows must be \[2, kv_num_heads=2\] .*, got \[3, 2\]"),
+    "head_windows for 3 heads": (_set("head_windows", np.zeros((2, 3), np.int32)),
+                                 r"head_windows must be \[2, kv_num_heads=2\] .*, got \[2, 3\]"),
+    "head_windows int64": (_set("head_windows", lambda a: a["head_windows"].astype(np.int64)),
+                           "head_windows must be int32"),
+    "a negative per-head window": (_set("head_windows", np.array([[8, -1], [0, 0]], np.int32)),
+                                   r"head_windows\[0\]\[1\] \(the window of KV head 1\) must be >= 0"),
+    "a negative per-head sink": (_set("head_windows", np.array([[8, 0], [-2, 0]], np.int32)),
+                                 r"head_windows\[1\]\[0\] \(the sink of KV head 0\) must be >= 0"),
     # head 0's blocks 0-1 are recycled (W=8 at 40): a head with a wider window of its own, or a full
-    # head, needs them; the call's sliding_window (8) does not apply in this form.
-    "-1 inside a head's own wider window": (_set("swa_head_mask", np.array([[20, 0], [0, 0]], np.int32)),
+    # head, needs them.
+    "-1 inside a head's own wider window": (_set("head_windows", np.array([[20, 0], [0, 0]], np.int32)),
                                             r"entry is -1 at request 0, kv head 0, block index 1"),
-    "-1 where a head that is full in this form reads": (
-        _set("swa_head_mask", np.array([[0, 8], [0, 0]], np.int32)), r"entry is -1 at request 0, kv head 0, block index 0"),
+    "-1 where a head that is full reads": (
+        _set("head_windows", np.array([[0, 8], [0, 0]], np.int32)), r"entry is -1 at request 0, kv head 0, block index 0"),
 }
 
 
@@ -105,10 +113,10 @@ def test_per_head_windows_check_pages_with_each_heads_own_window():
     """The same recycled table passes with head 0's own window 8 (or 9: keys 32-40, still past block 1)
     beside a full or sliding head 1, under both rule sets, and runs."""
     for mask in ([[8, 0], [0, 0]], [[9, 0], [0, 0]], [[8, 3], [0, 2]]):
-        arrays = {**valid_inputs(), "swa_head_mask": np.array(mask, np.int32)}
+        arrays = {**valid_inputs(), "head_windows": np.array(mask, np.int32)}
         _validate(_tensors(arrays), "cpu", check_place=True)
         _validate(_tensors(arrays, "bfloat16", "bfloat16"), "gpu")
-        append_attention(**_tensors(arrays), **{**ATTRS, "sliding_window": 1})
+        append_attention(**_tensors(arrays), **ATTRS)
 
 
 def _tensors(arrays, qkv_dtype=None, cache_dtype=None):

@@ -18,7 +18,7 @@ import pytest
 
 from fastdeploy.model_executor.layers.attention.ops import append_attention
 from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import set_cpu_options
-from reference_attention import reference_append_attention, round_to_bf16
+from reference_attention import head_window_array, reference_append_attention, round_to_bf16
 
 FP32_TOL = 1e-5
 BF16_TOL = 1e-2
@@ -42,8 +42,7 @@ class Case:
     cache_dtype: str = "float32"
     qkv_dtype: str = "float32"
     poison_invisible_rows: bool = True  # NaN in rows no query of the step may see
-    # One (window, sink) per KV head (window 0 = full): swa_head_mask is then its [2, kv_heads] form and
-    # window / sink / swa_heads mask nothing.
+    # One (window, sink) per KV head (window 0 = full), instead of window / sink for the heads swa_heads.
     head_windows: tuple = None
 
     @property
@@ -56,10 +55,11 @@ class Case:
             return self.head_windows[h]
         return (self.window, self.sink) if h in self.swa_heads else (0, 0)
 
-    def swa_head_mask(self):
+    def head_window_array(self):
+        """The op's head_windows [2, kv_heads]: row 0 the heads' windows, row 1 their sinks."""
         if self.head_windows is not None:
-            return np.array(self.head_windows, np.int32).T.copy()  # [2, kv_heads]
-        return np.array([1 if h in self.swa_heads else 0 for h in range(self.kv_heads)], np.int32)
+            return np.array(self.head_windows, np.int32).T.copy()
+        return head_window_array(self.kv_heads, self.window, self.sink, self.swa_heads)
 
 
 def dead_blocks(n, window, sink, bs):
@@ -73,7 +73,7 @@ def build_inputs(case: Case):
     needs = [math.ceil((n + c) / bs) for n, c in case.requests]
     max_blocks = max(needs) + 1  # one spare column that is never needed
     num_blocks = sum(needs) + 3  # a few unallocated (NaN) blocks
-    swa = case.swa_head_mask()
+    windows = case.head_window_array()
     bsz = len(case.requests)
 
     blocks = rng.permutation(num_blocks)
@@ -133,7 +133,7 @@ def build_inputs(case: Case):
         qkv=qkv, key_cache=kc, value_cache=vc, seq_lens_encoder=encoder, seq_lens_decoder=decoder,
         seq_lens_this_time=this_time, cu_seqlens_q=cu, block_tables=table,
         rotary_cos=np.cos(angle).astype(np.float32), rotary_sin=np.sin(angle).astype(np.float32),
-        swa_head_mask=swa,
+        head_windows=windows,
     )
 
 
@@ -156,7 +156,7 @@ def run_op(case: Case, arrays, visit_all_pages=False):
     del poison
     out = append_attention(
         **t, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
-        sliding_window=case.window, sink_size=case.sink, visit_all_pages=visit_all_pages,
+        visit_all_pages=visit_all_pages,
     )
     f32 = lambda x: x.astype("float32").numpy()  # noqa: E731
     return f32(out), f32(t["key_cache"]), f32(t["value_cache"])
@@ -167,7 +167,7 @@ def reference(case: Case, arrays):
     a.pop("seq_lens_encoder")
     return reference_append_attention(
         **a, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
-        sliding_window=case.window, sink_size=case.sink, cache_is_bf16=case.cache_dtype == "bfloat16",
+        cache_is_bf16=case.cache_dtype == "bfloat16",
     )
 
 
@@ -287,7 +287,7 @@ def test_padding_rows_past_the_batch_are_zeroed():
     assert rel_err(out[: len(DECODE)], ref) < FP32_TOL
 
 
-# -- per-head windows: swa_head_mask [2, kv_heads], each head with its own window and sink ------------
+# -- per-head windows: head_windows [2, kv_heads], each head with its own window and sink -------------
 # A full head, three sliding types (a sink shorter than a block, one longer, none) on 4 KV heads.
 HEAD_WINDOWS = ((20, 5), (0, 0), (40, 20), (9, 0))
 PER_HEAD_STEPS = {
@@ -309,19 +309,23 @@ def test_each_kv_head_masks_with_its_own_window_and_sink(step, table):
 
 
 @pytest.mark.parametrize("table", ["1d", "headwise"])
-def test_the_flag_form_and_the_window_form_with_equal_windows_give_the_same_bits(table):
-    flags = Case(22, MIXED + [(180, 1)] + CHUNKED, kv_heads=4, group=2, window=20, sink=8, swa_heads=(0, 2),
-                 table=table)
-    windows = Case(**{**flags.__dict__, "head_windows": ((20, 8), (0, 0), (20, 8), (0, 0))})
-    arrays = build_inputs(flags)
-    assert np.array_equal(build_inputs(windows)["block_tables"], arrays["block_tables"])
-    out_flags, kc_flags, vc_flags = run_op(flags, arrays)
-    # The window form ignores the call's sliding_window / sink_size.
-    out_windows, kc_windows, vc_windows = run_op(Case(**{**windows.__dict__, "window": 1, "sink": 0}),
-                                                 {**arrays, "swa_head_mask": windows.swa_head_mask()})
-    assert np.isfinite(out_flags).all()
-    assert np.array_equal(out_flags, out_windows)
-    assert np.array_equal(kc_flags, kc_windows, equal_nan=True) and np.array_equal(vc_flags, vc_windows, equal_nan=True)
+def test_the_kv_heads_flag_form_is_refused_naming_the_expected_shape(table):
+    """head_windows has one form, [2, kv_heads]: the former [kv_heads] 0/1 flags (which slid with the
+    call's window and sink, attributes the op no longer has) are refused before anything is written."""
+    case = Case(22, MIXED + [(180, 1)] + CHUNKED, kv_heads=4, group=2, window=20, sink=8, swa_heads=(0, 2),
+                table=table)
+    arrays = build_inputs(case)
+    assert np.array_equal(arrays["head_windows"], [[20, 0, 20, 0], [8, 0, 8, 0]])
+    t = to_paddle({**arrays, "head_windows": np.array([1, 0, 1, 0], np.int32)}, case)
+    before = t["key_cache"].numpy().copy()
+    with pytest.raises(ValueError, match=r"head_windows must be \[2, kv_num_heads=4\] \(row 0 the window of each KV "
+                                         r"head, 0 = full attention; row 1 its sink\), got \[4\] \(the \[kv_num_heads\] "
+                                         r"form of 0 / 1 flags is no longer accepted"):
+        append_attention(**t, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim)
+    assert np.array_equal(t["key_cache"].numpy(), before, equal_nan=True)
+    with pytest.raises(TypeError, match="sliding_window"):  # the attributes are gone
+        append_attention(**to_paddle(arrays, case), num_heads=case.num_heads, kv_num_heads=case.kv_heads,
+                         head_dim=case.head_dim, sliding_window=20, sink_size=8)
 
 
 def test_visit_all_pages_masks_each_head_with_its_own_window():
@@ -357,8 +361,7 @@ def test_minus1_in_a_needed_entry_raises_and_leaves_cache_untouched(what, r, h, 
     t = to_paddle(arrays, case)
     before = t["key_cache"].numpy().copy()
     with pytest.raises(ValueError, match=rf"request {r}, kv head {h}, block index {i}\b"):
-        append_attention(**t, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
-                         sliding_window=case.window, sink_size=case.sink)
+        append_attention(**t, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim)
     assert np.array_equal(t["key_cache"].numpy(), before, equal_nan=True)
 
 
@@ -367,7 +370,7 @@ def test_visit_all_pages_refuses_a_recycled_table():
     t = to_paddle(build_inputs(case), case)
     with pytest.raises(ValueError, match="visit_all_pages"):
         append_attention(**t, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
-                         sliding_window=case.window, sink_size=case.sink, visit_all_pages=True)
+                         visit_all_pages=True)
 
 
 @pytest.mark.parametrize(
@@ -375,16 +378,18 @@ def test_visit_all_pages_refuses_a_recycled_table():
     [
         (dict(num_heads=3), "multiple of kv_num_heads"),
         (dict(head_dim=16), "qkv must be"),
-        (dict(sliding_window=0), "sliding_window must be >= 1"),
+        (dict(head_windows=np.array([[-1, 0], [0, 0]], np.int32)),
+         r"head_windows\[0\]\[0\] \(the window of KV head 0\) must be >= 0"),
+        (dict(head_windows=np.array([[8, 0]], np.int32)), r"head_windows must be \[2, kv_num_heads=2\].*got \[1, 2\]"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(change, message):
     case = Case(18, DECODE)
-    t = to_paddle(build_inputs(case), case)
-    kwargs = dict(num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
-                  sliding_window=case.window, sink_size=case.sink)
+    arrays = build_inputs(case)
+    t = to_paddle({**arrays, **{k: v for k, v in change.items() if k == "head_windows"}}, case)
+    kwargs = dict(num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim)
     with pytest.raises(ValueError, match=message):
-        append_attention(**t, **{**kwargs, **change})
+        append_attention(**t, **{**kwargs, **{k: v for k, v in change.items() if k != "head_windows"}})
 
 
 def test_table_too_narrow_for_the_step_raises():
@@ -393,8 +398,7 @@ def test_table_too_narrow_for_the_step_raises():
     arrays["block_tables"] = np.ascontiguousarray(arrays["block_tables"][:, :, :2])
     t = to_paddle(arrays, case)
     with pytest.raises(ValueError, match="needs block index"):
-        append_attention(**t, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
-                         sliding_window=case.window, sink_size=case.sink)
+        append_attention(**t, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim)
 
 
 def test_missing_compiler_is_a_clear_runtime_error(monkeypatch):
@@ -461,6 +465,5 @@ def test_bad_kv_head_slots_are_refused_before_anything_is_written(head_slots, me
     before = lane["key_cache"].copy()
     t = to_paddle(lane, case)
     with pytest.raises(ValueError, match=message):
-        append_attention(**t, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
-                         sliding_window=case.window, sink_size=case.sink)
+        append_attention(**t, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim)
     np.testing.assert_array_equal(t["key_cache"].numpy(), before)

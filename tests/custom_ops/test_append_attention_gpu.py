@@ -88,8 +88,8 @@ def test_prefill_matches_reference(harness, rng, dtype, head_dim, num_heads, blo
         kv_num_heads=2,
         head_dim=head_dim,
         block_size=block_size,
-        sliding_window=40,
-        sink_size=5,
+        window=40,
+        sink=5,
     )
     check(harness, case, rng)
 
@@ -108,13 +108,13 @@ def test_decode_with_split_kv_matches_reference(harness, rng, dtype, block_size,
         kv_num_heads=kv_num_heads,
         head_dim=head_dim,
         block_size=block_size,
-        sliding_window=200,
-        sink_size=16,
+        window=200,
+        sink=16,
     )
     check(harness, case, rng)
 
 
-# (num_heads, kv_num_heads, head_dim, sliding_window, sink_size, swa_heads): a GQA shape with sinks, and
+# (num_heads, kv_num_heads, head_dim, window, sink, swa_heads): a GQA shape with sinks, and
 # Gemma 3 270M's sliding layer (4 q heads on 1 KV head of 256 dims, window 512, no sink), whose
 # longest request here (450 + 64 tokens) runs past its window.
 MIXED_SHAPES = {"hd128": (8, 4, 128, 48, 20, (0, 2)), "gemma3_270m": (4, 1, 256, 512, 0, (0,))}
@@ -138,8 +138,8 @@ def test_mixed_batch_of_prefill_chunks_decodes_and_idle_slots(
         kv_num_heads=kv_num_heads,
         head_dim=head_dim,
         block_size=16,
-        sliding_window=window,
-        sink_size=sink,
+        window=window,
+        sink=sink,
         swa_heads=swa_heads,
         head_wise=head_wise,
         scatter=scatter,
@@ -162,8 +162,8 @@ def test_windows_and_sinks_at_block_edges(harness, rng, window, sink):
         kv_num_heads=2,
         head_dim=64,
         block_size=16,
-        sliding_window=window,
-        sink_size=sink,
+        window=window,
+        sink=sink,
         swa_heads=(1,),
     )
     check(harness, case, rng)
@@ -178,8 +178,8 @@ def test_gqa_groups_one_to_eight(harness, rng, num_heads, kv_num_heads):
         kv_num_heads=kv_num_heads,
         head_dim=64,
         block_size=64,
-        sliding_window=64,
-        sink_size=64,
+        window=64,
+        sink=64,
         swa_heads=(0,),
     )
     check(harness, case, rng)
@@ -194,8 +194,8 @@ def test_baseline_arms_on_a_1d_table_match_reference(harness, rng, dual_pass):
         kv_num_heads=4,
         head_dim=128,
         block_size=64,
-        sliding_window=100,
-        sink_size=64,
+        window=100,
+        sink=64,
         head_wise=False,
     ).with_params(visit_all_pages=1, dual_pass=dual_pass)
     check(harness, case, rng)
@@ -204,7 +204,7 @@ def test_baseline_arms_on_a_1d_table_match_reference(harness, rng, dual_pass):
 def test_head_wise_table_without_recycling_is_bit_identical_to_the_1d_table(harness, rng):
     one_d = build_case(
         rng, [(0, 60), (700, 1), (333, 9)], num_heads=20, kv_num_heads=4, head_dim=128,
-        block_size=64, sliding_window=128, sink_size=64, head_wise=False,
+        block_size=64, window=128, sink=64, head_wise=False,
     )
     kvh = one_d.params["kv_num_heads"]
     blocks = one_d.block_tables[:, None, :]
@@ -223,7 +223,7 @@ def _swa_decode_case(rng):
     # request 1 decodes at position 400 with window 64: its live blocks are 0 (sink) and 5, 6
     return build_case(
         rng, [(0, 8), (400, 1)], num_heads=4, kv_num_heads=2, head_dim=64, block_size=64,
-        sliding_window=64, sink_size=10, swa_heads=(0,),
+        window=64, sink=10, swa_heads=(0,),
     )
 
 
@@ -267,7 +267,7 @@ def test_a_lane_with_a_head_slot_map_is_bit_identical_to_the_per_head_cache(harn
     output bits as the per-head cache, the heads' rows written in their slots, the other slots (other
     layers') untouched."""
     case = build_case(rng, [(0, 37), (300, 1), (90, 5)], num_heads=8, kv_num_heads=2, head_dim=64,
-                      block_size=16, sliding_window=32, sink_size=4, head_wise=head_wise)
+                      block_size=16, window=32, sink=4, head_wise=head_wise)
     kvh, lane_slots, head_slots = 2, 5, np.array([3, 1], np.int32)
     kc, vc = case.key_cache, case.value_cache
     shape = (kc.shape[0], lane_slots) + kc.shape[2:]
@@ -320,9 +320,8 @@ def attention_over_written_pages(case, result, fmt: str) -> np.ndarray:
     values = pages_from_codes(result.value_cache, result.value_cache_scales, fmt, keys=False)
     out, _, _ = reference_append_attention(
         from_storage(case.qkv, BF16), keys, values, case.seq_lens_decoder, case.seq_lens_this_time,
-        case.cu_seqlens_q, case.block_tables, case.rotary_cos, case.rotary_sin, case.swa_head_mask,
-        num_heads=p["num_heads"], kv_num_heads=p["kv_num_heads"], head_dim=p["head_dim"],
-        sliding_window=p["sliding_window"], sink_size=p["sink_size"], caches_hold_new_rows=True)
+        case.cu_seqlens_q, case.block_tables, case.rotary_cos, case.rotary_sin, case.head_windows,
+        num_heads=p["num_heads"], kv_num_heads=p["kv_num_heads"], head_dim=p["head_dim"], caches_hold_new_rows=True)
     return out
 
 
@@ -380,7 +379,7 @@ def test_quantized_pages_match_float64_attention(harness, rng, fmt, requests, he
     the reference's; rows no query may see have NaN scales, so a stray read fails, and a stray write
     fails the byte comparison. Head-wise tables with the sliding head's dead pages -1."""
     case = build_case(rng, requests, dtype=BF16, num_heads=4 * 2, kv_num_heads=2, head_dim=head_dim,
-                      block_size=block_size, sliding_window=40, sink_size=5)
+                      block_size=block_size, window=40, sink=5)
     run_quantized(harness, case, fmt, rng)
 
 
@@ -390,7 +389,7 @@ def test_quantized_speculative_verification_rows(harness, rng, fmt, window, sink
     """Several new tokens per decoding request (k drafts verified as one piece) on quantized pages,
     straddling block and window edges, the sliding head's pages recycled on the accepted count."""
     case = build_case(rng, [(300, 4), (77, 3), (129, 1), (47, 2), (31, 5), (200, 6)], num_heads=8,
-                      kv_num_heads=2, head_dim=64, block_size=16, sliding_window=window, sink_size=sink,
+                      kv_num_heads=2, head_dim=64, block_size=16, window=window, sink=sink,
                       swa_heads=(0,))
     run_quantized(harness, case, fmt, rng)
 
@@ -401,7 +400,7 @@ def test_quantized_tensor_parallel_head_slices(harness, rng, fmt, num_heads, kv_
     """One tensor-parallel rank's head counts (a single KV head sliding or full, odd groups) on
     quantized pages with head-wise tables and recycling."""
     case = build_case(rng, [(0, 37), (150, 1), (90, 3), (64, 16)], num_heads=num_heads,
-                      kv_num_heads=kv_num_heads, head_dim=64, block_size=16, sliding_window=40, sink_size=4,
+                      kv_num_heads=kv_num_heads, head_dim=64, block_size=16, window=40, sink=4,
                       swa_heads=swa_heads)
     run_quantized(harness, case, fmt, rng)
 
@@ -411,7 +410,7 @@ def test_quantized_head_wise_table_without_recycling_is_bit_identical_to_the_1d_
     """A page's codes do not depend on which table found it: 1-D and head-wise tables naming the same
     pages write the same bytes and give the same output bits."""
     one_d = build_case(rng, [(0, 60), (700, 1), (333, 9)], num_heads=8, kv_num_heads=2, head_dim=128,
-                       block_size=64, sliding_window=128, sink_size=64, head_wise=False)
+                       block_size=64, window=128, sink=64, head_wise=False)
     kvh = one_d.params["kv_num_heads"]
     blocks = one_d.block_tables[:, None, :]
     pages = np.where(blocks >= 0, blocks * kvh + np.arange(kvh)[None, :, None], -1).astype(np.int32)
@@ -430,7 +429,7 @@ def test_quantized_lane_whose_slots_mix_sliding_and_full_heads(harness, rng, fmt
     and a full layer take turns on one cache; together they write the reference's bytes and equal
     attention over the three heads' dequantized pages."""
     case = build_case(rng, [(0, 33), (300, 1), (129, 3), (90, 17)], num_heads=6, kv_num_heads=3, head_dim=64,
-                      block_size=16, sliding_window=32, sink_size=4, swa_heads=(0, 2))
+                      block_size=16, window=32, sink=4, swa_heads=(0, 2))
     assert (case.block_tables[1, [0, 2], :19] == -1).any(axis=1).all()
     q = quantize_case(case, fmt)
     sliding, sliding_cols = _layer_of_lane(q, (0, 2), (0, 2))
@@ -457,7 +456,7 @@ def test_speculative_verification_rows_match_reference(harness, rng, window, sin
     the drafts straddle block edges and the sliding window's edge, and the SWA head's pages recycled
     on the accepted (processed) count, which is what the scheduler may free under speculation."""
     case = build_case(rng, [(300, 4), (77, 3), (129, 1), (47, 2), (31, 5), (200, 6)], num_heads=8,
-                      kv_num_heads=2, head_dim=64, block_size=16, sliding_window=window, sink_size=sink,
+                      kv_num_heads=2, head_dim=64, block_size=16, window=window, sink=sink,
                       swa_heads=(0,))
     check(harness, case, rng)
 
@@ -473,7 +472,7 @@ def test_tensor_parallel_head_slices_match_reference(harness, rng, num_heads, kv
     """The head counts one tensor-parallel rank sees (odd groups, a single KV head, all-sliding or
     all-full ranks), head-wise tables with recycling."""
     case = build_case(rng, [(0, 37), (150, 1), (90, 3), (64, 16)], num_heads=num_heads,
-                      kv_num_heads=kv_num_heads, head_dim=64, block_size=16, sliding_window=40, sink_size=4,
+                      kv_num_heads=kv_num_heads, head_dim=64, block_size=16, window=40, sink=4,
                       swa_heads=swa_heads)
     check(harness, case, rng)
 
@@ -488,7 +487,7 @@ def _layer_of_lane(case, heads, slots):
     cols = np.concatenate(q_cols + k_cols + v_cols)
     out_cols = np.concatenate(q_cols)
     layer = dataclasses.replace(
-        case, qkv=np.ascontiguousarray(case.qkv[:, cols]), swa_head_mask=case.swa_head_mask[list(heads)].copy(),
+        case, qkv=np.ascontiguousarray(case.qkv[:, cols]), head_windows=case.head_windows[:, list(heads)].copy(),
         kv_head_slots=np.array(slots, np.int32), out=np.ascontiguousarray(case.out[:, out_cols]),
     ).with_params(num_heads=len(heads) * group, kv_num_heads=len(heads), kv_slots=kvh)
     return layer, out_cols
@@ -500,7 +499,7 @@ def test_a_lane_whose_slots_mix_sliding_and_full_heads(harness, rng):
     the full slot. Each writes only its slots' rows and reads only its own; together they equal
     attention over all three heads."""
     case = build_case(rng, [(0, 33), (300, 1), (129, 3), (90, 17)], num_heads=6, kv_num_heads=3, head_dim=64,
-                      block_size=16, sliding_window=32, sink_size=4, swa_heads=(0, 2))
+                      block_size=16, window=32, sink=4, swa_heads=(0, 2))
     # request 1 (301 tokens, 19 blocks): the sliding slots' rows have recycled entries, the full slot's none
     assert (case.block_tables[1, [0, 2], :19] == -1).any(axis=1).all() and (case.block_tables[1, 1, :19] >= 0).all()
     ref_out, ref_k, ref_v = reference(case)
@@ -521,7 +520,7 @@ def test_a_lane_whose_slots_mix_sliding_and_full_heads(harness, rng):
                                    err_msg=f"seed {rng.seed_value}")
 
 
-# -- per-head windows: swa_head_mask [2, kv_num_heads] (params head_windows 1) ----------------------
+# -- per-head windows: head_windows [2, kv_num_heads], each KV head its own (window, sink) ----------
 PER_HEAD_STEPS = {
     "prefill": ([(0, 150), (0, 37)], 16),
     "split_kv_decode": ([(1000, 1), (517, 1), (64, 1), (3, 1)], 64),
@@ -534,35 +533,66 @@ PER_HEAD_STEPS = {
 def test_each_kv_head_slides_with_its_own_window_and_sink(harness, rng, step, table):
     """Decode and prefill kernels mask and skip pages per KV head with its own (W, S): head-wise
     tables hold -1 at each head's own dead blocks and NaN behind them, so a page read past a head's
-    own window fails; the call's sliding_window / sink_size (1, 0) mask nothing."""
+    own window fails."""
     requests, block_size = PER_HEAD_STEPS[step]
     case = build_case(rng, requests, num_heads=8, kv_num_heads=4, head_dim=64, block_size=block_size,
-                      sliding_window=1, sink_size=0, head_windows=MIXED_HEAD_WINDOWS, head_wise=table != "one_d",
-                      recycle=table != "one_d")
+                      head_windows=MIXED_HEAD_WINDOWS, head_wise=table != "one_d", recycle=table != "one_d")
     if table != "one_d" and step != "prefill":
         assert (case.block_tables[:, 2] == -1).any() and (case.block_tables[:, 0] == -1).any()
     check(harness, case, rng)
 
 
-def test_the_flag_form_and_the_window_form_with_equal_windows_give_the_same_bits(harness, rng):
-    flags = build_case(rng, [(0, 33), (300, 1), (90, 17), (700, 1)], num_heads=8, kv_num_heads=4, head_dim=64,
-                       block_size=16, sliding_window=40, sink_size=5, swa_heads=(0, 2))
-    windows = dataclasses.replace(
-        flags, swa_head_mask=np.array([[40, 0, 40, 0], [5, 0, 5, 0]], np.int32)).with_params(
-        head_windows=1, sliding_window=1, sink_size=0)
-    a = check(harness, flags, rng)
-    b = harness.run(windows)
-    assert b.status == 0 and not b.races, (b.message, b.races)
-    for x, y in ((a.out, b.out), (a.key_cache, b.key_cache), (a.value_cache, b.value_cache)):
-        np.testing.assert_array_equal(x, y, err_msg=f"seed {rng.seed_value}")
+def test_the_kv_heads_flag_form_is_refused_with_the_expected_shape(harness, rng):
+    """head_windows has one form, [2, kv_num_heads]: the old [kv_num_heads] 0/1 flags are refused by the
+    CUDA op wrapper's checks (custom_ops/cpu_ops/append_attention_checks.h, its rules run on CPU
+    tensors), naming the shape it expects, and by the harness before the C side reads 2 * kv ints."""
+    import paddle
+
+    from fastdeploy.model_executor.layers.attention.ops import validate_append_attention_inputs
+
+    case = build_case(rng, [(0, 33), (300, 1)], num_heads=8, kv_num_heads=4, head_dim=64, block_size=16,
+                      swa_heads=(0, 2))
+    flags = np.array([1, 0, 1, 0], np.int32)
+    with pytest.raises(ValueError, match=r"head_windows must be \[2, kv_num_heads=4\]"):
+        harness.run(dataclasses.replace(case, head_windows=flags))
+    p = case.params
+    bf16 = lambda bits: paddle.to_tensor(from_storage(bits, BF16)).astype("bfloat16")  # noqa: E731
+    tensors = [bf16(case.qkv), bf16(case.key_cache), bf16(case.value_cache)] + [
+        paddle.to_tensor(np.ascontiguousarray(getattr(case, n))) for n in (
+            "seq_lens_encoder", "seq_lens_decoder", "seq_lens_this_time", "cu_seqlens_q", "block_tables",
+            "rotary_cos", "rotary_sin")]
+    attrs = dict(num_heads=p["num_heads"], kv_num_heads=p["kv_num_heads"], head_dim=p["head_dim"])
+    validate_append_attention_inputs(*tensors, paddle.to_tensor(case.head_windows), rules="gpu", check_place=False,
+                                     **attrs)
+    with pytest.raises(ValueError, match=r"append_attention_gpu: head_windows must be \[2, kv_num_heads=4\] "
+                                         r".*got \[4\] \(the \[kv_num_heads\] form of 0 / 1 flags is no longer"):
+        validate_append_attention_inputs(*tensors, paddle.to_tensor(flags), rules="gpu", check_place=False, **attrs)
 
 
-@pytest.mark.parametrize("dual_pass", [0, 1], ids=["masked_single_pass", "dual_pass"])
-def test_baseline_arms_mask_each_head_with_its_own_window(harness, rng, dual_pass):
+# dual_pass's SWA pass has one window: its sliding heads share one (window, sink), beside full heads.
+SHARED_HEAD_WINDOWS = ((40, 5), (0, 0), (40, 5), (40, 5))
+
+
+@pytest.mark.parametrize("dual_pass, head_windows", [(0, MIXED_HEAD_WINDOWS), (1, SHARED_HEAD_WINDOWS)],
+                         ids=["masked_single_pass", "dual_pass"])
+def test_baseline_arms_mask_each_head_with_its_own_window(harness, rng, dual_pass, head_windows):
     case = build_case(rng, [(0, 70), (400, 1), (250, 12)], num_heads=8, kv_num_heads=4, head_dim=64,
-                      block_size=16, head_windows=MIXED_HEAD_WINDOWS, head_wise=False,
+                      block_size=16, head_windows=head_windows, head_wise=False,
                       ).with_params(visit_all_pages=1, dual_pass=dual_pass)
     check(harness, case, rng)
+
+
+def test_dual_pass_refuses_sliding_heads_with_different_windows(harness, rng):
+    """Upstream's all-SWA pass slides every head with one window, derived from head_windows: two sliding
+    heads with different (window, sink) pairs are a device-side error naming them (code 6)."""
+    case = build_case(rng, [(0, 70), (400, 1)], num_heads=8, kv_num_heads=4, head_dim=64, block_size=16,
+                      head_windows=MIXED_HEAD_WINDOWS, head_wise=False).with_params(visit_all_pages=1, dual_pass=1)
+    result = harness.run(case)
+    assert result.status == 2, result.message
+    assert result.error_info[:3] == (gpu_harness.ERR_DUAL_PASS_WINDOWS, 0, 2)
+    assert "kv heads 0 and 2 of head_windows slide with different (window, sink) pairs" in result.message
+    # The same heads without dual_pass: each its own window.
+    assert harness.run(case.with_params(dual_pass=0)).status == 0
 
 
 @pytest.mark.parametrize("fmt", ["int8", "block_wise_int4"])
@@ -576,7 +606,7 @@ def test_quantized_pages_with_per_head_windows_match_float64_attention(harness, 
 def test_a_negative_per_head_window_or_sink_is_reported(harness, rng, row, value):
     case = build_case(rng, [(0, 8), (100, 1)], num_heads=8, kv_num_heads=4, head_dim=64, block_size=16,
                       head_windows=MIXED_HEAD_WINDOWS, recycle=False)
-    case.swa_head_mask[row, 2] = value
+    case.head_windows[row, 2] = value
     result = harness.run(case)
     assert result.status == 2
     assert result.error_info == (gpu_harness.ERR_HEAD_WINDOW, row, 2, value)

@@ -40,8 +40,6 @@ def _valid_params(**changes) -> dict[str, int]:
         max_blocks_per_seq=8,
         head_wise_table=1,
         max_position=512,
-        sliding_window=128,
-        sink_size=64,
         visit_all_pages=0,
         dual_pass=0,
     )
@@ -88,12 +86,10 @@ def _launch_status(lib, params):
         (dict(block_size=32), "block_size 32"),
         (dict(num_heads=36, kv_num_heads=4), "group size"),
         (dict(num_heads=21), "group size"),
-        (dict(sliding_window=0), "sliding_window 0"),
-        (dict(sink_size=-1), "sink_size -1"),
         (dict(dtype=7), "dtype"),
         (dict(cache_quant=4), "cache_quant 4 unknown (0 float, 1 int8, 2 e4m3, 3 int4)"),
         (dict(cache_quant=gpu_harness.CACHE_INT4, dtype=gpu_harness.FP16), "need dtype bf16"),
-        (dict(head_windows=2), "head_windows 2 must be 0 ([kv_num_heads] flags) or 1 ([2, kv_num_heads])"),
+        (dict(dual_pass=2), "dual_pass 2 must be 0 or 1"),
     ],
 )
 def test_launcher_rejects_unsupported_shapes_before_touching_the_device(built, changes, fragment):

@@ -67,9 +67,9 @@ class Run:
             qkv=paddle.to_tensor(np.concatenate(rows)), key_cache=self.key_cache, value_cache=self.value_cache,
             seq_lens_encoder=i32(encoder), seq_lens_decoder=i32(self.done), seq_lens_this_time=i32(counts),
             cu_seqlens_q=i32(np.concatenate([[0], np.cumsum(counts)])), block_tables=paddle.to_tensor(self.table),
-            rotary_cos=self.cos, rotary_sin=self.sin, swa_head_mask=i32([1, 0]),
+            rotary_cos=self.cos, rotary_sin=self.sin, head_windows=i32([[WINDOW, 0], [SINK, 0]]),
             key_cache_scales=self.scales[0], value_cache_scales=self.scales[1], num_heads=KV_HEADS * GROUP, kv_num_heads=KV_HEADS, head_dim=self.d,
-            sliding_window=WINDOW, sink_size=SINK, visit_all_pages=False,
+            visit_all_pages=False,
         ).numpy()
         at = 0
         for r, c in enumerate(counts):

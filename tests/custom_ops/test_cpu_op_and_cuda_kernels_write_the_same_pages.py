@@ -41,14 +41,13 @@ def cpu_op(case, fmt):
     scales = {n: paddle.to_tensor(getattr(case, n).copy()) for n in ("key_cache_scales", "value_cache_scales")}
     qkv = paddle.to_tensor(from_storage(case.qkv, BF16)).astype(paddle.bfloat16)  # exact: bf16 values
     ints = {n: paddle.to_tensor(getattr(case, n).astype(np.int32)) for n in (
-        "seq_lens_encoder", "seq_lens_decoder", "seq_lens_this_time", "cu_seqlens_q", "block_tables", "swa_head_mask")}
+        "seq_lens_encoder", "seq_lens_decoder", "seq_lens_this_time", "cu_seqlens_q", "block_tables", "head_windows")}
     out = append_attention(qkv, codes["key_cache"], codes["value_cache"], ints["seq_lens_encoder"],
                            ints["seq_lens_decoder"], ints["seq_lens_this_time"], ints["cu_seqlens_q"],
                            ints["block_tables"], paddle.to_tensor(case.rotary_cos), paddle.to_tensor(case.rotary_sin),
-                           ints["swa_head_mask"], key_cache_scales=scales["key_cache_scales"],
+                           ints["head_windows"], key_cache_scales=scales["key_cache_scales"],
                            value_cache_scales=scales["value_cache_scales"], num_heads=p["num_heads"],
-                           kv_num_heads=p["kv_num_heads"], head_dim=p["head_dim"],
-                           sliding_window=p["sliding_window"], sink_size=p["sink_size"])
+                           kv_num_heads=p["kv_num_heads"], head_dim=p["head_dim"])
     assert out.dtype == paddle.bfloat16
     return (out.view(paddle.uint16).numpy(), codes["key_cache"].numpy().view(np.uint8), scales["key_cache_scales"].numpy(),
             codes["value_cache"].numpy().view(np.uint8), scales["value_cache_scales"].numpy())
@@ -79,17 +78,16 @@ def assert_same_step(executor, case, fmt):
 def test_the_cpu_op_and_the_cuda_kernels_write_the_same_quantized_pages(executor, fmt, requests, head_dim, block_size):
     rng = np.random.default_rng(11)
     case = quantize_case(build_case(rng, requests, num_heads=8, kv_num_heads=2, head_dim=head_dim,
-                                    block_size=block_size, sliding_window=40, sink_size=5), fmt)
+                                    block_size=block_size, window=40, sink=5), fmt)
     assert_same_step(executor, case, fmt)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_each_heads_own_window_gives_the_cpu_op_and_the_cuda_kernels_the_same_step(executor, fmt):
-    """swa_head_mask [2, kv_heads]: a full head and three sliding types, each head's own dead pages -1
+    """head_windows [2, kv_heads]: a full head and three sliding types, each head's own dead pages -1
     (NaN behind them): both devices write the same bytes, and their outputs agree to bf16 rounding."""
     rng = np.random.default_rng(12)
     case = quantize_case(build_case(rng, [(0, 40), (300, 1), (129, 3), (90, 17)], num_heads=8, kv_num_heads=4,
-                                    head_dim=64, block_size=16, sliding_window=1, sink_size=0,
-                                    head_windows=MIXED_HEAD_WINDOWS), fmt)
-    assert case.swa_head_mask.shape == (2, 4) and (case.block_tables[1, 2] == -1).any()
+                                    head_dim=64, block_size=16, head_windows=MIXED_HEAD_WINDOWS), fmt)
+    assert case.head_windows.shape == (2, 4) and (case.block_tables[1, 2] == -1).any()
     assert_same_step(executor, case, fmt)

@@ -73,8 +73,8 @@ def pages_as_float(t: dict, name: str, fmt: str = None) -> np.ndarray:
 
 
 def run(case: Case, t: dict) -> np.ndarray:
-    return append_attention(**t, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
-                            sliding_window=case.window, sink_size=case.sink).numpy()
+    return append_attention(**t, num_heads=case.num_heads, kv_num_heads=case.kv_heads,
+                            head_dim=case.head_dim).numpy()
 
 
 def new_rows(case: Case, arrays: dict, fmt: str = "block_wise_fp8"):
@@ -181,8 +181,7 @@ def test_attention_over_quantized_pages_matches_float64(fmt, name, table):
     assert np.isfinite(out).all(), "a row no query may see was read (its scale is NaN)"
     # Tight: float64 attention over exactly the values the op read (the pages it wrote included).
     a = {k: v for k, v in arrays.items() if k != "seq_lens_encoder"}
-    kw = dict(num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
-              sliding_window=case.window, sink_size=case.sink)
+    kw = dict(num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim)
     deq = dict(a, key_cache=pages_as_float(t, "key_cache", fmt), value_cache=pages_as_float(t, "value_cache"))
     tight, _, _ = reference_append_attention(**deq, **kw, caches_hold_new_rows=True)
     # The format's error: float64 attention over the original float K/V.
@@ -234,8 +233,7 @@ def test_the_rotation_knob_stores_keys_as_they_are(cpu_options, fmt):
     written = code_values(t["key_cache"]).reshape(-1, case.block_size, case.head_dim)[pages, slots]
     np.testing.assert_array_equal(written, quantize_rows(k_plain, fmt)[0])
     a = {k: v for k, v in arrays.items() if k != "seq_lens_encoder"}
-    kw = dict(num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
-              sliding_window=case.window, sink_size=case.sink)
+    kw = dict(num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim)
     deq = dict(a, key_cache=pages_as_float(t, "key_cache"), value_cache=pages_as_float(t, "value_cache"))
     tight, _, _ = reference_append_attention(**deq, **kw, caches_hold_new_rows=True)
     assert rel_err(out, tight) < TIGHT_TOL
@@ -259,8 +257,7 @@ def test_the_value_rotation_knob_stores_rotated_values_and_rotates_the_output_ba
     written = code_values(t["value_cache"]).reshape(-1, case.block_size, case.head_dim)[pages, slots]
     np.testing.assert_array_equal(written, quantize_rows(hadamard(v), fmt)[0])
     a = {k: v for k, v in arrays.items() if k != "seq_lens_encoder"}
-    kw = dict(num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
-              sliding_window=case.window, sink_size=case.sink)
+    kw = dict(num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim)
     rotated_values = pages_as_float(t, "value_cache").astype(np.float64)
     deq = dict(a, key_cache=pages_as_float(t, "key_cache", fmt),
                value_cache=hadamard(rotated_values) / case.head_dim)

@@ -105,10 +105,12 @@ def test_the_bound_prototypes_call_the_built_launcher_without_a_device():
     lib = gpu_harness.bind(ctypes.CDLL(str(gpu_harness.cached_build(jobs=2))), gpu_harness.C_ABI)
     params = dict(dtype=gpu_harness.BF16, token_num=8, bsz=2, num_heads=20, kv_num_heads=4, head_dim=128,
                   block_size=64, num_blocks=16, max_blocks_per_seq=8, head_wise_table=1, max_position=512,
-                  sliding_window=128, sink_size=64, visit_all_pages=0, dual_pass=0)
+                  visit_all_pages=0, dual_pass=0, kv_slots=0, cache_quant=gpu_harness.CACHE_FLOAT)
     single = lib.append_attention_workspace_bytes(ctypes.byref(gpu_harness._Params(**params)))
     dual = lib.append_attention_workspace_bytes(ctypes.byref(gpu_harness._Params(**{**params, "dual_pass": 1})))
-    assert 0 < single < dual  # dual_pass (the last field) adds the stitch buffer
+    assert 0 < single < dual  # dual_pass adds the stitch buffer and its window
+    # cache_quant (the last field) is read where it is: an unknown page format is an unsupported shape
+    assert lib.append_attention_workspace_bytes(ctypes.byref(gpu_harness._Params(**{**params, "cache_quant": 9}))) == 0
     assert lib.append_attention_workspace_bytes(ctypes.byref(gpu_harness._Params(**{**params, "head_dim": 96}))) == 0
     info = (ctypes.c_int * 4)()
     status = lib.append_attention_launch(ctypes.byref(gpu_harness._Params(**params)),

@@ -211,10 +211,11 @@ def _small_inputs(head_wise: bool, d: int = 8, bs: int = 4):
     ints = lambda *v: paddle.to_tensor(np.array(v, np.int32))  # noqa: E731
     tensors = dict(qkv=qkv, key_cache=cache[0], value_cache=cache[1], seq_lens_encoder=ints(3),
                    seq_lens_decoder=ints(0), seq_lens_this_time=ints(3), cu_seqlens_q=ints(0, 3),
-                   block_tables=paddle.to_tensor(table), rotary_cos=cos, rotary_sin=sin, swa_head_mask=ints(1, 0),
+                   block_tables=paddle.to_tensor(table), rotary_cos=cos, rotary_sin=sin,
+                   head_windows=paddle.to_tensor(np.array([[2, 0], [0, 0]], np.int32)),
                    kv_head_slots=ints(0, 1), key_cache_scales=op_module.no_scales(qkv.place),
                    value_cache_scales=op_module.no_scales(qkv.place))
-    attrs = dict(num_heads=nh, kv_num_heads=kvh, head_dim=d, sliding_window=2, sink_size=0)
+    attrs = dict(num_heads=nh, kv_num_heads=kvh, head_dim=d)
     # one 3-token prompt; KV head 0 slides (window 2)
     return tensors, attrs
 
@@ -223,7 +224,7 @@ def test_op_arguments_are_the_ops_order_and_both_ops_share_them():
     tensors, attrs = _small_inputs(head_wise=True)
     ordered, values = op_module.op_arguments(tensors, **attrs)
     assert [id(t) for t in ordered] == [id(tensors[n]) for n in op_module.TENSOR_ARGS]
-    assert values == (4, 2, 8, 2, 0, False, False)  # the ATTR_ARGS order
+    assert values == (4, 2, 8, False, False)  # the ATTR_ARGS order
     # The CPU op takes all attributes but dual_pass: calling it through the entry gives what calling
     # it directly with the shared arguments gives.
     direct = op_module.load_cpu_ops().append_attention_cpu(*ordered, *values[:-1])[0].numpy()

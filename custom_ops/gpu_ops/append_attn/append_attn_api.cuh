@@ -45,8 +45,10 @@ enum AppendAttnDeviceError {
   APPEND_ATTN_ERR_DEAD_ENTRY_MASKED = 2, // visit_all_pages met a -1 entry in [0, t]
   APPEND_ATTN_ERR_OUT_OF_RANGE = 3,      // entry beyond the cache, or block index beyond the table
   APPEND_ATTN_ERR_POSITION = 4,          // position beyond the rotary tables
-  APPEND_ATTN_ERR_HEAD_WINDOW = 5,       // head_windows: a negative window or sink; error_info[1] =
-                                         // 0 (window) or 1 (sink), [2] = kv head, [3] = the value
+  APPEND_ATTN_ERR_HEAD_WINDOW = 5,       // head_windows[row][kv head] is negative; error_info[1] =
+                                         // row (0 window, 1 sink), [2] = kv head, [3] = the value
+  APPEND_ATTN_ERR_DUAL_PASS_WINDOWS = 6, // dual_pass: two sliding heads with different (window,
+                                         // sink); error_info[1], [2] = the two kv heads
 };
 
 typedef struct AppendAttnParams {
@@ -61,18 +63,13 @@ typedef struct AppendAttnParams {
   int max_blocks_per_seq;  // last dim of block_tables
   int head_wise_table;     // 0: [bsz, max_blocks]; 1: [bsz, kv_num_heads, max_blocks] of page ids
   int max_position;        // rows of rotary_cos / rotary_sin
-  int sliding_window;      // W >= 1: the window of every flagged head (head_windows 0)
-  int sink_size;           // S >= 0: their sink (head_windows 0)
   int visit_all_pages;     // baseline arm: visit every page of [0, t], mask instead of skip
-  int dual_pass;           // baseline arm (upstream): an all-SWA pass and an all-full pass,
-                           // stitched per head by swa_head_mask
+  int dual_pass;           // baseline arm (upstream): an all-SWA pass (every head with the sliding
+                           // heads' one window and sink, which they must share) and an all-full
+                           // pass, stitched per head (a window > 0 in head_windows takes the SWA pass)
   int kv_slots;            // dim 1 of the caches and of a head-wise table (a lane's G slots,
                            // >= kv_num_heads); 0 means kv_num_heads
   int cache_quant;         // AppendAttnCacheQuant of the caches
-  int head_windows;        // 0: swa_head_mask is [kv_num_heads] flags (1 = slides with
-                           // sliding_window / sink_size); 1: it is [2, kv_num_heads], row 0 the window
-                           // of each head (0 = full attention), row 1 its sink (>= 0), and
-                           // sliding_window / sink_size mask nothing
 } AppendAttnParams;
 
 typedef struct AppendAttnBuffers {
@@ -87,8 +84,8 @@ typedef struct AppendAttnBuffers {
   const int* block_tables;        // see head_wise_table; -1 = recycled / unallocated
   const float* rotary_cos;        // [max_position, head_dim / 2]
   const float* rotary_sin;        // [max_position, head_dim / 2]
-  const int* swa_head_mask;       // [kv_num_heads] flags or [2, kv_num_heads] windows and sinks
-                                  // (params.head_windows)
+  const int* head_windows;        // [2, kv_num_heads]: row 0 the window of each KV head (0 = full
+                                  // attention), row 1 its sink (>= 0)
   void* out;                      // [token_num, num_heads * head_dim]
   const int* kv_head_slots;       // [kv_num_heads]: slot (table row, cache slot) of each KV head,
                                   // distinct, < kv_slots; NULL means head h in slot h

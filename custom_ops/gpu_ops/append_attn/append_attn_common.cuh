@@ -44,7 +44,7 @@ struct Args {
   const int* block_tables;
   const float* rotary_cos;
   const float* rotary_sin;
-  const int* swa_head_mask;
+  const int* head_windows;   // [2, kv_num_heads]: row 0 each KV head's window (0 = full), row 1 its sink
   const int* kv_head_slots;  // [kv_num_heads] or NULL (identity)
   float* key_scales;         // quantized pages: one scale per token row of every page, else NULL
   float* value_scales;
@@ -52,15 +52,16 @@ struct Args {
   int* tile_prefix;  // workspace [bsz + 1]: exclusive prefix of prefill tiles per request
   float* partial;    // workspace: decode split results, see decode_attention.cu
   int* error_info;   // 4 device ints
+  int* dual_window;  // dual pass only (else NULL), workspace [2]: the window and sink its all-SWA pass
+                     // slides every head with, the sliding heads' one pair (prefill_tile_prefix_kernel)
   int token_num, bsz, num_heads, kv_num_heads, kv_slots, head_dim, block_size, num_blocks;
   int max_blocks_per_seq, head_wise_table, max_position;
-  int sliding_window, sink_size, visit_all_pages;
-  int head_windows;  // swa_head_mask is [2, kv_num_heads]: each head's window (0 = full) and sink
+  int visit_all_pages;
   int decode_max_splits, decode_pages_per_split;
   int cache_quant;  // AppendAttnCacheQuant
 };
 
-// swa_override for the attention kernels: kUseMask reads swa_head_mask; the dual-pass baseline
+// swa_override for the attention kernels: kUseMask reads head_windows; the dual-pass baseline
 // forces every head to one kind per pass.
 constexpr int kUseMask = -1;
 constexpr int kForceFull = 0;
@@ -249,12 +250,12 @@ __device__ __forceinline__ long long page_offset(const Args& a, int req, int hea
   return page * a.block_size * a.head_dim;
 }
 
-// The keys a KV head's queries see: its own window and sink (head_windows: row 0 / row 1 of
-// swa_head_mask; a window of 0 is a full head), or the call's for a flagged head. The dual-pass
-// baseline forces a pass's kind: its sliding pass slides every head that has a window, with that
-// window (the stitch keeps only those heads' rows). A negative window or sink is an error the tile
-// prefix kernel records (check_head_windows); here it reads as 0 (a full head, no sink), so the
-// attention kernels carry no error path of their own for it.
+// The keys a KV head's queries see: its own window and sink (row 0 / row 1 of head_windows; a window
+// of 0 is a full head). The dual-pass baseline forces a pass's kind: its full pass reads every head
+// as full, its sliding pass slides every head with the sliding heads' one (window, sink)
+// (dual_window; the stitch keeps only the sliding heads' rows of it). A negative window or sink is an
+// error the tile prefix kernel records (check_head_windows); here it reads as 0 (a full head, no
+// sink), so the attention kernels carry no error path of their own for it.
 struct HeadWindow {
   bool swa;
   int window;
@@ -263,28 +264,45 @@ struct HeadWindow {
 
 __device__ __forceinline__ HeadWindow head_window(const Args& a, int head, int swa_override) {
   HeadWindow w;
-  if (a.head_windows) {
-    w.window = max(a.swa_head_mask[head], 0);
-    w.sink = max(a.swa_head_mask[a.kv_num_heads + head], 0);
-    w.swa = w.window > 0 && swa_override != kForceFull;
+  if (swa_override == kForceSwa) {
+    w.window = a.dual_window[0];
+    w.sink = a.dual_window[1];
+    w.swa = w.window > 0;
     return w;
   }
-  w.swa = swa_override == kUseMask ? a.swa_head_mask[head] != 0 : swa_override == kForceSwa;
-  w.window = a.sliding_window;
-  w.sink = a.sink_size;
+  w.window = max(a.head_windows[head], 0);
+  w.sink = max(a.head_windows[a.kv_num_heads + head], 0);
+  w.swa = w.window > 0 && swa_override != kForceFull;
   return w;
 }
 
-// Records a negative per-head window or sink (APPEND_ATTN_ERR_HEAD_WINDOW: row, head, value); called
-// by the one block of prefill_tile_prefix_kernel, which every step with tokens launches.
+// Records a negative per-head window or sink (APPEND_ATTN_ERR_HEAD_WINDOW: row, head, value) and, for
+// the dual pass, derives the one (window, sink) of its all-SWA pass into dual_window: the first
+// sliding head's, which every other sliding head must share (else APPEND_ATTN_ERR_DUAL_PASS_WINDOWS:
+// the two heads); no sliding head: window 0 (that pass then reads every head as full, and the
+// stitch keeps none of it). Called by the one block of prefill_tile_prefix_kernel, which every step
+// with tokens launches before the attention kernels.
 __device__ __forceinline__ void check_head_windows(const Args& a) {
-  if (!a.head_windows) return;
   for (int i = threadIdx.x; i < 2 * a.kv_num_heads; i += blockDim.x) {
-    if (a.swa_head_mask[i] < 0) {
+    if (a.head_windows[i] < 0) {
       record_error(a.error_info, APPEND_ATTN_ERR_HEAD_WINDOW, i / a.kv_num_heads, i % a.kv_num_heads,
-                   a.swa_head_mask[i]);
+                   a.head_windows[i]);
     }
   }
+  if (a.dual_window == nullptr || threadIdx.x != 0) return;
+  const int* sinks = a.head_windows + a.kv_num_heads;
+  int first = -1;
+  for (int h = 0; h < a.kv_num_heads; ++h) {
+    if (a.head_windows[h] <= 0) continue;
+    if (first < 0) {
+      first = h;
+    } else if (a.head_windows[h] != a.head_windows[first] || sinks[h] != sinks[first]) {
+      record_error(a.error_info, APPEND_ATTN_ERR_DUAL_PASS_WINDOWS, first, h, 0);
+      break;
+    }
+  }
+  a.dual_window[0] = first < 0 ? 0 : a.head_windows[first];
+  a.dual_window[1] = first < 0 ? 0 : max(sinks[first], 0);
 }
 
 // The contract's visibility rule: query position q sees key position k.

@@ -163,7 +163,7 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   const size_t rot_elems = (size_t)p->max_position * (p->head_dim / 2);
   const size_t scale_elems = quantized ? cache_elems / p->head_dim : 0;
 
-  DeviceBuffer qkv, kc, vc, ks, vs, enc, dec, this_time, cu, tables, cos_t, sin_t, mask, head_slots, out,
+  DeviceBuffer qkv, kc, vc, ks, vs, enc, dec, this_time, cu, tables, cos_t, sin_t, windows, head_slots, out,
       ws, err;
   HARNESS_CUDA(qkv.alloc(qkv_elems * elt));
   HARNESS_CUDA(kc.alloc(cache_bytes));
@@ -177,7 +177,7 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   HARNESS_CUDA(tables.alloc(sizeof(int) * table_elems));
   HARNESS_CUDA(cos_t.alloc(sizeof(float) * rot_elems));
   HARNESS_CUDA(sin_t.alloc(sizeof(float) * rot_elems));
-  HARNESS_CUDA(mask.alloc(sizeof(int) * p->kv_num_heads * (p->head_windows ? 2 : 1)));
+  HARNESS_CUDA(windows.alloc(sizeof(int) * 2 * p->kv_num_heads));  // [2, kv_num_heads]
   HARNESS_CUDA(head_slots.alloc(sizeof(int) * p->kv_num_heads));
   HARNESS_CUDA(out.alloc(out_elems * elt));
   HARNESS_CUDA(err.alloc(4 * sizeof(int)));
@@ -220,7 +220,7 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   HARNESS_CUDA(tables.upload(host->block_tables));
   HARNESS_CUDA(cos_t.upload(host->rotary_cos));
   HARNESS_CUDA(sin_t.upload(host->rotary_sin));
-  HARNESS_CUDA(mask.upload(host->swa_head_mask));
+  HARNESS_CUDA(windows.upload(host->head_windows));
   if (host->kv_head_slots != nullptr) HARNESS_CUDA(head_slots.upload(host->kv_head_slots));
 
   AppendAttnBuffers d;
@@ -234,7 +234,7 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   d.block_tables = tables.as<const int>();
   d.rotary_cos = cos_t.as<const float>();
   d.rotary_sin = sin_t.as<const float>();
-  d.swa_head_mask = mask.as<const int>();
+  d.head_windows = windows.as<const int>();
   d.kv_head_slots = host->kv_head_slots != nullptr ? head_slots.as<const int>() : nullptr;
   d.key_cache_scales = quantized ? ks.as<float>() : nullptr;
   d.value_cache_scales = quantized ? vs.as<float>() : nullptr;

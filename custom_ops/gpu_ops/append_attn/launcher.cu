@@ -23,7 +23,7 @@ size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 size_t dtype_bytes(int) { return 2; }  // bf16 and fp16
 
 struct Layout {
-  size_t q_rot, tile_prefix, partial, swa_out, total;
+  size_t q_rot, tile_prefix, partial, swa_out, dual_window, total;
   int decode_max_splits, decode_pages_per_split;
 };
 
@@ -61,6 +61,8 @@ Layout make_layout(const AppendAttnParams& p) {
                            (p.head_dim + 2));
   l.swa_out = off;
   if (p.dual_pass) off = align256(off + dtype_bytes(p.dtype) * tokens * hd);
+  l.dual_window = off;
+  if (p.dual_pass) off = align256(off + 2 * sizeof(int));
   l.total = off;
   return l;
 }
@@ -88,14 +90,8 @@ std::string validate(const AppendAttnParams& p) {
              p.kv_num_heads);
     return buf;
   }
-  if (p.sliding_window < 1 || p.sink_size < 0) {
-    snprintf(buf, sizeof(buf), "sliding_window %d must be >= 1 and sink_size %d >= 0",
-             p.sliding_window, p.sink_size);
-    return buf;
-  }
-  if (p.head_windows != 0 && p.head_windows != 1) {
-    snprintf(buf, sizeof(buf), "head_windows %d must be 0 ([kv_num_heads] flags) or 1 ([2, kv_num_heads])",
-             p.head_windows);
+  if (p.dual_pass != 0 && p.dual_pass != 1) {
+    snprintf(buf, sizeof(buf), "dual_pass %d must be 0 or 1", p.dual_pass);
     return buf;
   }
   if (p.cache_quant < APPEND_ATTN_CACHE_FLOAT || p.cache_quant > APPEND_ATTN_CACHE_INT4) {
@@ -123,8 +119,8 @@ std::string validate(const AppendAttnParams& p) {
   return "";
 }
 
-// Dual pass: copy the SWA pass's output over the full pass's for the SWA heads (a nonzero flag, or
-// with head_windows a nonzero window: row 0 of swa_head_mask either way).
+// Dual pass: copy the SWA pass's output over the full pass's for the SWA heads (a window > 0 in row 0
+// of head_windows).
 template <typename T>
 __global__ void __launch_bounds__(256) stitch_heads_kernel(Args a, const T* __restrict__ swa_out, T* __restrict__ out) {
   const int token = blockIdx.x;
@@ -133,7 +129,7 @@ __global__ void __launch_bounds__(256) stitch_heads_kernel(Args a, const T* __re
   const long long row = (long long)token * a.num_heads * a.head_dim;
   for (int i = threadIdx.x; i < a.num_heads * a.head_dim; i += blockDim.x) {
     const int head = i / a.head_dim / group;
-    if (a.swa_head_mask[head] != 0) out[row + i] = swa_out[row + i];
+    if (a.head_windows[head] > 0) out[row + i] = swa_out[row + i];
   }
 }
 
@@ -206,7 +202,7 @@ extern "C" int append_attention_launch(const AppendAttnParams* params,
   if (b.qkv == nullptr || b.key_cache == nullptr || b.value_cache == nullptr ||
       b.seq_lens_decoder == nullptr || b.seq_lens_this_time == nullptr ||
       b.cu_seqlens_q == nullptr || b.block_tables == nullptr || b.rotary_cos == nullptr ||
-      b.rotary_sin == nullptr || b.swa_head_mask == nullptr || b.out == nullptr) {
+      b.rotary_sin == nullptr || b.head_windows == nullptr || b.out == nullptr) {
     return fail(APPEND_ATTN_INVALID_ARGUMENT, "a required device buffer is NULL");
   }
   if (p.cache_quant != APPEND_ATTN_CACHE_FLOAT &&
@@ -225,7 +221,7 @@ extern "C" int append_attention_launch(const AppendAttnParams* params,
   a.block_tables = b.block_tables;
   a.rotary_cos = b.rotary_cos;
   a.rotary_sin = b.rotary_sin;
-  a.swa_head_mask = b.swa_head_mask;
+  a.head_windows = b.head_windows;
   a.kv_head_slots = b.kv_head_slots;
   a.key_scales = p.cache_quant != APPEND_ATTN_CACHE_FLOAT ? b.key_cache_scales : nullptr;
   a.value_scales = p.cache_quant != APPEND_ATTN_CACHE_FLOAT ? b.value_cache_scales : nullptr;
@@ -234,6 +230,7 @@ extern "C" int append_attention_launch(const AppendAttnParams* params,
   a.tile_prefix = reinterpret_cast<int*>(ws + layout.tile_prefix);
   a.partial = reinterpret_cast<float*>(ws + layout.partial);
   a.error_info = error_info;
+  a.dual_window = p.dual_pass ? reinterpret_cast<int*>(ws + layout.dual_window) : nullptr;
   a.token_num = p.token_num;
   a.bsz = p.bsz;
   a.num_heads = p.num_heads;
@@ -245,9 +242,6 @@ extern "C" int append_attention_launch(const AppendAttnParams* params,
   a.max_blocks_per_seq = p.max_blocks_per_seq;
   a.head_wise_table = p.head_wise_table != 0;
   a.max_position = p.max_position;
-  a.sliding_window = p.sliding_window;
-  a.sink_size = p.sink_size;
-  a.head_windows = p.head_windows != 0;
   a.visit_all_pages = p.visit_all_pages != 0;
   a.decode_max_splits = layout.decode_max_splits;
   a.decode_pages_per_split = layout.decode_pages_per_split;
@@ -259,8 +253,9 @@ extern "C" int append_attention_launch(const AppendAttnParams* params,
     RETURN_IF_CUDA_ERROR(launch_decode_attention(a, p.dtype, kUseMask, b.out, stream));
     return APPEND_ATTN_OK;
   }
-  // Upstream's head-wise SWA on a 1-D table: attention once with every head sliding-window and
-  // once with every head full, then each head keeps the pass of its kind.
+  // Upstream's head-wise SWA on a 1-D table: attention once with every head sliding-window (the
+  // sliding heads' one window and sink, derived by the tile prefix kernel into dual_window) and once
+  // with every head full, then each head keeps the pass of its kind.
   void* swa_out = ws + layout.swa_out;
   RETURN_IF_CUDA_ERROR(launch_prefill_attention(a, p.dtype, kForceSwa, swa_out, stream));
   RETURN_IF_CUDA_ERROR(launch_decode_attention(a, p.dtype, kForceSwa, swa_out, stream));
@@ -299,8 +294,14 @@ extern "C" const char* append_attention_describe_error(const int* info, char* bu
                info[1], info[2], info[3]);
       break;
     case APPEND_ATTN_ERR_HEAD_WINDOW:
-      snprintf(buf, buf_len, "swa_head_mask[%d][%d] (the %s of kv head %d) is %d; it must be >= 0",
+      snprintf(buf, buf_len, "head_windows[%d][%d] (the %s of kv head %d) is %d; it must be >= 0",
                info[1], info[2], info[1] == 0 ? "window" : "sink", info[2], info[3]);
+      break;
+    case APPEND_ATTN_ERR_DUAL_PASS_WINDOWS:
+      snprintf(buf, buf_len,
+               "dual_pass slides every head with one window, but kv heads %d and %d of head_windows "
+               "slide with different (window, sink) pairs: every sliding head must share one",
+               info[1], info[2]);
       break;
     case APPEND_ATTN_ERR_POSITION:
       snprintf(buf, buf_len, "position %d of request %d is beyond the rotary tables", info[3],

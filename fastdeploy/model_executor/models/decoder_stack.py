@@ -36,10 +36,10 @@ class DecoderStack:
             att = backend.layer_operands(layer_id)
             tensors += [none if t is None else t for t in (input_norm, *qkv[:3], *o[:3], post_norm, *gu[:3], *down[:3])]
             tensors += [att["key_cache"], att["value_cache"], att["key_cache_scales"], att["value_cache_scales"],
-                        att["rotary_cos"], att["rotary_sin"], att["swa_head_mask"], att["kv_head_slots"]]
-            num_heads, kv_heads, head_dim, window, sink, visit_all = backend.cpu_attrs[layer_id]
+                        att["rotary_cos"], att["rotary_sin"], att["head_windows"], att["kv_head_slots"]]
+            num_heads, kv_heads, head_dim, visit_all = backend.cpu_attrs[layer_id]
             ints += [qkv[3], qkv[4], qkv[5], o[4], o[5], gu[3], gu[4], gu[5], down[4], down[5],
-                     num_heads, kv_heads, head_dim, window, sink, int(visit_all)]
+                     num_heads, kv_heads, head_dim, int(visit_all)]
         head_tensors, head_ints = [none] * 4, []
         if head is not None:
             norm, (q, scale, offset, n, group, kind) = head

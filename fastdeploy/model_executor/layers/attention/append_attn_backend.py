@@ -10,8 +10,8 @@ token row of every page); a layer reads and writes its lane
 through its head -> slot map (one lane per layer, G = H / tp and slot h
 = head h for a model whose layers all look alike). Every layer passes its own sliding heads,
 window and sink (sliding layers of the model as much as head-wise SWA heads), one pair per KV head: the
-op's swa_head_mask in its [2, kv_heads] form (row 0 windows, 0 = full; row 1 sinks), so a layer may mix
-full heads and any number of sliding types.
+op's head_windows [2, kv_heads] (row 0 windows, 0 = full; row 1 sinks), so a layer may mix full heads
+and any number of sliding types.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import paddle
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.ops import append_attention
 from fastdeploy.model_executor.layers.attention.ops.append_attention import _call, check_device_errors, \
-    cpu_op_arguments, cpu_op_attrs, new_error_info, no_scales
+    cpu_op_arguments, cpu_op_attrs, dual_pass_window, new_error_info, no_scales
 from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import load_cpu_ops
 from fastdeploy.model_executor.layers.attention.swa_spec import attention_type_table, row_attention_args
 from fastdeploy.model_executor.tensor_parallel import local_kv_heads
@@ -55,21 +55,25 @@ class AppendAttentionBackend:
         self.rotary = rotary  # (cos, sin) per layer
         heads = local_kv_heads(model.num_key_value_heads, tp_rank, tp)
         types = attention_type_table(model)
-        # Per layer: (swa_head_mask [2, kv_heads] of this rank's heads: their windows and sinks; the call's
-        # sliding_window and sink_size, which that form leaves unused (1 and 0: valid values); each
+        # FD_HEAD_WISE_ATTN=dual_pass: upstream's two passes over the 1-D table (config checks it is
+        # the GPU, 1-D mode); the masked passes read every page, as upstream's do.
+        self.dual_pass = getattr(fd_config, "head_wise_attn", "SINGLE_PASS") == "DUAL_PASS"
+        # Per layer: (head_windows [2, kv_heads] of this rank's heads: their windows and sinks; each
         # head's slot in the lane).
         self.layer_args = []
         for layer in range(model.num_hidden_layers):
             windows, sinks = row_attention_args([types[layer][h] for h in heads])
-            self.layer_args.append((paddle.to_tensor([windows, sinks], dtype="int32"), 1, 0,
+            if self.dual_pass:
+                try:  # its SWA pass has one window: refused here, before the first step, not on the device
+                    dual_pass_window([windows, sinks])
+                except ValueError as e:
+                    raise ValueError(f"FD_HEAD_WISE_ATTN=dual_pass: layer {layer}: {e}") from e
+            self.layer_args.append((paddle.to_tensor([windows, sinks], dtype="int32"),
                                     paddle.to_tensor(slots.layer_head_slots(layer, heads), dtype="int32")))
         # The step's table is [bsz, rows, max_blocks]; the kernels take a 1-D table's one row as [bsz, max_blocks].
         self.one_row_table = not fd_config.head_wise_kv_cache
         self._kernel_table = (None, None)  # (the step buffers' table, its kernel form): made once
         self.on_gpu = getattr(fd_config, "device", "cpu") == "gpu"
-        # FD_HEAD_WISE_ATTN=dual_pass: upstream's two passes over the 1-D table (config checks it is
-        # the GPU, 1-D mode); the masked passes read every page, as upstream's do.
-        self.dual_pass = getattr(fd_config, "head_wise_attn", "SINGLE_PASS") == "DUAL_PASS"
         self.error_info = None
         if self.on_gpu:
             from fastdeploy.model_executor.layers.attention.ops.gpu_op_loader import load_gpu_ops
@@ -81,9 +85,8 @@ class AppendAttentionBackend:
         # per-call checks and place dispatch cost ~30 us a layer, ~1 ms of a 30 ms decode step.
         self.cpu_op = None if self.on_gpu else self._bind_cpu_op()
         self.cpu_attrs = [cpu_op_attrs(dict(num_heads=self.num_heads, kv_num_heads=self.kv_num_heads,
-                                            head_dim=self.head_dim, sliding_window=window, sink_size=sink,
-                                            visit_all_pages=self.dual_pass))
-                          for _, window, sink, _ in self.layer_args]
+                                            head_dim=self.head_dim, visit_all_pages=self.dual_pass))
+                          for _ in self.layer_args]
         self._layer_operands = [self._operands_of(layer) for layer in range(len(self.layer_args))]
 
     def _bind_cpu_op(self):
@@ -113,10 +116,10 @@ class AppendAttentionBackend:
         return self._layer_operands[layer_id]
 
     def _operands_of(self, layer_id: int) -> dict:
-        swa_head_mask, _, _, head_slots = self.layer_args[layer_id]
+        head_windows, head_slots = self.layer_args[layer_id]
         cos, sin = self.rotary[layer_id]
         return dict(key_cache=self.key_caches[layer_id], value_cache=self.value_caches[layer_id],
-                    rotary_cos=cos, rotary_sin=sin, swa_head_mask=swa_head_mask, kv_head_slots=head_slots,
+                    rotary_cos=cos, rotary_sin=sin, head_windows=head_windows, kv_head_slots=head_slots,
                     key_cache_scales=self.key_scales[layer_id], value_cache_scales=self.value_scales[layer_id])
 
     def runs_cpu_op(self) -> bool:
@@ -133,14 +136,13 @@ class AppendAttentionBackend:
                            cu_seqlens_q=cu_seqlens_q, block_tables=table, **self.layer_operands(layer_id))
             return _call(self.cpu_op, *cpu_op_arguments(tensors, self.cpu_attrs[layer_id]))[0]
         table = self.kernel_table(meta.block_tables)
-        swa_head_mask, window, sink, head_slots = self.layer_args[layer_id]
+        head_windows, head_slots = self.layer_args[layer_id]
         cos, sin = self.rotary[layer_id]
         return append_attention(
             qkv, self.key_caches[layer_id], self.value_caches[layer_id], meta.seq_lens_encoder,
             meta.seq_lens_decoder, meta.seq_lens_this_time, meta.cu_seqlens_q, table, cos, sin,
-            swa_head_mask, head_slots, self.key_scales[layer_id], self.value_scales[layer_id],
-            num_heads=self.num_heads, kv_num_heads=self.kv_num_heads,
-            head_dim=self.head_dim, sliding_window=window, sink_size=sink,
+            head_windows, head_slots, self.key_scales[layer_id], self.value_scales[layer_id],
+            num_heads=self.num_heads, kv_num_heads=self.kv_num_heads, head_dim=self.head_dim,
             visit_all_pages=self.dual_pass, dual_pass=self.dual_pass, error_info=self.error_info)
 
     def end_step(self) -> None:

@@ -52,8 +52,8 @@ class CudaOnCpuAttentionBackend(AppendAttentionBackend):
 
     def forward(self, layer_id: int, qkv: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         table = self.kernel_table(meta.block_tables)
-        # int32 already (AppendAttentionBackend); the mask is [2, kv_heads]: each head's window and sink
-        mask, window, sink, slots = self.layer_args[layer_id]
+        # int32 already (AppendAttentionBackend): head_windows [2, kv_heads], each head's window and sink
+        head_windows, slots = self.layer_args[layer_id]
         cos32, sin32 = self.rotary32[layer_id]
         key_cache, value_cache = self.key_caches[layer_id], self.value_caches[layer_id]
         q16 = qkv.astype(paddle.bfloat16).contiguous()
@@ -69,14 +69,13 @@ class CudaOnCpuAttentionBackend(AppendAttentionBackend):
             kv_num_heads=self.kv_num_heads, head_dim=self.head_dim, block_size=int(key_cache.shape[2]),
             num_blocks=int(key_cache.shape[0]), max_blocks_per_seq=int(table32.shape[-1]),
             head_wise_table=int(len(table32.shape) == 3), max_position=int(cos32.shape[0]),
-            sliding_window=int(window), sink_size=int(sink), visit_all_pages=0, dual_pass=0,
-            kv_slots=int(key_cache.shape[1]), cache_quant=_CACHE_QUANT[key_cache.dtype],
-            head_windows=int(len(mask.shape) == 2))
+            visit_all_pages=0, dual_pass=0, kv_slots=int(key_cache.shape[1]),
+            cache_quant=_CACHE_QUANT[key_cache.dtype])
         scales = (self.key_scales[layer_id], self.value_scales[layer_id]) if self.quantized else (None, None)
         buffers = AppendAttnBuffers(
             qkv=_ptr(q16), key_cache=_ptr(key_cache), value_cache=_ptr(value_cache), seq_lens_encoder=_ptr(enc),
             seq_lens_decoder=_ptr(dec), seq_lens_this_time=_ptr(this_time), cu_seqlens_q=_ptr(cu),
-            block_tables=_ptr(table32), rotary_cos=_ptr(cos32), rotary_sin=_ptr(sin32), swa_head_mask=_ptr(mask),
+            block_tables=_ptr(table32), rotary_cos=_ptr(cos32), rotary_sin=_ptr(sin32), head_windows=_ptr(head_windows),
             out=_ptr(out), kv_head_slots=_ptr(slots), key_cache_scales=_ptr(scales[0]),
             value_cache_scales=_ptr(scales[1]))
         need = self.lib.append_attention_workspace_bytes(ctypes.byref(params))

@@ -46,9 +46,9 @@ def layer_attention_args(model_config, layer: int) -> tuple:
 
 def row_attention_args(row) -> tuple:
     """(windows, sinks) of one layer's row of the type table (or some of its heads): one window per
-    head, 0 for a full head, and its sink (0 for a full head). The op's swa_head_mask in its
-    [2, kv_heads] form is exactly these two rows (docs/op_contract.md), so a layer may mix full
-    heads with any number of sliding types."""
+    head, 0 for a full head, and its sink (0 for a full head). The op's head_windows [2, kv_heads]
+    is exactly these two rows (docs/op_contract.md), so a layer may mix full heads with any number of
+    sliding types."""
     windows = [int(t.window) if t.sliding else 0 for t in row]
     sinks = [int(t.sink) if t.sliding else 0 for t in row]
     return windows, sinks

@@ -6,7 +6,8 @@ tokens of a mixed prefill/decode batch; ``key_cache``/``value_cache``
 G >= kv_num_heads slots) are updated in place with the rotated K and the V of
 those tokens; ``block_tables`` is either the 1-D table ``[bsz, max_blocks]``
 or the head-wise page table ``[bsz, G, max_blocks]`` (told apart by rank);
-``kv_head_slots`` (int32 ``[kv_num_heads]``, distinct slots < G; None = head h
+``head_windows`` (int32 ``[2, kv_num_heads]``) is each KV head's window (row 0, 0 = full attention)
+and sink (row 1, >= 0); ``kv_head_slots`` (int32 ``[kv_num_heads]``, distinct slots < G; None = head h
 in slot h) says which slot, i.e. which table row and which place in a block,
 holds each KV head of this layer. Quantized pages (int8, float8_e4m3fn, or uint8 caches of int4
 pairs ``[num_blocks, G, block_size, head_dim / 2]``) carry
@@ -30,17 +31,17 @@ import paddle
 from .cpu_op_loader import load_cpu_ops
 
 TENSOR_ARGS = ("qkv", "key_cache", "value_cache", "seq_lens_encoder", "seq_lens_decoder", "seq_lens_this_time",
-               "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin", "swa_head_mask", "kv_head_slots",
+               "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin", "head_windows", "kv_head_slots",
                "key_cache_scales", "value_cache_scales")
 SCALE_ARGS = ("key_cache_scales", "value_cache_scales")
 # Cache dtypes that hold quantized pages (the scales' dtype is float32).
 QUANTIZED_CACHE_DTYPES = (paddle.int8, paddle.float8_e4m3fn, paddle.uint8)
 # The attributes of both ops, in order; the CPU op takes all but the last (it has one pass only).
-ATTR_ARGS = ("num_heads", "kv_num_heads", "head_dim", "sliding_window", "sink_size", "visit_all_pages", "dual_pass")
+ATTR_ARGS = ("num_heads", "kv_num_heads", "head_dim", "visit_all_pages", "dual_pass")
 
 
-def op_arguments(tensors: dict, *, num_heads: int, kv_num_heads: int, head_dim: int, sliding_window: int,
-                 sink_size: int, visit_all_pages: bool = False, dual_pass: bool = False) -> tuple:
+def op_arguments(tensors: dict, *, num_heads: int, kv_num_heads: int, head_dim: int,
+                 visit_all_pages: bool = False, dual_pass: bool = False) -> tuple:
     """(tensors in op order, attributes in op order): the argument contract of both ops. Without
     ``kv_head_slots`` head h uses slot h (the per-head layout); float caches without scales get the
     placeholder."""
@@ -55,9 +56,24 @@ def op_arguments(tensors: dict, *, num_heads: int, kv_num_heads: int, head_dim: 
     if dual_pass and (not visit_all_pages or len(tensors["block_tables"].shape) != 2):
         raise ValueError("append_attention: dual_pass is upstream's 1-D baseline; it needs a 1-D block table "
                          "[bsz, max_blocks] and visit_all_pages=True")
-    attrs = (int(num_heads), int(kv_num_heads), int(head_dim), int(sliding_window), int(sink_size),
-             bool(visit_all_pages), bool(dual_pass))
+    attrs = (int(num_heads), int(kv_num_heads), int(head_dim), bool(visit_all_pages), bool(dual_pass))
     return tuple(tensors[name] for name in TENSOR_ARGS), attrs
+
+
+def dual_pass_window(head_windows) -> tuple:
+    """(window, sink) of dual_pass's all-SWA pass from a host copy of ``head_windows`` ``[2, kv_num_heads]``:
+    the one pair every sliding head (window > 0) shares; (0, 0) when no head slides. Heads that slide
+    with different pairs are refused (ValueError): upstream's baseline has one window for the SWA pass.
+    The CUDA kernels derive the same pair on the device and record error 6 where the heads disagree."""
+    rows = np.asarray(head_windows, dtype=np.int64)
+    if rows.ndim != 2 or rows.shape[0] != 2:
+        raise ValueError(f"append_attention: head_windows must be [2, kv_num_heads], got shape {list(rows.shape)}")
+    pairs = sorted({(int(w), int(s)) for w, s in zip(rows[0], rows[1]) if w > 0})
+    if len(pairs) > 1:
+        raise ValueError(f"append_attention: dual_pass slides every head with one window, but the sliding heads of "
+                         f"head_windows have {len(pairs)} different (window, sink) pairs {pairs}: every sliding head "
+                         f"must share one")
+    return pairs[0] if pairs else (0, 0)
 
 
 _CPU_TENSORS, _CPU_ATTRS = operator.itemgetter(*TENSOR_ARGS), operator.itemgetter(*ATTR_ARGS[:-1])
@@ -85,7 +101,9 @@ DEVICE_ERRORS = {
     3: "block table entry out of range (request {0}, kv head {1}, block index {2}): id beyond the cache or index "
        "beyond max_blocks_per_seq",
     4: "position {2} of request {0} is beyond the rotary tables",
-    5: "swa_head_mask[{0}][{1}] (row 0: the window, row 1: the sink of kv head {1}) is {2}; it must be >= 0",
+    5: "head_windows[{0}][{1}] (row 0: the window, row 1: the sink of kv head {1}) is {2}; it must be >= 0",
+    6: "dual_pass slides every head with one window, but kv heads {0} and {1} of head_windows slide with "
+       "different (window, sink) pairs: every sliding head must share one",
 }
 
 
@@ -142,7 +160,7 @@ def append_attention(
     block_tables: paddle.Tensor,
     rotary_cos: paddle.Tensor,
     rotary_sin: paddle.Tensor,
-    swa_head_mask: paddle.Tensor,
+    head_windows: paddle.Tensor,
     kv_head_slots: Optional[paddle.Tensor] = None,
     key_cache_scales: Optional[paddle.Tensor] = None,
     value_cache_scales: Optional[paddle.Tensor] = None,
@@ -150,21 +168,20 @@ def append_attention(
     num_heads: int,
     kv_num_heads: int,
     head_dim: int,
-    sliding_window: int,
-    sink_size: int,
     visit_all_pages: bool = False,
     dual_pass: bool = False,
     error_info: Optional[paddle.Tensor] = None,
 ) -> paddle.Tensor:
     """Rotate q/k, write the new K/V into the paged cache, attend.
 
-    ``swa_head_mask`` is int32 ``[kv_num_heads]`` (1 = the head slides with
-    ``sliding_window``/``sink_size``) or ``[2, kv_num_heads]`` (row 0 each
-    head's own window, 0 = full attention; row 1 its sink; the two attributes
-    then mask nothing); ``visit_all_pages`` is the benchmark baseline that reads
-    every page and masks instead of skipping (needs a table without -1 in the
-    visible range); ``dual_pass`` (CUDA op, 1-D table, with visit_all_pages) is
-    upstream's two-pass head-wise SWA. Bad shapes, or a -1 in a table entry the
+    ``head_windows`` is int32 ``[2, kv_num_heads]``: row 0 each KV head's own
+    window (0 = full attention), row 1 its sink (>= 0); the ``[kv_num_heads]``
+    form of 0/1 flags is refused. ``visit_all_pages`` is the benchmark baseline
+    that reads every page and masks instead of skipping (needs a table without
+    -1 in the visible range); ``dual_pass`` (CUDA op, 1-D table, with
+    visit_all_pages) is upstream's two-pass head-wise SWA, whose SWA pass slides
+    every head with one window: every sliding head of ``head_windows`` must
+    share one (window, sink) (dual_pass_window; device error 6). Bad shapes, or a -1 in a table entry the
     step needs (a scheduler bug), raise ``ValueError`` naming request, head and
     block index; the cache is left untouched in that case (CPU op). On the GPU
     that check costs a sync: pass a persistent ``error_info`` (new_error_info)
@@ -174,10 +191,10 @@ def append_attention(
     tensors, attrs = op_arguments(
         dict(qkv=qkv, key_cache=key_cache, value_cache=value_cache, seq_lens_encoder=seq_lens_encoder,
              seq_lens_decoder=seq_lens_decoder, seq_lens_this_time=seq_lens_this_time, cu_seqlens_q=cu_seqlens_q,
-             block_tables=block_tables, rotary_cos=rotary_cos, rotary_sin=rotary_sin, swa_head_mask=swa_head_mask,
+             block_tables=block_tables, rotary_cos=rotary_cos, rotary_sin=rotary_sin, head_windows=head_windows,
              kv_head_slots=kv_head_slots, key_cache_scales=key_cache_scales, value_cache_scales=value_cache_scales),
-        num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim, sliding_window=sliding_window,
-        sink_size=sink_size, visit_all_pages=visit_all_pages, dual_pass=dual_pass)
+        num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim, visit_all_pages=visit_all_pages,
+        dual_pass=dual_pass)
     op, on_gpu = select_op(qkv.place, dual_pass)
     check_now = on_gpu and error_info is None
     if check_now:
@@ -190,7 +207,6 @@ def append_attention(
 
 def validate_append_attention_inputs(*tensors: paddle.Tensor, rules: str, check_place: bool = True,
                                      num_heads: int, kv_num_heads: int, head_dim: int,
-                                     sliding_window: int, sink_size: int,
                                      visit_all_pages: bool = False) -> None:
     """Runs only the input checks shared by the CPU op and the CUDA wrapper
     (custom_ops/cpu_ops/append_attention_checks.h) on CPU tensors, with the
@@ -200,12 +216,11 @@ def validate_append_attention_inputs(*tensors: paddle.Tensor, rules: str, check_
     if len(tensors) < len(TENSOR_ARGS) - len(SCALE_ARGS) - 1:
         raise ValueError(f"validate_append_attention_inputs: expected at least {len(TENSOR_ARGS) - 3} tensors")
     named = dict(zip(TENSOR_ARGS, tensors))
-    tensors, _ = op_arguments(named, num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim,
-                              sliding_window=sliding_window, sink_size=sink_size)
+    tensors, _ = op_arguments(named, num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim)
     if rules not in ("cpu", "gpu"):
         raise ValueError(f"rules must be 'cpu' or 'gpu', got {rules!r}")
-    attrs = (int(num_heads), int(kv_num_heads), int(head_dim), int(sliding_window), int(sink_size),
-             bool(visit_all_pages), rules == "gpu", bool(check_place))
+    attrs = (int(num_heads), int(kv_num_heads), int(head_dim), bool(visit_all_pages), rules == "gpu",
+             bool(check_place))
     _call(load_cpu_ops().append_attention_validate, *tensors, *attrs)
 
 

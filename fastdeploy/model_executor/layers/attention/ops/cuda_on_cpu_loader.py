@@ -39,10 +39,10 @@ CPU_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-fno-strict-aliasing", "-Wall", "-Wn
 
 # The C ABI's structs (append_attn_api.cuh; tests/custom_ops/test_op_abi_contract.py checks them).
 PARAM_FIELDS = ("dtype", "token_num", "bsz", "num_heads", "kv_num_heads", "head_dim", "block_size", "num_blocks",
-                "max_blocks_per_seq", "head_wise_table", "max_position", "sliding_window", "sink_size",
-                "visit_all_pages", "dual_pass", "kv_slots", "cache_quant", "head_windows")
+                "max_blocks_per_seq", "head_wise_table", "max_position", "visit_all_pages", "dual_pass", "kv_slots",
+                "cache_quant")
 BUFFER_FIELDS = ("qkv", "key_cache", "value_cache", "seq_lens_encoder", "seq_lens_decoder", "seq_lens_this_time",
-                 "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin", "swa_head_mask", "out",
+                 "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin", "head_windows", "out",
                  "kv_head_slots", "key_cache_scales", "value_cache_scales")
 
 
