@@ -14,35 +14,88 @@ cProfile and prints the top entries, to see what a step costs besides the GEMMs.
     python benchmarks/bench_decode_cpu.py --model smollm2-135m-instruct --head-wise-ab \
         --concurrency 1 8 32 --input-lens 128 3000 --decode-steps 24   # FD_HEAD_WISE_KV_CACHE=0 vs 1
 
+    python benchmarks/bench_decode_cpu.py --step-breakdown [--model smollm2-135m-instruct] [--steps 100]
+    python benchmarks/bench_decode_cpu.py --step-breakdown --clock cpu   # CPU time: robust on a shared machine
+    FD_CPU_INT8_ACTIVATIONS=1 python benchmarks/bench_decode_cpu.py --step-breakdown   # the opt-in path
+
 The checkpoint (ERNIE-4.5 layout, ~540 MB) is written once to --model-dir and reused.
 
-With --head-wise-ab, two engines of the same model take the same prompts, one with
-FD_HEAD_WISE_KV_CACHE=0 and one with 1 (a named model's calibrated head-wise configuration applies to
-the second only); once both are prefilled they take decode steps in turn (off, on, on, off, off, on...), and
-every step is split into its host parts (schedule: recycling and admission; the step input with its
-tables; the buffer fill; the attention calls; the rest of the forward; the update) so that what
-the flag adds per step is visible. Each row prints the weight bytes from the engines' load logs.
+The A/B modes take decode steps of their arms in turns (ab_harness.py) once every prompt is prefilled:
+- --kv-cache-quant-types: one engine per KV page format (A, B, A, B...); median decode tok/s per format
+  next to the first format's;
+- --fused-layers-ab: one engine per N, its layers as two op calls each around the attention op
+  (FD_CPU_FUSED_LAYERS=1) vs every layer in one op call (2, the default): the model's level is set
+  between steps (1, 2, 2, 1, 1, 2...), so both arms run the same requests at the same contexts;
+- --head-wise-ab: two engines of the same model, FD_HEAD_WISE_KV_CACHE=0 and 1 (a named model's
+  calibrated head-wise configuration applies to the second only), steps taken off, on, on, off...;
+  every step is split into its host parts (schedule; the step input; the buffer fill; the attention
+  calls; the rest of the forward; the update) so that what the flag adds per step is visible, and
+  each row prints the dense layers' weight storage.
 
-With --kv-cache-quant-types, one engine per KV page format (--kv-cache-quant-type) takes the same N
-prompts; once every prompt is prefilled, the engines take decode steps in turn (A, B, A, B...), each
-step timed, and the medians give decode tok/s per format next to the first format's.
+--step-breakdown (the named model smollm2-135m-instruct unless --model says otherwise): where one
+request's decode step goes. One engine, one request of --input-len random prompt tokens, greedy; --steps
+decode steps are timed, each split by wrapping the engine's parts (schedule, step input, buffer fill, the
+forward pass, update, detokenize, output) and every Paddle custom-op call (by op name). "dense" is every
+op that multiplies by the weights (linear_blocks*, linear_packed, the fused layer ops, which include their
+norms and activation); with every layer in one op (the default, FD_CPU_FUSED_LAYERS=2) that op is its own
+line, and FD_CPU_FUSED_LAYERS=1 splits it into dense and attention; "host" is the step's time outside any
+custom op. The wrapping adds ~1 us per op call. With `--clock cpu` the main thread's CPU time is counted
+(the op's helper thread works in parallel and is not), which a busy machine disturbs least; compare runs
+of one clock only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import functools
+import gc
 import io
-import json
 import os
 import pstats
 import time
-from types import SimpleNamespace
 
 import numpy as np
+from ab_harness import median, print_table, take_turns, timed, write_json
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
+DENSE_OPS = ("linear_blocks", "linear_blocks_int8", "linear_packed", "linear_sgemm", "norm_qkv_blocks", "mlp_blocks")
+NORM_OPS = ("rms_norm_rows", "add_rms_norm_rows", "gated_activation")
+# Every layer in one op (FD_CPU_FUSED_LAYERS=2, the default): its dense products, attention and norms together.
+STACK_OPS = ("decoder_stack_forward",)
+
+
+def random_smollm2(path: str) -> str:
+    """The random SmolLM2-shaped checkpoint at path, written the first time (an older single-file one kept)."""
+    from bench_weight_rss import write_checkpoint
+
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json")):
+        write_checkpoint(path, {"architectures": ["Ernie4_5_ForCausalLM"], "model_type": "ernie4_5", **SMOLLM2_SHAPE,
+                                "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+                                "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "float32"})
+    return path
+
+
+def load(args, n: int, context: int, **kwargs):
+    """An LLM for n requests of `context` tokens (and room for the first steps' tokens)."""
+    from fastdeploy import LLM
+
+    kwargs = {"max_num_batched_tokens": 2048, "enable_prefix_caching": False, **kwargs}
+    return LLM(model=args.model or random_smollm2(args.model_dir), max_num_seqs=n, max_model_len=context + 16,
+               **kwargs)
+
+
+def random_prompts(engine, n: int, length: int, seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, min(engine.model_config.vocab_size, 30000), length).tolist() for _ in range(n)]
+
+
+def decoding(max_tokens: int):
+    from fastdeploy import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def add_and_prefill(engine, name, prompts: list, params) -> float:
@@ -56,268 +109,240 @@ def add_and_prefill(engine, name, prompts: list, params) -> float:
     return time.perf_counter() - t0
 
 
-def _shapes(c) -> dict:
-    """The checkpoint's tensors, `[out, in]` (the names every supported architecture shares)."""
-    h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "mlp.gate_proj.weight": (c.intermediate_size, h),
-                       p + "mlp.up_proj.weight": (c.intermediate_size, h),
-                       p + "mlp.down_proj.weight": (h, c.intermediate_size)})
-    return shapes
-
-
-def write_checkpoint(path: str) -> str:
-    from safetensors.numpy import save_file
-
-    if os.path.exists(os.path.join(path, "model.safetensors")):
-        return path
-    os.makedirs(path, exist_ok=True)
-    config = {"architectures": ["Ernie4_5_ForCausalLM"], "model_type": "ernie4_5", **SMOLLM2_SHAPE,
-              "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
-              "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "float32",
-              "fastdeploy_byte_tokenizer": True}
-    rng = np.random.default_rng(0)
-    weights = {}
-    for name, shape in _shapes(SimpleNamespace(**SMOLLM2_SHAPE)).items():
-        if len(shape) == 1:
-            weights[name] = np.ones(shape, np.float32)
-        else:
-            weights[name] = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[1])).astype(np.float32)
-    save_file(weights, os.path.join(path, "model.safetensors"))
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    return path
-
-
 def run(llm, n: int, input_len: int, output_len: int, seed: int) -> dict:
-    from fastdeploy import SamplingParams
-
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(3, 259, input_len).tolist() for _ in range(n)]
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    prompts = random_prompts(llm.engine, n, input_len, seed)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, decoding(output_len), use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs.token_ids) for o in outs)
     return {"concurrency": n, "output_tokens": tokens, "seconds": elapsed, "tok_per_s": tokens / elapsed}
 
 
-def decode_steps_by_format(args) -> list:
-    """Median decode-step time of one engine per page format, their steps interleaved."""
-    from fastdeploy import LLM, SamplingParams
+def generate_by_concurrency(args) -> list:
+    """`LLM.generate` tok/s at every --concurrency, the last one cProfiled with --profile."""
+    llm = load(args, max(args.concurrency), args.input_len + args.output_len, block_size=16,
+               num_gpu_blocks_override=4096, enable_prefix_caching=None)  # the default
+    run(llm, 1, 8, 2, seed=99)  # warm-up: op builds, first-call allocations
+    results = []
+    for i, n in enumerate(args.concurrency):
+        profiler = cProfile.Profile() if args.profile and i == len(args.concurrency) - 1 else None
+        with profiler or contextlib.nullcontext():
+            results.append(run(llm, n, args.input_len, args.output_len, seed=n))
+        r = results[-1]
+        print(f"N={n:<3} {r['output_tokens']} output tokens in {r['seconds']:.1f} s: {r['tok_per_s']:.1f} tok/s",
+              flush=True)
+        if profiler:
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
+            print(text.getvalue())
+    return results
 
-    rng = np.random.default_rng(0)
-    n = args.concurrency[0]
-    engines = {}
-    for quant in args.kv_cache_quant_types:
-        llm = LLM(model=args.model or write_checkpoint(args.model_dir), block_size=64, max_num_seqs=n,
-                  max_model_len=args.input_len + args.decode_steps + 16, max_num_batched_tokens=2048,
-                  kv_cache_memory=args.kv_cache_memory, kv_cache_quant_type=quant, enable_prefix_caching=False)
-        engines[quant] = llm.engine
-    vocab = next(iter(engines.values())).model_config.vocab_size
-    prompts = [rng.integers(3, min(vocab, 30000), args.input_len).tolist() for _ in range(n)]
-    params = SamplingParams(temperature=0, max_tokens=args.decode_steps + 4, ignore_eos=True)
+
+def decode_steps_by_format(args) -> list:
+    """Median decode-step time of one engine per page format, their steps taking turns."""
+    n, formats = args.concurrency[0], args.kv_cache_quant_types
+    engines = {q: load(args, n, args.input_len + args.decode_steps, block_size=64, kv_cache_quant_type=q,
+                       kv_cache_memory=args.kv_cache_memory).engine for q in formats}
+    prompts = random_prompts(engines[formats[0]], n, args.input_len, seed=0)
     for quant, engine in engines.items():
-        seconds = add_and_prefill(engine, quant, prompts, params)
+        seconds = add_and_prefill(engine, quant, prompts, decoding(args.decode_steps + 4))
         print(f"[{quant}] {n} x {args.input_len} prompt tokens prefilled in {seconds:.1f} s; "
               f"{engine.get_stats()['kv_pages_total']} KV pages", flush=True)
-    times = {q: [] for q in engines}
-    for _ in range(args.decode_steps):
-        for quant, engine in engines.items():
-            t0 = time.perf_counter()
-            engine.step()
-            times[quant].append(time.perf_counter() - t0)
-    first = float(np.median(times[args.kv_cache_quant_types[0]]))
-    rows = []
-    for quant, ts in times.items():
-        med = float(np.median(ts))
-        rows.append({"kv_cache_quant_type": quant, "concurrency": n, "context": args.input_len,
-                     "median_step_ms": med * 1e3, "decode_tok_per_s": n / med, "step_time_x": med / first,
-                     "step_ms": [t * 1e3 for t in ts]})
-        print(f"{quant:<16} median decode step {med * 1e3:7.1f} ms  {n / med:7.1f} tok/s  x{med / first:.3f}",
-              flush=True)
+    times = take_turns(engines, args.decode_steps, lambda q: timed(engines[q].step))
+    first = median(times[formats[0]])
+    rows = [{"kv_cache_quant_type": q, "concurrency": n, "context": args.input_len, "median_step_ms": median(ts) * 1e3,
+             "decode_tok_per_s": n / median(ts), "step_time_x": median(ts) / first, "step_ms": [t * 1e3 for t in ts]}
+            for q, ts in times.items()]
+    print_table(rows, [("KV pages", "kv_cache_quant_type", ""), ("median step ms", "median_step_ms", ".1f"),
+                       ("decode tok/s", "decode_tok_per_s", ".1f"), ("step time x", "step_time_x", ".3f")])
     return rows
 
 
 def fused_layers_ab(args) -> list:
-    """Median decode step of one engine with its layers as two op calls each around the attention op
-    (FD_CPU_FUSED_LAYERS=1) vs every layer in one op call (2, the default): the model's level is set
-    between steps, so the two arms take turns on the same requests (1, 2, 2, 1, 1, 2, ...) at the same
-    contexts."""
-    from fastdeploy import LLM, SamplingParams
-
+    """Two op calls a layer (FD_CPU_FUSED_LAYERS=1) vs every layer in one (2): one engine per N, the
+    model's level set between its steps."""
     rows = []
     for n in args.concurrency:
-        llm = LLM(model=args.model or write_checkpoint(args.model_dir), block_size=64, max_num_seqs=n,
-                  max_model_len=args.input_len + 2 * args.decode_steps + 16, max_num_batched_tokens=2048,
-                  kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False)
-        engine = llm.engine
-        vocab = engine.model_config.vocab_size
-        rng = np.random.default_rng(n)
-        prompts = [rng.integers(3, min(vocab, 30000), args.input_len).tolist() for _ in range(n)]
-        params = SamplingParams(temperature=0, max_tokens=2 * args.decode_steps + 4, ignore_eos=True)
-        add_and_prefill(engine, "ab", prompts, params)
-        times = {1: [], 2: []}
-        for i in range(2 * args.decode_steps):
-            arm = engine.runner.model.fused_layers_level = (1, 2, 2, 1)[i % 4]
-            t0 = time.perf_counter()
-            engine.step()
-            times[arm].append(time.perf_counter() - t0)
-        per_layer, stack = (float(np.median(times[a])) for a in (1, 2))
+        engine = load(args, n, args.input_len + 2 * args.decode_steps, block_size=64,
+                      kv_cache_memory=args.kv_cache_memory).engine
+        add_and_prefill(engine, "ab", random_prompts(engine, n, args.input_len, seed=n),
+                        decoding(2 * args.decode_steps + 4))
+
+        def step(level):
+            engine.runner.model.fused_layers_level = level
+            return timed(engine.step)
+
+        times = take_turns((1, 2), args.decode_steps, step, rotate=True)
+        per_layer, stack = median(times[1]), median(times[2])
         rows.append({"concurrency": n, "context": args.input_len, "per_layer_step_ms": per_layer * 1e3,
                      "stack_step_ms": stack * 1e3, "stack_speedup": per_layer / stack})
-        print(f"N={n:<3} context {args.input_len}: median decode step {per_layer * 1e3:7.2f} ms with two op calls "
-              f"a layer, {stack * 1e3:7.2f} ms with every layer in one op call: x{per_layer / stack:.3f}", flush=True)
         while engine.has_unfinished_requests():
             engine.step()
+    print_table(rows, [("N", "concurrency", ""), ("context", "context", ""),
+                       ("two op calls a layer ms", "per_layer_step_ms", ".2f"),
+                       ("every layer in one op call ms", "stack_step_ms", ".2f"),
+                       ("speed-up x", "stack_speedup", ".3f")],
+                title="median decode step")
     return rows
 
 
 class StepParts:
-    """Wall time of a step's parts, by wrapping the engine's own methods (no change to the engine)."""
+    """Time of a step's parts, by wrapping the engine's own methods (no change to the engine) and, inside
+    `counting_ops()`, every Paddle custom-op call (as "op:<name>"). A timer on the attention backend makes
+    the model take the per-layer calls (the whole stack in one op runs only on the bare backend:
+    runs_cpu_op), so `attention=False` leaves it bare."""
 
-    PARTS = ("schedule", "step_input", "buffers", "attention", "forward", "update")
+    WRAPPED = {"schedule": ("scheduler", "schedule"), "step_input": ("runner.batch", "step_input"),
+               "buffers": ("runner.ranks", "build_forward_meta"), "attention": ("runner.ranks.attn_backend", "forward"),
+               "forward": ("runner.ranks.model", "forward"), "update": ("scheduler", "update_from_output"),
+               "detokenize": ("tokenizer", "decode_incremental"), "output": ("", "_output")}
+    HOST = ("schedule", "step_input", "buffers", "update", "detokenize", "output")
 
-    def __init__(self, engine):
-        runner = engine.runner.ranks
-        self.times = {p: 0.0 for p in self.PARTS}
-        self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(engine.runner, "build_step_input", "step_input")
-        self._wrap(runner, "build_forward_meta", "buffers")
-        self._wrap(runner.attn_backend, "forward", "attention")
-        self._wrap(runner.model, "forward", "forward")
-        self._wrap(engine.scheduler, "update_from_output", "update")
+    def __init__(self, engine, clock=time.perf_counter, attention: bool = True):
+        self.clock, self.times = clock, {}
+        for part, (path, name) in self.WRAPPED.items():
+            if part == "attention" and not attention:
+                continue
+            owner = functools.reduce(getattr, path.split(".") if path else [], engine)
+            setattr(owner, name, functools.partial(self._timed, part, getattr(owner, name)))
 
-    def _wrap(self, obj, name: str, part: str) -> None:
-        inner = getattr(obj, name)
+    def _timed(self, part: str, inner, *a, **k):
+        t0 = self.clock()
+        try:
+            return inner(*a, **k)
+        finally:
+            self.times[part] = self.times.get(part, 0.0) + self.clock() - t0
 
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                self.times[part] += time.perf_counter() - t0
+    @contextlib.contextmanager
+    def counting_ops(self):
+        from paddle import _C_ops
 
-        setattr(obj, name, timed)
+        run_op = _C_ops._run_custom_op
+        _C_ops._run_custom_op = lambda name, *a: self._timed("op:" + name, run_op, name, *a)
+        try:
+            yield
+        finally:
+            _C_ops._run_custom_op = run_op
 
     def take(self) -> dict:
-        out, self.times = self.times, {p: 0.0 for p in self.PARTS}
+        """Seconds per part since the last take (0 for a part not called)."""
+        out, self.times = {**dict.fromkeys(self.WRAPPED, 0.0), **self.times}, {}
         return out
 
 
 def host_parts_repeated(engine, reps: int) -> dict:
     """Median ms of the host parts that can be rerun on one scheduled decode batch without changing
-    anything (the step input with its tables, the buffer fill, every layer's attention call: it writes
-    the same K/V into the same page cells): far less noise than a whole step. The batch then runs."""
+    anything (the step input, the buffer fill, every layer's attention call: it writes the same K/V
+    into the same page cells): far less noise than a whole step. The batch then runs."""
     import paddle
 
-    runner, ranks = engine.runner, engine.runner.ranks
+    runner, ranks, cfg = engine.runner, engine.runner.ranks, engine.model_config
     batch = engine.scheduler.schedule()
-
-    def median_ms(fn) -> float:
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return float(np.median(ts)) * 1e3
-
-    step = runner.build_step_input(batch)
+    step = runner.build_step_input(batch)  # takes the step's table changes: the real step below sends them
     meta = ranks.build_forward_meta(step)
-    cfg = engine.model_config
     width = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     qkv = paddle.to_tensor(np.random.default_rng(0).standard_normal((int(step.cu_seqlens_q[-1]), width))
                            .astype(np.float32))
     backend, layers = ranks.attn_backend, range(cfg.num_hidden_layers)
-    out = {"step_input": median_ms(lambda: runner.build_step_input(batch)),
-           "buffers": median_ms(lambda: ranks.build_forward_meta(step)),
-           "attention_all_layers": median_ms(lambda: [backend.forward(l, qkv, meta) for l in layers])}
+    parts = {"step_input": lambda: runner.build_step_input(batch), "buffers": lambda: ranks.build_forward_meta(step),
+             "attention_all_layers": lambda: [backend.forward(layer, qkv, meta) for layer in layers]}
+    out = {part: median([timed(fn) for _ in range(reps)]) * 1e3 for part, fn in parts.items()}
+    runner.batch._released = list(step.table_updates)  # the workers keep the table: its changes go once more
     tokens, logprobs, _ = runner.execute(batch)  # the real step, so the engine stays consistent
     engine.scheduler.update_from_output(batch, tokens, logprobs)
     return out
 
 
 def head_wise_ab(args) -> list:
-    """Flag off vs on: median decode step and its host parts, steps interleaved, per (N, context)."""
-    import gc
-    import logging
-
-    from fastdeploy import LLM, SamplingParams, envs
+    """Flag off vs on: median decode step and its host parts, the steps taking turns, per (N, context).
+    The attention calls' timer puts both arms on the per-layer op calls (StepParts)."""
+    from fastdeploy import envs
 
     rows = []
     for input_len in args.input_lens:
         for n in args.concurrency:
-            engines, parts, storage = {}, {}, {}
-            rng = np.random.default_rng(input_len + n)
             blocks = n * -(-(input_len + args.decode_steps + 8) // 16) + 8  # the same KV blocks in both arms
+            engines = {}
             for flag in (0, 1):
-                records = []
-                handler = logging.Handler()
-                handler.emit = lambda record: records.append(record.getMessage())
-                logging.getLogger("fastdeploy.model").addHandler(handler)
                 with envs.override(FD_HEAD_WISE_KV_CACHE=flag):
-                    llm = LLM(model=args.model or write_checkpoint(args.model_dir), block_size=16, max_num_seqs=n,
-                              max_model_len=input_len + args.decode_steps + 16, max_num_batched_tokens=2048,
-                              num_gpu_blocks_override=blocks, enable_prefix_caching=False)
-                logging.getLogger("fastdeploy.model").removeHandler(handler)
-                storage[flag] = next((m.split(": ", 1)[1] for m in records if m.startswith("dense layers:")),
-                                     llm.engine.runner.model.dense_layer_storage())
-                engines[flag] = llm.engine
-            vocab = engines[0].model_config.vocab_size
-            prompts = [rng.integers(3, min(vocab, 30000), input_len).tolist() for _ in range(n)]
-            # Enough tokens for the timed steps, the repeated parts' two steps and chunked prefill's early tokens.
-            params = SamplingParams(temperature=0, max_tokens=args.decode_steps + 16, ignore_eos=True)
+                    engines[flag] = load(args, n, input_len + args.decode_steps, block_size=16,
+                                         num_gpu_blocks_override=blocks).engine
+            prompts = random_prompts(engines[0], n, input_len, seed=input_len + n)
+            parts = {}
             for flag, engine in engines.items():
-                engine.add_request(f"warm-{flag}", prompts[0][:8], SamplingParams(temperature=0, max_tokens=2))
+                engine.add_request(f"warm-{flag}", prompts[0][:8], decoding(2))
                 while engine.has_unfinished_requests():
                     engine.step()
-                seconds = add_and_prefill(engine, flag, prompts, params)
+                # Enough tokens for the timed steps, the repeated parts' two steps and chunked prefill's early ones.
+                seconds = add_and_prefill(engine, flag, prompts, decoding(args.decode_steps + 16))
                 print(f"[flag {flag}] {n} x {input_len} prompt tokens prefilled in {seconds:.1f} s", flush=True)
                 parts[flag] = StepParts(engine)
-            times = {f: [] for f in engines}
-            split = {f: [] for f in engines}
-            for i in range(args.decode_steps):
-                for flag in (0, 1) if i % 2 == 0 else (1, 0):  # alternate which arm goes first
-                    engine = engines[flag]
-                    parts[flag].take()
-                    t0 = time.perf_counter()
-                    engine.step()
-                    times[flag].append(time.perf_counter() - t0)
-                    split[flag].append(parts[flag].take())
-            repeated = {}
-            for _ in range(2):  # interleaved too
-                for flag, engine in engines.items():
-                    got = host_parts_repeated(engine, args.repeats)
-                    repeated[flag] = {k: min(v, repeated.get(flag, got)[k]) for k, v in got.items()}
-            off = float(np.median(times[0]))
-            for flag in engines:
-                med = float(np.median(times[flag]))
-                part_ms = {p: float(np.median([s[p] for s in split[flag]])) * 1e3 for p in StepParts.PARTS}
+
+            def step(flag):
+                parts[flag].take()
+                return timed(engines[flag].step), parts[flag].take()
+
+            got = take_turns((0, 1), args.decode_steps, step, rotate=True)
+            reps = take_turns((0, 1), 2, lambda flag: host_parts_repeated(engines[flag], args.repeats))
+            off = median([t for t, _ in got[0]])
+            for flag, engine in engines.items():
+                med = median([t for t, _ in got[flag]])
+                part_ms = {p: median([s[p] for _, s in got[flag]]) * 1e3 for p in StepParts.WRAPPED}
                 part_ms["dense"] = part_ms["forward"] - part_ms["attention"]
                 # Host time: the step outside the model's GEMMs and attention calls.
-                part_ms["host"] = float(np.median([t - s["forward"] for t, s in zip(times[flag], split[flag])])) * 1e3
-                row = {"head_wise_kv_cache": flag, "concurrency": n, "context": input_len,
-                       "weights": storage[flag], "median_step_ms": med * 1e3, "decode_tok_per_s": n / med,
-                       "speed_x_off": off / med, "parts_ms": part_ms, "repeated_ms": repeated[flag]}
-                rows.append(row)
+                part_ms["host"] = median([t - s["forward"] for t, s in got[flag]]) * 1e3
+                repeated = {k: min(r[k] for r in reps[flag]) for k in reps[flag][0]}
+                storage = engine.runner.model.dense_layer_storage()
+                rows.append({"head_wise_kv_cache": flag, "concurrency": n, "context": input_len, "weights": storage,
+                             "median_step_ms": med * 1e3, "decode_tok_per_s": n / med, "speed_x_off": off / med,
+                             "parts_ms": part_ms, "repeated_ms": repeated})
                 print(f"N={n:<3} ctx={input_len:<5} flag {flag}: {med * 1e3:7.2f} ms/step {n / med:7.1f} tok/s "
-                      f"x{off / med:.3f} of off | host {part_ms['host']:.2f} ms (schedule {part_ms['schedule']:.2f}, "
-                      f"step input {part_ms['step_input']:.2f}, buffers {part_ms['buffers']:.2f}, update "
-                      f"{part_ms['update']:.2f}) attention {part_ms['attention']:.2f} dense {part_ms['dense']:.2f} | "
-                      f"weights {storage[flag]}", flush=True)
-                r = repeated[flag]
-                print(f"{'':22}repeated on one batch: step input {r['step_input']:.3f} ms, buffers {r['buffers']:.3f} "
-                      f"ms, attention (all layers) {r['attention_all_layers']:.3f} ms", flush=True)
+                      f"x{off / med:.3f} of off | host {part_ms['host']:.2f} ms (" +
+                      ", ".join(f"{p} {part_ms[p]:.2f}" for p in StepParts.HOST) + f") attention "
+                      f"{part_ms['attention']:.2f} dense {part_ms['dense']:.2f} | weights {storage}\n{'':22}repeated "
+                      "on one batch: " + ", ".join(f"{k} {v:.3f} ms" for k, v in repeated.items()), flush=True)
             for engine in engines.values():
                 engine.close()
             del engines, parts
             gc.collect()
     return rows
+
+
+def step_breakdown(args) -> dict:
+    """One request's decode step split into host parts, dense products, attention and norms (per op)."""
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    args.model = args.model or "smollm2-135m-instruct"
+    engine = load(args, 4, args.input_len + args.decode_steps + 48, block_size=64,
+                  max_num_batched_tokens=None).engine
+    add_and_prefill(engine, "r", random_prompts(engine, 1, args.input_len, seed=0), decoding(args.decode_steps + 16))
+    for _ in range(5):
+        engine.step()
+    parts = StepParts(engine, clock, attention=False)
+    with parts.counting_ops():
+        steps = [timed(engine.step, clock) for _ in range(args.decode_steps)]
+    per = {k: v / len(steps) * 1e3 for k, v in parts.take().items()}
+    ops = {k[3:]: v for k, v in per.items() if k.startswith("op:")}
+    groups = {"stack": STACK_OPS, "dense": DENSE_OPS, "norms": NORM_OPS}
+    ms = {g: sum(v for k, v in ops.items() if k in names) for g, names in groups.items()}
+    ms["attention"] = sum(v for k, v in ops.items() if "attention" in k)
+    ms["other_ops"] = sum(ops.values()) - sum(ms.values())
+    ms["step"], ms["step_median"] = float(np.mean(steps)) * 1e3, median(steps) * 1e3
+    ms["host"] = ms["step"] - sum(ops.values())
+    flags = {k: os.environ[k] for k in ("FD_CPU_INT8_ACTIVATIONS", "FD_CPU_FUSED_LAYERS", "FD_CPU_GGUF_BLOCKS")
+             if k in os.environ}
+    print(f"{args.model}, 1 request, {args.input_len} prompt tokens, {len(steps)} decode steps, clock {args.clock}, "
+          f"flags {flags or 'default'}, load average {os.getloadavg()[0]:.1f}")
+    print(f"step mean {ms['step']:.2f} ms (median {ms['step_median']:.2f} ms, {1e3 / ms['step']:.1f} tok/s)")
+    if ms["stack"]:
+        print(f"  every layer in one op (dense products, attention, norms) {ms['stack']:6.2f} ms")
+    print(f"  dense products (weights) {ms['dense']:6.2f} ms   attention {ms['attention']:6.2f} ms   norms + "
+          f"activation {ms['norms']:6.2f} ms   other ops {ms['other_ops']:6.2f} ms")
+    print(f"  host (outside ops)       {ms['host']:6.2f} ms, of which: "
+          + ", ".join(f"{p} {per[p]:.2f}" for p in StepParts.HOST if per[p])
+          + f"; forward's Python {per['forward'] - sum(ops.values()):.2f}")
+    print("  ops per step: " + ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])))
+    return {"model": args.model, "clock": args.clock, "flags": flags, "steps": len(steps), "ms": ms,
+            "host_parts_ms": {p: per[p] for p in StepParts.HOST}, "ops_ms": ops}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -330,9 +355,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", help="a model name, directory or GGUF file instead of the random SmolLM2-shaped one")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the last run; print this many entries")
     ap.add_argument("--json", help="also write the results here")
-    ap.add_argument("--kv-cache-quant-types", nargs="+", default=None, choices=["none", "int8", "block_wise_fp8", "block_wise_int4"],
+    ap.add_argument("--kv-cache-quant-types", nargs="+", default=None,
+                    choices=["none", "int8", "block_wise_fp8", "block_wise_int4"],
                     help="compare decode steps over these KV page formats (one engine each, steps interleaved)")
-    ap.add_argument("--decode-steps", type=int, default=24, help="timed decode steps per format")
+    ap.add_argument("--decode-steps", "--steps", type=int, default=None,
+                    help="timed decode steps per arm (default 24; --step-breakdown: 100)")
     ap.add_argument("--kv-cache-memory", type=int, default=4 << 30,
                     help="KV bytes of each engine (formats, fused-layers A/B)")
     ap.add_argument("--head-wise-ab", action="store_true",
@@ -344,44 +371,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=50, help="--head-wise-ab: reruns of each repeatable host part")
     ap.add_argument("--input-lens", type=int, nargs="+", default=[128, 3000],
                     help="prompt lengths (contexts) of --head-wise-ab")
-    return ap.parse_args(argv)
+    ap.add_argument("--step-breakdown", action="store_true",
+                    help="one request's decode step split into host, dense products, attention and norms "
+                         "(--model default: smollm2-135m-instruct)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="--step-breakdown: wall time, or the main thread's CPU time (pin to one core to count "
+                         "all the work)")
+    args = ap.parse_args(argv)
+    if args.decode_steps is None:
+        args.decode_steps = 100 if args.step_breakdown else 24
+    return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    mode = head_wise_ab if args.head_wise_ab else decode_steps_by_format if args.kv_cache_quant_types else \
-        fused_layers_ab if args.fused_layers_ab else None
-    if mode is not None:
-        rows = mode(args)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=2)
-        return
-
-    from fastdeploy import LLM
-
-    llm = LLM(model=args.model or write_checkpoint(args.model_dir), block_size=16, max_num_seqs=max(args.concurrency),
-              max_model_len=args.input_len + args.output_len + 16, num_gpu_blocks_override=4096,
-              max_num_batched_tokens=2048)
-    run(llm, 1, 8, 2, seed=99)  # warm-up: op builds, first-call allocations
-    results = []
-    for i, n in enumerate(args.concurrency):
-        profiler = cProfile.Profile() if args.profile and i == len(args.concurrency) - 1 else None
-        if profiler:
-            profiler.enable()
-        results.append(run(llm, n, args.input_len, args.output_len, seed=n))
-        if profiler:
-            profiler.disable()
-        r = results[-1]
-        print(f"N={n:<3} {r['output_tokens']} output tokens in {r['seconds']:.1f} s: {r['tok_per_s']:.1f} tok/s",
-              flush=True)
-        if profiler:
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
-            print(text.getvalue())
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    mode = step_breakdown if args.step_breakdown else head_wise_ab if args.head_wise_ab else \
+        decode_steps_by_format if args.kv_cache_quant_types else fused_layers_ab if args.fused_layers_ab else \
+        generate_by_concurrency
+    write_json(args.json, mode(args))
 
 
 if __name__ == "__main__":

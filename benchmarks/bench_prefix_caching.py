@@ -20,13 +20,13 @@ Greedy tokens of both arms are compared (they must be identical).
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
 import numpy as np
+from ab_harness import print_table, run_requests, take_turns, write_json
 
 from fastdeploy import LLM, SamplingParams
 
@@ -51,20 +51,13 @@ def drive(llm: LLM, batches: list, params: SamplingParams) -> dict:
     base = engine.get_stats()
     outputs, ttft, out_tokens, prompt_tokens = {}, [], 0, 0
     t0 = time.perf_counter()
-    pending = list(batches)
-    while pending:
-        batch = pending.pop(0)
-        if callable(batch):
-            batch = batch(outputs)
-        for rid, prompt in batch:
-            engine.add_request(rid, prompt, params)
-            prompt_tokens += len(prompt)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    outputs[out.request_id] = out.outputs.token_ids
-                    out_tokens += len(out.outputs.token_ids)
-                    ttft.append(out.metrics["first_token_time"] - out.metrics["arrival_time"])
+    for batch in batches:
+        batch = dict(batch(outputs) if callable(batch) else batch)
+        prompt_tokens += sum(map(len, batch.values()))
+        for out in run_requests(engine, batch, params)["outputs"]:
+            outputs[out.request_id] = out.outputs.token_ids
+            out_tokens += len(out.outputs.token_ids)
+            ttft.append(out.metrics["first_token_time"] - out.metrics["arrival_time"])
     wall = time.perf_counter() - t0
     end = engine.get_stats()
     s = {k: end[k] - base[k] for k in ("prefix_cache_query_tokens_total", "prefix_cache_hit_tokens_total",
@@ -131,36 +124,29 @@ def main(argv=None) -> int:
 
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     rows = []
-    runs = (("shared-prefix", shared_prefix, args.num_blocks), ("shared-tight", shared_prefix, args.tight_blocks),
-            ("multi-turn", multi_turn, args.num_blocks))
-    for name, workload, blocks in runs:
-        arms = {}
-        for caching in (False, True):
+    for name, workload, blocks in (("shared-prefix", shared_prefix, args.num_blocks),
+                                   ("shared-tight", shared_prefix, args.tight_blocks),
+                                   ("multi-turn", multi_turn, args.num_blocks)):
+        def run(caching):
             print(f"[bench_prefix_caching] {name} ({blocks} blocks), prefix caching {'on' if caching else 'off'}...",
                   file=sys.stderr, flush=True)
-            arms[caching] = drive(make_llm(args, caching, blocks), workload(args), params)
-        off, on = arms[False], arms[True]
-        rows.append({
-            "workload": name, "num_blocks": blocks, "identical_tokens": off.pop("outputs") == on.pop("outputs"),
-            "off": off, "on": on,
-            "throughput_gain": on["output_tok_s"] / off["output_tok_s"],
-            "ttft_speedup": off["ttft_mean_ms"] / on["ttft_mean_ms"],
-        })
+            return drive(make_llm(args, caching, blocks), workload(args), params)
 
-    print("\nprefix caching off vs on: head-wise KV, SWA recycling on, tiny preset, block 16")
-    print(f"{'workload':<14} {'arm':<4} {'hit rate':>8} {'TTFT mean ms':>12} {'p50':>8} {'p90':>8} "
-          f"{'out tok/s':>9} {'tok/s':>8} {'evict':>6} {'wall s':>7}")
+        (off,), (on,) = take_turns((False, True), 1, run).values()  # one fresh engine each: no rounds to pair
+        rows.append({"workload": name, "num_blocks": blocks,
+                     "identical_tokens": off.pop("outputs") == on.pop("outputs"), "off": off, "on": on,
+                     "throughput_gain": on["output_tok_s"] / off["output_tok_s"],
+                     "ttft_speedup": off["ttft_mean_ms"] / on["ttft_mean_ms"]})
+    print_table([{"workload": r["workload"], "arm": arm, **r[arm]} for r in rows for arm in ("off", "on")],
+                [("workload", "workload", ""), ("arm", "arm", ""), ("hit rate", "hit_rate", ".1%"),
+                 ("TTFT mean ms", "ttft_mean_ms", ".1f"), ("p50", "ttft_p50_ms", ".1f"), ("p90", "ttft_p90_ms", ".1f"),
+                 ("out tok/s", "output_tok_s", ".1f"), ("tok/s", "total_tok_s", ".1f"), ("evict", "evictions", ""),
+                 ("wall s", "wall_s", ".2f")],
+                title="prefix caching off vs on: head-wise KV, SWA recycling on, tiny preset, block 16")
     for r in rows:
-        for arm in ("off", "on"):
-            m = r[arm]
-            print(f"{r['workload']:<14} {arm:<4} {m['hit_rate']:>8.1%} {m['ttft_mean_ms']:>12.1f} "
-                  f"{m['ttft_p50_ms']:>8.1f} {m['ttft_p90_ms']:>8.1f} {m['output_tok_s']:>9.1f} "
-                  f"{m['total_tok_s']:>8.1f} {m['evictions']:>6} {m['wall_s']:>7.2f}")
-        print(f"{'':<14} gain: throughput x{r['throughput_gain']:.2f}, TTFT x{r['ttft_speedup']:.2f} faster, "
+        print(f"{r['workload']}: throughput x{r['throughput_gain']:.2f}, TTFT x{r['ttft_speedup']:.2f} faster, "
               f"identical tokens: {r['identical_tokens']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": rows}, f, indent=2)
+    write_json(args.json, {"args": vars(args), "results": rows})
     return 0 if all(r["identical_tokens"] for r in rows) else 1
 
 

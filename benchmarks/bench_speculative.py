@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
 import time
+
+from ab_harness import median, print_table, run_requests, summary, turns, write_json
 
 COPY_TASKS = {
     "repeat": "Repeat the following paragraph exactly, word for word:\n\nThe quick brown fox jumps over the lazy "
@@ -49,6 +49,13 @@ CHAT_TASKS = {
     "advice": "I am starting to learn to cook. What should I learn first, and why?",
 }
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+# The report's table columns (ab_harness.print_table): both tables', then the one-stream table's decode ones.
+COLUMNS = [("tokens", "output_tokens", "d"), ("tok/s off", "tok_s_off", ".1f"), ("tok/s on", "tok_s_on", ".1f"),
+           ("ratio", "ratio", ".2f"), ("accepted", "acceptance_rate", ".0%"),
+           ("tok/step", "mean_accepted_length", ".2f"),
+           ("ratios per round", lambda row: " ".join(f"{x:.2f}" for x in row["ratios"]), "")]
+DECODE_COLUMNS = [("decode off", "decode_tok_s_off", ".1f"), ("decode on", "decode_tok_s_on", ".1f"),
+                  ("ratio", "decode_ratio", ".2f")]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -93,36 +100,24 @@ def run_batch(engine, prompts: list, max_tokens: int) -> dict:
     """All prompts at once; tokens per request, wall time, first-token to last-token time (one request)."""
     from fastdeploy import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    ids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     before = spec_counters(engine)
-    start = time.perf_counter()
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, prompt, params)
-    first, final = None, {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if first is None and out.outputs.token_ids:
-                first = time.perf_counter()
-            if out.finished:
-                final[out.request_id] = out.outputs.token_ids
-    end = time.perf_counter()
-    after = spec_counters(engine)
-    return {"tokens": [final[r] for r in ids], "elapsed": end - start, "decode_s": end - first,
-            "drafted": after[0] - before[0], "accepted": after[1] - before[1], "verify_steps": after[2] - before[2]}
+    got = run_requests(engine, {f"b{time.monotonic_ns()}-{i}": p for i, p in enumerate(prompts)},
+                       SamplingParams(temperature=0, max_tokens=max_tokens))
+    drafted, accepted, verify_steps = (b - a for a, b in zip(before, spec_counters(engine)))
+    return {"tokens": [o.outputs.token_ids for o in got["outputs"]], "elapsed": got["end"] - got["start"],
+            "decode_s": got["end"] - min(wall for wall, _ in got["first"].values()),
+            "drafted": drafted, "accepted": accepted, "verify_steps": verify_steps}
 
 
 def interleaved(engines: dict, jobs: list, rounds: int, max_tokens: int, between=None) -> dict:
-    """jobs: [(task, [prompt ids])]; every job runs in both arms each round, the arm order flipped
-    every round; `between()` (if given) runs once per round too. Returns per arm and task a list (per
-    round) of the runs."""
-    results = {arm: {} for arm in engines}
-    for r in range(rounds):
-        order = ["off", "on"] if r % 2 == 0 else ["on", "off"]
+    """jobs: [(task, [prompt ids])]; each round runs every job in both arms back to back, the arms'
+    order flipped every round; `between()` (if given) runs once per round too. Returns per arm and task
+    a list (per round) of the runs."""
+    results = {arm: {task: [] for task, _ in jobs} for arm in engines}
+    for _, order in turns(engines, rounds, rotate=True):
         for task, prompts in jobs:
             for arm in order:
-                run = run_batch(engines[arm], prompts, max_tokens)
-                results[arm].setdefault(task, []).append(run)
+                results[arm][task].append(run_batch(engines[arm], prompts, max_tokens))
         if between is not None:
             between()
     return results
@@ -135,22 +130,18 @@ def summarize(off_runs: list, on_runs: list, single: bool) -> dict:
             return (n - run.get("requests", 1)) / run["decode_s"] if run["decode_s"] > 0 else float("nan")
         return n / run["elapsed"]
 
-    ratios = [tok_s(b) / tok_s(a) for a, b in zip(off_runs, on_runs)]
-    drafted = sum(r["drafted"] for r in on_runs)
-    accepted = sum(r["accepted"] for r in on_runs)
-    steps = sum(r["verify_steps"] for r in on_runs)
-    out = {"tok_s_off": statistics.median(tok_s(r) for r in off_runs),
-           "tok_s_on": statistics.median(tok_s(r) for r in on_runs),
-           "ratio": statistics.median(ratios), "ratios": ratios,
+    drafted, accepted, steps = (sum(r[k] for r in on_runs) for k in ("drafted", "accepted", "verify_steps"))
+    speed = summary({"off": [tok_s(r) for r in off_runs], "on": [tok_s(r) for r in on_runs]}, "off")
+    out = {"tok_s_off": speed["median"]["off"], "tok_s_on": speed["median"]["on"],
+           "ratio": median(speed["ratios"]["on"]), "ratios": speed["ratios"]["on"],
            "output_tokens": sum(len(t) for t in off_runs[0]["tokens"]),
            "acceptance_rate": accepted / drafted if drafted else 0.0,
            "mean_accepted_length": (steps + accepted) / steps if steps else 0.0,
            "identical_tokens": all(a["tokens"] == b["tokens"] for a, b in zip(off_runs, on_runs))}
     if single:
-        decode_ratios = [tok_s(b, True) / tok_s(a, True) for a, b in zip(off_runs, on_runs)]
-        out.update(decode_tok_s_off=statistics.median(tok_s(r, True) for r in off_runs),
-                   decode_tok_s_on=statistics.median(tok_s(r, True) for r in on_runs),
-                   decode_ratio=statistics.median(decode_ratios), decode_ratios=decode_ratios)
+        decode = summary({"off": [tok_s(r, True) for r in off_runs], "on": [tok_s(r, True) for r in on_runs]}, "off")
+        out.update(decode_tok_s_off=decode["median"]["off"], decode_tok_s_on=decode["median"]["on"],
+                   decode_ratio=median(decode["ratios"]["on"]), decode_ratios=decode["ratios"]["on"])
     return out
 
 
@@ -186,21 +177,15 @@ def main(argv=None) -> int:
             gguf = engines["off"].fd_config.model_config.model
             between = lambda: llama_cpp.append(llama_cpp_decode_tok_s(args.llama_batched_bench, gguf))  # noqa: E731
         results = interleaved(engines, jobs, args.rounds, args.max_tokens, between)
-        print(f"\none stream, {args.model}, {args.rounds} rounds interleaved; tok/s = output tokens over the "
-              f"request; decode = after the first token")
-        print(f"{'task':<10}{'tokens':>7}{'tok/s off':>11}{'tok/s on':>10}{'ratio':>7}{'decode off':>12}"
-              f"{'decode on':>11}{'ratio':>7}{'accepted':>10}{'tok/step':>10}  ratios per round")
         rows = {name: summarize(results["off"][name], results["on"][name], True) for name, _ in jobs}
-        for group, tasks in (("COPY", list(COPY_TASKS)), ("CHAT", list(CHAT_TASKS))):
+        for group, tasks in (("copy", list(COPY_TASKS)), ("chat", list(CHAT_TASKS))):
             merged = {arm: merged_rounds(results[arm], tasks) for arm in ("off", "on")}
-            rows[group.lower()] = summarize(merged["off"], merged["on"], True)
-            rows[group.lower()]["tasks"] = tasks
-        for name, row in rows.items():
-            label = name.upper() if name in ("copy", "chat") else f"  {name}"
-            print(f"{label:<10}{row['output_tokens']:>7}{row['tok_s_off']:>11.1f}{row['tok_s_on']:>10.1f}"
-                  f"{row['ratio']:>7.2f}{row['decode_tok_s_off']:>12.1f}{row['decode_tok_s_on']:>11.1f}"
-                  f"{row['decode_ratio']:>7.2f}{row['acceptance_rate']:>10.0%}{row['mean_accepted_length']:>10.2f}"
-                  f"  {' '.join(f'{x:.2f}' for x in row['ratios'])}")
+            rows[group] = {**summarize(merged["off"], merged["on"], True), "tasks": tasks}
+        print_table([{"task": name.upper() if name in ("copy", "chat") else f"  {name}", **row}
+                     for name, row in rows.items()],
+                    [("task", "task", "")] + COLUMNS[:4] + DECODE_COLUMNS + COLUMNS[4:],
+                    title=f"one stream, {args.model}, {args.rounds} rounds interleaved; tok/s = output tokens over "
+                          "the request; decode = after the first token")
         report["single_stream"] = rows
         if llama_cpp:
             report["llama_cpp_decode_tok_s"] = llama_cpp
@@ -210,22 +195,14 @@ def main(argv=None) -> int:
         mixed = list(copy_prompts.values()) + list(chat_prompts.values())
         jobs = [(f"N={n}", [mixed[i % len(mixed)] for i in range(n)]) for n in args.batch_sizes]
         results = interleaved(engines, jobs, args.rounds, args.max_tokens)
-        print(f"\nN requests at once (copy-heavy and chat prompts mixed), output tok/s of the batch")
-        print(f"{'batch':<8}{'tokens':>8}{'tok/s off':>11}{'tok/s on':>10}{'ratio':>7}{'accepted':>10}"
-              f"{'tok/step':>10}  ratios per round")
-        for task, _ in jobs:
-            row = summarize(results["off"][task], results["on"][task], False)
-            report["batched"][task] = row
-            print(f"{task:<8}{row['output_tokens']:>8}{row['tok_s_off']:>11.1f}{row['tok_s_on']:>10.1f}"
-                  f"{row['ratio']:>7.2f}{row['acceptance_rate']:>10.0%}{row['mean_accepted_length']:>10.2f}"
-                  f"  {' '.join(f'{x:.2f}' for x in row['ratios'])}")
+        report["batched"] = {task: summarize(results["off"][task], results["on"][task], False) for task, _ in jobs}
+        print_table([{"batch": task, **row} for task, row in report["batched"].items()],
+                    [("batch", "batch", "")] + COLUMNS,
+                    title="N requests at once (copy-heavy and chat prompts mixed), output tok/s of the batch")
     identical = all(r["identical_tokens"] for part in ("single_stream", "batched") for r in report[part].values())
     report["identical_tokens"] = identical
     print(f"\nidentical tokens with and without speculation: {identical}")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.json, report)
     return 0 if identical else 1
 
 

@@ -23,6 +23,8 @@ import statistics
 import sys
 import time
 
+from ab_harness import median, run_requests, summary, take_turns, write_json
+
 RECORD = {"type": "object", "properties": {
     "id": {"type": "integer"}, "name": {"type": "string"}, "email": {"type": "string", "format": "email"},
     "active": {"type": "boolean"}, "role": {"enum": ["admin", "editor", "viewer"]},
@@ -75,35 +77,22 @@ class ForwardClock:
 
 def _run_batch(llm, params, n: int) -> dict:
     """Submit n chat requests at once, step the engine to the end; decode tok/s after the last first token."""
-    engine, tokenizer = llm.engine, llm.engine.tokenizer
-    clock = engine.runner.forward_clock
+    engine, clock = llm.engine, llm.engine.runner.forward_clock
     forward_s, steps = clock.seconds, clock.steps
-    prompt = tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
-    ids = [f"bench-{time.monotonic_ns()}-{i}" for i in range(n)]
-    start = time.perf_counter()
-    for rid in ids:
-        engine.add_request(rid, prompt, params)
-    first, tokens, texts = {}, {}, {}
-    cpu_start = None
-    while len(texts) < n:
-        for out in engine.step():
-            if out.request_id not in first:
-                first[out.request_id] = time.perf_counter()
-                cpu_start = time.process_time()  # ends as the CPU time when the last first token came
-            tokens[out.request_id] = len(out.outputs.token_ids)
-            if out.finished:
-                texts[out.request_id] = out.outputs.text
-    end, cpu_end = time.perf_counter(), time.process_time()
-    decode_start = max(first.values())
-    decode_tokens = sum(tokens.values()) - n  # the tokens after each request's first
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    got = run_requests(engine, {f"bench-{time.monotonic_ns()}-{i}": prompt for i in range(n)}, params)
+    end, cpu_end = got["end"], time.process_time()
+    decode_start, cpu_start = max(got["first"].values())  # the clocks when the last first token came
+    tokens = sum(len(o.outputs.token_ids) for o in got["outputs"])
+    decode_tokens = tokens - n  # the tokens after each request's first
     # Per CPU second of this process (all its threads) too: less at the mercy of other jobs on a shared
     # machine than wall time, and it counts the grammar threads' work.
     forward_s, steps = clock.seconds - forward_s, clock.steps - steps
     return {"decode_tok_s": decode_tokens / (end - decode_start),
-            "ms_per_step_outside_forward": (end - start - forward_s) / steps * 1e3,
+            "ms_per_step_outside_forward": (end - got["start"] - forward_s) / steps * 1e3,
             "ms_per_step_forward": forward_s / steps * 1e3,
-            "decode_tok_per_cpu_s": decode_tokens / (cpu_end - cpu_start), "total_s": end - start,
-            "tokens": sum(tokens.values()), "texts": [texts[r] for r in ids]}
+            "decode_tok_per_cpu_s": decode_tokens / (cpu_end - cpu_start), "total_s": end - got["start"],
+            "tokens": tokens, "texts": [o.outputs.text for o in got["outputs"]]}
 
 
 def compile_times(backend) -> dict:
@@ -167,41 +156,33 @@ def main(argv=None) -> int:
                                           guided_decoding=GuidedDecodingParams(json=THROUGHPUT_SCHEMA))}
     _run_batch(llm, arms["json_schema"], args.concurrency)  # warm-up: tokenizer build, compile, caches
     _run_batch(llm, arms["free"], args.concurrency)
-    rows = {name: [] for name in arms}
-    cpu_rows = {name: [] for name in arms}
-    outside = {name: [] for name in arms}
-    forward = {name: [] for name in arms}
-    ratios, cpu_ratios = [], []
-    for r in range(args.rounds):
-        order = list(arms) if r % 2 == 0 else list(arms)[::-1]
-        got = {name: _run_batch(llm, arms[name], args.concurrency) for name in order}
-        for name in arms:
-            rows[name].append(got[name]["decode_tok_s"])
-            cpu_rows[name].append(got[name]["decode_tok_per_cpu_s"])
-            outside[name].append(got[name]["ms_per_step_outside_forward"])
-            forward[name].append(got[name]["ms_per_step_forward"])
-        ratios.append(got["json_schema"]["decode_tok_s"] / got["free"]["decode_tok_s"])
-        cpu_ratios.append(got["json_schema"]["decode_tok_per_cpu_s"] / got["free"]["decode_tok_per_cpu_s"])
-        assert all(t.startswith("[") for t in got["json_schema"]["texts"]), got["json_schema"]["texts"][0][:80]
-        print(f"round {r}: free {got['free']['decode_tok_s']:.1f} tok/s, json_schema "
-              f"{got['json_schema']['decode_tok_s']:.1f} tok/s, ratio {ratios[-1]:.3f}; per CPU second "
-              f"{got['free']['decode_tok_per_cpu_s']:.1f} vs {got['json_schema']['decode_tok_per_cpu_s']:.1f}, "
-              f"ratio {cpu_ratios[-1]:.3f}; ms per step outside the forward pass {outside['free'][-1]:.1f} vs "
-              f"{outside['json_schema'][-1]:.1f} (forward {got['free']['ms_per_step_forward']:.0f} vs "
-              f"{got['json_schema']['ms_per_step_forward']:.0f} ms)", flush=True)
+
+    def report_round(r, runs):
+        free, schema = runs["free"][-1], runs["json_schema"][-1]
+        assert all(t.startswith("[") for t in schema["texts"]), schema["texts"][0][:80]
+        print(f"round {r}: free {free['decode_tok_s']:.1f} tok/s, json_schema {schema['decode_tok_s']:.1f} tok/s, "
+              f"ratio {schema['decode_tok_s'] / free['decode_tok_s']:.3f}; per CPU second "
+              f"{free['decode_tok_per_cpu_s']:.1f} vs {schema['decode_tok_per_cpu_s']:.1f}, ratio "
+              f"{schema['decode_tok_per_cpu_s'] / free['decode_tok_per_cpu_s']:.3f}; ms per step outside the "
+              f"forward pass {free['ms_per_step_outside_forward']:.1f} vs {schema['ms_per_step_outside_forward']:.1f} "
+              f"(forward {free['ms_per_step_forward']:.0f} vs {schema['ms_per_step_forward']:.0f} ms)", flush=True)
+
+    runs = take_turns(arms, args.rounds, lambda name: _run_batch(llm, arms[name], args.concurrency), rotate=True,
+                      between=report_round)
+    per_round = {m: {name: [run[m] for run in runs[name]] for name in arms} for m in
+                 ("decode_tok_s", "decode_tok_per_cpu_s", "ms_per_step_outside_forward", "ms_per_step_forward")}
+    wall, cpu = (summary(per_round[m], "free") for m in ("decode_tok_s", "decode_tok_per_cpu_s"))
     compiled = compile_times(llm.engine.guided)
     result = {"model": args.model, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
-              "rounds": args.rounds, "decode_tok_s": {k: statistics.median(v) for k, v in rows.items()},
-              "per_round": rows, "ratio_per_round": ratios, "ratio_median": statistics.median(ratios),
-              "decode_tok_per_cpu_s": {k: statistics.median(v) for k, v in cpu_rows.items()},
-              "cpu_ratio_per_round": cpu_ratios, "cpu_ratio_median": statistics.median(cpu_ratios),
-              "ms_per_step_outside_forward": {k: statistics.median(v) for k, v in outside.items()},
-              "ms_per_step_forward": {k: statistics.median(v) for k, v in forward.items()},
-              "compile": compiled, "example_output": got["json_schema"]["texts"][0][:200]}
+              "rounds": args.rounds, "decode_tok_s": wall["median"], "per_round": per_round["decode_tok_s"],
+              "ratio_per_round": wall["ratios"]["json_schema"], "ratio_median": median(wall["ratios"]["json_schema"]),
+              "decode_tok_per_cpu_s": cpu["median"], "cpu_ratio_per_round": cpu["ratios"]["json_schema"],
+              "cpu_ratio_median": median(cpu["ratios"]["json_schema"]),
+              **{m: summary(per_round[m], "free")["median"] for m in ("ms_per_step_outside_forward",
+                                                                       "ms_per_step_forward")},
+              "compile": compiled, "example_output": runs["json_schema"][-1]["texts"][0][:200]}
     print(json.dumps({k: v for k, v in result.items() if k != "per_round"}, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result, indent=1)
     return 0
 
 

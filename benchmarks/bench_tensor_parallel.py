@@ -11,9 +11,9 @@ overhead of the process model, not a speed-up.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
+
+from ab_harness import print_table, run_requests, take_turns, write_json
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,20 +38,12 @@ def run(tp: int, args, prompts) -> dict:
         max_model_len=args.input_len + args.output_len + 16))
     try:
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-        for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, params)
-        tokens, steps, start = {}, 0, time.perf_counter()
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    tokens[out.request_id] = out.outputs.token_ids
-            steps += 1
-        elapsed = time.perf_counter() - start
+        got = run_requests(engine, {f"r{i}": p for i, p in enumerate(prompts)}, params)
     finally:
         engine.close()
-    out_tokens = sum(len(t) for t in tokens.values())
-    return {"tp": tp, "output_tok_s": out_tokens / elapsed, "mean_step_ms": 1000 * elapsed / steps, "steps": steps,
-            "tokens": [tokens[f"r{i}"] for i in range(len(prompts))]}
+    tokens, elapsed, steps = [o.outputs.token_ids for o in got["outputs"]], got["end"] - got["start"], got["steps"]
+    return {"tp": tp, "output_tok_s": sum(map(len, tokens)) / elapsed, "mean_step_ms": 1000 * elapsed / steps,
+            "steps": steps, "tokens": tokens}
 
 
 def main(argv=None) -> int:
@@ -59,17 +51,14 @@ def main(argv=None) -> int:
     os.environ["FD_HEAD_WISE_KV_CACHE"] = str(args.head_wise)
     os.environ.setdefault("FD_LOG_INTERVAL", "0")
     prompts = [[3 + (i * 31 + n * 7) % 250 for i in range(args.input_len)] for n in range(args.num_prompts)]
-    rows = [run(tp, args, prompts) for tp in args.tp]
+    runs = take_turns(args.tp, 1, lambda tp: run(tp, args, prompts))  # one engine per TP, in turn
+    rows = [got for tp_runs in runs.values() for got in tp_runs]
     print(f"{args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, max_num_seqs "
           f"{args.max_num_seqs}, head-wise={args.head_wise}")
-    print("| TP | out tok/s | mean step ms | steps | tokens = TP 1 |")
-    print("| --- | --- | --- | --- | --- |")
-    for r in rows:
-        same = r["tokens"] == rows[0]["tokens"]
-        print(f"| {r['tp']} | {r['output_tok_s']:.0f} | {r['mean_step_ms']:.1f} | {r['steps']} | {same} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in rows], f, indent=2)
+    print_table(rows, [("TP", "tp", ""), ("out tok/s", "output_tok_s", ".0f"), ("mean step ms", "mean_step_ms", ".1f"),
+                       ("steps", "steps", ""), ("tokens = TP 1", lambda r: r["tokens"] == rows[0]["tokens"], "")],
+                markdown=True)
+    write_json(args.json, [{k: v for k, v in r.items() if k != "tokens"} for r in rows])
     return 0
 
 

@@ -5,18 +5,16 @@ Both sides read the same GGUF file (default: the named model smollm2-135m-instru
 get the same random prompts. The engine runs twice: as it ships (its dense layers keep the file's
 quantized blocks and rebuild each float32 weight in registers: the same numbers, ~5x fewer bytes;
 FD_CPU_GGUF_BLOCKS=1) and with float32 copies of the weights (FD_CPU_GGUF_BLOCKS=0, "engine f32";
-`--no-float32-engine` skips it); all three must give the same tokens. The engine runs `LLM.generate` with greedy sampling and `ignore_eos`;
-transformers runs one `generate` call per case: the whole batch at once, left padding with an
-attention mask, `min_new_tokens = max_new_tokens`, `do_sample=False`, torch on `--torch-threads`
-threads. Cases: N concurrent requests of `--input-len` random prompt tokens and `--output-len`
-output tokens for each N of `--concurrency`, then a prefill-heavy case (`--prefill-prompts`
-prompts of `--prefill-len` tokens, `--prefill-output-len` output tokens).
+`--no-float32-engine` skips it); all three must give the same tokens. The engine runs `LLM.generate`
+with greedy sampling and `ignore_eos`; transformers runs one `generate` call per case: the whole batch
+at once, left padding with an attention mask, `min_new_tokens = max_new_tokens`, `do_sample=False`,
+torch on `--torch-threads` threads. Cases: N concurrent requests of `--input-len` random prompt tokens
+and `--output-len` output tokens for each N of `--concurrency`, then a prefill-heavy case
+(`--prefill-prompts` prompts of `--prefill-len` tokens, `--prefill-output-len` output tokens).
 
 Each case runs `--rounds` times, the sides taking turns (engine, engine f32, transformers, engine,
-...); a side's numbers are from its median-time round, and each engine's per-round ratio to
-transformers is printed as a range next to the median one. Why: these 2 shared cores drift (the same
-2048^3 numpy GEMM gave 141-188 GFLOP/s in one day) and one run of each side can land in different
-phases of the machine; turns within a case keep the two sides of one round within a minute.
+...: ab_harness.py says why); a side's numbers are from its median-time round, and each engine's
+per-round ratio to transformers is printed as a range next to the median one.
 
 The machine's limits, measured before the cases run:
   - GEMM peak: numpy float32 2048 x 2048 x 2048 matmul, GFLOP/s (best of a few);
@@ -43,13 +41,16 @@ with FD_CPU_INT8_ACTIVATIONS=1 (opt-in, not exact: its same-tokens share is repo
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
 import sys
 import threading
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported as benchmarks.<this>
+from ab_harness import median, print_table, ratio_range, round_ratios, take_turns, timed, write_json  # noqa: E402
 
 # Random prompt ids start here: the special tokens of the models served sit below it.
 FIRST_PROMPT_ID = 256
@@ -101,7 +102,7 @@ def gemm_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
     a @ b  # first call: thread pool start-up and page faults of the output
-    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    best = min(timed(lambda: a @ b) for _ in range(repeats))
     return 2 * n ** 3 / best / 1e9
 
 
@@ -118,14 +119,8 @@ def read_bandwidth_gbs(nbytes: int = 512 * 2 ** 20, repeats: int = 5) -> float:
             t.join()
 
     read_all()
-    best = min(_timed(read_all) for _ in range(repeats))
+    best = min(timed(read_all) for _ in range(repeats))
     return data.nbytes / best / 1e9
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 # ----------------------------------------------------------------------------- the two engines
@@ -173,7 +168,7 @@ def matmul_parameters(model) -> tuple:
 
 
 def run_transformers(model, prompts: list, output_len: int) -> tuple:
-    """One batched greedy `generate` (left padding + mask); (seconds, output ids per prompt)."""
+    """One batched greedy `generate` (left padding + mask); (seconds, output ids per prompt, None)."""
     import torch
 
     pad = model.generation_config.pad_token_id
@@ -192,10 +187,11 @@ def run_transformers(model, prompts: list, output_len: int) -> tuple:
                              min_new_tokens=output_len, do_sample=False, pad_token_id=pad,
                              temperature=None, top_p=None, top_k=None)
         elapsed = time.perf_counter() - start
-    return elapsed, out[:, width:].tolist()
+    return elapsed, out[:, width:].tolist(), None
 
 
 def run_engine(llm, prompts: list, output_len: int) -> tuple:
+    """(seconds, output ids per prompt, decode-only tok/s)."""
     from fastdeploy import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -207,22 +203,15 @@ def run_engine(llm, prompts: list, output_len: int) -> tuple:
     # Decode alone, as llama.cpp's S_TG: the tokens after each request's first, over the time from the
     # last first token to the end (one request: its decode exactly).
     decode_seconds = end_wall - max(o.metrics["first_token_time"] for o in outs)
-    DECODE_TOK_S.append(sum(len(t) - 1 for t in tokens) / decode_seconds)
-    return elapsed, tokens
+    return elapsed, tokens, sum(len(t) - 1 for t in tokens) / decode_seconds
 
 
-def run_llama_cpp(binary_and_path: tuple, prompts: list, output_len: int) -> tuple:
-    """llama-batched-bench on the case's shape; (seconds, placeholder outputs of the right length)."""
+def run_llama_cpp(binary: str, path: str, prompts: list, output_len: int) -> tuple:
+    """llama-batched-bench on the case's shape; (seconds, placeholder outputs of the right length, its S_TG)."""
     from llama_cpp_bench import batched_bench
 
-    binary, path = binary_and_path
     result = batched_bench(binary, path, len(prompts[0]), output_len, len(prompts))
-    DECODE_TOK_S.append(result["decode_tok_s"])
-    return result["seconds"], [[0] * output_len for _ in prompts]
-
-
-# Decode-only tok/s of the last engine or llama.cpp run (runners append; main reads the last entry).
-DECODE_TOK_S: list = []
+    return result["seconds"], [[0] * output_len for _ in prompts], result["decode_tok_s"]
 
 
 def engine_kwargs(args, cases: list) -> dict:
@@ -265,10 +254,8 @@ def side_metrics(seconds: float, outputs: list, case: dict, limits: dict, params
 def rounds_summary(seconds: dict) -> tuple:
     """seconds: side -> one time per round. (median-round seconds per side, per-round ratios of each
     engine's speed to transformers' — the same tokens on both sides, so the inverse time ratio)."""
-    median = {side: float(np.sort(times)[(len(times) - 1) // 2]) for side, times in seconds.items()}
-    hf = seconds["transformers"]
-    ratios = {side: [h / t for h, t in zip(hf, times)] for side, times in seconds.items() if side != "transformers"}
-    return median, ratios
+    return ({side: median(times, lower=True) for side, times in seconds.items()},
+            {side: round_ratios(seconds, "transformers", side) for side in seconds if side != "transformers"})
 
 
 def agreement(a: list, b: list) -> float:
@@ -276,44 +263,37 @@ def agreement(a: list, b: list) -> float:
     return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
-def print_decode_table(results: list, sides: list) -> None:
-    """Decode-only tok/s (llama.cpp: its S_TG) per side, and each engine's per-round ratio to llama.cpp."""
-    timed = [s for s in sides if s != "transformers"]
-    print("\ndecode-only tok/s (median of rounds; engine: after each request's first token; llama.cpp: S_TG)")
-    for r in results:
-        if r["name"].startswith("prefill"):
-            continue
-        line = f"{r['name']:<20}" + "".join(f"{s}: {r[s].get('decode_tok_s', float('nan')):.1f}  " for s in timed)
-        for s in timed:
-            ratios = r.get(f"round_decode_ratios {s} vs llama.cpp")
-            if ratios and s != "llama.cpp":
-                line += f"  {s} / llama.cpp: {np.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
-        print(line)
+SHORT = {"engine": "engine", "engine f32": "eng f32", "engine int8": "eng i8", "transformers": "hf",
+         "llama.cpp": "llama"}
 
 
-def print_table(results: list, limits: dict, sides: list) -> None:
-    print(f"\nmachine: float32 GEMM 2048^3 {limits['gemm_peak_gflops']:.1f} GFLOP/s, memory read "
-          f"{limits['read_bandwidth_gbs']:.1f} GB/s; tok/s of each side and its ratio to transformers "
-          f"(decode rows: output tok/s; prefill row: prompt + output tok/s)")
+def print_tables(results: list, limits: dict, sides: list) -> None:
+    """Per case: tok/s of each side, each engine's ratio to transformers (median round, range of the
+    rounds), the fractions of the machine's limits; then decode alone next to llama.cpp's S_TG."""
     engines = [s for s in sides if s != "transformers"]
-    short = {"engine": "engine", "engine f32": "eng f32", "engine int8": "eng i8", "transformers": "hf",
-             "llama.cpp": "llama"}
-    header = f"{'case':<20}" + "".join(f"{s:>14}" for s in sides) + "".join(f"{'x ' + s:>14}" for s in engines) + \
-        "".join(f"{'rounds x ' + short[s]:>18}" for s in engines) + \
-        "".join(f"{'%GEMM ' + short[s]:>14}" for s in sides) + "".join(f"{'%BW ' + short[s]:>12}" for s in sides) + \
-        f"{'same tokens':>13}"
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        key = "total_tok_s" if r["name"].startswith("prefill") else "output_tok_s"
-        t = r["transformers"][key]
-        line = f"{r['name']:<20}" + "".join(f"{r[s][key]:>14.1f}" for s in sides)
-        line += "".join(f"{r[s][key] / t:>13.2f}x" for s in engines)
-        line += "".join(f"{min(r['round_ratios ' + s]):.2f}-{max(r['round_ratios ' + s]):.2f}".rjust(18) for s in engines)
-        line += "".join(f"{r[s]['gemm_fraction']:>14.1%}" for s in sides)
-        line += "".join(f"{r[s]['bandwidth_fraction']:>12.1%}" if "bandwidth_fraction" in r[s] else f"{'-':>12}"
-                        for s in sides)
-        print(line + f"{r['same_tokens']:>13.0%}")
+    key = lambda r: "total_tok_s" if r["name"].startswith("prefill") else "output_tok_s"  # noqa: E731
+
+    def to_hf(r, s):
+        return (f"{r[s][key(r)] / r['transformers'][key(r)]:.2f}x "
+                f"({min(r['round_ratios ' + s]):.2f}-{max(r['round_ratios ' + s]):.2f})")
+
+    def bandwidth(r, s):
+        return f"{r[s]['bandwidth_fraction']:.1%}" if "bandwidth_fraction" in r[s] else "-"
+
+    columns = [("case", "name", "")] + [(s, lambda r, s=s: r[s][key(r)], ".1f") for s in sides]
+    columns += [(f"x {SHORT[s]} (rounds)", functools.partial(to_hf, s=s), "") for s in engines]
+    columns += [(f"%GEMM {SHORT[s]}", lambda r, s=s: r[s]["gemm_fraction"], ".1%") for s in sides]
+    columns += [(f"%BW {SHORT[s]}", functools.partial(bandwidth, s=s), "") for s in sides]
+    print_table(results, columns + [("same tokens", "same_tokens", ".0%")],
+                title=f"machine: float32 GEMM 2048^3 {limits['gemm_peak_gflops']:.1f} GFLOP/s, memory read "
+                      f"{limits['read_bandwidth_gbs']:.1f} GB/s; tok/s of each side and its ratio to transformers "
+                      "(decode rows: output tok/s; prefill row: prompt + output tok/s)")
+    columns = [("case", "name", "")] + [(s, lambda r, s=s: r[s].get("decode_tok_s", float("nan")), ".1f")
+                                        for s in engines]
+    columns += [(f"{SHORT[s]} / llama (rounds)", lambda r, s=s: ratio_range(r[f"round_decode_ratios {s} vs llama.cpp"]),
+                 "") for s in engines if s != "llama.cpp" and "llama.cpp" in sides]
+    print_table([r for r in results if not r["name"].startswith("prefill")], columns,
+                title="decode-only tok/s (median of rounds; engine: after each request's first token; llama.cpp: S_TG)")
 
 
 def main(argv=None) -> int:
@@ -346,9 +326,7 @@ def main(argv=None) -> int:
     params = matmul_parameters(hf)
     cases = make_cases(args, hf.config.vocab_size)
 
-    from fastdeploy import LLM
-
-    from fastdeploy import envs
+    from fastdeploy import LLM, envs
 
     engines = {}
     for side, blocks, int8 in (("engine", 1, 0), ("engine f32", 0, 0), ("engine int8", 1, 1)):
@@ -366,61 +344,59 @@ def main(argv=None) -> int:
     run_transformers(hf, warm, 2)
 
     sides = [*engines, "transformers"] + (["llama.cpp"] if args.llama_batched_bench else [])
+    runners = {"transformers": lambda prompts, n: run_transformers(hf, prompts, n),
+               "llama.cpp": lambda prompts, n: run_llama_cpp(args.llama_batched_bench, path, prompts, n),
+               **{side: functools.partial(run_engine, llm) for side, llm in engines.items()}}
     results = []
     for case in cases:
-        row = {"name": case["name"], "requests": case["requests"], "input_len": case["input_len"],
-               "output_len": case["output_len"]}
-        outputs, seconds, decode = {}, {side: [] for side in sides}, {side: [] for side in sides}
-        for round_no in range(1, args.rounds + 1):
-            for side in sides:
-                runner, model = {"transformers": (run_transformers, hf),
-                                 "llama.cpp": (run_llama_cpp, (args.llama_batched_bench, path))}.get(
-                                     side, (run_engine, engines.get(side)))
-                log(f"{case['name']} round {round_no}/{args.rounds}: {side} ({case['requests']} x "
-                    f"{case['input_len']} in / {case['output_len']} out)")
-                DECODE_TOK_S.clear()
-                elapsed, out = runner(model, case["prompts"], case["output_len"])
-                seconds[side].append(elapsed)
-                if DECODE_TOK_S:
-                    decode[side].append(DECODE_TOK_S[-1])
-                if outputs.setdefault(side, out) != out:
-                    log(f"warning: {side} gave other tokens in round {round_no} than in round 1")
-                log(f"{case['name']}: {side} {sum(len(o) for o in out)} output tokens in {elapsed:.1f} s")
-        median, ratios = rounds_summary(seconds)
-        for side in sides:
-            row[side] = side_metrics(median[side], outputs[side], case, limits, params, weight_bytes[side])
-            row[side]["round_seconds"] = seconds[side]
-            if decode[side]:  # decode-only tok/s, every round and the median
-                row[side]["round_decode_tok_s"] = decode[side]
-                row[side]["decode_tok_s"] = float(np.median(decode[side]))
-        for side in ratios:  # the engines and llama.cpp, each against transformers
-            row[f"ratio_output_tok_s {side}"] = row[side]["output_tok_s"] / row["transformers"]["output_tok_s"]
-            row[f"round_ratios {side}"] = ratios[side]
-        exact = [side for side in engines if side != "engine int8"]
-        row["same_tokens"] = min(agreement(outputs[side], outputs["transformers"]) for side in exact)
-        if "engine int8" in engines:  # not exact: how many requests kept transformers' every token
-            row["same_tokens engine int8"] = agreement(outputs["engine int8"], outputs["transformers"])
-        if "llama.cpp" in sides:
-            row["ratio_output_tok_s engine vs llama.cpp"] = (row["engine"]["output_tok_s"]
-                                                             / row["llama.cpp"]["output_tok_s"])
-            row["round_ratios engine vs llama.cpp"] = [ll / e for e, ll in zip(seconds["engine"], seconds["llama.cpp"])]
-            for side in engines:  # decode alone, per round (the sides of a round ran back to back)
-                row[f"round_decode_ratios {side} vs llama.cpp"] = [e / ll for e, ll in
-                                                                   zip(decode[side], decode["llama.cpp"])]
-        results.append(row)
-    print_table(results, limits, sides)
-    print_decode_table(results, sides)
+        def run_side(side):
+            log(f"{case['name']}: {side} ({case['requests']} x {case['input_len']} in / {case['output_len']} out)")
+            got = runners[side](case["prompts"], case["output_len"])
+            log(f"{case['name']}: {side} {sum(len(o) for o in got[1])} output tokens in {got[0]:.1f} s")
+            return got
+
+        runs = take_turns(sides, args.rounds, run_side,
+                          between=lambda r, _: log(f"{case['name']}: round {r + 1}/{args.rounds} done"))
+        results.append(case_row(case, runs, list(engines), limits, params, weight_bytes))
+    print_tables(results, limits, sides)
+    write_json(args.json, {"model": path, "limits": limits, "matmul_parameters": params[0] + params[1],
+                           "weight_bytes": weight_bytes, "lm_head_parameters": params[1],
+                           "torch_threads": args.torch_threads, "thread_env": thread_env, "cpu_count": os.cpu_count(),
+                           "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
+                           "cases": results, "args": vars(args)})
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"model": path, "limits": limits, "matmul_parameters": params[0] + params[1],
-                       "weight_bytes": weight_bytes,
-                       "lm_head_parameters": params[1], "torch_threads": args.torch_threads,
-                       "thread_env": thread_env, "cpu_count": os.cpu_count(),
-                       "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
-                       "cases": results, "args": vars(args)}, f, indent=2)
         log(f"wrote {args.json}")
     return 0
+
+
+def case_row(case: dict, runs: dict, engines: list, limits: dict, params: tuple, weight_bytes: dict) -> dict:
+    """One case's report from side -> [(seconds, outputs, decode tok/s or None) of every round]."""
+    seconds = {side: [g[0] for g in got] for side, got in runs.items()}
+    decode = {side: [g[2] for g in got if g[2] is not None] for side, got in runs.items()}
+    outputs = {side: got[0][1] for side, got in runs.items()}
+    for side, got in runs.items():
+        if any(g[1] != outputs[side] for g in got):
+            log(f"warning: {side} gave other tokens in a later round than in round 1")
+    row = {k: case[k] for k in ("name", "requests", "input_len", "output_len")}
+    median_s, ratios = rounds_summary(seconds)
+    for side in runs:
+        row[side] = side_metrics(median_s[side], outputs[side], case, limits, params, weight_bytes[side])
+        row[side]["round_seconds"] = seconds[side]
+        if decode[side]:  # decode-only tok/s, every round and the median
+            row[side].update(round_decode_tok_s=decode[side], decode_tok_s=median(decode[side]))
+    for side in ratios:  # the engines and llama.cpp, each against transformers
+        row[f"ratio_output_tok_s {side}"] = row[side]["output_tok_s"] / row["transformers"]["output_tok_s"]
+        row[f"round_ratios {side}"] = ratios[side]
+    row["same_tokens"] = min(agreement(outputs[side], outputs["transformers"]) for side in engines
+                             if side != "engine int8")
+    if "engine int8" in engines:  # not exact: how many requests kept transformers' every token
+        row["same_tokens engine int8"] = agreement(outputs["engine int8"], outputs["transformers"])
+    if "llama.cpp" in runs:
+        row["ratio_output_tok_s engine vs llama.cpp"] = row["engine"]["output_tok_s"] / row["llama.cpp"]["output_tok_s"]
+        row["round_ratios engine vs llama.cpp"] = round_ratios(seconds, "llama.cpp", "engine")
+        for side in engines:  # decode alone, per round (the sides of a round ran back to back)
+            row[f"round_decode_ratios {side} vs llama.cpp"] = round_ratios(decode, side, "llama.cpp")
+    return row
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import sys
 import tempfile
 
 import numpy as np
+from ab_harness import write_json
 
 ENGINE = dict(block_size=16, num_gpu_blocks_override=64, max_model_len=512, max_num_seqs=4)
 
@@ -43,24 +44,28 @@ def rss_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def write_synthetic(path: str) -> None:
+def write_checkpoint(path: str, config: dict, shards: int = 1) -> str:
+    """Random weights for `config` in PaddleFormers' layout (safetensors shards and their index), in
+    its torch_dtype: float32 or bfloat16 (written by hand: numpy has no bfloat16). 1-D weights are ones,
+    matrices N(0, 1 / fan-in), so activations stay in range whatever the depth."""
     from fastdeploy.engine.args_utils import EngineArgs
     from fastdeploy.model_executor.models.decoder import checkpoint_shapes
 
+    os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({**SYNTHETIC_CONFIG, "fastdeploy_byte_tokenizer": True}, f)
-    cfg = EngineArgs(model=path, **ENGINE).create_engine_config().model_config
-    names = sorted(checkpoint_shapes(cfg))
-    rng = np.random.default_rng(0)
-    weight_map = {}
-    for s in range(3):
-        shard = f"model-{s + 1:05d}-of-00003.safetensors"
+        json.dump({**config, "fastdeploy_byte_tokenizer": True}, f, indent=2)
+    shapes = checkpoint_shapes(EngineArgs(model=path, **ENGINE).create_engine_config().model_config)
+    bf16, rng, weight_map = config["torch_dtype"] == "bfloat16", np.random.default_rng(0), {}
+    for s in range(shards):
+        shard = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         header, chunks, offset = {}, [], 0
-        for name in names[s::3]:
-            shape = checkpoint_shapes(cfg)[name]
-            data = (rng.standard_normal(shape, dtype=np.float32) * 0.02).view(np.uint32) >> 16
-            blob = data.astype(np.uint16).tobytes()
-            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + len(blob)]}
+        for name in sorted(shapes)[s::shards]:
+            shape = shapes[name]
+            data = np.ones(shape, np.float32) if len(shape) == 1 else \
+                rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[1]))
+            blob = (data.view(np.uint32) >> 16).astype(np.uint16).tobytes() if bf16 else data.tobytes()
+            header[name] = {"dtype": "BF16" if bf16 else "F32", "shape": list(shape),
+                            "data_offsets": [offset, offset + len(blob)]}
             chunks.append(blob)
             offset += len(blob)
             weight_map[name] = shard
@@ -70,6 +75,7 @@ def write_synthetic(path: str) -> None:
             f.write(len(head).to_bytes(8, "little") + head + b"".join(chunks))
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return path
 
 
 def child(model: str, empty: bool) -> None:
@@ -111,10 +117,7 @@ def main(argv=None) -> None:
         child(args.model, args.child == "empty")
         return
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
-            write_synthetic(tmp)
-            model = tmp
+        model = args.model or write_checkpoint(tmp, SYNTHETIC_CONFIG, shards=3)
         loaded, empty = measure(model, False), measure(model, True)
     delta = loaded["rss"] - empty["rss"]
     ratio = delta / loaded["weight_bytes"]
@@ -125,9 +128,7 @@ def main(argv=None) -> None:
     print(f"engine RSS {loaded['rss'] / mib:.1f} MiB - empty engine {empty['rss'] / mib:.1f} MiB "
           f"= {delta / mib:.1f} MiB  ->  {ratio:.3f}x the weights (target <= 1.3x)  "
           f"[peak RSS while loading {loaded['peak_rss'] / mib:.1f} MiB]")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

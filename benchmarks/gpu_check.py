@@ -12,7 +12,7 @@ says why under "skipped" and the rest still run):
   engine         only where Paddle with CUDA is importable: the tiny presets on --device gpu vs cpu
                  (greedy tokens; first-token log-probs within a bf16 tolerance), the same with int8
                  and block_wise_fp8 KV pages (--kv-cache-quant-type; quantized arm), and the
-                 offline recycle A/B (bench_offline.py --device gpu)
+                 offline recycle A/B (bench_recycling.py --engine offline --device gpu)
   ab             no Paddle needed (PyTorch or CuPy + nvcc): a step loop that drives the real
                  ResourceManagerV1 / PrefixCacheManager, packs each step with the engine's own
                  the engine's PersistentBatch + HostStepBuffer, calls the project's CUDA AppendAttention
@@ -55,6 +55,7 @@ from benchmarks.serving_sim.workload import Workload  # noqa: E402
 from fastdeploy.engine.request import Request, SamplingParams  # noqa: E402
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1  # noqa: E402
 from fastdeploy.engine.persistent_batch import PersistentBatch  # noqa: E402
+from fastdeploy.model_executor.layers.attention.swa_spec import attention_type_table, row_attention_args  # noqa: E402
 from fastdeploy.model_executor.models.tiny_preset import TINY_GPU_PRESET_NAME, TINY_MOE_GPU_PRESET_NAME  # noqa: E402
 from fastdeploy.worker.step_buffers import HostStepBuffer, StepBufferLayout  # noqa: E402
 
@@ -107,17 +108,21 @@ def engine_settings(cfg: ABConfig) -> EngineSettings:
 def kernel_params(fd_config, layout: StepBufferLayout, num_tokens: int, dtype: int) -> dict:
     """AppendAttnParams for one layer of this step: the whole fixed buffer (idle rows included)."""
     model = fd_config.model_config
-    spec = model.head_wise_swa
     return dict(dtype=dtype, token_num=num_tokens, bsz=layout.max_num_seqs, num_heads=model.num_attention_heads,
                 kv_num_heads=model.num_key_value_heads, head_dim=model.head_dim,
                 block_size=fd_config.cache_config.block_size, num_blocks=fd_config.cache_config.num_gpu_blocks,
                 max_blocks_per_seq=layout.max_blocks_per_seq,
                 # A 1-D table [bsz, 1, max_blocks] is the kernels' [bsz, max_blocks] byte for byte.
                 head_wise_table=int(fd_config.head_wise_kv_cache), max_position=model.max_model_len,
-                sliding_window=spec.sliding_window, sink_size=spec.sink_size, visit_all_pages=0, dual_pass=0,
+                visit_all_pages=0, dual_pass=0,
                 kv_slots=0,  # 0: the per-head cache layout (slot h = head h), what this check's presets use
-                cache_quant=gpu_harness.CACHE_FLOAT,  # the A/B runs 16-bit pages
-                head_windows=0)  # swa_head_mask is one flag per KV head: the presets slide with one window
+                cache_quant=gpu_harness.CACHE_FLOAT)  # the A/B runs 16-bit pages
+
+
+def layer_head_windows(fd_config) -> list:
+    """Per layer, the op's head_windows [2, kv_heads] as lists (row 0 each KV head's window, 0 = full; row
+    1 its sink): the engine's rule (swa_spec), what its backends pass."""
+    return [[list(rows) for rows in row_attention_args(types)] for types in attention_type_table(fd_config.model_config)]
 
 
 def buffer_addresses(base: int, layout: StepBufferLayout) -> dict:
@@ -125,18 +130,19 @@ def buffer_addresses(base: int, layout: StepBufferLayout) -> dict:
     return {name: base + 4 * a for name, (a, _) in layout.offsets().items()}
 
 
-def needed_entries_present(host: HostStepBuffer, swa_mask: list, window: int, sink: int, block_size: int) -> None:
+def needed_entries_present(host: HostStepBuffer, head_windows: list, block_size: int) -> None:
     """The kernel's precondition on the packed tables (docs/retention_rule.md): every block a step reads (its
-    heads' visible keys) or writes (the new tokens) has a page. Raises naming request/head/block."""
+    heads' visible keys, each head with its own window and sink of head_windows [2, kv_heads]) or writes (the
+    new tokens) has a page. Raises naming request/head/block."""
     v, table = host.views, host.table
     for r in range(host.layout.max_num_seqs):
         c, n = int(v["seq_lens_this_time"][r]), int(v["seq_lens_decoder"][r])
         if c == 0:
             continue
         last = (n + c - 1) // block_size
-        for h, swa in enumerate(swa_mask):
+        for h, (window, sink) in enumerate(zip(*head_windows)):
             row = table[r, h if host.layout.table_rows > 1 else 0]
-            if swa:  # keys j < sink, or j > t - window for some query t in [n, n + c)
+            if window > 0:  # keys j < sink, or j > t - window for some query t in [n, n + c)
                 first_live = max(0, n - window + 1) // block_size
                 blocks = set(range(first_live, last + 1)) | set(range(-(-min(sink, n + c) // block_size)))
             else:
@@ -151,13 +157,14 @@ class DryExecutor:
     """No device: checks each packed step against the kernel's precondition (CPU tests)."""
 
     def prepare(self, fd_config, layout: StepBufferLayout) -> None:
-        spec = fd_config.model_config.head_wise_swa
-        mask = [int(h in spec.swa_kv_heads) for h in range(fd_config.model_config.num_key_value_heads)]
-        self.check = (mask, spec.sliding_window, spec.sink_size, fd_config.cache_config.block_size)
+        # Every layer's windows (layers that look alike checked once).
+        self.layer_windows = list({json.dumps(w): w for w in layer_head_windows(fd_config)}.values())
+        self.block_size = fd_config.cache_config.block_size
         self.steps = 0
 
     def step(self, host: HostStepBuffer) -> None:
-        needed_entries_present(host, *self.check)
+        for head_windows in self.layer_windows:
+            needed_entries_present(host, head_windows, self.block_size)
         self.steps += 1
 
 
@@ -317,8 +324,8 @@ class CudaExecutor:
 
         cos, sin = rotary_tables(m.max_model_len, d)
         self.cos, self.sin = cp.asarray(cos, cp.float32), cp.asarray(sin, cp.float32)
-        spec = m.head_wise_swa
-        self.mask = cp.asarray([int(h in spec.swa_kv_heads) for h in range(kvh)], cp.int32)
+        # Per layer, head_windows [2, kv_heads]: each KV head's window (0 = full) and sink.
+        self.head_windows = [cp.asarray(w, cp.int32) for w in layer_head_windows(fd_config)]
         self.meta = cp.zeros(layout.total, cp.int32)
         self.error_info = cp.zeros(4, cp.int32)
         ws = self.lib.append_attention_workspace_bytes(ctypes.byref(gpu_harness._Params(
@@ -362,7 +369,8 @@ class CudaExecutor:
                 value_cache=self.v_caches[layer].data.ptr, seq_lens_encoder=a["seq_lens_encoder"],
                 seq_lens_decoder=a["seq_lens_decoder"], seq_lens_this_time=a["seq_lens_this_time"],
                 cu_seqlens_q=a["cu_seqlens_q"], block_tables=a["block_tables"], rotary_cos=self.cos.data.ptr,
-                rotary_sin=self.sin.data.ptr, swa_head_mask=self.mask.data.ptr, out=self._ptr(self.attn))
+                rotary_sin=self.sin.data.ptr, head_windows=self.head_windows[layer].data.ptr,
+                out=self._ptr(self.attn))
             status = self.lib.append_attention_launch(
                 ctypes.byref(params), ctypes.byref(bufs), ctypes.c_void_p(self.workspace.data.ptr),
                 ctypes.c_size_t(self.workspace.nbytes), ctypes.c_void_p(self.error_info.data.ptr), None)
@@ -470,7 +478,8 @@ def engine_part(timeout: float) -> dict:
         if runs["gpu"] and runs["cpu"]:
             report[f"{name}_compare"] = compare_engine_runs(runs["gpu"], runs["cpu"])
     ab_json = Path(tempfile.mkdtemp()) / "offline_ab.json"
-    rc, out, secs = _run([sys.executable, "benchmarks/bench_offline.py", "--device", "gpu", "--cache-dtype", "bfloat16",
+    rc, out, secs = _run([sys.executable, "benchmarks/bench_recycling.py", "--engine", "offline", "--device", "gpu",
+                          "--cache-dtype", "bfloat16",
                           "--num-prompts", "64", "--input-len", "512", "--output-len", "128", "--window", "64",
                           "--json", str(ab_json)], timeout / 7)
     report["offline_ab"] = {"returncode": rc, "seconds": secs,

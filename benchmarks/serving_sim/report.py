@@ -3,7 +3,7 @@
 The workload is the Hackathon submission's: input about 10.6k tokens, output about 4k, request
 rate 8/s, 128 and 1024 prompts, under this engine's settings (skip kernel, 2048-token prefill
 chunks). Its measured gains (+56.9% / +75.8%) come from another configuration (masked 1-D kernel,
-on-demand admission, 32768-token prefill): `seed_t53` reproduces that one; this table does not
+on-demand admission, 32768-token prefill): `tests/sim/seed_t53.py` reproduces that one; this table does not
 compare with it. The task's acceptance (>= +30%) has the first KV-head group sliding (1/4).
 """
 
@@ -175,8 +175,8 @@ def arm_summary(label: str, m: dict) -> str:
 
 def plot_arms(path: str, title: str, off, on) -> None:
     """PNG of running requests and KV pages in use over virtual time, recycle OFF vs ON."""
-    from ab_plot import ArmSeries, plot_running_and_pages
+    from bench_recycling import plot  # the tool's picture, so every engine's reads alike
 
-    arms = [ArmSeries(label, arm.result.series["t"], arm.result.series["running"], arm.result.series["pages_used"])
+    arms = [(label, arm.result.series["t"], arm.result.series["running"], arm.result.series["pages_used"])
             for label, arm in (("recycle OFF", off), ("recycle ON", on))]
-    plot_running_and_pages(path, title, arms, off.result.pages_total, "virtual time (s)")
+    plot(path, title, arms, off.result.pages_total, "virtual time (s)")

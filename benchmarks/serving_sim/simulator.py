@@ -1,9 +1,8 @@
 """Discrete-step serving simulation: the real scheduler and cache manager on a virtual clock.
 
-Each step calls the real `ResourceManagerV1.schedule()`, advances the clock by the step model's
-time for that batch, and feeds `update_from_output()` a fixed token (ignore_eos, so every request
-produces exactly its output length). Nothing about admission, chunking, recycling or preemption is
-modelled here: it is whatever the engine's scheduler does.
+The scheduler driver (driver.py) advances the clock by the step model's time for each batch. Nothing
+about admission, chunking, recycling or preemption is modelled here: it is whatever the engine's
+scheduler does.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from fastdeploy import envs
 from fastdeploy.cache_manager.head_wise import PageLayout, predicted_concurrency
 from fastdeploy.config import CacheConfig, ModelConfig
 from fastdeploy.engine.args_utils import EngineArgs
-from fastdeploy.engine.request import Request, SamplingParams
+from fastdeploy.engine.sched.driver import SAMPLED_TOKEN, drive  # noqa: F401  (SAMPLED_TOKEN: gpu_check's)
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 
 from .hardware import Hardware
@@ -43,7 +42,6 @@ ADMISSION_ENV = {
 }
 ADMISSIONS = tuple(ADMISSION_ENV)
 
-SAMPLED_TOKEN = 7  # any id but the model's EOS; ignore_eos makes lengths fixed anyway
 SERIES_POINTS = 2000  # time-series points kept per arm (for the plot)
 
 
@@ -220,104 +218,37 @@ class ArmResult:
 
 
 def simulate(fd_config, step_model: StepModel, requests: list) -> ArmResult:
-    """Run `requests` (SimRequest list, by arrival) to completion; return per-request metrics."""
+    """Run `requests` (SimRequest list, by arrival) to completion on the step model's clock (driver.py)."""
     rm = ResourceManagerV1(fd_config)
-    cm = rm.cache_manager
-    eos = fd_config.model_config.eos_token_id
-    n = len(requests)
-    first_token = [math.nan] * n
-    done = [math.nan] * n
-    index = {}
-    ts, running, used = [], [], []
-    total_pages = cm.num_total_pages
-    now, nxt, finished, steps, saturated_until = 0.0, 0, 0, 0, 0.0
-    peak_running = peak_used = 0
-    pages_time = running_time = 0.0  # integrals over virtual time
-    # Per request, the highest position whose KV was ever computed: a chunk below it is recomputation.
-    high_water = [0] * n
-    recomputed = computed = 0
 
-    while finished < n:
-        while nxt < n and requests[nxt].arrival <= now:
-            r = requests[nxt]
-            rid = str(r.index)
-            index[rid] = nxt
-            rm.add_request(Request(rid, [SAMPLED_TOKEN] * r.input_len,
-                                   SamplingParams(max_tokens=r.output_len, ignore_eos=True),
-                                   arrival_time=r.arrival, eos_token_id=eos))
-            nxt += 1
-        if not rm.has_unfinished_requests():
-            now = requests[nxt].arrival  # idle until the next arrival (nothing held meanwhile)
-            continue
-        batch = rm.schedule()
-        if not batch.requests:
-            if nxt < n:
-                wait = max(0.0, requests[nxt].arrival - now)
-                pages_time += (total_pages - cm.num_free_pages) * wait
-                running_time += len(rm.running) * wait
-                now += wait
-                continue
-            raise RuntimeError(f"scheduler scheduled nothing with {len(rm.running)} running and "
-                               f"{len(rm.waiting)} waiting requests: it would never finish")
-        if rm.waiting or nxt < n:
-            saturated_until = now
-        # Counted at schedule time, when the step's pages are allocated and finishing requests still run.
-        n_run, n_used = len(rm.running), total_pages - cm.num_free_pages
+    def step_time(batch) -> float:
         # A one-token chunk is (almost always) a decode, which samples; only longer chunks need the check.
-        chunks = [(s.start, s.num_tokens, s.num_tokens == 1 or s.samples) for s in batch.requests]
-        dt = step_model.step_time(chunks)
-        now += dt
-        steps += 1
-        pages_time += n_used * dt
-        running_time += n_run * dt
-        for s in batch.requests:
-            computed += s.num_tokens
-            i, end = index[s.request.request_id], s.start + s.num_tokens
-            if s.start < high_water[i]:
-                recomputed += min(end, high_water[i]) - s.start
-            if end > high_water[i]:
-                high_water[i] = end
-        # update_from_output reads a token only where the chunk samples, so one constant list serves.
-        progressed = rm.update_from_output(batch, [SAMPLED_TOKEN] * len(chunks))
-        for req in progressed:
-            i = index[req.request_id]
-            if first_token[i] != first_token[i]:  # NaN: first token
-                first_token[i] = now
-            if req.is_finished:
-                done[i] = now
-                finished += 1
-        peak_running = max(peak_running, n_run)
-        peak_used = max(peak_used, n_used)
-        ts.append(now)
-        running.append(n_run)
-        used.append(n_used)
+        return step_model.step_time([(s.start, s.num_tokens, s.num_tokens == 1 or s.samples) for s in batch.requests])
 
-    if cm.num_free_pages != total_pages:
-        raise AssertionError(f"{total_pages - cm.num_free_pages} pages still held after every request finished")
-    cm.check_integrity()
-    makespan = max(done)
+    run = drive(rm, requests, step_time, eos=fd_config.model_config.eos_token_id)
+    makespan = run.makespan
+    first, done = run.first_token, run.done
     return ArmResult(
-        num_requests=n,
+        num_requests=len(requests),
         output_tokens=sum(r.output_len for r in requests),
         makespan=makespan,
-        ttft=[f - r.arrival for f, r in zip(first_token, requests)],
-        tpot=[(d - f) / (r.output_len - 1) for d, f, r in zip(done, first_token, requests) if r.output_len > 1],
+        ttft=[f - r.arrival for f, r in zip(first, requests)],
+        tpot=[(d - f) / (r.output_len - 1) for d, f, r in zip(done, first, requests) if r.output_len > 1],
         e2el=[d - r.arrival for d, r in zip(done, requests)],
         done_times=done,
-        peak_running=peak_running,
-        peak_pages_used=peak_used,
-        mean_pages_used=pages_time / makespan,
-        mean_running=running_time / makespan,
-        pages_total=total_pages,
+        peak_running=run.peak_running,
+        peak_pages_used=run.peak_pages_used,
+        mean_pages_used=run.pages_time / makespan,
+        mean_running=run.running_time / makespan,
+        pages_total=rm.cache_manager.num_total_pages,
         preemptions=rm.num_preemptions_total,
-        recomputed_tokens=recomputed,
-        computed_tokens=computed,
-        # The scheduler's own count, where it keeps one (the same quantity, counted at preemption).
-        recomputed_tokens_scheduler=getattr(rm, "recomputed_tokens_total", None),
+        recomputed_tokens=run.recomputed,
+        computed_tokens=run.computed,
+        recomputed_tokens_scheduler=rm.recomputed_tokens_total,  # the same quantity, counted at preemption
         swa_pages_recycled=rm.kv_cache_manager.swa_pages_recycled_total,
-        steps=steps,
-        saturated_until=saturated_until,
-        series=_downsample(ts, running, used),
+        steps=run.steps,
+        saturated_until=run.saturated_until,
+        series=_downsample(run.series["t"], run.series["running"], run.series["pages_used"]),
     )
 
 
@@ -555,9 +486,9 @@ def _estimated_cost(scenario: Scenario, recycle: bool, predicted_running: float)
     return n * scenario.workload.output_len
 
 
-# -- calibration against the real engine's offline A/B (benchmarks/bench_offline.py --json) -----
+# -- calibration against the real engine's offline A/B (bench_recycling.py --engine offline --json) ---
 def offline_scenario(ab: dict, model_config: str, hardware: Hardware, overhead_ms: float) -> Scenario:
-    """The simulator's twin of a bench_offline.py run: tiny preset, float32, every prompt at t=0."""
+    """The simulator's twin of an `--engine offline` run: tiny preset, float32, every prompt at t=0."""
     a = ab["args"]
     cached = a["input_len"] + a["output_len"] - 1
     blocks = a.get("num_gpu_blocks_override") or a["concurrency_off"] * math.ceil(cached / a["block_size"])

@@ -55,7 +55,12 @@ def test_kernel_params_and_addresses_follow_the_c_abi():
     assert tuple(params) == gpu_harness.PARAM_FIELDS  # every field, in the struct's order
     assert params["bsz"] == SMALL.max_num_seqs and params["token_num"] == 37
     assert params["max_blocks_per_seq"] == -(-(SMALL.input_len + SMALL.output_len) // SMALL.block_size)
-    assert (params["sliding_window"], params["sink_size"], params["head_wise_table"]) == (64, 16, 1)
+    assert params["head_wise_table"] == 1
+    # head_windows [2, kv_heads] per layer: SMALL's one SWA head slides with (64, 16), the others are full
+    windows = gpu_check.layer_head_windows(fd)
+    assert len(windows) == fd.model_config.num_hidden_layers
+    kvh = fd.model_config.num_key_value_heads
+    assert all(sorted(zip(*w)) == [(0, 0)] * (kvh - 1) + [(64, 16)] for w in windows), windows
     gpu_harness._Params(**params)  # accepted by the ctypes struct
     addr = gpu_check.buffer_addresses(1 << 20, layout)
     assert addr["seq_lens_encoder"] == 1 << 20

@@ -8,6 +8,7 @@ import pytest
 
 from fastdeploy.cache_manager.head_wise import first_window_block
 from fastdeploy.engine.request import Request, SamplingParams
+from fastdeploy.engine.sched.driver import fake_step
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 
 BS = 16
@@ -24,10 +25,7 @@ def request(rid, prompt, max_tokens=4):
 
 
 def step(rm):
-    batch = rm.schedule()
-    rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
-    rm.check_integrity()
-    return batch
+    return fake_step(rm, check=True)
 
 
 def run(rm, *requests):

@@ -1,5 +1,5 @@
 """What ptxas says about every CUDA AppendAttention kernel instantiation on sm_80 and sm_90 (runs where
-nvcc is, GPU or not; benchmarks/kernel_resources.py prints the same report): the decode path does not
+nvcc is, GPU or not; tests/custom_ops/kernel_resources.py prints the same report): the decode path does not
 spill, and each kernel's shared memory fits its architecture's per-block limit."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import kernel_resources  # noqa: E402
+import kernel_resources  # noqa: E402  (this directory: the resource report of every kernel)
 from kernel_resources import ARCH_LIMITS, gpu_harness, occupancy  # noqa: E402
 
 needs_nvcc = pytest.mark.skipif(gpu_harness.find_nvcc() is None,
@@ -68,7 +67,7 @@ def test_the_dynamic_shared_memory_is_what_the_launches_pass(report):
     lib = gpu_harness.bind(ctypes.CDLL(str(gpu_harness.cached_build(jobs=2))), gpu_harness.C_ABI)
     unsupported = gpu_harness._Params(dtype=gpu_harness.BF16, token_num=1, bsz=1, num_heads=4, kv_num_heads=1,
                                       head_dim=96, block_size=64, num_blocks=1, max_blocks_per_seq=1,
-                                      head_wise_table=1, max_position=1, sliding_window=1)
+                                      head_wise_table=1, max_position=1)
     assert lib.append_attention_dynamic_smem_bytes(ctypes.byref(unsupported), 2) == 0
 
 

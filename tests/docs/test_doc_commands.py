@@ -28,7 +28,7 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # Documented commands cheap enough to run in the suite (seconds each): the script or module they call, and
 # a word that picks the cheap form out of its other documented commands (None: every form).
 RUN_HERE = {"fastdeploy.entrypoints.openai.api_server": "--help",
-            "benchmarks/eval_swa_quality.py": "docs/swa_quality_results.json", "benchmarks/tp_swa_placement.py": None}
+            "benchmarks/eval_swa_quality.py": "docs/swa_quality_results.json", "benchmarks/bench_recycling.py": "--tp-placements"}
 OUTPUT_FLAGS = {"--json", "--plot", "--out", "--decision-json"}  # redirected to a temporary folder when run
 SHELL_TOOLS = {"curl", "ps", "grep", "rm", "bash", "pip", "tar", "cmake"}
 ENDPOINTS_SOURCE = REPO / "fastdeploy" / "entrypoints" / "openai" / "api_server.py"

@@ -5,6 +5,7 @@ import pytest
 from fastdeploy.config import ADMISSION_POLICIES, DEFAULT_ADMISSION_POLICY
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.request import Request, SamplingParams
+from fastdeploy.engine.sched.driver import fake_step
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 
 EOS = 2
@@ -50,10 +51,7 @@ def request(rid, prompt_len, max_tokens, token=7):
 
 
 def step(rm):
-    batch = rm.schedule()
-    rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
-    rm.check_integrity()
-    return batch
+    return fake_step(rm, check=True)
 
 
 def test_projected_admits_a_request_whose_curve_fits_beside_staggered_ones(monkeypatch):

@@ -11,6 +11,7 @@ import pytest
 
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.request import Request, SamplingParams
+from fastdeploy.engine.sched.driver import fake_step
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 from fastdeploy.envs import override
 
@@ -32,9 +33,7 @@ def manager(blocks, policy, swa_heads=(0, 1, 2, 3)):
 
 
 def step(rm):
-    batch = rm.schedule()
-    rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
-    rm.check_integrity()
+    batch = fake_step(rm, check=True)
     return [(s.request.request_id, s.start, s.num_tokens) for s in batch.requests]
 
 

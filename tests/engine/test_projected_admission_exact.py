@@ -9,6 +9,7 @@ max(0, n - W + 1) // 4; e.g. W = 8: m = 12 needs ceil(13/4) - 5 // 4 = 3; W = 5:
 
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.request import Request, SamplingParams
+from fastdeploy.engine.sched.driver import fake_step
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 from fastdeploy.envs import override
 
@@ -31,9 +32,7 @@ def request(rid, tokens, max_tokens):
 
 
 def step(rm):
-    batch = rm.schedule()
-    rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
-    rm.check_integrity()
+    batch = fake_step(rm, check=True)
     assert all(type(s.num_tokens) is int for s in batch.requests)  # token counts index tables and tensors
     return [(s.request.request_id, s.start, s.num_tokens) for s in batch.requests]
 

@@ -3,6 +3,7 @@
 import pytest
 
 from fastdeploy.engine.request import Request, SamplingParams
+from fastdeploy.engine.sched.driver import fake_step
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 
 ONE_SWA = {"sliding_window": 20, "sink_size": 5, "swa_kv_heads": [0]}
@@ -14,10 +15,7 @@ def request(rid, prompt, max_tokens):
 
 
 def step(rm):
-    batch = rm.schedule()
-    rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
-    rm.check_integrity()
-    return batch
+    return fake_step(rm, check=True)
 
 
 def run(rm, *requests):

@@ -3,6 +3,7 @@
 import pytest
 
 from fastdeploy.engine.request import Request, SamplingParams
+from fastdeploy.engine.sched.driver import fake_step
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 
 # Head 0 slides with W = 17 and no sink: with 40 tokens processed its block 0 is dead.
@@ -15,9 +16,7 @@ def request(rid, prompt_len, max_tokens):
 
 
 def step(rm):
-    batch = rm.schedule()
-    rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
-    rm.check_integrity()
+    fake_step(rm, check=True)
 
 
 def broken(rm):

@@ -14,7 +14,8 @@ from fastdeploy.entrypoints.openai.server_process import ApiServerProcess, free_
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 
-import bench_head_wise_swa  # noqa: E402
+import bench_recycling  # noqa: E402
+import recycling_server  # noqa: E402
 import benchmark_serving  # noqa: E402
 from backend_request_func import RequestFuncInput, RequestFuncOutput, chat_payload, completions_payload  # noqa: E402
 from benchmark_dataset import (  # noqa: E402
@@ -164,11 +165,10 @@ def test_metrics_of_a_run_where_everything_failed_are_zero_not_nan():
 
 @pytest.mark.parametrize("name", ["swa_1of4", "swa_4of4"])
 def test_shipped_ab_configs_are_memory_bound(name, monkeypatch):
-    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")  # predict() pins it; restored after the test
-    args = bench_head_wise_swa.build_parser().parse_args(
-        ["--config", os.path.join(REPO_ROOT, "benchmarks", "yaml", f"{name}.yaml")])
-    server, workload = bench_head_wise_swa.load_settings(args)
-    prediction = bench_head_wise_swa.predict(server, workload)
+    args = bench_recycling.parse_args(
+        ["--engine", "server", "--config", os.path.join(REPO_ROOT, "benchmarks", "yaml", f"{name}.yaml")])
+    server, workload = recycling_server.load_settings(args)
+    prediction = recycling_server.predict(server, workload)
     assert prediction["ceiling"] >= 1.2
     assert prediction["running_on"] > prediction["running_off"] >= 1
 

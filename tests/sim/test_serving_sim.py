@@ -11,8 +11,8 @@ import pytest
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 
-import simulate_serving  # noqa: E402
-from serving_sim import seed_t53  # noqa: E402
+import bench_recycling  # noqa: E402
+import seed_t53  # noqa: E402  (tests/sim: the one-off study of the published measurement)
 from serving_sim.hardware import PRESETS, Hardware  # noqa: E402
 from serving_sim.simulator import (Scenario, ceiling, make_fd_config, run_arm, run_scenarios,  # noqa: E402
                                    simulate)
@@ -170,7 +170,7 @@ def test_steady_state_extrapolation_matches_a_full_run(tiny_model):
 
 def test_cli_writes_rows_and_plot(tiny_model, tmp_path, capsys):
     out, png = tmp_path / "rows.json", tmp_path / "plot.png"
-    rc = simulate_serving.main(["--model-config", tiny_model, "--num-prompts", "12", "--input-len", "200",
+    rc = bench_recycling.main(["--engine", "sim", "--model-config", tiny_model, "--num-prompts", "12", "--input-len", "200",
                                 "--output-len", "100", "--window", "64", "--sink", "16", "--block-size", "16",
                                 "--swa-heads", "2", "--num-gpu-blocks-override", "120", "--admission", "both",
                                 "--jobs", "1", "--json", str(out), "--plot", str(png)])
@@ -260,7 +260,7 @@ def test_masked_kernel_reads_more_kv_than_skip_and_the_same_without_swa_heads():
 # -- seed-t53: the submission's own configuration, fitted on one cell (issue 15) ------------------
 def test_seed_t53_reduced_run_writes_one_row_per_measured_cell(tmp_path):
     out = tmp_path / "cells.json"
-    assert simulate_serving.main(["--scenario", "seed-t53", "--scale", "16", "--json", str(out)]) == 0
+    assert seed_t53.main(["--scale", "16", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["name"] for r in rows] == ["throughput_off_128", "throughput_on_128", "throughput_off_1024",
                                          "throughput_on_1024", "ttft_change_1024"]
@@ -299,7 +299,8 @@ def test_decision_rows_skip_kernel_is_never_slower_than_masked_under_the_same_sc
 
 
 def test_admission_option_takes_a_policy_list():
-    parse = simulate_serving._admissions
+    from serving_sim.cli import admissions as parse
+
     assert parse("both") == ("reserve", "on-demand")
     assert parse("all") == ("reserve", "on-demand", "projected")
     assert parse("on-demand,projected") == ("on-demand", "projected")
@@ -375,13 +376,13 @@ def test_sliding_layer_rows_report_the_page_need_and_run_more_requests_on():
 
 def test_one_scenario_of_a_sliding_layer_model_uses_its_layers_unless_heads_are_asked(tmp_path, capsys):
     gemma = os.path.join(REPO_ROOT, "benchmarks", "models", "gemma-3-27b.json")
-    common = ["--model-config", gemma, "--num-prompts", "3", "--input-len", "1500", "--output-len", "16",
+    common = ["--engine", "sim", "--model-config", gemma, "--num-prompts", "3", "--input-len", "1500", "--output-len", "16",
               "--num-gpu-blocks-override", "120", "--jobs", "1"]
     out = tmp_path / "rows.json"
-    assert simulate_serving.main(common + ["--json", str(out)]) == 0
+    assert bench_recycling.main(common + ["--json", str(out)]) == 0
     row, = json.loads(out.read_text())
     assert row["swa_heads"] is None and (row["sliding_layers"], row["window"], row["sink"]) == (52, 1024, 0)
     assert "| Gemma-3-27B |" in capsys.readouterr().out
-    assert simulate_serving.main(common + ["--swa-heads", "1", "--json", str(out)]) == 0
+    assert bench_recycling.main(common + ["--swa-heads", "1", "--json", str(out)]) == 0
     row, = json.loads(out.read_text())
     assert row["swa_heads"] == 1 and row["sliding_layers"] is None

@@ -1,5 +1,10 @@
 """The one GPU measurement of recycling that exists, and the simulator checked against it (issue 15).
 
+A one-off study, kept with the simulator's tests (tests/sim/test_serving_sim.py runs it reduced):
+
+    python tests/sim/seed_t53.py --windows 1024,4096,8192 --decision --json cells.json --decision-json decision.json
+
+
 Hackathon No.53 PR1 measured recycle OFF vs ON on an A800-80GB with ERNIE-4.5-21B-A3B (bf16, TP 1),
 `benchmark_serving.py` random dataset (input about 10.6k tokens, output about 4k, `--ignore-eos`),
 `--request-rate 8`, seed 42, every KV head sliding, upstream's on-demand admission with
@@ -15,16 +20,25 @@ default) is fitted on the OFF arm at 128 prompts, and every other measured cell 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import math
 import statistics
+import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
-from .hardware import get_hardware
-from .report import MODEL_CONFIG
-from .simulator import ADMISSIONS, Scenario, admission_env, kv_pool_blocks, model_dir_for, run_arm, run_scenarios
-from .workload import Workload
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from serving_sim.hardware import get_hardware  # noqa: E402
+from serving_sim.report import MODEL_CONFIG  # noqa: E402
+from serving_sim.simulator import (ADMISSIONS, Scenario, admission_env, kv_pool_blocks, model_dir_for,  # noqa: E402
+                                   run_arm, run_scenarios)
+from serving_sim.workload import Workload  # noqa: E402
 
 # The PR1 table: output tok/s per arm and prompt count, and mean TTFT (s) at 1024 prompts.
 MEASURED_THROUGHPUT = {("off", 128): 706.29, ("on", 128): 1107.98, ("off", 1024): 722.93, ("on", 1024): 1270.87}
@@ -273,3 +287,53 @@ def markdown_decision(rows: list) -> str:
             f"{r['recomputed_tokens_off']:,} / {r['recomputed_tokens_on']:,} | "
             f"{r['throughput_off']:.0f} | {r['throughput_on']:.0f} | **{r['gain'] - 1:+.1%}** |")
     return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--windows", default="4096", type=lambda text: tuple(int(w) for w in text.split(",")),
+                   help="comma-separated windows to calibrate and predict at (the submission's is not stated)")
+    p.add_argument("--fit", choices=FIT_PARAMETERS, default="efficiency",
+                   help="the one fitted parameter: kernel efficiency (overhead kept) or per-step overhead")
+    p.add_argument("--scale", type=int, default=1, help="divide token counts, KV pool and prompts by this (faster)")
+    p.add_argument("--pool-blocks", type=int, help="KV blocks of the server (default: 90%% of HBM minus weights)")
+    p.add_argument("--overhead-ms", type=float, default=3.0)
+    p.add_argument("--decision", action="store_true",
+                   help="also run the calibrated model with the skip kernel vs masked, each admission policy "
+                        "(--admission), 1/4 vs 4/4 SWA heads")
+    p.add_argument("--admission", default=None, help="comma-separated admission policies of --decision")
+    p.add_argument("--decision-json")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--json")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    base = Setup(scale=args.scale, overhead_ms=args.overhead_ms, pool_blocks=args.pool_blocks)
+    print(describe(base) + "\n")
+    rows, fitted_by_window = [], {}
+    for window in args.windows:
+        fitted, pred = calibrate_and_predict(window, args.fit, args.scale, base, args.jobs)
+        fitted_by_window[window] = fitted
+        rows += pred["rows"]
+        ttft = pred["mean_ttft_s"]
+        print(f"W {window}: {fitted_text(fitted, args.fit)}; mean TTFT at 1024 prompts OFF {ttft['off']:.0f} s "
+              f"(measured {MEASURED_TTFT_S['off']:.0f}), ON {ttft['on']:.0f} s (measured {MEASURED_TTFT_S['on']:.0f})")
+    print("\n" + markdown_cells(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    if args.decision:
+        fitted = fitted_by_window.get(4096) or next(iter(fitted_by_window.values()))
+        admissions = tuple(args.admission.split(",")) if args.admission else None
+        decision = decision_rows(fitted, admissions, jobs=args.jobs)
+        print(f"\nSame calibrated model (W {fitted.window}), recycle OFF vs ON:\n\n" + markdown_decision(decision))
+        if args.decision_json:
+            Path(args.decision_json).write_text(json.dumps(decision, indent=2))
+    print(f"\n[seed_t53] in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

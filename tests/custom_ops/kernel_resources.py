@@ -9,7 +9,7 @@ memory is a launch argument: it comes from the built library's append_attention_
 which returns the constants the launches pass. Occupancy follows the CUDA occupancy calculator's rules
 (cuda_occupancy.h) with the per-SM limits in ARCH_LIMITS, the largest shared-memory carveout assumed.
 
-    python benchmarks/kernel_resources.py [--json resources.json] [--markdown]
+    python tests/custom_ops/kernel_resources.py [--json resources.json] [--markdown]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "custom_ops"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/custom_ops: the harness
 import gpu_harness  # noqa: E402
 
 KB = 1024
@@ -156,8 +156,8 @@ def _dynamic_smem(lib, kernel: str, name: str) -> dict[str, int]:
     def ask(head_dim: int, block_size: int, cache_quant: int, num_heads: int, kv_heads: int) -> int:
         p = gpu_harness._Params(dtype=gpu_harness.BF16, token_num=1, bsz=1, num_heads=num_heads,
                                 kv_num_heads=kv_heads, head_dim=head_dim, block_size=block_size, num_blocks=1,
-                                max_blocks_per_seq=1, head_wise_table=1, max_position=1, sliding_window=1,
-                                sink_size=0, visit_all_pages=0, dual_pass=0, kv_slots=0, cache_quant=cache_quant)
+                                max_blocks_per_seq=1, head_wise_table=1, max_position=1, visit_all_pages=0,
+                                dual_pass=0, kv_slots=0, cache_quant=cache_quant)
         got = lib.append_attention_dynamic_smem_bytes(ctypes.byref(p), KERNEL_IDS[kernel])
         return int(got)
 

@@ -7,7 +7,7 @@ int4, the alternatives a different rule could take (a scale per 32 or 16 values;
 at normal quantiles with the one scale). Where the page error comes from, without running the model
 once per variant (docs/swa_quality.md, 4-bit KV pages).
 
-    python benchmarks/kv_quant_error.py --model smollm2-135m-instruct --tokens 2000
+    python tests/custom_ops/kv_quant_error.py --model smollm2-135m-instruct --tokens 2000
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from statistics import NormalDist
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "custom_ops"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/custom_ops: the numpy page rule
 from reference_kv_quant import dequantize_rows, hadamard, quantize_rows  # noqa: E402
 
 # 15 symmetric levels at the normal distribution's quantiles, the largest at 1 (absmax).
