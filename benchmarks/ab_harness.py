@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 
 
@@ -102,9 +103,25 @@ def print_table(rows: list, columns: list, title: str = "", markdown: bool = Fal
             print("-" * (sum(widths) + 2 * (len(widths) - 1)))
 
 
+def log(message: str) -> None:
+    """A progress line on stderr, stamped with the script's name and the time."""
+    print(f"[{os.path.basename(sys.argv[0]).removesuffix('.py')} {time.strftime('%H:%M:%S')}] {message}",
+          file=sys.stderr, flush=True)
+
+
+def save_figure(fig, path) -> None:
+    """A matplotlib figure to path as PNG (laid out tight, its folder made first), then closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def write_json(path, data, indent: int = 2) -> None:
     """data to path as JSON, its folder made first (nothing without a path: the --json flag unset)."""
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
-            json.dump(data, f, indent=indent)
+            json.dump(data, f, indent=indent, default=str)

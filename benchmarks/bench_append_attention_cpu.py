@@ -23,11 +23,8 @@ block_wise_int4, int4 as codes two per uint8), interleaved, against the first fo
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -37,6 +34,9 @@ import paddle
 from fastdeploy.cache_manager.head_wise import dead_block_range
 from fastdeploy.model_executor.layers.attention.ops import append_attention
 from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import compile_flags, set_cpu_options
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from ab_harness import log, median, print_table, take_turns, timed, write_json  # noqa: E402
 
 
 # Page formats of --kv-cache-quant-type int8 / block_wise_fp8 / block_wise_int4 (cache dtypes, int4: uint8 pairs).
@@ -55,10 +55,6 @@ def random_int4_pairs(shape: list, seed: int) -> paddle.Tensor:
     codes = np.random.default_rng(seed).integers(-7, 8, size=shape[:-1] + [2 * shape[-1]])
     nibbles = codes & 0xF
     return paddle.to_tensor((nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).astype(np.uint8))
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 class DecodeStep:
@@ -159,17 +155,12 @@ def prefill_step(args, tokens: int, swa_heads: int, page_dtype: str = None):
 
 
 def time_arms(fns: dict, reps: int) -> dict:
-    """{name: (median, best)} wall ms. Arms take turns within every rep, so load
-    from other processes on a shared machine spreads evenly over all arms."""
+    """{name: (median, best)} wall ms. Arms take turns within every rep (ab_harness.py), so load from
+    other processes on a shared machine spreads evenly over all arms."""
     for fn in fns.values():
         fn()  # warm-up: page faults, allocator
-    samples = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: (statistics.median(v), min(v)) for name, v in samples.items()}
+    got = take_turns(fns, reps, lambda name: timed(fns[name]) * 1e3)
+    return {name: (median(v), min(v)) for name, v in got.items()}
 
 
 def page_format_rows(args, ctx: int) -> list:
@@ -184,13 +175,45 @@ def page_format_rows(args, ctx: int) -> list:
         kv += sum(math.prod(t.shape) * 4 for t in step.scales.values()) if fmt in QUANTIZED else 0
         ms, best = times[fmt]
         rows.append(dict(context=ctx, page_format=fmt, ms=ms, best_ms=best, kv_mb=kv / 2**20, vs_first=ms / first))
-        log(f"[bench]   pages {fmt:<14} {ms:9.2f} ms (best {best:.2f}), {kv / 2**20:.1f} MB of K/V")
     return rows
+
+
+def prefill_rows(args, arms_: dict) -> list:
+    """One request prefilling each of --prefill-lens tokens in one step, per arm (name -> (swa_heads, page
+    format)), interleaved; time against the first arm and attention GFLOP/s."""
+    rows = []
+    for tokens in args.prefill_lens:
+        steps = {name: prefill_step(args, tokens, k, fmt) for name, (k, fmt) in arms_.items()}
+        times = time_arms({name: fn for name, (fn, _) in steps.items()}, args.reps)
+        first = next(iter(times.values()))[0]
+        rows += [dict(tokens=tokens, arm=name, ms=times[name][0], vs_first=times[name][0] / first,
+                      gflops=flops / (times[name][0] / 1e3) / 1e9) for name, (_, flops) in steps.items()]
+    return rows
+
+
+def decode_rows(args, ctx: int) -> tuple:
+    """Every arm's decode step at one context, and the 1 vs 2 thread rows of the full and all-SWA arms."""
+    log(f"context {ctx}: allocating the cache ({args.batch} requests, {args.dtype})")
+    step = DecodeStep(args, ctx)
+    specs = list(arms(args.kv_heads))
+    times = time_arms({name: step.arm(k, mode) for name, k, mode in specs}, args.reps)
+    full_ms = times["full"][0]
+    rows = [dict(context=ctx, arm=name, swa_heads=k, mode=mode, threads=args.threads, ms=times[name][0],
+                 best_ms=times[name][1], vs_full=times[name][0] / full_ms, speedup=full_ms / times[name][0])
+            for name, k, mode in specs]
+    thread_rows = []
+    for name, k, mode in [("full", 0, "1d"), (f"{args.kv_heads} SWA headwise", args.kv_heads, "headwise")]:
+        fn = step.arm(k, mode)
+        per = time_arms({n: lambda n=n: (set_cpu_options(attn_threads=n), fn()) for n in (1, 2)}, args.reps)
+        set_cpu_options(attn_threads=args.threads)
+        thread_rows.append(dict(context=ctx, arm=name, ms_1_thread=per[1][0], ms_2_threads=per[2][0],
+                                scaling=per[1][0] / per[2][0]))
+    return rows, thread_rows
 
 
 def arms(kv_heads: int):
     yield "full", 0, "1d"
-    for k in (1, 2, kv_heads):
+    for k in sorted({1, min(2, kv_heads), kv_heads}):
         for mode in ("1d-mask", "headwise"):
             yield f"{k} SWA {mode}", k, mode
 
@@ -221,100 +244,38 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     set_cpu_options(attn_threads=args.threads)
-
-    log(f"[bench] compile flags: {' '.join(compile_flags())}")
-    rows, thread_rows, format_rows = [], [], []
-    for ctx in args.contexts:
-        if args.page_formats:
-            format_rows += page_format_rows(args, ctx)
-        if args.skip_arms:
-            continue
-        log(f"[bench] context {ctx}: allocating the cache ({args.batch} requests, {args.dtype})")
-        step = DecodeStep(args, ctx)
-        specs = list(arms(args.kv_heads))
-        times = time_arms({name: step.arm(k, mode) for name, k, mode in specs}, args.reps)
-        full_ms = times["full"][0]
-        for name, k, mode in specs:
-            ms, best = times[name]
-            rows.append(dict(context=ctx, arm=name, swa_heads=k, mode=mode, threads=args.threads,
-                             ms=ms, best_ms=best, vs_full=ms / full_ms, speedup=full_ms / ms))
-            log(f"[bench]   {name:<18} {ms:9.2f} ms (best {best:.2f})")
-        for name, k, mode in [("full", 0, "1d"), (f"{args.kv_heads} SWA headwise", args.kv_heads, "headwise")]:
-            fn = step.arm(k, mode)
-
-            def with_threads(n, fn=fn):
-                def run():
-                    set_cpu_options(attn_threads=n)
-                    fn()
-                return run
-
-            per = time_arms({1: with_threads(1), 2: with_threads(2)}, args.reps)
-            set_cpu_options(attn_threads=args.threads)
-            thread_rows.append(dict(context=ctx, arm=name, ms_1_thread=per[1][0], ms_2_threads=per[2][0],
-                                    scaling=per[1][0] / per[2][0]))
-            log(f"[bench]   threads {name:<18} 1: {per[1][0]:.2f} ms  2: {per[2][0]:.2f} ms")
-        del step
-
-    if format_rows:
-        print(f"\ndecode step over each page format: batch {args.batch}, q heads {args.num_heads}, kv heads "
-              f"{args.kv_heads}, head_dim {args.head_dim}, block {args.block_size}, full attention, "
-              f"{args.threads} threads, median of {args.reps} (formats interleaved in every rep)")
-        print(f"{'context':>8}  {'pages':<14} {'ms/step':>10} {'best':>9} {'KV MB':>8} {'x ' + args.page_formats[0]:>14}")
-        for r in format_rows:
-            print(f"{r['context']:>8}  {r['page_format']:<14} {r['ms']:>10.2f} {r['best_ms']:>9.2f} "
-                  f"{r['kv_mb']:>8.1f} {r['vs_first']:>14.3f}")
-    if args.skip_arms:
-        prefill_formats = []
-        for tokens in args.prefill_lens if args.page_formats else []:
-            fns = {fmt: prefill_step(args, tokens, 0, fmt)[0] for fmt in args.page_formats}
-            times = time_arms(fns, args.reps)
-            first = times[args.page_formats[0]][0]
-            prefill_formats += [dict(tokens=tokens, page_format=fmt, ms=ms, vs_first=ms / first)
-                                for fmt, (ms, _) in times.items()]
-        if prefill_formats:
-            print(f"\none request prefilling in one step over each page format (full attention, tiled path)")
-            print(f"{'tokens':>8}  {'pages':<14} {'ms/step':>10} {'x ' + args.page_formats[0]:>14}")
-            for r in prefill_formats:
-                print(f"{r['tokens']:>8}  {r['page_format']:<14} {r['ms']:>10.2f} {r['vs_first']:>14.3f}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(config=vars(args), compile_flags=compile_flags(), page_formats=format_rows,
-                               prefill_page_formats=prefill_formats), f, indent=2)
-        return
-    print(f"\nappend_attention CPU decode step: batch {args.batch}, q heads {args.num_heads}, "
-          f"kv heads {args.kv_heads}, head_dim {args.head_dim}, block {args.block_size}, "
-          f"W={args.window}, S={args.sink}, cache {args.dtype}, {args.threads} threads, "
-          f"median of {args.reps}")
-    print(f"{'context':>8}  {'arm':<18} {'ms/step':>10} {'best':>9} {'x full':>8} {'speed-up':>9}")
-    for r in rows:
-        print(f"{r['context']:>8}  {r['arm']:<18} {r['ms']:>10.2f} {r['best_ms']:>9.2f} {r['vs_full']:>8.3f} "
-              f"{r['speedup']:>8.1f}x")
-    print(f"\n{'context':>8}  {'arm':<18} {'1 thread':>10} {'2 threads':>10} {'scaling':>8}")
-    for r in thread_rows:
-        print(f"{r['context']:>8}  {r['arm']:<18} {r['ms_1_thread']:>10.2f} {r['ms_2_threads']:>10.2f} "
-              f"{r['scaling']:>7.2f}x")
-    prefill_rows = []
-    for tokens in args.prefill_lens:
-        arms_ = {k: prefill_step(args, tokens, k) for k in (0, args.kv_heads)}
-        times = time_arms({k: fn for k, (fn, _) in arms_.items()}, args.reps)
-        for k, (_, flops) in arms_.items():
-            ms = times[k][0]
-            prefill_rows.append(dict(tokens=tokens, swa_heads=k, ms=ms, gflops=flops / (ms / 1e3) / 1e9))
-    if prefill_rows:
-        print(f"\none request prefilling in one step (the tiled path), {args.threads} threads")
-        print(f"{'tokens':>8}  {'SWA heads':>9} {'ms/step':>10} {'GFLOP/s':>9}")
-        for r in prefill_rows:
-            print(f"{r['tokens']:>8}  {r['swa_heads']:>9} {r['ms']:>10.2f} {r['gflops']:>9.1f}")
-    last = max(args.contexts)
-    target = next(r for r in rows if r["context"] == last and r["mode"] == "headwise"
-                  and r["swa_heads"] == args.kv_heads)
-    verdict = "met" if target["vs_full"] <= 0.1 else "NOT met"
-    print(f"\ntarget (all-SWA head-wise at {last} <= 0.1x full): {target['vs_full']:.3f}x -> {verdict}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(config=vars(args), compile_flags=compile_flags(), steps=rows, threads=thread_rows, prefill=prefill_rows,
-                           page_formats=format_rows, target_ratio=target["vs_full"],
-                           target_met=target["vs_full"] <= 0.1), f, indent=2)
+    log(f"compile flags: {' '.join(compile_flags())}")
+    out = {"config": vars(args), "compile_flags": compile_flags()}
+    shape = (f"batch {args.batch}, q heads {args.num_heads}, kv heads {args.kv_heads}, head_dim {args.head_dim}, "
+             f"block {args.block_size}, {args.threads} threads, median of {args.reps} (arms interleaved in every rep)")
+    if args.page_formats:
+        out["page_formats"] = [r for ctx in args.contexts for r in page_format_rows(args, ctx)]
+        print_table(out["page_formats"], [("context", "context", ""), ("pages", "page_format", ""),
+                                          ("ms/step", "ms", ".2f"), ("best", "best_ms", ".2f"), ("KV MB", "kv_mb", ".1f"),
+                                          (f"x {args.page_formats[0]}", "vs_first", ".3f")],
+                    title=f"decode step over each page format, full attention: {shape}")
+        out["prefill_page_formats"] = prefill_rows(args, {fmt: (0, fmt) for fmt in args.page_formats})
+        print_table(out["prefill_page_formats"], [("tokens", "tokens", ""), ("pages", "arm", ""),
+                                                  ("ms/step", "ms", ".2f"), (f"x {args.page_formats[0]}", "vs_first", ".3f")],
+                    title="one request prefilling in one step over each page format (full attention, tiled path)")
+    if not args.skip_arms:
+        got = [decode_rows(args, ctx) for ctx in args.contexts]
+        out["steps"], out["threads"] = [r for rows, _ in got for r in rows], [r for _, rows in got for r in rows]
+        print_table(out["steps"], [("context", "context", ""), ("arm", "arm", ""), ("ms/step", "ms", ".2f"),
+                                   ("best", "best_ms", ".2f"), ("x full", "vs_full", ".3f"), ("speed-up", "speedup", ".1f")],
+                    title=f"append_attention CPU decode step: {shape}; W={args.window}, S={args.sink}, cache {args.dtype}")
+        print_table(out["threads"], [("context", "context", ""), ("arm", "arm", ""), ("1 thread", "ms_1_thread", ".2f"),
+                                     ("2 threads", "ms_2_threads", ".2f"), ("scaling", "scaling", ".2f")])
+        out["prefill"] = prefill_rows(args, {"full": (0, None), f"{args.kv_heads} SWA": (args.kv_heads, None)})
+        print_table(out["prefill"], [("tokens", "tokens", ""), ("arm", "arm", ""), ("ms/step", "ms", ".2f"),
+                                     ("GFLOP/s", "gflops", ".1f")], title="one request prefilling in one step (tiled path)")
+        last = max(args.contexts)
+        target = next(r for r in out["steps"] if r["context"] == last and r["mode"] == "headwise"
+                      and r["swa_heads"] == args.kv_heads)
+        out.update(target_ratio=target["vs_full"], target_met=target["vs_full"] <= 0.1)
+        print(f"\ntarget (all-SWA head-wise at {last} <= 0.1x full): {target['vs_full']:.3f}x -> "
+              f"{'met' if out['target_met'] else 'NOT met'}")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

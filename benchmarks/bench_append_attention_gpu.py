@@ -39,6 +39,7 @@ from fastdeploy.cache_manager.head_wise import num_dead_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "custom_ops"))
 import gpu_harness  # noqa: E402
+from ab_harness import print_table  # noqa: E402
 from gpu_harness import BF16, Case  # noqa: E402
 from gpu_reference import QUANT, build_case, quantize_case, reference, relative_error, rotary_tables  # noqa: E402
 from reference_attention import head_window_array  # noqa: E402
@@ -237,13 +238,9 @@ def main(argv=None) -> int:
                 row["speedup_of_2d"] = round(times[row["arm"]] / base, 3)
     report["results"] = rows
 
-    print(f"\n{'workload':<20}{'W':>6}  {'arm':<16}{'ms':>10}{'2-D speed-up':>14}{'HBM GB/s':>10}"
-          f"{'% copy':>8}")
-    for row in rows:
-        bw = row.get("hbm_gbps")
-        bw_s = f"{bw:>10.0f}{100 * bw / copy_gbps:>7.0f}%" if bw is not None else ""
-        print(f"{row['workload']:<20}{row['window']:>6}  {row['arm']:<16}{row['ms']:>10.3f}"
-              f"{row['speedup_of_2d']:>13.2f}x{bw_s}")
+    print_table(rows, [("workload", "workload", ""), ("W", "window", ""), ("arm", "arm", ""), ("ms", "ms", ".3f"),
+                       ("2-D speed-up", "speedup_of_2d", ".2f"), ("HBM GB/s", lambda r: r.get("hbm_gbps", "-"), ""),
+                       ("% copy", lambda r: f"{r['hbm_gbps'] / copy_gbps:.0%}" if "hbm_gbps" in r else "", "")])
     verdicts = []
     for row in rows:
         if row["arm"] in ("1-D dual pass", "1-D masked"):
@@ -259,10 +256,9 @@ def main(argv=None) -> int:
           ", ".join(f"{k} {v:.2e}" for k, v in quant_errors.items()))
     formats = page_format_rows(harness, args.windows[0], args.iters, args.page_formats)
     report["page_formats"] = formats
-    print(f"{'decode b64 ctx16k, 2-D skip':<30}{'pages':<16}{'ms':>10}{'x bf16':>8}{'MB read':>9}{'GB/s':>8}")
-    for row in formats:
-        print(f"{'W=' + str(row['window']):<30}{row['pages']:<16}{row['ms']:>10.3f}{row['vs_bf16']:>8.3f}"
-              f"{row['kv_mb_read']:>9.1f}{row['hbm_gbps']:>8.0f}")
+    print_table(formats, [("W", "window", ""), ("pages", "pages", ""), ("ms", "ms", ".3f"), ("x bf16", "vs_bf16", ".3f"),
+                          ("MB read", "kv_mb_read", ".1f"), ("GB/s", "hbm_gbps", ".0f")],
+                title="decode b64 ctx16k, 2-D skip, per page format")
     return finish()
 
 

@@ -1,15 +1,14 @@
 """Output tokens/s of `LLM.generate` on a SmolLM2-135M-shaped model with random weights (30 layers,
 hidden 576, 9 heads / 3 KV heads of 64, FFN 1536, vocab 49152, tied embeddings; float32), for
-N concurrent requests of random prompts with `ignore_eos`. Optionally profiles one run with
-cProfile and prints the top entries, to see what a step costs besides the GEMMs.
+N concurrent requests of random prompts with `ignore_eos` (what a step costs besides the GEMMs:
+`python -m cProfile -s tottime benchmarks/bench_decode_cpu.py --concurrency 1`).
 
     python benchmarks/bench_decode_cpu.py [--concurrency 1 8] [--input-len 128] [--output-len 64]
-    python benchmarks/bench_decode_cpu.py --concurrency 1 --profile 25
+    FD_HEAD_WISE_KV_CACHE=1 python benchmarks/bench_decode_cpu.py --model ernie-4.5-tiny-swa --tensor-parallel-sizes 1 2 \
+        --concurrency 16 --input-len 256   # TP ranks on the CPU: what the process model costs, same tokens
     python benchmarks/bench_decode_cpu.py --model smollm2-135m-instruct   # the real model instead
     python benchmarks/bench_decode_cpu.py --model smollm2-135m-instruct --kv-cache-quant-types none int8 \
         --concurrency 8 --input-len 4096 --decode-steps 24   # decode steps over float32 vs int8 KV pages
-
-    python benchmarks/bench_decode_cpu.py --model smollm2-135m-instruct --fused-layers-ab --concurrency 1 8 32
 
     python benchmarks/bench_decode_cpu.py --model smollm2-135m-instruct --head-wise-ab \
         --concurrency 1 8 32 --input-lens 128 3000 --decode-steps 24   # FD_HEAD_WISE_KV_CACHE=0 vs 1
@@ -23,9 +22,6 @@ The checkpoint (ERNIE-4.5 layout, ~540 MB) is written once to --model-dir and re
 The A/B modes take decode steps of their arms in turns (ab_harness.py) once every prompt is prefilled:
 - --kv-cache-quant-types: one engine per KV page format (A, B, A, B...); median decode tok/s per format
   next to the first format's;
-- --fused-layers-ab: one engine per N, its layers as two op calls each around the attention op
-  (FD_CPU_FUSED_LAYERS=1) vs every layer in one op call (2, the default): the model's level is set
-  between steps (1, 2, 2, 1, 1, 2...), so both arms run the same requests at the same contexts;
 - --head-wise-ab: two engines of the same model, FD_HEAD_WISE_KV_CACHE=0 and 1 (a named model's
   calibrated head-wise configuration applies to the second only), steps taken off, on, on, off...;
   every step is split into its host parts (schedule; the step input; the buffer fill; the attention
@@ -48,12 +44,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
 import functools
 import gc
-import io
+import json
 import os
-import pstats
 import time
 
 import numpy as np
@@ -68,13 +62,26 @@ STACK_OPS = ("decoder_stack_forward",)
 
 
 def random_smollm2(path: str) -> str:
-    """The random SmolLM2-shaped checkpoint at path, written the first time (an older single-file one kept)."""
-    from bench_weight_rss import write_checkpoint
+    """The random SmolLM2-shaped float32 checkpoint at path (1-D weights ones, matrices N(0, 1 / fan-in)),
+    written the first time."""
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        from safetensors.numpy import save_file
 
-    if not any(os.path.exists(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json")):
-        write_checkpoint(path, {"architectures": ["Ernie4_5_ForCausalLM"], "model_type": "ernie4_5", **SMOLLM2_SHAPE,
-                                "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
-                                "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "float32"})
+        from fastdeploy.engine.args_utils import EngineArgs
+        from fastdeploy.model_executor.models.decoder import checkpoint_shapes
+
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({"architectures": ["Ernie4_5_ForCausalLM"], "model_type": "ernie4_5", **SMOLLM2_SHAPE,
+                       "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+                       "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "float32",
+                       "fastdeploy_byte_tokenizer": True}, f)
+        shapes = checkpoint_shapes(EngineArgs(model=path, block_size=16, num_gpu_blocks_override=32,
+                                              max_model_len=256).create_engine_config().model_config)
+        rng = np.random.default_rng(0)
+        save_file({name: np.ones(s, np.float32) if len(s) == 1 else
+                   rng.standard_normal(s, dtype=np.float32) / np.float32(np.sqrt(s[1])) for name, s in shapes.items()},
+                  os.path.join(path, "model.safetensors"))
     return path
 
 
@@ -111,30 +118,30 @@ def add_and_prefill(engine, name, prompts: list, params) -> float:
 
 def run(llm, n: int, input_len: int, output_len: int, seed: int) -> dict:
     prompts = random_prompts(llm.engine, n, input_len, seed)
-    start = time.perf_counter()
+    start, steps = time.perf_counter(), llm.engine.engine_steps_total
     outs = llm.generate(prompts, decoding(output_len), use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    tokens = sum(len(o.outputs.token_ids) for o in outs)
-    return {"concurrency": n, "output_tokens": tokens, "seconds": elapsed, "tok_per_s": tokens / elapsed}
+    elapsed, steps = time.perf_counter() - start, llm.engine.engine_steps_total - steps
+    tokens = [o.outputs.token_ids for o in outs]
+    return {"concurrency": n, "output_tokens": sum(map(len, tokens)), "seconds": elapsed,
+            "tok_per_s": sum(map(len, tokens)) / elapsed, "mean_step_ms": 1e3 * elapsed / steps, "tokens": tokens}
 
 
 def generate_by_concurrency(args) -> list:
-    """`LLM.generate` tok/s at every --concurrency, the last one cProfiled with --profile."""
-    llm = load(args, max(args.concurrency), args.input_len + args.output_len, block_size=16,
-               num_gpu_blocks_override=4096, enable_prefix_caching=None)  # the default
-    run(llm, 1, 8, 2, seed=99)  # warm-up: op builds, first-call allocations
-    results = []
-    for i, n in enumerate(args.concurrency):
-        profiler = cProfile.Profile() if args.profile and i == len(args.concurrency) - 1 else None
-        with profiler or contextlib.nullcontext():
-            results.append(run(llm, n, args.input_len, args.output_len, seed=n))
-        r = results[-1]
-        print(f"N={n:<3} {r['output_tokens']} output tokens in {r['seconds']:.1f} s: {r['tok_per_s']:.1f} tok/s",
-              flush=True)
-        if profiler:
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
-            print(text.getvalue())
+    """`LLM.generate` tok/s at every --concurrency, one engine per --tensor-parallel-sizes (a worker process per
+    rank beyond one), whose tokens must be the first engine's."""
+    results, first = [], {}
+    for tp in args.tensor_parallel_sizes:
+        llm = load(args, max(args.concurrency), args.input_len + args.output_len, block_size=16,
+                   num_gpu_blocks_override=4096, enable_prefix_caching=None, tensor_parallel_size=tp)
+        run(llm, 1, 8, 2, seed=99)  # warm-up: op builds, first-call allocations
+        for n in args.concurrency:
+            r = run(llm, n, args.input_len, args.output_len, seed=n)
+            got = r.pop("tokens")
+            same = first.setdefault(n, got) == got
+            results.append({**r, "tensor_parallel_size": tp, "same_tokens_as_first_engine": same})
+            print(f"TP={tp} N={n:<3} {r['output_tokens']} output tokens in {r['seconds']:.1f} s: {r['tok_per_s']:.1f} "
+                  f"tok/s, {r['mean_step_ms']:.1f} ms a step; tokens = the first engine's: {same}", flush=True)
+        llm.engine.close()
     return results
 
 
@@ -155,34 +162,6 @@ def decode_steps_by_format(args) -> list:
             for q, ts in times.items()]
     print_table(rows, [("KV pages", "kv_cache_quant_type", ""), ("median step ms", "median_step_ms", ".1f"),
                        ("decode tok/s", "decode_tok_per_s", ".1f"), ("step time x", "step_time_x", ".3f")])
-    return rows
-
-
-def fused_layers_ab(args) -> list:
-    """Two op calls a layer (FD_CPU_FUSED_LAYERS=1) vs every layer in one (2): one engine per N, the
-    model's level set between its steps."""
-    rows = []
-    for n in args.concurrency:
-        engine = load(args, n, args.input_len + 2 * args.decode_steps, block_size=64,
-                      kv_cache_memory=args.kv_cache_memory).engine
-        add_and_prefill(engine, "ab", random_prompts(engine, n, args.input_len, seed=n),
-                        decoding(2 * args.decode_steps + 4))
-
-        def step(level):
-            engine.runner.model.fused_layers_level = level
-            return timed(engine.step)
-
-        times = take_turns((1, 2), args.decode_steps, step, rotate=True)
-        per_layer, stack = median(times[1]), median(times[2])
-        rows.append({"concurrency": n, "context": args.input_len, "per_layer_step_ms": per_layer * 1e3,
-                     "stack_step_ms": stack * 1e3, "stack_speedup": per_layer / stack})
-        while engine.has_unfinished_requests():
-            engine.step()
-    print_table(rows, [("N", "concurrency", ""), ("context", "context", ""),
-                       ("two op calls a layer ms", "per_layer_step_ms", ".2f"),
-                       ("every layer in one op call ms", "stack_step_ms", ".2f"),
-                       ("speed-up x", "stack_speedup", ".3f")],
-                title="median decode step")
     return rows
 
 
@@ -348,12 +327,13 @@ def step_breakdown(args) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1],
+                    help="one engine per size, each at every --concurrency (paddle.distributed ranks, gloo on CPU)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--model-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "fastdeploy",
                                                          "smollm2-shaped-random"))
     ap.add_argument("--model", help="a model name, directory or GGUF file instead of the random SmolLM2-shaped one")
-    ap.add_argument("--profile", type=int, default=0, help="cProfile the last run; print this many entries")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--kv-cache-quant-types", nargs="+", default=None,
                     choices=["none", "int8", "block_wise_fp8", "block_wise_int4"],
@@ -361,13 +341,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--decode-steps", "--steps", type=int, default=None,
                     help="timed decode steps per arm (default 24; --step-breakdown: 100)")
     ap.add_argument("--kv-cache-memory", type=int, default=4 << 30,
-                    help="KV bytes of each engine (formats, fused-layers A/B)")
+                    help="KV bytes of each engine (formats)")
     ap.add_argument("--head-wise-ab", action="store_true",
                     help="FD_HEAD_WISE_KV_CACHE=0 vs 1 on the same prompts, decode steps interleaved, with each "
                          "step's host parts, at every --concurrency and --input-lens")
-    ap.add_argument("--fused-layers-ab", action="store_true",
-                    help="FD_CPU_FUSED_LAYERS=1 (two op calls a layer) vs 2 (every layer in one op call): one "
-                         "engine per --concurrency, decode steps alternating between the two")
     ap.add_argument("--repeats", type=int, default=50, help="--head-wise-ab: reruns of each repeatable host part")
     ap.add_argument("--input-lens", type=int, nargs="+", default=[128, 3000],
                     help="prompt lengths (contexts) of --head-wise-ab")
@@ -386,8 +363,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     mode = step_breakdown if args.step_breakdown else head_wise_ab if args.head_wise_ab else \
-        decode_steps_by_format if args.kv_cache_quant_types else fused_layers_ab if args.fused_layers_ab else \
-        generate_by_concurrency
+        decode_steps_by_format if args.kv_cache_quant_types else generate_by_concurrency
     write_json(args.json, mode(args))
 
 

@@ -12,8 +12,7 @@ dry      the real scheduler and KV cache manager, no model (fastdeploy/engine/sc
          step. --one-request: the pages one request holds over its life (one panel per --model);
          --tp-placements: per-rank ceilings over tensor-parallel degrees and SWA-head placements.
 sim      the same scheduler on a virtual clock, each step timed by a roofline model of a GPU (serving_sim/):
-         one scenario, --table (the report table), --sliding-layers (models trained with sliding layers) or
-         --calibrate-offline AB_JSON (fit the step overhead to an offline run of this machine).
+         one scenario, --table (the report table) or --sliding-layers (models trained with sliding layers).
 offline  the real engine on this machine (the LLM API): both arms must produce identical tokens.
 server   the real api_server, started once per arm, driven over HTTP by benchmark_serving.py, /metrics sampled.
 
@@ -39,6 +38,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, REPO)  # runs from a checkout without installing
 
+from ab_harness import log, print_table, save_figure, write_json  # noqa: E402,F401  (write_json: serving_sim/cli.py's too)
 from fastdeploy import envs  # noqa: E402
 
 ENGINES = ("dry", "sim", "offline", "server")
@@ -102,8 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("sim (serving_sim/)")
     s.add_argument("--table", action="store_true", help="the report table (ERNIE-4.5-21B-A3B, A800 and H200)")
     s.add_argument("--sliding-layers", action="store_true", help="Gemma-3-27B and gpt-oss-20b shapes, A800 and H200")
-    s.add_argument("--calibrate-offline", metavar="AB_JSON",
-                   help="fit the per-step overhead to the OFF arm of an --engine offline --json result (tiny preset)")
     s.add_argument("--model-config", help="config.json or a directory holding one (default ERNIE-4.5-21B-A3B)")
     s.add_argument("--hardware")
     s.add_argument("--gpu-memory-utilization", type=float)
@@ -225,15 +223,13 @@ def summary(off: dict, on: dict, pred: dict, **extra) -> dict:
 
 
 def print_summary(s: dict, unit: str) -> None:
-    rows = [("output throughput " + unit, "throughput"), ("peak running", "peak_running"),
-            ("predicted running", "predicted_running"), ("peak pages in use", "peak_pages"), ("steps", "steps"),
-            ("preemptions", "preemptions"), ("SWA pages recycled", "swa_pages_recycled")]
-    print(f"\n{'':<30}{'recycle OFF':>14}{'recycle ON':>14}")
-    for label, key in rows:
-        values = [s.get(f"{key}_{arm}") for arm in ("off", "on")]
-        if any(v is not None for v in values):
-            print(f"{label:<30}" + "".join(f"{'n/a' if v is None else f'{v:.1f}' if isinstance(v, float) else v:>14}"
-                                           for v in values))
+    rows = [{"": label, **{arm: s.get(f"{key}_{arm}") for arm in ("off", "on")}} for label, key in (
+        ("output throughput " + unit, "throughput"), ("peak running", "peak_running"),
+        ("predicted running", "predicted_running"), ("peak pages in use", "peak_pages"), ("steps", "steps"),
+        ("preemptions", "preemptions"), ("SWA pages recycled", "swa_pages_recycled")) if f"{key}_off" in s]
+    shown = lambda v: "n/a" if v is None else round(v, 1) if isinstance(v, float) else v  # noqa: E731
+    print_table(rows, [("", "", ""), ("recycle OFF", lambda r: shown(r["off"]), ""),
+                       ("recycle ON", lambda r: shown(r["on"]), "")])
     print(f"gain ON/OFF {s['gain']:.3f}   ceiling {s['ceiling']:.3f}   target (1 + 0.9 x (ceiling - 1)) "
           f"{s['target']:.3f}: {'met' if s['gain'] >= s['target'] else 'NOT met'}")
     if s.get("steps_off") and s.get("steps_on") and s.get("elapsed_s_on"):
@@ -263,27 +259,7 @@ def plot(path: str, title: str, arms: list, pages_total: float, xlabel: str) -> 
     for ax in (ax_run, ax_pages):
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
-    save(fig, path)
-
-
-def save(fig, path: str) -> None:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def write_json(path: Optional[str], result) -> None:
-    if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2, default=str)
-
-
-def log(message: str) -> None:
-    print(f"[bench_recycling {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    save_figure(fig, path)
 
 
 # -- dry: the scheduler alone -------------------------------------------------------------------
@@ -414,37 +390,33 @@ def plot_one_request(args, results: dict) -> None:
     axes[0][0].set_ylabel("KV the request holds\n(blocks of one layer's KV head)")
     fig.suptitle(f"One request of {args.input_len} + {args.output_len} tokens (block {args.block_size}, prefill "
                  f"chunks of {args.max_num_batched_tokens})", fontsize=9)
-    save(fig, args.plot)
+    save_figure(fig, args.plot)
 
 
 def tp_placements(args) -> dict:
     """Exact page arithmetic per tensor-parallel degree, number of SWA KV heads (1 or 2 of 4) and placement
     (load order vs --balance-swa-heads): what fits at once OFF and ON, and each rank's ceiling."""
     from fastdeploy.cache_manager.head_wise import predicted_concurrency, rank_ceilings
-    from fastdeploy.engine.args_utils import EngineArgs
 
     rows = []
     for tp in args.tensor_parallel_sizes:
         for heads in ([0], [0, 1]):
             for balance in (False, True)[:1 + (tp > 1)]:
-                kw = {**engine_kwargs(args, None, True), "tensor_parallel_size": tp, "balance_swa_heads": balance,
-                      "max_num_seqs": 4096, "num_gpu_blocks_override": args.concurrency_off * math.ceil(
-                          (args.input_len + args.output_len - 1) / args.block_size),
-                      "head_wise_swa_config": {"sliding_window": args.window, "sink_size": args.sink,
-                                               "swa_kv_heads": heads}}
-                with envs.override(FD_HEAD_WISE_KV_CACHE=1):
-                    cfg = EngineArgs(**kw).create_engine_config()
+                cfg = engine_config(args, None, True, tensor_parallel_size=tp, balance_swa_heads=balance,
+                                    max_num_seqs=4096, head_wise_swa_config={
+                                        "sliding_window": args.window, "sink_size": args.sink, "swa_kv_heads": heads})
                 pred, ranks = (f(cfg, args.input_len, args.output_len) for f in (predicted_concurrency, rank_ceilings))
                 rows.append({"tp": tp, "swa_heads": f"{len(heads)}/4", "balanced": balance,
                              "swa_heads_per_rank": ranks["swa_heads_per_rank"], "running_off": pred["running_off"],
                              "running_on": pred["running_on"], "ceiling": pred["ceiling"],
                              "per_rank_ceiling": [round(c, 3) for c in ranks["per_rank"]]})
-    print("| TP | SWA heads | placement | SWA heads per rank | running OFF→ON | ceiling | per-rank ceiling |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['tp']} | {r['swa_heads']} | {'balanced' if r['balanced'] else 'load order'} | "
-              f"{r['swa_heads_per_rank']} | {r['running_off']}→{r['running_on']} | {r['ceiling']:.2f} | "
-              f"{', '.join(f'{c:.2f}' for c in r['per_rank_ceiling'])} |")
+    print_table(rows, [("TP", "tp", ""), ("SWA heads", "swa_heads", ""),
+                       ("placement", lambda r: "balanced" if r["balanced"] else "load order", ""),
+                       ("SWA heads per rank", "swa_heads_per_rank", ""),
+                       ("running OFF→ON", lambda r: f"{r['running_off']}→{r['running_on']}", ""),
+                       ("ceiling", "ceiling", ".2f"),
+                       ("per-rank ceiling", lambda r: ", ".join(f"{c:.2f}" for c in r["per_rank_ceiling"]), "")],
+                markdown=True)
     return {"rows": rows}
 
 
@@ -505,7 +477,7 @@ def run_offline(args) -> dict:
     rng = np.random.default_rng(args.seed or 0)
     prompts = [rng.integers(3, cfg.model_config.vocab_size, args.input_len).tolist() for _ in range(args.num_prompts)]
     spec = swa_spec(args, model)
-    if spec is not None and isinstance(spec, dict):  # the JSON's args say what ran (--engine sim --calibrate-offline reads them)
+    if spec is not None and isinstance(spec, dict):  # the JSON's args say what ran
         args.window, args.sink, args.swa_heads = spec["sliding_window"], spec["sink_size"], spec["swa_kv_heads"]
     log(f"{args.num_prompts} prompts x (in {args.input_len}, out {args.output_len}); slots {cfg.slot_layout.describe()}; "
         f"{cfg.cache_config.num_gpu_blocks} blocks; predicted running off={pred['running_off']} on={pred['running_on']}")

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 
+from ab_harness import print_table, write_json
 from fastdeploy import envs
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.persistent_batch import PersistentBatch
@@ -140,17 +141,17 @@ def main(argv=None) -> int:
                              "sliding_slots": len(slots.sliding_slots),
                              "one_d_ms": arms["1-D"].medians_ms(), "head_wise_ms": arms["head-wise"].medians_ms(),
                              "pages_recycled": arms["head-wise"].rm.kv_cache_manager.swa_pages_recycled_total})
-    print(f"\nhost work per decode step, ms (median of {args.decode_steps} steps; block {args.block_size}; SWA head "
-          f"0 W={args.window}, S={args.sink}): schedule + step input (persistent batch, packed) + update")
-    print(f"{'shape':>16} {'slots':>6} {'lanes':>6} {'running':>8} {'1-D':>24} {'head-wise':>24} {'ratio':>6}")
-    for r in rows:
-        one, hw = r["one_d_ms"], r["head_wise_ms"]
-        cells = [f"{m['host step']:.3f} ({m['schedule']:.3f}+{m['step input']:.3f}+{m['update']:.3f})" for m in (one, hw)]
-        print(f"{r['kv_heads']:>16} {r['slots']:>6} {r['lanes']:>6} {r['running']:>8} {cells[0]:>24} {cells[1]:>24} "
-              f"{hw['host step'] / one['host step']:>6.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    def cell(m: dict) -> str:
+        return f"{m['host step']:.3f} ({m['schedule']:.3f}+{m['step input']:.3f}+{m['update']:.3f})"
+
+    print_table(rows, [("shape", "kv_heads", ""), ("slots", "slots", ""), ("lanes", "lanes", ""),
+                       ("running", "running", ""), ("1-D", lambda r: cell(r["one_d_ms"]), ""),
+                       ("head-wise", lambda r: cell(r["head_wise_ms"]), ""),
+                       ("ratio", lambda r: r["head_wise_ms"]["host step"] / r["one_d_ms"]["host step"], ".2f")],
+                title=f"host work per decode step, ms (median of {args.decode_steps} steps; block {args.block_size}; "
+                      f"SWA head 0 W={args.window}, S={args.sink}): schedule + step input (persistent batch, packed) "
+                      "+ update")
+    write_json(args.json, rows)
     return 0
 
 

@@ -50,14 +50,10 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported as benchmarks.<this>
-from ab_harness import median, print_table, ratio_range, round_ratios, take_turns, timed, write_json  # noqa: E402
+from ab_harness import log, median, print_table, ratio_range, round_ratios, take_turns, timed, write_json  # noqa: E402
 
 # Random prompt ids start here: the special tokens of the models served sit below it.
 FIRST_PROMPT_ID = 256
-
-
-def log(message: str) -> None:
-    print(f"[bench_vs_transformers {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -9,7 +9,7 @@ interface: its flags and defaults, datasets (EB / EBChat jsonl, random words), r
         --save-result
 
 Ours in addition: `--dataset-name random-ids` (token-id prompts of exact length), `--json PATH`,
-`--plot PATH`, a progress bar, `--model` optional (the first model the server lists), and
+a progress bar, `--model` optional (the first model the server lists), and
 `--endpoint` defaulting to the backend's endpoint. Server-side metrics (S_TTFT, S_ITL, S_E2EL,
 S_decode) are computed from the `arrival_time` of every streamed chunk exactly as upstream's tool
 does, so the two tools print the same numbers for the same run: S_TTFT reads the second chunk's
@@ -372,20 +372,12 @@ def build_result(args: argparse.Namespace, info: ServerInfo, requests: list, raw
     result.update(calculate_metrics(raw["kept"], raw["duration"], percentile_metrics, percentiles,
                                     parse_goodput(args.goodput)))
     done = [o for o in outputs if o.success and o.output_tokens]
-    result.update(
-        reasoning_lens=[o.reasoning_tokens for o in outputs],
-        input_lens=[o.prompt_len for o in outputs],
-        infer_input_lens=[o.prompt_tokens for o in outputs],
-        output_lens=[o.output_tokens for o in done],
-        ttfts=[o.ttft for o in outputs],
-        res_ttfts=[o.res_ttft for o in outputs],
-        itls=[o.itl for o in outputs],
-        input_texts=[r.prompt for r in requests],
-        generated_texts=[o.generated_text for o in outputs],
-        reasoning_contents=[o.reasoning_content for o in outputs],
-        errors=[o.error for o in outputs],
-        metrics=[o.metrics for o in outputs],
-    )
+    # Upstream's per-request lists: result key -> the RequestFuncOutput field it lists.
+    per_request = {"reasoning_lens": "reasoning_tokens", "input_lens": "prompt_len", "infer_input_lens": "prompt_tokens",
+                   "ttfts": "ttft", "res_ttfts": "res_ttft", "itls": "itl", "generated_texts": "generated_text",
+                   "reasoning_contents": "reasoning_content", "errors": "error", "metrics": "metrics"}
+    result.update({key: [getattr(o, field) for o in outputs] for key, field in per_request.items()},
+                  output_lens=[o.output_tokens for o in done], input_texts=[r.prompt for r in requests])
     if args.save_detailed:  # ours: what the server-side sections were computed from
         result.update(arrival_times=[o.arrival_time for o in outputs], e2els=[o.latency for o in outputs])
     return result
@@ -440,8 +432,6 @@ async def run_benchmark_async(args: argparse.Namespace) -> dict:
         save_result(args, result)
     if args.json:
         _write_json(args.json, result)
-    if args.plot:
-        plot_latencies(result, outputs, args.plot)
     return result
 
 
@@ -466,31 +456,6 @@ def save_result(args: argparse.Namespace, result: dict) -> str:
     _write_json(path, result)
     print(f"Result saved to {path}")
     return path
-
-
-def plot_latencies(result: dict, outputs: list, path: str) -> None:
-    """Ours: TTFT and ITL distributions, client side next to server side (arrival_time)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    done = [o for o in outputs if o.success and o.arrival_time]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.hist([o.ttft * 1000 for o in done], bins=30, alpha=0.6, label="TTFT (client)")
-    left.hist([o.arrival_time[0] * 1000 for o in done], bins=30, alpha=0.6, label="first arrival_time (server)")
-    left.set_xlabel("ms")
-    left.legend()
-    right.hist([gap * 1000 for o in done for gap in o.itl], bins=50, alpha=0.6, label="ITL (client)")
-    right.hist([(b - a) * 1000 for o in done for a, b in zip(o.arrival_time, o.arrival_time[1:])], bins=50,
-               alpha=0.6, label="ITL (server arrival_time)")
-    right.set_xlabel("ms")
-    right.legend()
-    fig.suptitle(f"{result['backend']} {result['completed']} requests, {result['output_throughput']:.1f} tok/s")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    print(f"Plot saved to {path}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -554,7 +519,6 @@ def build_parser() -> argparse.ArgumentParser:
     ours.add_argument("--tokenizer-vocab-size", type=int, default=256,
                       help="random-ids: vocabulary size when /v1/models does not report one.")
     ours.add_argument("--json", default=None, metavar="PATH", help="write the result dict to PATH")
-    ours.add_argument("--plot", default=None, metavar="PATH", help="save TTFT / ITL histograms (png) to PATH")
     return p
 
 

@@ -37,6 +37,7 @@ KV memory holds against float32 pages, times the page-need ceiling.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -52,6 +53,8 @@ from fastdeploy.tools import swa_patterns  # noqa: E402
 from fastdeploy.tools.calibration_text import held_out_text, token_segments  # noqa: E402
 
 CHUNK = 512  # prefill chunk: bounds the per-step logits matrix (chunk x vocab float32)
+# A result row's page variant where a file written before the key existed lacks it.
+DEFAULT_VARIANT = {"kv_cache_quant_type": "none", "kv_quant_rotation": True, "kv_quant_value_rotation": False}
 
 
 def log(msg: str) -> None:
@@ -453,25 +456,24 @@ def main(argv=None) -> int:
 
     for c in configs:
         name, spec = c["name"], c["head_wise_swa"]
-        quant = c.get("kv_cache_quant_type", args.kv_cache_quant_type)
-        head_wise = bool(c.get("head_wise_kv_cache", False))
-        rotation = bool(c.get("kv_quant_rotation", True))
-        value_rotation = bool(c.get("kv_quant_value_rotation", False))
-        if name in done and done[name].get("head_wise_swa") == spec and \
-                done[name].get("kv_cache_quant_type", "none") == quant and \
-                done[name].get("kv_quant_rotation", True) == rotation and \
-                done[name].get("kv_quant_value_rotation", False) == value_rotation:
+        variant = {"kv_cache_quant_type": c.get("kv_cache_quant_type", args.kv_cache_quant_type),
+                   "head_wise_kv_cache": bool(c.get("head_wise_kv_cache", False)),
+                   "kv_quant_rotation": bool(c.get("kv_quant_rotation", True)),
+                   "kv_quant_value_rotation": bool(c.get("kv_quant_value_rotation", False))}
+        quant, head_wise = variant["kv_cache_quant_type"], variant["head_wise_kv_cache"]
+        if name in done and all(done[name].get(k, DEFAULT_VARIANT.get(k)) == v for k, v in
+                                {"head_wise_swa": spec, **variant}.items() if k != "head_wise_kv_cache"):
             log(f"{name}: done already")
             continue
         t0 = time.time()
         path = path_of(spec, num_layers)
         exact_below = 0 if quant != "none" else exact_span(spec, num_layers, num_kv) if spec else args.segment_tokens
-        row = {"head_wise_swa": spec, "path": path, "kv_cache_quant_type": quant, "head_wise_kv_cache": head_wise,
-               "kv_quant_rotation": rotation, "kv_quant_value_rotation": value_rotation}
+        row = {"head_wise_swa": spec, "path": path, **variant}
+        build = functools.partial(build_llm, args.model, spec, max_model_len=max_len, quant=quant, head_wise=head_wise,
+                                  rotation=variant["kv_quant_rotation"],
+                                  value_rotation=variant["kv_quant_value_rotation"])
         is_reference = spec is None and quant == "none" and not head_wise
-        llm, ran = build_llm(args.model, spec, path, max_len, prefix_caching=False, quant=quant, head_wise=head_wise,
-                             rotation=rotation, value_rotation=value_rotation) \
-            if not is_reference and "text" in parts else (None, path)
+        llm, ran = build(path=path, prefix_caching=False) if not is_reference and "text" in parts else (None, path)
         row["path"] = ran
         if "text" in parts:
             if is_reference:
@@ -485,9 +487,7 @@ def main(argv=None) -> int:
         if llm is not None:
             llm.engine.close()
         if "chat" in parts:
-            llm, ran = build_llm(args.model, spec, ran, max_len, prefix_caching=True, max_num_seqs=8,
-                                 quant=quant, head_wise=head_wise, rotation=rotation,
-                                 value_rotation=value_rotation)
+            llm, ran = build(path=ran, prefix_caching=True, max_num_seqs=8)
             row["chat_outputs"] = chat_outputs(llm, args.chat_tokens)
             llm.engine.close()
             first = next(iter(done.values()), row)  # the first config's (float32 full attention) outputs
@@ -495,9 +495,7 @@ def main(argv=None) -> int:
             log(f"{name}: greedy chat {row['chat']['equal']}/{row['chat']['prompts']} prompts equal to "
                 f"{next(iter(done), name)}'s, mean agreement {row['chat']['mean_prefix_agreement']:.3f}")
         if "retrieval" in parts and (with_retrieval is None or name in with_retrieval):
-            llm, ran = build_llm(args.model, spec, ran, max_len, prefix_caching=True, max_num_seqs=args.max_num_seqs,
-                                 quant=quant, head_wise=head_wise, rotation=rotation,
-                                 value_rotation=value_rotation)
+            llm, ran = build(path=ran, prefix_caching=True, max_num_seqs=args.max_num_seqs)
             row["path"] = ran
             row["retrieval"] = retrieval_metrics(llm, prompts)
             llm.engine.close()
@@ -625,6 +623,9 @@ def plot_tradeoff(rows: dict, length: int, path: str, kl_from: int = 0) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ab_harness import save_figure
+
     styles = {"full attention": ("black", "s"), "same head in every layer": ("tab:gray", "o"),
               "random per layer": ("tab:brown", "x"), "head finder, per layer": ("tab:blue", "^"),
               "head finder, whole-model ranking": ("tab:orange", "v"), "shipped (calibrated file)": ("tab:red", "*"),
@@ -664,10 +665,7 @@ def plot_tradeoff(rows: dict, length: int, path: str, kl_from: int = 0) -> None:
         ret_ax.set_ylabel("retrieval prompts answered (share)")
         ret_ax.set_title("Retrieval (higher is better)", fontsize=10)
         ret_ax.grid(alpha=0.3)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

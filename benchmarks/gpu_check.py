@@ -130,44 +130,7 @@ def buffer_addresses(base: int, layout: StepBufferLayout) -> dict:
     return {name: base + 4 * a for name, (a, _) in layout.offsets().items()}
 
 
-def needed_entries_present(host: HostStepBuffer, head_windows: list, block_size: int) -> None:
-    """The kernel's precondition on the packed tables (docs/retention_rule.md): every block a step reads (its
-    heads' visible keys, each head with its own window and sink of head_windows [2, kv_heads]) or writes (the
-    new tokens) has a page. Raises naming request/head/block."""
-    v, table = host.views, host.table
-    for r in range(host.layout.max_num_seqs):
-        c, n = int(v["seq_lens_this_time"][r]), int(v["seq_lens_decoder"][r])
-        if c == 0:
-            continue
-        last = (n + c - 1) // block_size
-        for h, (window, sink) in enumerate(zip(*head_windows)):
-            row = table[r, h if host.layout.table_rows > 1 else 0]
-            if window > 0:  # keys j < sink, or j > t - window for some query t in [n, n + c)
-                first_live = max(0, n - window + 1) // block_size
-                blocks = set(range(first_live, last + 1)) | set(range(-(-min(sink, n + c) // block_size)))
-            else:
-                blocks = set(range(last + 1))
-            for b in sorted(blocks):
-                if b >= len(row) or row[b] < 0:
-                    raise AssertionError(f"request row {r}, kv head {h}: block {b} is needed but has no page")
-
-
 # -- the step loop -----------------------------------------------------------------------------------
-class DryExecutor:
-    """No device: checks each packed step against the kernel's precondition (CPU tests)."""
-
-    def prepare(self, fd_config, layout: StepBufferLayout) -> None:
-        # Every layer's windows (layers that look alike checked once).
-        self.layer_windows = list({json.dumps(w): w for w in layer_head_windows(fd_config)}.values())
-        self.block_size = fd_config.cache_config.block_size
-        self.steps = 0
-
-    def step(self, host: HostStepBuffer) -> None:
-        for head_windows in self.layer_windows:
-            needed_entries_present(host, head_windows, self.block_size)
-        self.steps += 1
-
-
 def run_arm(cfg: ABConfig, recycle: bool, executor, time_limit_s: float = math.inf) -> dict:
     """Every request of the burst to completion through the real scheduler; wall-clock metrics."""
     fd = make_fd_config(engine_settings(cfg), recycle)

@@ -1,22 +1,20 @@
 """`bench_recycling.py --engine sim`: the simulator's scenarios from the command line.
 
 One scenario from the options given (defaults: report.py's table workload, ERNIE-4.5-21B-A3B on A800),
-`--table` (the report table), `--sliding-layers` (models trained with sliding layers, OFF = 1-D) or
-`--calibrate-offline AB_JSON` (fit the per-step overhead to an `--engine offline` run of this CPU).
+`--table` (the report table) or `--sliding-layers` (models trained with sliding layers, OFF = 1-D).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 from . import report
-from .hardware import get_hardware, measure_cpu
-from .simulator import ADMISSIONS, Scenario, arm_metrics, calibrate_overhead, model_dir_for, run_scenarios, \
-    tiny_preset_model_dir
+from .hardware import get_hardware
+from .simulator import ADMISSIONS, Scenario, arm_metrics, model_dir_for, run_scenarios
 from .workload import Workload
+from bench_recycling import model_slides_layers, write_json  # noqa: I001  (the tool's; benchmarks/ is on sys.path)
 
 # One scenario's defaults where an option is not given.
 SCENARIO = {"model_config": report.MODEL_CONFIG, "hardware": "A800-80GB", "num_prompts": 128,
@@ -43,7 +41,7 @@ def scenarios(args: argparse.Namespace) -> list:
     v = {k: getattr(args, k, None) for k in SCENARIO}
     v["model_config"] = args.model_config or (args.model[0] if args.model and args.model[0] else None)
     v = {k: SCENARIO[k] if value is None else value for k, value in v.items()}
-    if args.swa_heads is None and _slides_layers(v["model_config"]):
+    if args.swa_heads is None and model_slides_layers(model_dir_for(v["model_config"])):
         v["swa_heads"] = None  # its own sliding layers: OFF = 1-D, ON = slots + recycling
     elif args.swa_heads is not None:
         v["swa_heads"] = args.swa_heads[0]
@@ -67,37 +65,9 @@ def scenarios(args: argparse.Namespace) -> list:
     return out
 
 
-def _slides_layers(model_config: str) -> bool:
-    from fastdeploy.config import ModelConfig
-
-    return ModelConfig.create(model_dir_for(model_config), None, None).layer_sliding_window is not None
-
-
-def calibrate(args) -> dict:
-    with open(args.calibrate_offline) as f:
-        ab = json.load(f)
-    cpu = measure_cpu()
-    print(f"[calibrate] this CPU: {cpu.bf16_flops_per_s / 1e9:.1f} GFLOP/s (fp32 matmul), "
-          f"{cpu.hbm_bytes_per_s / 1e9:.1f} GB/s (copy)", file=sys.stderr)
-    res = calibrate_overhead(ab, tiny_preset_model_dir(), cpu)
-    print(f"fitted per-step overhead: {res['overhead_ms']:.3f} ms (on the OFF arm)")
-    print(f"{'':<22}{'measured':>10}{'predicted':>11}{'error':>8}")
-    print(f"{'throughput OFF tok/s':<22}{res['measured_throughput_off']:>10.1f}{res['predicted_throughput_off']:>11.1f}"
-          f"{'(fit)':>8}")
-    print(f"{'throughput ON tok/s':<22}{res['measured_throughput_on']:>10.1f}{res['predicted_throughput_on']:>11.1f}"
-          f"{res['error_throughput_on']:>+8.1%}")
-    print(f"{'gain ON/OFF':<22}{res['measured_gain']:>10.3f}{res['predicted_gain']:>11.3f}{res['error_gain']:>+8.1%}")
-    print(f"peak running OFF/ON: measured {res['peak_running']['measured']}, simulated {res['peak_running']['simulated']}")
-    return res
-
-
 def run_sim(args) -> int:
-    from bench_recycling import write_json  # the tool's own writer (benchmarks/ is on sys.path)
 
     try:
-        if args.calibrate_offline:
-            write_json(args.json, calibrate(args))
-            return 0
         policies = admissions(args.admission_policy)
         if args.table:
             chosen = report.table_scenarios(args.overhead_ms, args.max_sim_prompts, policies or ("reserve", "on-demand"),

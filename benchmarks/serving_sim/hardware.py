@@ -47,30 +47,3 @@ def get_hardware(name: str) -> Hardware:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown hardware {name!r}; choose one of {', '.join(PRESETS)}") from None
-
-
-def measure_cpu(seconds: float = 0.5) -> Hardware:
-    """This machine's CPU as a Hardware entry, measured (float32 numpy matmul and array copy).
-
-    Used only to calibrate the step model against the CPU engine (tiny preset); the source of its
-    numbers is the measurement itself. Memory is irrelevant there (the pool is given in blocks).
-    """
-    import time
-
-    import numpy as np
-
-    a = np.random.default_rng(0).standard_normal((512, 512), dtype=np.float32)
-    src = np.ones(32 * 1024 * 1024 // 4, dtype=np.float32)
-    dst = np.empty_like(src)
-
-    def rate(fn, work: float) -> float:
-        fn()  # warm up
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds / 2:
-            fn()
-            n += 1
-        return n * work / (time.perf_counter() - t0)
-
-    flops = rate(lambda: a @ a, 2 * 512 ** 3)
-    bandwidth = rate(lambda: np.copyto(dst, src), 2 * src.nbytes)  # read + write
-    return Hardware("CPU (measured)", bandwidth, flops, 0)

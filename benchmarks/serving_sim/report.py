@@ -86,7 +86,7 @@ def markdown_sliding_layers(rows: list) -> str:
             "preemptions OFF/ON | out tok/s OFF | out tok/s ON | predicted gain | ceiling |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        sim = f" ({r['simulated_prompts_off']}/{r['simulated_prompts_on']} sim.)" if r["extrapolated"] else ""
+        sim = simulated_cell(r)
         off, on = r["peak_pages_per_request_off"], r["peak_pages_per_request_on"]
         lines.append(
             f"| {model_name(r)} | {r['hardware']} | {r['sliding_layers']}/{r['num_layers']} "
@@ -116,6 +116,11 @@ def _pct(x: float) -> str:
     return f"{(x - 1) * 100:+.1f}%"
 
 
+def simulated_cell(r: dict) -> str:
+    """' (a/b sim.)': the prompts simulated per arm, where the rest were extrapolated."""
+    return f" ({r['simulated_prompts_off']}/{r['simulated_prompts_on']} sim.)" if r["extrapolated"] else ""
+
+
 def pages_cell(r: dict) -> str:
     """Peak and time-averaged KV pages in use, as fractions of the pool, OFF / ON."""
     return (f"{r['peak_pages_fraction_off']:.0%}, {r['mean_pages_fraction_off']:.0%} / "
@@ -128,9 +133,7 @@ def markdown_table(rows: list) -> str:
             "predicted gain | ceiling | target |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        sim = ""
-        if r["extrapolated"]:
-            sim = f" ({r['simulated_prompts_off']}/{r['simulated_prompts_on']} sim.)"
+        sim = simulated_cell(r)
         lines.append(
             f"| {r['hardware']} | {r['swa_heads']}/{r['num_kv_heads']} | {r['sink']} | {r['num_prompts']}{sim} | "
             f"{r['admission']} | {r['num_gpu_blocks']} | {r['peak_running_off']}→{r['peak_running_on']} | "
@@ -145,7 +148,7 @@ def markdown_table(rows: list) -> str:
     lines.append("pages in use: of the simulated prompts, at schedule time (peak) and averaged over virtual time "
                  "(mean); recomputed tokens: prompt and output tokens computed again after a preemption.")
     if any(r["admission"] == "on-demand" for r in rows):
-        lines.append("on-demand: upstream-like admission (FD_RESERVE_OUTPUT_PAGES=0) with preemption; the "
+        lines.append("on-demand: upstream-like admission (FD_ADMISSION_POLICY=on_demand) with preemption; the "
                      "ceiling column still assumes the reservation rule, so on-demand gains can exceed it.")
     return "\n".join(lines)
 

@@ -33,14 +33,7 @@ from .hardware import Hardware
 from .step_model import ModelShape, StepModel
 from .workload import Workload
 
-# Admission policies by their CLI name -> the env flags that select them. FD_ADMISSION_POLICY is the
-# scheduler's policy switch; FD_RESERVE_OUTPUT_PAGES is what a scheduler without it still reads.
-ADMISSION_ENV = {
-    "reserve": {"FD_ADMISSION_POLICY": "reserve", "FD_RESERVE_OUTPUT_PAGES": 1},
-    "on-demand": {"FD_ADMISSION_POLICY": "on_demand", "FD_RESERVE_OUTPUT_PAGES": 0},
-    "projected": {"FD_ADMISSION_POLICY": "projected"},
-}
-ADMISSIONS = tuple(ADMISSION_ENV)
+ADMISSIONS = ("reserve", "on-demand", "projected")  # the scheduler's admission policies (FD_ADMISSION_POLICY)
 
 SERIES_POINTS = 2000  # time-series points kept per arm (for the plot)
 
@@ -57,7 +50,7 @@ class EngineSettings:
     swa_heads: Optional[int]  # the first `swa_heads` KV heads slide; None: the model's own sliding layers
     window: int
     sink: int
-    admission: str = "reserve"  # a key of ADMISSION_ENV
+    admission: str = "reserve"  # one of ADMISSIONS
     tensor_parallel_size: int = 1
     balance_swa_heads: bool = False  # --balance-swa-heads: spread the SWA heads over the ranks
 
@@ -92,13 +85,6 @@ def _materialize(raw_json: str) -> str:
     return path
 
 
-def tiny_preset_model_dir() -> str:
-    """The engine's built-in tiny preset (what runs without --model) as a config-only directory."""
-    from fastdeploy.model_executor.models.tiny_preset import TINY_PRESET_CONFIG
-
-    return _materialize(json.dumps(TINY_PRESET_CONFIG, sort_keys=True))
-
-
 def read_raw_config(model_dir: str) -> dict:
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         return json.load(f)
@@ -119,14 +105,10 @@ def kv_pool_blocks(model_dir: str, hardware: Hardware, gpu_memory_utilization: f
 
 
 def admission_env(admission: str) -> dict:
-    """The env flags selecting an admission policy; ValueError if this tree's scheduler lacks it."""
-    if admission not in ADMISSION_ENV:
+    """The env flag selecting an admission policy; ValueError naming the choices for another name."""
+    if admission not in ADMISSIONS:
         raise ValueError(f"unknown admission policy {admission!r}; choose one of {', '.join(ADMISSIONS)}")
-    flags = ADMISSION_ENV[admission]
-    if "FD_RESERVE_OUTPUT_PAGES" not in flags and "FD_ADMISSION_POLICY" not in envs.environment_variables:
-        # Without the policy switch the scheduler would silently run `reserve` under this label.
-        raise ValueError(f"admission {admission!r} needs FD_ADMISSION_POLICY, which this scheduler does not read")
-    return flags
+    return {"FD_ADMISSION_POLICY": admission.replace("-", "_")}
 
 
 def make_fd_config(settings: EngineSettings, recycle: bool):
@@ -305,7 +287,7 @@ class Scenario:
     max_num_batched_tokens: Optional[int] = None
     max_model_len: Optional[int] = None
     overhead_ms: float = 3.0
-    admission: str = "reserve"  # a key of ADMISSION_ENV
+    admission: str = "reserve"  # one of ADMISSIONS
     attention: str = "skip"  # step_model.ATTENTION_READS: which keys a SWA head's kernel reads
     max_sim_prompts: int = 0  # 0: simulate every prompt; else simulate fewer and extrapolate
     dtype_bytes: int = 2  # weights and KV cache; 4 for the float32 CPU engine
@@ -381,12 +363,6 @@ def run_arm(scenario: Scenario, recycle: bool, predicted_running: Optional[float
     return ArmOutcome(result, n, outputs, result.makespan)
 
 
-def _pct(values: list, q: float) -> float:
-    """The same percentile definition as benchmark_serving.py (linear interpolation), so simulated
-    and measured p99s compare like for like."""
-    return float(np.percentile(values, q))
-
-
 def arm_metrics(arm: ArmOutcome) -> dict:
     r = arm.result
     out = {"output_throughput": arm.output_throughput, "makespan_s": arm.makespan,
@@ -399,7 +375,8 @@ def arm_metrics(arm: ArmOutcome) -> dict:
     for name, values, scale in (("ttft", r.ttft, 1e3), ("tpot", r.tpot, 1e3), ("e2el", r.e2el, 1e3)):
         out[f"mean_{name}_ms"] = statistics.fmean(values) * scale
         out[f"median_{name}_ms"] = statistics.median(values) * scale
-        out[f"p99_{name}_ms"] = _pct(values, 99) * scale
+        # numpy's linear interpolation, benchmark_serving.py's percentile: simulated and measured p99s compare
+        out[f"p99_{name}_ms"] = float(np.percentile(values, 99)) * scale
     return out
 
 
@@ -412,42 +389,24 @@ def ab_row(scenario: Scenario, off: ArmOutcome, on: ArmOutcome, predicted: dict)
     window, sink = scenario.window, scenario.sink
     if settings.sliding_layers:
         _, window, sink = sliding_pairs(fd_on)
-    row = {
-        "name": scenario.name,
-        "model_config": scenario.model_config,
-        "hardware": scenario.hardware.name,
-        "swa_heads": scenario.swa_heads,
-        "num_kv_heads": shape.num_kv_heads,
-        "sliding_layers": (sum(w is not None for w in fd_on.model_config.layer_sliding_window)
-                           if settings.sliding_layers else None),
-        "num_layers": shape.num_layers,
-        "slot_layout": fd_on.slot_layout.describe(),
-        "peak_pages_per_request_off": predicted.get("peak_pages_off"),
-        "peak_pages_per_request_on": predicted.get("peak_pages_on"),
-        "window": window,
-        "sink": sink,
-        "num_prompts": scenario.workload.num_prompts,
-        "input_len": scenario.workload.input_len,
-        "output_len": scenario.workload.output_len,
-        "range_ratio": scenario.workload.range_ratio,
-        "request_rate": scenario.workload.request_rate if math.isfinite(scenario.workload.request_rate) else "inf",
-        "admission": scenario.admission,
-        "attention": scenario.attention,
-        "num_gpu_blocks": settings.num_gpu_blocks,
-        "max_num_seqs": settings.max_num_seqs,
-        "max_num_batched_tokens": fd_on.scheduler_config.max_num_batched_tokens,
-        "gpu_memory_utilization": scenario.gpu_memory_utilization,
-        "overhead_ms": scenario.overhead_ms,
-        "throughput_off": off.output_throughput,
-        "throughput_on": on.output_throughput,
-        "gain": on.output_throughput / off.output_throughput,
-        "ceiling": predicted["ceiling"],
-        "predicted_running_off": predicted["running_off"],
-        "predicted_running_on": predicted["running_on"],
-        "peak_running_off": off.result.peak_running,
-        "peak_running_on": on.result.peak_running,
-        "extrapolated": off.simulated_prompts < off.num_prompts or on.simulated_prompts < on.num_prompts,
-    }
+    w = scenario.workload
+    row = {**{k: getattr(scenario, k) for k in ("name", "model_config", "swa_heads", "admission", "attention",
+                                                  "gpu_memory_utilization", "overhead_ms")},
+           **{k: getattr(w, k) for k in ("num_prompts", "input_len", "output_len", "range_ratio")},
+           "request_rate": w.request_rate if math.isfinite(w.request_rate) else "inf",
+           "hardware": scenario.hardware.name, "num_kv_heads": shape.num_kv_heads, "num_layers": shape.num_layers,
+           "sliding_layers": (sum(win is not None for win in fd_on.model_config.layer_sliding_window)
+                              if settings.sliding_layers else None),
+           "slot_layout": fd_on.slot_layout.describe(), "window": window, "sink": sink,
+           "num_gpu_blocks": settings.num_gpu_blocks, "max_num_seqs": settings.max_num_seqs,
+           "max_num_batched_tokens": fd_on.scheduler_config.max_num_batched_tokens,
+           "peak_pages_per_request_off": predicted.get("peak_pages_off"),
+           "peak_pages_per_request_on": predicted.get("peak_pages_on"),
+           "throughput_off": off.output_throughput, "throughput_on": on.output_throughput,
+           "gain": on.output_throughput / off.output_throughput, "ceiling": predicted["ceiling"],
+           "predicted_running_off": predicted["running_off"], "predicted_running_on": predicted["running_on"],
+           "peak_running_off": off.result.peak_running, "peak_running_on": on.result.peak_running,
+           "extrapolated": off.simulated_prompts < off.num_prompts or on.simulated_prompts < on.num_prompts}
     row.update({f"{k}_off": v for k, v in m_off.items()})
     row.update({f"{k}_on": v for k, v in m_on.items()})
     return row
@@ -484,60 +443,3 @@ def _estimated_cost(scenario: Scenario, recycle: bool, predicted_running: float)
         sim_n = max(scenario.max_sim_prompts, math.ceil(2.5 * predicted_running))
         n = sim_n if sim_n <= n // 2 else n
     return n * scenario.workload.output_len
-
-
-# -- calibration against the real engine's offline A/B (bench_recycling.py --engine offline --json) ---
-def offline_scenario(ab: dict, model_config: str, hardware: Hardware, overhead_ms: float) -> Scenario:
-    """The simulator's twin of an `--engine offline` run: tiny preset, float32, every prompt at t=0."""
-    a = ab["args"]
-    cached = a["input_len"] + a["output_len"] - 1
-    blocks = a.get("num_gpu_blocks_override") or a["concurrency_off"] * math.ceil(cached / a["block_size"])
-    heads = a["swa_heads"]
-    if sorted(heads) != list(range(len(heads))):
-        raise ValueError(f"swa_heads {heads}: the simulator slides the first N KV heads; pass 0..N-1")
-    return Scenario(
-        name="offline-twin", model_config=model_config, hardware=hardware,
-        workload=Workload(a["num_prompts"], a["input_len"], a["output_len"], math.inf, seed=a.get("seed", 0)),
-        swa_heads=len(heads), window=a["window"], sink=a["sink"], block_size=a["block_size"],
-        num_gpu_blocks_override=blocks, max_num_seqs=a["max_num_seqs"],
-        max_num_batched_tokens=a["max_num_batched_tokens"],
-        max_model_len=a["input_len"] + a["output_len"] + a["block_size"], overhead_ms=overhead_ms,
-        dtype_bytes=4)
-
-
-def calibrate_overhead(ab: dict, model_config: str, hardware: Hardware) -> dict:
-    """Fit the per-step overhead so the simulated OFF arm matches the measured one; predict ON.
-
-    One parameter is fitted on one arm; the ON throughput and the gain are then predictions, and
-    their errors say how far the model can be trusted.
-    """
-    def throughput_off(overhead_ms: float) -> float:
-        return run_arm(offline_scenario(ab, model_config, hardware, overhead_ms), False).output_throughput
-
-    target = ab["throughput_off"]
-    lo, hi = 0.0, 1.0
-    while throughput_off(hi) > target:  # throughput falls as the overhead grows
-        lo, hi = hi, hi * 4
-        if hi > 1e5:
-            raise ValueError("no per-step overhead slows the simulation down to the measured OFF throughput")
-    if throughput_off(lo) < target:
-        raise ValueError(f"the step model alone is slower than measured ({throughput_off(lo):.1f} < {target:.1f} "
-                         f"tok/s): the hardware preset underrates this machine")
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if throughput_off(mid) > target else (lo, mid)
-    overhead = (lo + hi) / 2
-    sc = offline_scenario(ab, model_config, hardware, overhead)
-    off, on = run_arm(sc, False), run_arm(sc, True)
-    gain = on.output_throughput / off.output_throughput
-    return {
-        "overhead_ms": overhead,
-        "measured_throughput_off": target, "predicted_throughput_off": off.output_throughput,
-        "measured_throughput_on": ab["throughput_on"], "predicted_throughput_on": on.output_throughput,
-        "measured_gain": ab["gain"], "predicted_gain": gain,
-        "error_throughput_on": on.output_throughput / ab["throughput_on"] - 1,
-        "error_gain": gain / ab["gain"] - 1,
-        "peak_running": {"measured": [ab["peak_running_off"], ab["peak_running_on"]],
-                         "simulated": [off.result.peak_running, on.result.peak_running]},
-        "hardware": {"hbm_bytes_per_s": hardware.hbm_bytes_per_s, "flops_per_s": hardware.bf16_flops_per_s},
-    }

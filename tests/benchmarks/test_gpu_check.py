@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import gpu_check  # noqa: E402  (puts tests/custom_ops on sys.path)
 import gpu_harness  # noqa: E402
-from fastdeploy.worker.step_buffers import StepBufferLayout
+from fastdeploy.worker.step_buffers import HostStepBuffer, StepBufferLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = gpu_check.ABConfig("small", swa_heads=1, num_layers=2, num_prompts=10, input_len=300, output_len=12,
@@ -25,11 +25,46 @@ SMALL = gpu_check.ABConfig("small", swa_heads=1, num_layers=2, num_prompts=10, i
                            max_num_batched_tokens=64)  # short chunks: the SWA peak is the window
 
 
+def needed_entries_present(host: HostStepBuffer, head_windows: list, block_size: int) -> None:
+    """The kernel's precondition on the packed tables (docs/retention_rule.md): every block a step reads (its
+    heads' visible keys, each head with its own window and sink of head_windows [2, kv_heads]) or writes (the
+    new tokens) has a page. Raises naming request/head/block."""
+    v, table = host.views, host.table
+    for r in range(host.layout.max_num_seqs):
+        c, n = int(v["seq_lens_this_time"][r]), int(v["seq_lens_decoder"][r])
+        if c == 0:
+            continue
+        last = (n + c - 1) // block_size
+        for h, (window, sink) in enumerate(zip(*head_windows)):
+            row = table[r, h if host.layout.table_rows > 1 else 0]
+            if window > 0:  # keys j < sink, or j > t - window for some query t in [n, n + c)
+                first_live = max(0, n - window + 1) // block_size
+                blocks = set(range(first_live, last + 1)) | set(range(-(-min(sink, n + c) // block_size)))
+            else:
+                blocks = set(range(last + 1))
+            for b in sorted(blocks):
+                if b >= len(row) or row[b] < 0:
+                    raise AssertionError(f"request row {r}, kv head {h}: block {b} is needed but has no page")
+
+
+class DryExecutor:
+    """gpu_check's executor without a device: checks each packed step against the kernel's precondition."""
+
+    def prepare(self, fd_config, layout: StepBufferLayout) -> None:
+        # Every layer's windows (layers that look alike checked once).
+        self.layer_windows = list({json.dumps(w): w for w in gpu_check.layer_head_windows(fd_config)}.values())
+        self.block_size = fd_config.cache_config.block_size
+
+    def step(self, host: HostStepBuffer) -> None:
+        for head_windows in self.layer_windows:
+            needed_entries_present(host, head_windows, self.block_size)
+
+
 @pytest.mark.parametrize("swa_heads", [1, 4])
 def test_step_loop_runs_every_request_through_the_real_scheduler_with_kernel_valid_tables(swa_heads):
     cfg = gpu_check.ABConfig(**{**SMALL.__dict__, "swa_heads": swa_heads})
-    off = gpu_check.run_arm(cfg, False, gpu_check.DryExecutor())
-    on = gpu_check.run_arm(cfg, True, gpu_check.DryExecutor())
+    off = gpu_check.run_arm(cfg, False, DryExecutor())
+    on = gpu_check.run_arm(cfg, True, DryExecutor())
     for arm in (off, on):
         assert arm["output_tokens"] == cfg.num_prompts * cfg.output_len and not arm["timed_out"]
     assert off["swa_pages_recycled"] == 0 < on["swa_pages_recycled"]
@@ -39,7 +74,7 @@ def test_step_loop_runs_every_request_through_the_real_scheduler_with_kernel_val
 
 
 def test_the_precondition_check_catches_a_missing_page():
-    class Breaking(gpu_check.DryExecutor):
+    class Breaking(DryExecutor):
         def step(self, host):
             host.table[0, 1, 0] = -1  # a full head's first block: always needed
             super().step(host)
@@ -71,7 +106,8 @@ def test_the_ab_part_and_its_prediction_import_without_paddle():
     code = ("import sys; sys.modules['paddle'] = None\n"
             "from benchmarks import gpu_check as g\n"
             "cfg = g.ABConfig(**{**g.DEFAULT_AB[0].__dict__, 'num_prompts': 4, 'output_len': 4, 'num_layers': 2})\n"
-            "print(g.run_arm(cfg, True, g.DryExecutor())['output_tokens'], "
+            "class NoDevice:\n    prepare = step = lambda *args: None\n"
+            "print(g.run_arm(cfg, True, NoDevice())['output_tokens'], "
             "round(g.predicted_arm(cfg, True)['output_throughput']) > 0)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -109,7 +145,7 @@ def test_engine_comparison_counts_equal_prompts_and_bounds_first_token_logprobs(
 
 def test_one_config_report_carries_both_arms_measured_and_predicted_with_the_design_keys():
     cfg = gpu_check.ABConfig(**{**SMALL.__dict__, "swa_heads": 4})
-    report = gpu_check.ab_config_report(cfg, gpu_check.DryExecutor(), float("inf"), "H200")
+    report = gpu_check.ab_config_report(cfg, DryExecutor(), float("inf"), "H200")
     for key in ("throughput_off", "throughput_on", "gain", "ceiling", "predicted_gain", "peak_running_off",
                 "peak_running_on"):
         assert report[key] is not None, key

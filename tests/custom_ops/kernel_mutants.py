@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pickle
 import shutil
 import subprocess
 import sys

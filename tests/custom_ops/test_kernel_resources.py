@@ -5,8 +5,6 @@ spill, and each kernel's shared memory fits its architecture's per-block limit."
 from __future__ import annotations
 
 import ctypes
-import sys
-from pathlib import Path
 
 import pytest
 

@@ -129,6 +129,11 @@ def _target(argv: list):
     """('module', name, args) / ('script', path, args) of a python command, else None."""
     if argv[0] not in ("python", "python3"):
         return None
+    if argv[1:3] == ["-m", "cProfile"]:  # the profiled program: after the profiler's own -s / -o options
+        rest = argv[3:]
+        while rest[0] in ("-s", "-o"):
+            rest = rest[2:]
+        return _target([argv[0], *rest])
     if argv[1] == "-m":
         return "module", argv[2], argv[3:]
     if argv[1] == "-c":

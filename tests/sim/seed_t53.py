@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from serving_sim.hardware import get_hardware  # noqa: E402
 from serving_sim.report import MODEL_CONFIG  # noqa: E402
-from serving_sim.simulator import (ADMISSIONS, Scenario, admission_env, kv_pool_blocks, model_dir_for,  # noqa: E402
+from serving_sim.simulator import (ADMISSIONS, Scenario, kv_pool_blocks, model_dir_for,  # noqa: E402
                                    run_arm, run_scenarios)
 from serving_sim.workload import Workload  # noqa: E402
 
@@ -214,18 +214,6 @@ def calibrate_and_predict(window: int = 4096, parameter: str = "efficiency", sca
 
 
 # -- what our design buys on the same workload (issue 15 item 3) --------------------------------
-def available_admissions() -> tuple:
-    """The admission policies this tree's scheduler can run (projected needs FD_ADMISSION_POLICY)."""
-    out = []
-    for a in ADMISSIONS:
-        try:
-            admission_env(a)
-        except ValueError:
-            continue
-        out.append(a)
-    return tuple(out)
-
-
 def decision_rows(fitted: Setup, admissions: Optional[tuple] = None, prompts: tuple = PROMPTS,
                   jobs: int = 1, max_sim_prompts: int = 100) -> list:
     """A/B (recycle OFF vs ON) rows under the calibrated model: kernel x admission x SWA heads.
@@ -235,7 +223,7 @@ def decision_rows(fitted: Setup, admissions: Optional[tuple] = None, prompts: tu
     scenarios = [dataclasses.replace(fitted, attention=attention, admission=admission, swa_heads=swa_heads)
                  .scenario(n, max_sim_prompts)
                  for attention in ("masked", "skip")
-                 for admission in admissions or available_admissions()
+                 for admission in admissions or ADMISSIONS
                  for swa_heads in (1, 4) for n in prompts]
     return [row for row, _, _ in run_scenarios(scenarios, jobs)]
 

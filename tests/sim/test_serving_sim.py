@@ -222,14 +222,8 @@ def test_admission_policies_set_the_schedulers_flags(tiny_model):
         assert fd.reserve_output_pages is reserve
 
 
-def test_projected_admission_runs_only_where_the_scheduler_has_it(tiny_model):
-    from fastdeploy import envs
-
+def test_projected_admission_never_preempts(tiny_model):
     sc = tiny_scenario(tiny_model, admission="projected")
-    if "FD_ADMISSION_POLICY" not in envs.environment_variables:
-        with pytest.raises(ValueError, match="FD_ADMISSION_POLICY"):
-            run_scenarios([sc])
-        return
     (row, off, on), = run_scenarios([sc])
     assert row["admission"] == "projected" and row["preemptions_on"] == 0
 
