@@ -159,12 +159,7 @@ class PrefixCacheManager:
         nothing taken, when a rank lacks room. Each slot takes from its home list first (lowest ids
         first), then borrows from the fullest other list of its rank."""
         owner = _owner(req_id)
-        uniform = isinstance(counts, int) and not isinstance(counts, bool)
-        if uniform:
-            _check_count(counts, owner)
-            need = [counts * self.heads_per_rank] * len(self._pools) if self.head_wise else [counts]
-        else:
-            need = self._need_per_rank(counts, owner)
+        uniform, need = self._need(counts, owner)
         for rank, (pool, n) in enumerate(zip(self._pools, need)):
             if n > pool.num_free and n > self._available(rank):
                 return None
@@ -178,13 +173,14 @@ class PrefixCacheManager:
 
     def can_allocate(self, counts) -> bool:
         """Whether `allocate(counts)` would succeed now."""
-        uniform = isinstance(counts, int) and not isinstance(counts, bool)
-        if uniform:
-            _check_count(counts, _ANONYMOUS)
-            need = [counts * self.heads_per_rank] * len(self._pools) if self.head_wise else [counts]
-        else:
-            need = self._need_per_rank(counts, _ANONYMOUS)
-        return all(n <= self._available(rank) for rank, n in enumerate(need))
+        return all(n <= self._available(rank) for rank, n in enumerate(self._need(counts, _ANONYMOUS)[1]))
+
+    def _need(self, counts, owner) -> tuple:
+        """(whether `counts` is one int for every slot, the pages it takes on each rank)."""
+        if isinstance(counts, int) and not isinstance(counts, bool):
+            _check_count(counts, owner)
+            return True, [counts * self.heads_per_rank] * len(self._pools) if self.head_wise else [counts]
+        return False, self._need_per_rank(counts, owner)
 
     def free(self, rows: Sequence[Iterable[int]], req_id: Optional[Hashable] = None,
              slots: Optional[Sequence[int]] = None) -> None:
