@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import json
 import os
 import sys
@@ -190,92 +189,21 @@ def below_window_check(text: dict, permuted_heads: bool, quantized: bool = False
 
 
 # -- retrieval ---------------------------------------------------------------------------------
-FILLER_SENTENCES = (
-    "The morning train left the valley on time, as it does every day.",
-    "A baker on the corner sold warm bread to the people walking past.",
-    "Clouds drifted over the fields and the wind moved the tall grass.",
-    "Children played by the river while their parents talked on the bank.",
-    "The library closed at six, and the last readers went home slowly.",
-)
-COLORS = ("red", "green", "blue", "yellow", "white", "black", "orange", "purple")
-
-
-class RetrievalTask:
-    """Prompts of about `length` tokens with a fact at `depth`, in the model's chat template."""
-
-    def __init__(self, tokenizer, prose: str):
-        self.tok = tokenizer
-        before, after = tokenizer.apply_chat_template([{"role": "user", "content": "@@DOC@@"}]).split("@@DOC@@")
-        self.before, self.after = tokenizer.encode(before), tokenizer.encode(after)
-        self.plain = tokenizer.encode(" ".join(FILLER_SENTENCES * 400))
-        self.prose = tokenizer.encode(prose[:200_000])
-
-    def _fill(self, filler: list, count: int, offset: int) -> list:
-        return [filler[(offset + i) % len(filler)] for i in range(count)]
-
-    def prompt(self, variant: str, length: int, depth: float, rng: np.random.Generator) -> tuple:
-        """(token ids, expected answer)."""
-        if variant == "passkey":
-            key = str(rng.integers(10000, 100000))
-            intro = self.tok.encode("There is a pass key hidden in the text below. Find it and remember it.\n\n")
-            needles = [(depth, self.tok.encode(f" The pass key is {key}. Remember it: {key} is the pass key. "))]
-            question = self.tok.encode("\n\nWhat is the pass key? Answer with the number only.")
-            answer_prefix = self.tok.encode("The pass key is")
-            filler, answer = self.plain, key
-        elif variant in ("multikey", "multikey-docs"):
-            colors = rng.choice(len(COLORS), size=3, replace=False)
-            keys = [str(rng.integers(10000, 100000)) for _ in colors]
-            asked = int(rng.integers(3))
-            # The asked key sits at `depth`; the two distractors at other depths of the text.
-            spots = [depth, (depth + 0.33) % 1.0, (depth + 0.66) % 1.0]
-            order = [asked] + [i for i in range(3) if i != asked]
-            intro = self.tok.encode("Read the document below. It contains codes for several doors.\n\n")
-            needles = [(spots[n], self.tok.encode(f"\nThe code for the {COLORS[colors[i]]} door is {keys[i]}.\n"))
-                       for n, i in enumerate(order)]
-            question = self.tok.encode(f"\n\nWhat is the code for the {COLORS[colors[asked]]} door? "
-                                       "Answer with the number only.")
-            answer_prefix = self.tok.encode(f"The code for the {COLORS[colors[asked]]} door is")
-            # plain prose by default; "multikey-docs" hides them in pydoc_data's code-heavy reference text
-            filler, answer = (self.prose if variant == "multikey-docs" else self.plain), keys[asked]
-        else:
-            raise ValueError(f"unknown retrieval variant {variant!r}")
-        fixed = len(self.before) + len(intro) + sum(len(n) for _, n in needles) + len(question) \
-            + len(self.after) + len(answer_prefix)
-        body = length - fixed
-        if body < 16:
-            raise ValueError(f"context length {length} is too short for the {variant} prompt")
-        doc = self._fill(filler, body, int(rng.integers(len(filler))))
-        for spot, needle in sorted(needles, key=lambda x: -x[0]):  # insert from the back: spots stay put
-            at = int(round(spot * body))
-            doc = doc[:at] + needle + doc[at:]
-        return self.before + intro + doc + question + self.after + answer_prefix, answer
-
-
-def retrieval_prompts(task: RetrievalTask, variants, lengths, depths, trials: int, seed: int) -> list:
-    prompts = []
-    for variant in variants:
-        for length in lengths:
-            for depth in depths:
-                for trial in range(trials):
-                    key = f"{variant}|{length}|{depth}|{trial}|{seed}"
-                    rng = np.random.default_rng(int(hashlib.sha256(key.encode()).hexdigest()[:12], 16))
-                    ids, answer = task.prompt(variant, length, depth, rng)
-                    prompts.append({"variant": variant, "length": length, "depth": depth, "ids": ids, "answer": answer})
-    return prompts
-
-
 def retrieval_metrics(llm, prompts: list) -> list:
+    """Found / total per cell (variant, chat or plain, length, depth; a random depth by its band), with the
+    first words the model answered."""
     from fastdeploy import SamplingParams
+    from fastdeploy.tools.retrieval_tasks import RANDOM_DEPTH, depth_band, found
 
-    outs = llm.generate([p["ids"] for p in prompts], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    outs = llm.generate([p["ids"] for p in prompts], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     cells: dict = {}
     for p, out in zip(prompts, outs):
-        found = p["answer"] in out.outputs.text.replace(" ", "")
-        cell = cells.setdefault((p["variant"], p["length"], p["depth"]), {"found": 0, "total": 0, "texts": []})
-        cell["found"] += int(found)
+        depth = depth_band(p["asked_depth"]) if p["depth"] == RANDOM_DEPTH else p["depth"]
+        cell = cells.setdefault((p["variant"], p["chat"], p["length"], depth), {"found": 0, "total": 0, "texts": []})
+        cell["found"] += int(found(p["answer"], out.outputs.text))
         cell["total"] += 1
         cell["texts"].append(out.outputs.text.strip()[:40])
-    return [{"variant": v, "length": n, "depth": d, **c} for (v, n, d), c in cells.items()]
+    return [{"variant": v, "chat": c, "length": n, "depth": d, **cell} for (v, c, n, d), cell in cells.items()]
 
 
 # -- greedy chat -------------------------------------------------------------------------------
@@ -381,8 +309,14 @@ def parse_args(argv=None):
     p.add_argument("--text-segments", type=int, default=2)
     p.add_argument("--segment-tokens", type=int, default=2048)
     p.add_argument("--lengths", default="1024,2048,4096", help="retrieval context lengths")
-    p.add_argument("--depths", default="0.2,0.5,0.8")
-    p.add_argument("--variants", default="passkey,multikey")
+    p.add_argument("--split", choices=("evaluation", "calibration"), default="evaluation",
+                   help="retrieval tasks (fastdeploy/tools/retrieval_tasks.py): the held-out evaluation split, or the "
+                        "calibration split configurations may be chosen on")
+    p.add_argument("--depths", default="0.05,0.25,0.5,0.75,0.95",
+                   help="depths of the asked needle, or 'random' (uniform in 0.05-0.95, reported by band)")
+    p.add_argument("--variants", default=None,
+                   help="retrieval variants (default: the split's all: magic,accesskey / passkey,multikey)")
+    p.add_argument("--forms", default="chat", help="chat, plain (completion without the chat template), or both")
     p.add_argument("--trials", type=int, default=1, help="prompts per retrieval cell")
     p.add_argument("--retrieval", default=None,
                    help="comma-separated config names that also run retrieval (default: all)")
@@ -417,13 +351,17 @@ def main(argv=None) -> int:
         wanted = set(args.only.split(","))
         configs = [c for c in configs if c["name"] in wanted]
     lengths = [int(x) for x in args.lengths.split(",") if x]
-    depths = [float(x) for x in args.depths.split(",") if x]
-    variants = [v for v in args.variants.split(",") if v]
+    from fastdeploy.tools.retrieval_tasks import RANDOM_DEPTH, VARIANTS, RetrievalTask
+
+    depths = [x if x == RANDOM_DEPTH else float(x) for x in args.depths.split(",") if x]
+    variants = [v for v in args.variants.split(",") if v] if args.variants else list(VARIANTS[args.split])
+    chat_forms = [{"chat": True, "plain": False}[f] for f in args.forms.split(",") if f]
     parts = set(args.parts.split(","))
     with_retrieval = None if args.retrieval is None else set(args.retrieval.split(",")) | {"full"}
     results = json.load(open(args.json)) if args.json and os.path.exists(args.json) else {}
     settings = {"parts": sorted(parts), "segments": args.text_segments, "segment_tokens": args.segment_tokens, "lengths": lengths,
-                "depths": depths, "variants": variants, "trials": args.trials, "seed": args.seed}
+                "split": args.split, "depths": depths, "variants": variants, "forms": args.forms, "trials": args.trials,
+                "seed": args.seed}
     if "chat" in parts:
         settings["chat_tokens"] = args.chat_tokens
     if results.get("settings", settings) != settings:
@@ -437,8 +375,8 @@ def main(argv=None) -> int:
 
     tokenizer = load_tokenizer(mc)
     segments = token_segments(tokenizer, held_out_text(), args.segment_tokens, args.text_segments)
-    prompts = retrieval_prompts(RetrievalTask(tokenizer, held_out_text()[50_000:]), variants, lengths, depths,
-                                args.trials, args.seed)
+    prompts = RetrievalTask(tokenizer, args.split).prompts(variants, lengths, depths, args.trials, args.seed,
+                                                           chat_forms) if "retrieval" in parts else []
     log(f"{len(configs)} configs; {args.text_segments} x {args.segment_tokens} held-out tokens; "
         f"{len(prompts)} retrieval prompts ({sum(len(p['ids']) for p in prompts)} tokens)")
     references: dict = {}
@@ -586,20 +524,28 @@ def print_table(rows: dict, lengths: list, kl_from: int = 0) -> None:
         print(f"| {name} | {r['path']} | " + " | ".join(cells) + f" | {found} | "
               + " | ".join((f"{ceil[str(n)]:.2f}" if str(n) in ceil else "-") + " / "
                            + (f"{dec[str(n)]:.2f}" if str(n) in dec else "-") for n in lengths) + " |")
-    cells = sorted({(x["variant"], x["length"]) for r in rows.values() for x in r.get("retrieval", [])})
-    if not cells:
-        return
-    print()
-    print("| retrieval (found/prompts, all depths) | " + " | ".join(f"{v} {n}" for v, n in cells) + " |")
-    print("|---" * (1 + len(cells)) + "|")
-    for name, r in rows.items():
-        if not r.get("retrieval"):
-            continue
-        got = {}
-        for x in r["retrieval"]:
-            f, t = got.get((x["variant"], x["length"]), (0, 0))
-            got[(x["variant"], x["length"])] = (f + x["found"], t + x["total"])
-        print(f"| {name} | " + " | ".join(f"{got[c][0]}/{got[c][1]}" if c in got else "-" for c in cells) + " |")
+    print_retrieval(rows)
+
+
+def print_retrieval(rows: dict) -> None:
+    """Per retrieval variant and form: found / prompts of every configuration at each length x depth (a
+    random depth by its band), then over all of them."""
+    forms = sorted({(x["variant"], x.get("chat", True)) for r in rows.values() for x in r.get("retrieval", [])})
+    for variant, chat in forms:
+        mine = lambda r: [x for x in r.get("retrieval", []) if (x["variant"], x.get("chat", True)) == (variant, chat)]  # noqa: E731
+        cells = sorted({(x["length"], str(x["depth"])) for r in rows.values() for x in mine(r)})
+        print(f"\n| {variant}, {'chat' if chat else 'plain'}: found/prompts | "
+              + " | ".join(f"{n} @ {d}" for n, d in cells) + " | all |")
+        print("|---" * (2 + len(cells)) + "|")
+        for name, r in rows.items():
+            got = {}
+            for x in mine(r):
+                f, t = got.get((x["length"], str(x["depth"])), (0, 0))
+                got[(x["length"], str(x["depth"]))] = (f + x["found"], t + x["total"])
+            if got:
+                every = [sum(v[k] for v in got.values()) for k in (0, 1)]
+                print(f"| {name} | " + " | ".join(f"{got[c][0]}/{got[c][1]}" if c in got else "-" for c in cells)
+                      + f" | {every[0]}/{every[1]} |")
 
 
 def family(name: str) -> str:
