@@ -4,9 +4,13 @@
 Scores every (layer, KV head) under every window of the menu in one pass over calibration text (the
 engine's dense reference, full attention; head_scores.py, on the queries past sink + the largest window),
 then, for each page-need ceiling, chooses each pair's window or full attention so that a request of
-`--length` tokens holds at most 1/ceiling of full attention's pages once decoding, with the least summed
-score (window_menu.py). Writes one servable `head_wise_swa` section per ceiling (per-layer heads with
-`head_windows`), the `--ceiling` one as the file's `head_wise_swa`, and the scores.
+`--length` tokens holds at most 1/ceiling of full attention's pages over its last `--decode-tokens` decode
+steps, with the least summed score (window_menu.py). With `--retrieval-weight`, each pair's score adds
+that weight times its score on the calibration split's retrieval prompts (retrieval_tasks.py: needles at
+depths 0.05-0.95, only the question and answer queries scored), each score over its own mean: a head that
+reads a far needle keeps its keys even where text barely needs them. Writes one servable `head_wise_swa`
+section per ceiling (per-layer heads with `head_windows`), the `--ceiling` one as the file's
+`head_wise_swa`, and the scores.
 """
 
 from __future__ import annotations
@@ -42,6 +46,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="page-need ceilings to choose for (full attention's pages / the choice's, once decoding)")
     p.add_argument("--ceiling", type=float, default=1.7, help="the ceiling whose section is the file's head_wise_swa")
     p.add_argument("--length", type=int, default=4096, help="request length (prompt + output) the ceiling is for")
+    p.add_argument("--decode-tokens", type=int, default=1,
+                   help="the ceiling counts a pair's most pages over this many last decode steps (128: a request "
+                        "of length - 128 prompt tokens and 128 output tokens, over its whole decode)")
+    p.add_argument("--retrieval-weight", type=float, default=0.0,
+                   help="weight of the calibration retrieval score next to the text score (0: text only)")
+    p.add_argument("--retrieval-trials", type=int, default=2,
+                   help="calibration retrieval prompts per variant, length and depth")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--scorer", choices=ONE_PASS_SCORERS, default=DEFAULT_SCORER)
     p.add_argument("--segments", type=int, default=1, help="calibration segments")
@@ -63,17 +74,23 @@ def find(args, log=print) -> dict:
                          f"({args.sink + windows[-1]}): the scores compare windows on the queries past it")
     if args.length <= args.sink + windows[0]:
         raise ValueError(f"--length {args.length} is within sink + the smallest window: nothing would recycle")
+    if args.decode_tokens < 1 or args.decode_tokens >= args.length:
+        raise ValueError("--decode-tokens must be at least 1 and below --length")
     t0 = time.time()
-    llm = calibration_engine(args.model, args.segment_tokens, args.max_num_batched_tokens)
+    llm = calibration_engine(args.model, max(args.segment_tokens, args.length), args.max_num_batched_tokens)
     cfg = llm.engine.model_config
     layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
     segments = token_segments(llm.engine.tokenizer, calibration_text(), args.segment_tokens, args.segments)
     log(f"[find_swa_windows] {cfg.served_model_name}: {layers} layers x {kv_heads} KV heads, windows {windows}, "
         f"sink {args.sink}, {args.segments} x {args.segment_tokens} calibration tokens (loaded in {time.time() - t0:.0f} s)")
     by_window = one_pass_scores_by_window(llm, segments, windows, args.sink, log)
-    llm.engine.close()
     harm = {w: by_window[w][args.scorer] for w in windows}
-    pages = {w: window_menu.pair_pages(w, args.sink, args.length, args.block_size)
+    retrieval = None
+    if args.retrieval_weight:
+        retrieval = retrieval_scores(llm, windows, args, log)
+        harm = combined_harm(harm, {w: retrieval[w][args.scorer] for w in windows}, args.retrieval_weight)
+    llm.engine.close()
+    pages = {w: window_menu.pair_pages(w, args.sink, args.length, args.block_size, args.decode_tokens)
              for w in [window_menu.FULL] + windows}
     full_pages = pages[window_menu.FULL] * layers * kv_heads
     choices = {}
@@ -95,11 +112,50 @@ def find(args, log=print) -> dict:
         "choices": choices,
         "scorer": args.scorer,
         "scores": {str(w): {name: np.round(s, 8).tolist() for name, s in by_window[w].items()} for w in windows},
+        "retrieval_scores": None if retrieval is None else {
+            str(w): {name: np.round(s, 8).tolist() for name, s in retrieval[w].items()} for w in windows},
         "pages_per_pair": {str(w): p for w, p in pages.items()},
-        "length": args.length, "block_size": args.block_size, "windows": windows, "sink": args.sink,
+        "length": args.length, "decode_tokens": args.decode_tokens, "block_size": args.block_size,
+        "windows": windows, "sink": args.sink,
         "calibration": {"text": f"pydoc_data.topics, first {CALIBRATION_SHARE:.0%} of the characters",
-                        "segments": args.segments, "segment_tokens": args.segment_tokens},
+                        "segments": args.segments, "segment_tokens": args.segment_tokens,
+                        "retrieval": None if retrieval is None else {
+                            "split": "calibration", "weight": args.retrieval_weight, "trials": args.retrieval_trials,
+                            "depths": list(RETRIEVAL_DEPTHS), "lengths": retrieval_lengths(args, windows)}},
     }
+
+
+RETRIEVAL_DEPTHS = (0.05, 0.25, 0.5, 0.75, 0.95)
+ANSWER_QUERIES = 16  # a retrieval prompt's last queries: its question and the answer's first words
+
+
+def retrieval_lengths(args, windows) -> list:
+    """Prompt lengths of the calibration retrieval prompts: past sink + the largest window (shorter ones
+    lose nothing to any window of the menu), up to the request length."""
+    shortest = args.sink + max(windows) + ANSWER_QUERIES + 256
+    return sorted({max(shortest, (3 * args.length) // 4), args.length})
+
+
+def retrieval_scores(llm, windows, args, log) -> dict:
+    """{window: both one-pass scores} on the calibration split's retrieval prompts, their answer queries only."""
+    from fastdeploy.tools.retrieval_tasks import VARIANTS, RetrievalTask
+
+    task = RetrievalTask(llm.engine.tokenizer, "calibration")
+    prompts = task.prompts(VARIANTS["calibration"], retrieval_lengths(args, windows), RETRIEVAL_DEPTHS,
+                           args.retrieval_trials, seed=0)
+    log(f"[find_swa_windows] retrieval scores over {len(prompts)} calibration prompts")
+    return one_pass_scores_by_window(llm, [p["ids"] for p in prompts], windows, args.sink, log,
+                                     last_queries=ANSWER_QUERIES)
+
+
+def combined_harm(text: dict, retrieval: dict, weight: float) -> dict:
+    """{window: text score / its mean + weight x retrieval score / its mean} (means over every pair and
+    window): the two scores on one scale, whatever their units."""
+    def mean(scores):
+        return float(np.mean([s for s in scores.values()])) or 1.0
+
+    t, r = mean(text), mean(retrieval)
+    return {w: text[w] / t + weight * retrieval[w] / r for w in text}
 
 
 def main(argv=None) -> int:

@@ -27,13 +27,16 @@ ONE_PASS_SCORERS = ("outside_mass", "output_change")
 class WindowProbe:
     """probe(backend, layer_id, qkv, meta) accumulating both one-pass scores for each window of
     `windows`, all over the same queries (t >= sink + the largest window), so that the scores of one
-    head under different windows compare (the window menu, window_menu.py)."""
+    head under different windows compare (the window menu, window_menu.py). `scored_from`, where set (one
+    request at a time), scores only the queries from that position on: the question and answer of a
+    retrieval prompt, where sliding decides whether the needle is still seen."""
 
     def __init__(self, model, num_layers: int, num_kv_heads: int, windows, sink: int):
         self.model, self.windows, self.sink = model, tuple(int(w) for w in windows), sink
         self.sums = {w: {name: np.zeros((num_layers, num_kv_heads)) for name in ONE_PASS_SCORERS}
                      for w in self.windows}
         self.counts = np.zeros(num_layers)
+        self.scored_from = 0
 
     def scores(self) -> dict:
         """{window: {scorer: [num_layers, num_kv_heads]}}."""
@@ -47,7 +50,7 @@ class WindowProbe:
         o_proj = self.model.weights[f"model.layers.{layer_id}.self_attn.o_proj.weight"].astype("float32").numpy()
         o_heads = o_proj.reshape(o_proj.shape[0], nh, d).transpose(1, 2, 0)            # [nh, d, hidden]
         for start, n, q, keys, values in backend.request_tensors(layer_id, qkv, meta):
-            first = max(start, self.sink + max(self.windows))
+            first = max(start, self.sink + max(self.windows), self.scored_from)
             if first >= start + n:
                 continue
             q_far = q[first - start:].numpy().transpose(1, 0, 2)                      # [nh, m, d]
@@ -84,8 +87,9 @@ def one_pass_scores(llm, segments: list, window: int, sink: int, log=print) -> d
     return one_pass_scores_by_window(llm, segments, (window,), sink, log)[window]
 
 
-def one_pass_scores_by_window(llm, segments: list, windows, sink: int, log=print) -> dict:
-    """{window: both one-pass scores} over the calibration segments, in one pass, on common queries."""
+def one_pass_scores_by_window(llm, segments: list, windows, sink: int, log=print, last_queries: int = 0) -> dict:
+    """{window: both one-pass scores} over the calibration segments, in one pass, on common queries (with
+    `last_queries`, only each segment's last that many: retrieval prompts' question and answer)."""
     from fastdeploy.engine.request import SamplingParams
     from fastdeploy.tools.probed_attention import install
 
@@ -93,8 +97,10 @@ def one_pass_scores_by_window(llm, segments: list, windows, sink: int, log=print
     probe = WindowProbe(llm.engine.runner.model, cfg.num_hidden_layers, cfg.num_key_value_heads, windows, sink)
     install(llm, np.zeros((cfg.num_hidden_layers, cfg.num_key_value_heads), bool), max(windows), sink, probe)
     for i, seg in enumerate(segments):
+        probe.scored_from = len(seg) - last_queries if last_queries else 0
         llm.generate([list(seg)], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-        log(f"[find_swa_heads] one-pass scores: segment {i + 1}/{len(segments)} ({len(seg)} tokens)")
+        if (i + 1) % max(1, len(segments) // 8) == 0 or i + 1 == len(segments):
+            log(f"[find_swa_heads] one-pass scores: segment {i + 1}/{len(segments)} ({len(seg)} tokens)")
     return probe.scores()
 
 

@@ -18,13 +18,15 @@ import numpy as np
 FULL = 0  # the window of a pair that keeps every key
 
 
-def pair_pages(window: int, sink: int, length: int, block_size: int) -> int:
-    """Pages one (layer, KV head) pair holds for a request of `length` tokens at its last decode step;
-    window 0 = full attention."""
+def pair_pages(window: int, sink: int, length: int, block_size: int, decode_tokens: int = 1) -> int:
+    """Most pages one (layer, KV head) pair holds over the last `decode_tokens` decode steps of a request of
+    `length` tokens (1: its last step); window 0 = full attention. A sliding pair's count rises and falls by
+    a block as its window crosses block edges, so a request's peak can be before its last step."""
     from fastdeploy.cache_manager.head_wise import num_dead_blocks, table_length
 
-    held = table_length(length, block_size)  # PageLayout.pages_needed(length - 1, 1) of one slot
-    return held - (num_dead_blocks(length - 1, window, sink, block_size) if window else 0)
+    # PageLayout.pages_needed(n, 1) of one slot at each step computing token n
+    return max(table_length(n + 1, block_size) - (num_dead_blocks(n, window, sink, block_size) if window else 0)
+               for n in range(length - decode_tokens, length))
 
 
 def choose_windows(harm: dict, pages: dict, budget: int) -> np.ndarray:

@@ -59,7 +59,7 @@ def test_a_pairs_pages_are_the_page_need_of_one_slot_of_its_window():
 
 def test_scores_by_window_keep_a_planted_retrieval_head_full_at_every_ceiling(tmp_path):
     from fastdeploy.tools.head_scores import one_pass_scores_by_window
-    from tests.tools.test_find_swa_heads import PLANT_HEAD, PLANT_LAYER, _native_llm, _segments, _write_model
+    from test_find_swa_heads import PLANT_HEAD, PLANT_LAYER, _native_llm, _segments, _write_model
 
     llm = _native_llm(_write_model(tmp_path / "planted", plant=True))
     by_window = one_pass_scores_by_window(llm, _segments(), (16, 32, 64), 16, log=lambda m: None)
@@ -76,7 +76,7 @@ def test_scores_by_window_keep_a_planted_retrieval_head_full_at_every_ceiling(tm
 
 
 def test_the_window_finder_writes_a_section_per_ceiling_that_meets_it(tmp_path):
-    from tests.tools.test_find_swa_heads import _write_model
+    from test_find_swa_heads import _write_model
 
     model = _write_model(tmp_path / "plain", plant=False)
     from fastdeploy.tools.find_swa_windows import main
@@ -101,3 +101,58 @@ def test_the_window_finder_refuses_calibration_text_shorter_than_the_largest_win
 
     assert main(["--windows", "64,512", "--segment-tokens", "300", "--out", str(tmp_path / "x.json")]) != 0
     assert "--segment-tokens 300 must exceed" in capsys.readouterr().err
+
+
+def test_a_pairs_peak_over_the_decode_is_the_page_need_of_its_slot_at_every_step():
+    """decode_tokens: the most pages over the last steps, which for a window can come before the last step."""
+    from fastdeploy.cache_manager.head_wise import table_length
+    from fastdeploy.tools.window_menu import pair_pages
+
+    bs, sink = 64, 64
+    for window in (window_menu.FULL, 256, 512, 1000):
+        steps = [pair_pages(window, sink, n + 1, bs) for n in range(3967, 4095)]
+        assert pair_pages(window, sink, 4096, bs, decode_tokens=128) == max(steps)
+    # window 1000 (not a block multiple): its count drops by one block right after a block edge
+    assert pair_pages(1000, sink, 4096, bs, decode_tokens=128) > pair_pages(1000, sink, 4096, bs)
+    assert pair_pages(window_menu.FULL, sink, 4096, bs, decode_tokens=128) == table_length(4096, bs)
+
+
+def test_retrieval_scores_keep_a_head_that_reads_a_far_needle_where_text_alone_lets_it_slide(tmp_path):
+    """Text without the planted token gives the planted head no reason to stay full; prompts with it far
+    back, scored at their last queries only (the answer), do (find_swa_windows --retrieval-weight)."""
+    from test_find_swa_heads import PLANT_HEAD, PLANT_LAYER, _native_llm, _segments, _write_model
+
+    from fastdeploy.tools.find_swa_windows import combined_harm
+    from fastdeploy.tools.head_scores import one_pass_scores_by_window
+
+    llm = _native_llm(_write_model(tmp_path / "planted", plant=True))
+    rng = np.random.default_rng(5)
+    text = [rng.integers(40, 250, size=320).tolist() for _ in range(2)]  # never the planted token
+    windows = (16, 32, 64)
+    scores = {name: one_pass_scores_by_window(llm, segs, windows, 16, log=lambda m: None, last_queries=last)
+              for name, segs, last in (("text", text, 0), ("retrieval", _segments(), 8))}
+    text_harm, retrieval_harm = ({w: scores[name][w]["output_change"] for w in windows}
+                                 for name in ("text", "retrieval"))
+    assert int(np.argmax(retrieval_harm[16][PLANT_LAYER])) == PLANT_HEAD
+    pages = {w: window_menu.pair_pages(w, 16, 512, 16) for w in (window_menu.FULL, *windows)}
+    budget = int(pages[window_menu.FULL] * text_harm[16].size / 2.0)
+    alone = window_menu.choose_windows(text_harm, pages, budget)
+    both = window_menu.choose_windows(combined_harm(text_harm, retrieval_harm, 1.0), pages, budget)
+    assert alone[PLANT_LAYER, PLANT_HEAD] != window_menu.FULL
+    assert both[PLANT_LAYER, PLANT_HEAD] == window_menu.FULL
+
+
+def test_the_window_finder_scores_calibration_retrieval_prompts_when_asked(tmp_path):
+    from test_find_swa_heads import _write_model
+
+    from fastdeploy.tools.find_swa_windows import main
+
+    out = tmp_path / "windows.json"
+    assert main(["--model", _write_model(tmp_path / "plain", plant=False), "--windows", "16,32,64", "--sink", "16",
+                 "--segment-tokens", "200", "--length", "512", "--decode-tokens", "64", "--block-size", "16",
+                 "--ceilings", "1.3", "--ceiling", "1.3", "--retrieval-weight", "1", "--retrieval-trials", "1",
+                 "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    retrieval = doc["calibration"]["retrieval"]
+    assert retrieval["split"] == "calibration" and retrieval["lengths"] == [384, 512]
+    assert set(doc["retrieval_scores"]) == {"16", "32", "64"} and doc["choices"]["1.3"]["ceiling"] >= 1.3
