@@ -16,6 +16,7 @@ section per ceiling (per-layer heads with `head_windows`), the `--ceiling` one a
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -58,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--segments", type=int, default=1, help="calibration segments")
     p.add_argument("--segment-tokens", type=int, default=3072, help="tokens per calibration segment")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill chunk of the engine")
+    p.add_argument("--scores-from", default=None, metavar="FILE",
+                   help="take the scores of an earlier run's output instead of running the model (choose again "
+                        "with other ceilings, weights or lengths)")
     p.add_argument("--out", required=True, help="JSON file to write")
     return p.parse_args(argv)
 
@@ -77,19 +81,23 @@ def find(args, log=print) -> dict:
     if args.decode_tokens < 1 or args.decode_tokens >= args.length:
         raise ValueError("--decode-tokens must be at least 1 and below --length")
     t0 = time.time()
-    llm = calibration_engine(args.model, max(args.segment_tokens, args.length), args.max_num_batched_tokens)
-    cfg = llm.engine.model_config
-    layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
-    segments = token_segments(llm.engine.tokenizer, calibration_text(), args.segment_tokens, args.segments)
-    log(f"[find_swa_windows] {cfg.served_model_name}: {layers} layers x {kv_heads} KV heads, windows {windows}, "
-        f"sink {args.sink}, {args.segments} x {args.segment_tokens} calibration tokens (loaded in {time.time() - t0:.0f} s)")
-    by_window = one_pass_scores_by_window(llm, segments, windows, args.sink, log)
+    if args.scores_from:
+        model_name, by_window, retrieval = earlier_scores(args, windows)
+    else:
+        llm = calibration_engine(args.model, max(args.segment_tokens, args.length), args.max_num_batched_tokens)
+        cfg = llm.engine.model_config
+        model_name = cfg.served_model_name
+        segments = token_segments(llm.engine.tokenizer, calibration_text(), args.segment_tokens, args.segments)
+        log(f"[find_swa_windows] {model_name}: {cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} KV heads, "
+            f"windows {windows}, sink {args.sink}, {args.segments} x {args.segment_tokens} calibration tokens "
+            f"(loaded in {time.time() - t0:.0f} s)")
+        by_window = one_pass_scores_by_window(llm, segments, windows, args.sink, log)
+        retrieval = retrieval_scores(llm, windows, args, log) if args.retrieval_weight else None
+        llm.engine.close()
     harm = {w: by_window[w][args.scorer] for w in windows}
-    retrieval = None
     if args.retrieval_weight:
-        retrieval = retrieval_scores(llm, windows, args, log)
         harm = combined_harm(harm, {w: retrieval[w][args.scorer] for w in windows}, args.retrieval_weight)
-    llm.engine.close()
+    layers, kv_heads = harm[windows[0]].shape
     pages = {w: window_menu.pair_pages(w, args.sink, args.length, args.block_size, args.decode_tokens)
              for w in [window_menu.FULL] + windows}
     full_pages = pages[window_menu.FULL] * layers * kv_heads
@@ -106,7 +114,7 @@ def find(args, log=print) -> dict:
             f"pairs by window {counts}")
     log(f"[find_swa_windows] done in {time.time() - t0:.0f} s")
     return {
-        "model": cfg.served_model_name,
+        "model": model_name,
         "head_wise_swa": choices[f"{args.ceiling:g}"]["head_wise_swa"],
         "ceiling": args.ceiling,
         "choices": choices,
@@ -123,6 +131,25 @@ def find(args, log=print) -> dict:
                             "split": "calibration", "weight": args.retrieval_weight, "trials": args.retrieval_trials,
                             "depths": list(RETRIEVAL_DEPTHS), "lengths": retrieval_lengths(args, windows)}},
     }
+
+
+def earlier_scores(args, windows) -> tuple:
+    """(model, text scores by window, retrieval scores by window or None) of an earlier run's output file."""
+    with open(args.scores_from, encoding="utf-8") as f:
+        doc = json.load(f)
+
+    def arrays(section):
+        return None if section is None else {int(w): {k: np.asarray(v) for k, v in s.items()} for w, s in section.items()}
+
+    text, retrieval = arrays(doc["scores"]), arrays(doc.get("retrieval_scores"))
+    missing = sorted(set(windows) - set(text))
+    if missing:
+        raise ValueError(f"{args.scores_from} has no scores for window(s) {missing} (it scored {sorted(text)})")
+    if args.retrieval_weight and retrieval is None:
+        raise ValueError(f"{args.scores_from} has no retrieval scores: run the model with --retrieval-weight once")
+    if args.model and args.model != doc["model"]:
+        raise ValueError(f"{args.scores_from} holds the scores of {doc['model']}, not of --model {args.model}")
+    return doc["model"], text, retrieval
 
 
 RETRIEVAL_DEPTHS = (0.05, 0.25, 0.5, 0.75, 0.95)

@@ -156,3 +156,21 @@ def test_the_window_finder_scores_calibration_retrieval_prompts_when_asked(tmp_p
     retrieval = doc["calibration"]["retrieval"]
     assert retrieval["split"] == "calibration" and retrieval["lengths"] == [384, 512]
     assert set(doc["retrieval_scores"]) == {"16", "32", "64"} and doc["choices"]["1.3"]["ceiling"] >= 1.3
+    # the same scores choose again for another ceiling and weight without running the model
+    again = tmp_path / "again.json"
+    assert main(["--scores-from", str(out), "--windows", "16,32,64", "--sink", "16", "--segment-tokens", "200",
+                 "--length", "512", "--decode-tokens", "64", "--block-size", "16", "--ceilings", "1.6",
+                 "--ceiling", "1.6", "--retrieval-weight", "3", "--out", str(again)]) == 0
+    redo = json.loads(again.read_text())
+    assert redo["scores"] == doc["scores"] and redo["choices"]["1.6"]["ceiling"] >= 1.6
+
+
+def test_choosing_again_from_scores_without_retrieval_scores_asks_for_them(tmp_path, capsys):
+    from fastdeploy.tools.find_swa_windows import main
+
+    prior = tmp_path / "prior.json"
+    prior.write_text(json.dumps({"model": "m", "scores": {"64": {"output_change": [[0.1, 0.2]]}}}))
+    assert main(["--scores-from", str(prior), "--windows", "64", "--sink", "16", "--segment-tokens", "200",
+                 "--length", "512", "--block-size", "16", "--retrieval-weight", "1", "--out",
+                 str(tmp_path / "x.json")]) != 0
+    assert "has no retrieval scores" in capsys.readouterr().err
