@@ -9,9 +9,13 @@ the tasks run where hub data sets cannot be reached. Every context is long enoug
 - pydoc_perplexity (loglikelihood_rolling): whole ~6,000-character documents, word perplexity;
 - pydoc_recall (generate_until): a ~3,000-character passage, then a run of its words from ~400
   characters in (past a 64-token sink) again; the model continues with the four words that followed
-  them there (copying from ~650 tokens back).
+  them there (copying from ~650 tokens back);
+- pydoc_needles (generate_until): the evaluation split's retrieval prompts (fastdeploy/tools/
+  retrieval_tasks.py) as plain completion: special magic numbers (several needles, one asked) and an
+  access number, hidden in held-out pydoc prose at depths 0.05 to 0.95, ~1k and ~1.9k tokens of
+  `--needles-model`'s tokenizer; the model completes the number.
 
-Usage (from the repository root): python benchmarks/lm_eval_tasks/make_data.py [--out DIR]
+Usage (from the repository root): python benchmarks/lm_eval_tasks/make_data.py [--out DIR] [--needles-model M]
 The choice of passages is seeded, so the files are the same for the same Python version.
 """
 
@@ -111,10 +115,33 @@ def recall_items(rng: random.Random, n: int) -> list:
     return items[:n]
 
 
+NEEDLE_LENGTHS = (1024, 1900)  # tokens: within lm-eval's max_length 2048 with the answer's room
+NEEDLE_DEPTHS = (0.05, 0.25, 0.5, 0.75, 0.95)
+
+
+def needle_items(model: str) -> list:
+    """pydoc_needles: evaluation-split retrieval prompts, plain completion, decoded to text by the model's
+    tokenizer (so their lengths are that model's tokens)."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository, when run from a checkout
+    from fastdeploy.config import ModelConfig
+    from fastdeploy.input.tokenizer_loader import load_tokenizer
+    from fastdeploy.tools.retrieval_tasks import VARIANTS, RetrievalTask
+
+    tokenizer = load_tokenizer(ModelConfig.create(model, None, None))
+    prompts = RetrievalTask(tokenizer, "evaluation").prompts(VARIANTS["evaluation"], NEEDLE_LENGTHS, NEEDLE_DEPTHS,
+                                                             trials=2, chat_forms=(False,))
+    return [{"context": tokenizer.decode(p["ids"]), "target": p["answer"], "variant": p["variant"],
+             "length": p["length"], "depth": p["depth"]} for p in prompts]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(HERE, "data"), help="folder for the jsonl files")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--needles-model", default="smollm2-135m-instruct",
+                        help="the model whose tokenizer sizes pydoc_needles' prompts (a name, directory or GGUF)")
     return parser
 
 
@@ -123,7 +150,7 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     rng = random.Random(args.seed)
     sets = {"pydoc_next_sentence": next_sentence_items(rng, 12), "pydoc_perplexity": perplexity_docs(8),
-            "pydoc_recall": recall_items(rng, 12)}
+            "pydoc_recall": recall_items(rng, 12), "pydoc_needles": needle_items(args.needles_model)}
     for name, rows in sets.items():
         with open(os.path.join(args.out, f"{name}.jsonl"), "w") as f:
             for row in rows:

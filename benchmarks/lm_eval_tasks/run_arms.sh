@@ -7,9 +7,9 @@ set -euo pipefail
 MODEL=${1:-smollm2-135m-instruct}
 OUT=${2:-lm_eval_results}
 PORT=${PORT:-8731}
-TASKS=${TASKS:-pydoc_next_sentence,pydoc_perplexity,pydoc_recall}
+TASKS=${TASKS:-pydoc_next_sentence,pydoc_perplexity,pydoc_recall,pydoc_needles}
 ALL_SLIDING='{"sliding_window": 512, "sink_size": 64, "swa_kv_heads": [0, 1, 2]}'
-python benchmarks/lm_eval_tasks/make_data.py
+python benchmarks/lm_eval_tasks/make_data.py --needles-model "$MODEL"
 mkdir -p "$OUT"
 
 run_arm() {  # run_arm NAME FD_HEAD_WISE_KV_CACHE [server flags...]

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-TASKS = ("pydoc_next_sentence", "pydoc_perplexity", "pydoc_recall")
+from fastdeploy.model_executor.models.tiny_preset import TINY_PRESET_NAME
+
+TASKS = ("pydoc_next_sentence", "pydoc_perplexity", "pydoc_recall", "pydoc_needles")
 
 
 @pytest.fixture(scope="module", params=["1d", "head_wise_recycle_on"])
@@ -24,8 +26,8 @@ def server(request, server_factory):
 
 def _tasks_in(folder: Path, repo: Path) -> None:
     """The task files, their data written to `folder` (the repository copies read data/ under it)."""
-    subprocess.run([sys.executable, str(repo / "benchmarks/lm_eval_tasks/make_data.py"), "--out", str(folder)],
-                   check=True, capture_output=True)
+    subprocess.run([sys.executable, str(repo / "benchmarks/lm_eval_tasks/make_data.py"), "--out", str(folder),
+                    "--needles-model", TINY_PRESET_NAME], check=True, capture_output=True)
     for task in TASKS:
         text = (repo / f"benchmarks/lm_eval_tasks/{task}.yaml").read_text()
         (folder / f"{task}.yaml").write_text(
@@ -43,10 +45,11 @@ def test_lm_eval_local_completions_runs_every_task_kind(server, helpers, tmp_pat
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
-    mc, ppl, gen = (results[t] for t in TASKS)
+    mc, ppl, gen, needles = (results[t] for t in TASKS)
     assert 0.0 <= mc["acc,none"] <= 1.0
     assert math.isfinite(ppl["word_perplexity,none"]) and ppl["word_perplexity,none"] > 1.0
     assert 0.0 <= gen["exact_match,first_four_words"] <= 1.0
-    # Every request reached the engine: 4 choices, >= 2 rolling windows (a ~6,000-byte document), 1 generation.
+    assert 0.0 <= needles["exact_match,first_number"] <= 1.0
+    # Every request reached the engine: 4 choices, >= 2 rolling windows (a ~6,000-byte document), 2 generations.
     finished = sum(v for k, v in server.metrics().items() if k.startswith("fastdeploy:request_success_total"))
-    assert finished >= 7
+    assert finished >= 8
