@@ -275,19 +275,27 @@ def page_need_layouts(spec, num_layers: int, num_kv: int, block_size: int, layer
     return replace(on, recycle=False), on
 
 
+DECODE_TOKENS = 128  # the output of a request of n tokens, whose decode the decode ceiling covers
+
+
 def page_need_ceiling(spec, num_layers: int, num_kv: int, lengths, block_size: int, at: str = "prefill",
                       layer_windows=None) -> dict:
     """Pages one request of each length holds with full attention / with this config's recycling.
 
     at="prefill": the peak of its life with one output token, i.e. the end of its last prefill chunk of
     CHUNK tokens (where a chunk's transient holds window + chunk tokens in every sliding slot);
-    at="decode": the step computing its last token, once decoding (sink + window per sliding slot)."""
+    at="decode": the most it holds at any step of its decode, n - DECODE_TOKENS prompt tokens and
+    DECODE_TOKENS output tokens (sink + window per sliding slot; a window's count peaks before the last
+    step as it crosses block edges)."""
     off, on = page_need_layouts(spec, num_layers, num_kv, block_size, layer_windows)
     if at == "prefill":
         return {str(n): off.peak_pages_per_rank(n, 1, CHUNK)[0] / on.peak_pages_per_rank(n, 1, CHUNK)[0]
                 for n in lengths}
     if at == "decode":
-        return {str(n): off.pages_per_rank(n - 1, 1)[0] / on.pages_per_rank(n - 1, 1)[0] for n in lengths}
+        def peak(layout, n):
+            return max(layout.pages_per_rank(t, 1)[0] for t in range(max(0, n - DECODE_TOKENS), n))
+
+        return {str(n): peak(off, n) / peak(on, n) for n in lengths}
     raise ValueError(f"page_need_ceiling: at must be 'prefill' or 'decode', got {at!r}")
 
 

@@ -206,12 +206,15 @@ def test_page_need_ceiling_uses_the_engines_layout_with_every_window_recycling()
     off, on = ev.page_need_layouts(spec, 2, 3, bs)
     assert len(on.recycling_groups) == 3 and not off.recycling_groups
 
-    def pair_pages(window):  # the step computing token n - 1: what a pair holds once decoding
-        return table_length(n, bs) - (num_dead_blocks(n - 1, window, 4, bs) if window else 0)
+    def pair_pages(window, t):  # the step computing token t: what a pair holds then
+        return table_length(t + 1, bs) - (num_dead_blocks(t, window, 4, bs) if window else 0)
 
     pairs = [64, 512, 0, 0, 128, 0]
     decode = ev.page_need_ceiling(spec, 2, 3, [n], bs, at="decode")[str(n)]
-    assert decode == pytest.approx(6 * pair_pages(0) / sum(pair_pages(w) for w in pairs))
+    steps = range(n - ev.DECODE_TOKENS, n)  # the request's decode: its most pages at any of its steps
+    peak_on = max(sum(pair_pages(w, t) for w in pairs) for t in steps)
+    assert decode == pytest.approx(6 * pair_pages(0, n - 1) / peak_on)
+    assert peak_on > sum(pair_pages(w, n - 1) for w in pairs)  # W 128 and 512 cross a block edge on the way
     prefill = ev.page_need_ceiling(spec, 2, 3, [n], bs)[str(n)]
     assert 1.0 < prefill < decode  # the last prefill chunk holds CHUNK more tokens in every sliding pair
 
