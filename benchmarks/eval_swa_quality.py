@@ -334,7 +334,7 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=4, help="retrieval prompts in flight at once")
     p.add_argument("--kv-cache-quant-type", default="none",
-                   choices=["none", "int8", "block_wise_fp8", "block_wise_int4"],
+                   choices=list(kv_quant.KV_CACHE_QUANT_TYPES),
                    help="KV page format of configs that name none (the reference stays float32 pages)")
     return p.parse_args(argv)
 
@@ -450,7 +450,7 @@ def main(argv=None) -> int:
         row["page_need_ceiling_decode"] = page_need_ceiling(spec, num_layers, num_kv, lengths, args.block_size,
                                                             at="decode", layer_windows=mc.layer_sliding_window)
         if quant != "none":  # the same KV memory holds this many times float32's pages
-            ratio = 4 * mc.head_dim / kv_quant.row_bytes(quant, 4, mc.head_dim)
+            ratio = kv_quant.kv_row_bytes("none", 4, mc.head_dim) / kv_quant.kv_row_bytes(quant, 4, mc.head_dim)
             row["kv_pages_x"] = {n: round(ratio * c, 3) for n, c in row["page_need_ceiling"].items()}
         row["seconds"] = round(time.time() - t0, 1)
         done[name] = row
