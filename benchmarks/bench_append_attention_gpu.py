@@ -15,12 +15,12 @@ Arms (recycling off, so every table addresses the same bytes):
 Decode also reports achieved HBM bandwidth (K+V bytes the arm must read / time) against a
 measured device-to-device copy. A last table times the 2-D decode over quantized pages
 (--kv-cache-quant-type int8 / block_wise_fp8: 8-bit codes, block_wise_int4: 4-bit codes two per
-byte; each + a float32 scale per row) against bf16
+byte, k8v4: int8 keys beside int4 values; each + a float32 scale per row) against bf16
 pages, after checking them against the float64 reference. Without a GPU it builds (when nvcc
 exists), says so, exits 0.
 
     python benchmarks/bench_append_attention_gpu.py [--json out.json] [--iters 20]
-        [--page-formats int8 block_wise_fp8 block_wise_int4]
+        [--page-formats int8 block_wise_fp8 block_wise_int4 k8v4]
 """
 
 from __future__ import annotations
@@ -141,10 +141,12 @@ def page_format_rows(harness, window: int, iters: int, formats=tuple(QUANT)) -> 
         res = harness.run(case, fill_on_device=True, warmup=3, iters=iters)
         if res.status != 0:
             raise SystemExit(f"{name} pages: failed: {res.message}")
-        # a page row: its codes (bf16: 2 bytes an element, 8-bit: 1, int4: half) and, quantized, its scale
-        row_bytes = {gpu_harness.CACHE_FLOAT: 2 * HEAD_DIM, gpu_harness.CACHE_INT4: HEAD_DIM // 2 + 4}.get(
-            quant, HEAD_DIM + 4)
-        kv_bytes = w["bsz"] * decode_pages_read(w["cached"], window, arm) * BLOCK * row_bytes * 2
+        # a page row of K + V: each lane's codes (bf16: 2 bytes an element, 8-bit: 1, int4: half) and,
+        # quantized, its scale; k8v4's lanes differ (int8 keys, int4 values)
+        eight_bit, four_bit = HEAD_DIM + 4, HEAD_DIM // 2 + 4
+        kv_row_bytes = {gpu_harness.CACHE_FLOAT: 2 * 2 * HEAD_DIM, gpu_harness.CACHE_INT4: 2 * four_bit,
+                        gpu_harness.CACHE_K8V4: eight_bit + four_bit}.get(quant, 2 * eight_bit)
+        kv_bytes = w["bsz"] * decode_pages_read(w["cached"], window, arm) * BLOCK * kv_row_bytes
         base = base or res.avg_ms
         rows.append(dict(pages=name, window=window, ms=round(res.avg_ms, 4), vs_bf16=round(res.avg_ms / base, 3),
                          kv_mb_read=round(kv_bytes / 2**20, 1), hbm_gbps=round(kv_bytes / (res.avg_ms * 1e-3) / 1e9, 1)))

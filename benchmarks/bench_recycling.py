@@ -42,7 +42,7 @@ from ab_harness import log, print_table, save_figure, write_json  # noqa: E402,F
 from fastdeploy import envs  # noqa: E402
 
 ENGINES = ("dry", "sim", "offline", "server")
-QUANT_TYPES = ("none", "int8", "block_wise_fp8", "block_wise_int4")
+QUANT_TYPES = ("none", "int8", "block_wise_fp8", "block_wise_int4", "k8v4")
 # Each engine's defaults where the shared options are not given (sim: serving_sim/report.py's table workload).
 DEFAULTS = {
     "dry": dict(model=["gemma-3-270m"], num_prompts=128, input_len=3968, output_len=128, block_size=64,

@@ -44,20 +44,19 @@ class CacheConfig:
     cache_dtype: str = "float32"
     # None = on unless the attention backend cannot read shared pages (resolved to a bool by FDConfig).
     enable_prefix_caching: Optional[bool] = None
-    # none / int8 / block_wise_fp8 / block_wise_int4 (layers/quantization/kv_cache.py); None = the checkpoint's
-    # quantization_config.kv_cache_quant_type, else none (resolved by FDConfig).
+    # none / int8 / block_wise_fp8 / block_wise_int4 / k8v4 (layers/quantization/kv_cache.py); None = the
+    # checkpoint's quantization_config.kv_cache_quant_type, else none (resolved by FDConfig).
     kv_cache_quant_type: Optional[str] = None
     num_gpu_blocks: int = 0  # resolved by FDConfig
 
-    @property
-    def page_dtype(self) -> str:
-        """The dtype of the K/V lanes: int8 / float8_e4m3fn / uint8 (int4 pairs) for quantized pages, else
-        cache_dtype."""
-        return kv_quant.page_dtype(self.kv_cache_quant_type or "none", self.cache_dtype)
+    def page_dtype(self, lane: str) -> str:
+        """The dtype of the K (lane="key") or V (lane="value") tensors: int8 / float8_e4m3fn / uint8 (int4
+        pairs) for quantized pages, else cache_dtype; k8v4's lanes differ (int8 keys, uint8 values)."""
+        return kv_quant.page_dtype(self.kv_cache_quant_type or "none", self.cache_dtype, lane)
 
-    def row_elements(self, head_dim: int) -> int:
-        """The last dim of a K/V lane: head_dim, or head_dim / 2 bytes of int4 pairs."""
-        return kv_quant.row_elements(self.kv_cache_quant_type or "none", head_dim)
+    def row_elements(self, head_dim: int, lane: str) -> int:
+        """The last dim of a K or V tensor: head_dim, or head_dim / 2 bytes of int4 pairs."""
+        return kv_quant.row_elements(self.kv_cache_quant_type or "none", head_dim, lane)
 
     @property
     def quantized(self) -> bool:
@@ -67,9 +66,9 @@ class CacheConfig:
         """Bytes one block takes on one rank: K and V, every layer, this rank's KV heads (the same for
         any slot layout: k lanes x G slots = layers x heads), quantized pages' scales included."""
         heads = model.num_key_value_heads // tensor_parallel_size
-        row = kv_quant.row_bytes(self.kv_cache_quant_type or "none", CACHE_DTYPE_BYTES[self.cache_dtype],
-                                 model.head_dim)
-        return 2 * model.num_hidden_layers * heads * self.block_size * row
+        kv_row = kv_quant.kv_row_bytes(self.kv_cache_quant_type or "none", CACHE_DTYPE_BYTES[self.cache_dtype],
+                                       model.head_dim)
+        return model.num_hidden_layers * heads * self.block_size * kv_row
 
 
 @dataclass

@@ -8,6 +8,7 @@
 // Quantized lanes (int8, e4m3fn, or uint8 caches of int4 pairs [num_blocks, G, block_size,
 // head_dim / 2], kv_quant.h) carry float32 scales [num_blocks, G, block_size] for K and for V, one
 // per token row of every page; float lanes take a 1-element placeholder there (docs/op_contract.md).
+// K and V lanes share a dtype and shape, except k8v4 pages: int8 keys beside uint8 int4 values.
 //
 // The step runs in three passes:
 //   1. validate every shape and every table entry the step will touch, so a

@@ -6,7 +6,8 @@
 //   1. check_inputs(): place, contiguity and dtype of every input, the op's
 //      integer attributes, the qkv width, the cache shape [num_blocks, slots,
 //      block_size, head_dim] (head_dim / 2 bytes for int4 pages; slots >= kv_heads: a lane of the slot layout,
-//      docs/memory_model.md), the scale tensors of quantized caches, the lengths of the int32 vectors, the table rank
+//      docs/memory_model.md), the key / value pair (one dtype and shape, or k8v4's int8 keys with
+//      uint8 int4 values), the scale tensors of quantized caches, the lengths of the int32 vectors, the table rank
 //      and dims against [bsz, slots, max_blocks] (or [bsz, max_blocks] in 1-D
 //      mode), the rotary tables;
 //   2. check_batch() on host copies of the small int32 inputs: cu_seqlens_q
@@ -50,7 +51,10 @@ struct Geometry {
   int64_t max_position = 0;  // rows of the rotary tables
   int64_t token_num = 0;     // rows of qkv
   int bsz = 0;
-  fd_kvq::Format quant = fd_kvq::kFloat;  // the pages' format, from the caches' dtype
+  // The format of each lane, from the caches' dtypes: alike, or int8 keys with int4 values (k8v4).
+  fd_kvq::Format key_quant = fd_kvq::kFloat;
+  fd_kvq::Format value_quant = fd_kvq::kFloat;
+  int page_format() const { return fd_kvq::page_format_of(key_quant, value_quant); }  // AppendAttnCacheQuant
 };
 
 // The keys a KV head's queries see (docs/op_contract.md): window 0 = every earlier key (a full
@@ -137,7 +141,7 @@ inline DeviceRules gpu_rules() {
   return {"append_attention_gpu", "GPU", true, true, false, true, true, true, false, true, true, true};
 }
 
-// int8, e4m3fn and uint8 (int4 pairs) caches are quantized pages.
+// int8, e4m3fn and uint8 (int4 pairs) caches are quantized lanes.
 inline fd_kvq::Format page_format(paddle::DataType t) {
   if (t == paddle::DataType::INT8) return fd_kvq::kInt8;
   if (t == paddle::DataType::FLOAT8_E4M3FN) return fd_kvq::kE4M3;
@@ -149,24 +153,38 @@ inline const char* format_name(fd_kvq::Format f) {
   return f == fd_kvq::kInt8 ? "int8" : f == fd_kvq::kE4M3 ? "float8_e4m3fn" : "uint8 (int4 pairs)";
 }
 
-// Quantized pages: float32 [num_blocks, slots, block_size], one scale per row of every page, for K
-// and for V. Float pages have no scales: a 1-element float32 placeholder keeps the op's arity fixed.
-inline void check_scales(const DeviceRules& rules, fd_kvq::Format quant,
-                         const std::vector<int64_t>& cache_shape, const paddle::Tensor& key_scales,
-                         const paddle::Tensor& value_scales) {
-  for (const auto& [t, name] : {std::pair<const paddle::Tensor*, const char*>{&key_scales, "key_cache_scales"},
-                                {&value_scales, "value_cache_scales"}}) {
-    PD_CHECK(t->dtype() == paddle::DataType::FLOAT32, rules.op, ": ", name, " must be float32");
-    if (quant == fd_kvq::kFloat) {
-      PD_CHECK(t->numel() == 1, rules.op, ": ", name,
-               " must be a 1-element placeholder for float caches (scales belong to int8 / "
-               "float8_e4m3fn caches)");
-    } else {
-      PD_CHECK(t->shape() == std::vector<int64_t>(cache_shape.begin(), cache_shape.end() - 1), rules.op,
-               ": ", name, " must be [num_blocks=", cache_shape[0], ", slots=", cache_shape[1],
-               ", block_size=", cache_shape[2], "] (one scale per row of every page) for ",
-               format_name(quant), " caches");
-    }
+// Cache elements of a row of head_dim values in a lane of this format: int4 lanes hold two per byte.
+inline int64_t lane_row_width(fd_kvq::Format f, int head_dim) {
+  return f == fd_kvq::kInt4 ? head_dim / 2 : head_dim;
+}
+
+// A tensor's dtype as the messages name it.
+inline const char* dtype_name(paddle::DataType t) {
+  switch (t) {
+    case paddle::DataType::FLOAT32: return "float32";
+    case paddle::DataType::BFLOAT16: return "bfloat16";
+    case paddle::DataType::FLOAT16: return "float16";
+    case paddle::DataType::INT8: return "int8";
+    case paddle::DataType::UINT8: return "uint8";
+    case paddle::DataType::FLOAT8_E4M3FN: return "float8_e4m3fn";
+    default: return "an unsupported dtype";
+  }
+}
+
+// A quantized lane's scales: float32 [num_blocks, slots, block_size], one per row of every page. Float
+// lanes have no scales: a 1-element float32 placeholder keeps the op's arity fixed.
+inline void check_scales(const DeviceRules& rules, fd_kvq::Format quant, const std::vector<int64_t>& cache_shape,
+                         const paddle::Tensor& scales, const char* name) {
+  PD_CHECK(scales.dtype() == paddle::DataType::FLOAT32, rules.op, ": ", name, " must be float32");
+  if (quant == fd_kvq::kFloat) {
+    PD_CHECK(scales.numel() == 1, rules.op, ": ", name,
+             " must be a 1-element placeholder for float caches (scales belong to int8 / "
+             "float8_e4m3fn caches)");
+  } else {
+    PD_CHECK(scales.shape() == std::vector<int64_t>(cache_shape.begin(), cache_shape.end() - 1), rules.op,
+             ": ", name, " must be [num_blocks=", cache_shape[0], ", slots=", cache_shape[1],
+             ", block_size=", cache_shape[2], "] (one scale per row of every page) for ",
+             format_name(quant), " caches");
   }
 }
 
@@ -254,15 +272,25 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
            qs.size() == 2 ? std::to_string(qs[1]) : "");
 
   const auto& cs = key_cache.shape();
-  const fd_kvq::Format quant = page_format(key_cache.dtype());
+  const fd_kvq::Format key_quant = page_format(key_cache.dtype());
+  const fd_kvq::Format value_quant = page_format(value_cache.dtype());
   // An int4 row is head_dim / 2 bytes, two codes each.
-  const int64_t row_width = quant == fd_kvq::kInt4 ? head_dim / 2 : head_dim;
+  const int64_t row_width = lane_row_width(key_quant, head_dim);
   PD_CHECK(cs.size() == 4 && cs[1] >= kv_num_heads && cs[3] == row_width && cs[2] > 0, rules.op,
            ": key_cache must be [num_blocks, slots >= kv_num_heads=", kv_num_heads, ", block_size, ",
-           quant == fd_kvq::kInt4 ? "head_dim / 2=" : "head_dim=", row_width, "]");
-  PD_CHECK(value_cache.shape() == cs && value_cache.dtype() == key_cache.dtype(), rules.op,
-           ": value_cache must match key_cache in shape and dtype");
-  if (quant != fd_kvq::kFloat) {
+           key_quant == fd_kvq::kInt4 ? "head_dim / 2=" : "head_dim=", row_width, "]");
+  // The lanes are one page format: the same dtype and shape, or k8v4's int8 keys beside uint8 int4
+  // values of half the row. Float lanes must share their dtype too (page_format says float for both).
+  std::vector<int64_t> value_shape = cs;
+  value_shape[3] = lane_row_width(value_quant, head_dim);
+  const bool known_pair = value_cache.dtype() == key_cache.dtype() ||
+                          fd_kvq::page_format_of(key_quant, value_quant) == fd_kvq::kK8V4;
+  PD_CHECK(known_pair && value_cache.shape() == value_shape, rules.op,
+           ": value_cache must match key_cache in shape and dtype, or hold the uint8 int4 values of k8v4 pages "
+           "[num_blocks, slots, block_size, head_dim / 2] beside int8 keys [num_blocks, slots, block_size, "
+           "head_dim]; got key_cache ", dtype_name(key_cache.dtype()), " ", shape_text(cs), " and value_cache ",
+           dtype_name(value_cache.dtype()), " ", shape_text(value_cache.shape()));
+  if (key_quant != fd_kvq::kFloat) {
     PD_CHECK(!rules.quantized_needs_bf16 || qkv.dtype() == paddle::DataType::BFLOAT16, rules.op,
              ": int8 / float8_e4m3fn caches and uint8 int4 caches (quantized pages) need bfloat16 qkv");
   } else if (rules.cache_matches_qkv) {
@@ -274,7 +302,8 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
              dtype_list(rules.cache_fp32, rules.cache_bf16, rules.cache_fp16),
              ", or int8 / float8_e4m3fn / uint8 int4 (quantized pages)");
   }
-  check_scales(rules, quant, cs, key_cache_scales, value_cache_scales);
+  check_scales(rules, key_quant, cs, key_cache_scales, "key_cache_scales");
+  check_scales(rules, value_quant, cs, value_cache_scales, "value_cache_scales");
 
   const int64_t bsz = seq_lens_this_time.shape().size() == 1 ? seq_lens_this_time.shape()[0] : -1;
   PD_CHECK(bsz >= 0, rules.op, ": seq_lens_this_time must be 1-D [bsz]");
@@ -327,7 +356,8 @@ inline Geometry check_inputs(const DeviceRules& rules, const paddle::Tensor& qkv
   g.max_position = rotary_cos.shape()[0];
   g.token_num = qs[0];
   g.bsz = int(bsz);
-  g.quant = quant;
+  g.key_quant = key_quant;
+  g.value_quant = value_quant;
   return g;
 }
 

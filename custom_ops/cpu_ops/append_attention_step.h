@@ -32,14 +32,15 @@ struct TokenRef {
   int64_t pos;  // absolute position of the token
 };
 
-// One lane's K and V pages as the step sees them: CacheT is float, bf16_bits, int8_t,
-// fd_kvq::e4m3 or Int4Pair (a row is row_elements<CacheT>(head_dim) of them); quantized lanes also carry one float32 scale per (page, row) for K and for V, at
-// the row's index in the page space (page * block_size + row), so a page's scales go wherever the
-// page goes. Float lanes have no scales (nullptr).
-template <typename CacheT>
+// One layer's K and V pages as the step sees them: KeyT and ValueT are float, bf16_bits, int8_t,
+// fd_kvq::e4m3 or Int4Pair (a row is row_elements<T>(head_dim) of them), the same type for every page
+// format but k8v4 (int8_t keys, Int4Pair values). Quantized lanes also carry one float32 scale per
+// (page, row), at the row's index in the page space (page * block_size + row), so a page's scales go
+// wherever the page goes. Float lanes have no scales (nullptr).
+template <typename KeyT, typename ValueT>
 struct KvPages {
-  CacheT* keys;
-  CacheT* values;
+  KeyT* keys;
+  ValueT* values;
   float* key_scales;
   float* value_scales;
   float* key_scale(int64_t row) const { return key_scales == nullptr ? nullptr : key_scales + row; }
@@ -61,15 +62,16 @@ std::vector<TokenRef> list_tokens(const Batch& b) {
 // rotated k and raw v written into the cache row of the token's position (quantized pages: their
 // codes, and the row's scale into the same (page, row) cell of the scale tensors; int8 and int4 pages
 // store the key Hadamard-rotated and the queries are rotated to match, kv_quant.h).
-template <typename QkvT, typename CacheT>
+template <typename QkvT, typename KeyT, typename ValueT>
 void rope_and_write(const Geometry& g, const Batch& b,
                     const std::vector<TokenRef>& tokens, const QkvT* qkv,
-                    const float* cos, const float* sin, const KvPages<CacheT>& kv, float* q_rot) {
+                    const float* cos, const float* sin, const KvPages<KeyT, ValueT>& kv, float* q_rot) {
   const int d = g.head_dim;
-  const int64_t width = row_elements<CacheT>(d);  // cache elements per row
+  const int64_t key_width = row_elements<KeyT>(d);  // cache elements per row of each lane
+  const int64_t value_width = row_elements<ValueT>(d);
   const int64_t stride = int64_t(g.num_heads + 2 * g.kv_heads) * d;
-  // int8 / int4 pages hold H k; each query then becomes H q / d (kv_quant.h), so q . k is unchanged.
-  const PageRotation rotation = page_rotation(g.quant, d);
+  // int8 / int4 key lanes hold H k; each query then becomes H q / d (kv_quant.h), so q . k is unchanged.
+  const PageRotation rotation = page_rotation(g.key_quant, d);
   const bool rotate = rotation.keys;
   const bool rotate_values = rotation.values;  // a measurement knob, off by default
   const float unrotate = 1.f / float(d);  // a power of two: exact
@@ -95,8 +97,8 @@ void rope_and_write(const Geometry& g, const Batch& b,
       const QkvT* v = x + int64_t(g.num_heads + g.kv_heads + h) * d;
       for (int i = 0; i < d; ++i) v_row[i] = to_float(v[i]);
       if (rotate_values) rotate_row(v_row.data(), d);
-      store_row(kv.keys + row * width, kv.key_scale(row), k_rot.data(), d);
-      store_row(kv.values + row * width, kv.value_scale(row), v_row.data(), d);
+      store_row(kv.keys + row * key_width, kv.key_scale(row), k_rot.data(), d);
+      store_row(kv.values + row * value_width, kv.value_scale(row), v_row.data(), d);
     }
   }
 }
@@ -126,7 +128,7 @@ constexpr int kTileTokens = 16;
 constexpr int kQuantizedTileTokens = 64;
 
 inline int tile_tokens(const Geometry& g) {
-  return g.quant == fd_kvq::kFloat ? kTileTokens : kQuantizedTileTokens;
+  return g.key_quant == fd_kvq::kFloat ? kTileTokens : kQuantizedTileTokens;
 }
 
 struct QueryTile {
@@ -173,14 +175,15 @@ struct PageReader {
 
 // Items write disjoint output rows and each query's arithmetic is fixed, so
 // results depend neither on the thread count nor on the tiling.
-template <typename OutT, typename CacheT>
+template <typename OutT, typename KeyT, typename ValueT>
 void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& tokens,
-            const float* q_rot, const KvPages<CacheT>& kv, OutT* out) {
+            const float* q_rot, const KvPages<KeyT, ValueT>& kv, OutT* out) {
   const int d = g.head_dim;
-  const int64_t row_width = row_elements<CacheT>(d);  // cache elements per row
-  constexpr bool int4_pages = std::is_same<CacheT, Int4Pair>::value;
+  const int64_t key_width = row_elements<KeyT>(d);  // cache elements per row of each lane
+  const int64_t value_width = row_elements<ValueT>(d);
+  constexpr bool int4_values = std::is_same<ValueT, Int4Pair>::value;
   // FD_KV_QUANT_ROTATE_VALUES=1 (measurement only): the values were stored rotated; rotate back.
-  const bool unrotate_values = page_rotation(g.quant, d).values;
+  const bool unrotate_values = page_rotation(g.key_quant, d).values;
   const int tile_max = tile_tokens(g);
   const std::vector<QueryTile> tiles = list_tiles(b, tile_max);
   const int64_t items = int64_t(tiles.size()) * g.kv_heads;
@@ -262,7 +265,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
       if (lo >= hi) continue;
       // Quantized pages are dequantized here, once per page visit, for all the tile's queries.
       const int64_t row0 = page_of(g, b, tile.request, h, i) * g.block_size + (lo - page_lo);
-      const float* kf = rows_as_float(kv.keys + row0 * row_width, kv.key_scale(row0), sc.ktile.data(), hi - lo, d);
+      const float* kf = rows_as_float(kv.keys + row0 * key_width, kv.key_scale(row0), sc.ktile.data(), hi - lo, d);
       // The queries that read this page and their pieces of it (sink part, window part).
       int readers = 0;
       for (int t = 0; t < tile.tokens; ++t) {
@@ -283,9 +286,9 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
       }
       // Values: into the scratch too, except int4 values for readers that fit one batch (a decode
       // token's query heads), which the weighted sum reads from the page itself (the same bits).
-      const bool values_in_place = int4_pages && reads_int4_values_in_place(d) && readers <= shared_values_width(d);
+      const bool values_in_place = int4_values && reads_int4_values_in_place(d) && readers <= shared_values_width(d);
       const float* vf = values_in_place ? nullptr
-                                        : rows_as_float(kv.values + row0 * row_width, kv.value_scale(row0),
+                                        : rows_as_float(kv.values + row0 * value_width, kv.value_scale(row0),
                                                         sc.vtile.data(), hi - lo, d);
       // Scaled scores of every reader over [lo, hi) (keys a reader does not see are never folded).
       scores_rows(sc.q.data(), readers, kf, int(hi - lo), d, scale, sc.scores.data(), g.block_size);
@@ -319,9 +322,9 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
             sc.w[batched] = sc.scores.data() + int64_t(r) * g.block_size + (ka - lo);
             sc.accs[batched++] = sc.acc.data() + int64_t(other.query) * d;
           }
-          if constexpr (int4_pages) {
+          if constexpr (int4_values) {
             if (values_in_place) {
-              weighted_values_many(sc.w.data(), sc.accs.data(), batched, kv.values + (row0 + ka - lo) * row_width,
+              weighted_values_many(sc.w.data(), sc.accs.data(), batched, kv.values + (row0 + ka - lo) * value_width,
                                    kv.value_scale(row0) + (ka - lo), int(ke - ka));
               continue;
             }
@@ -347,7 +350,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
   });
 }
 
-template <typename QkvT, typename CacheT>
+template <typename QkvT, typename KeyT, typename ValueT>
 void run_step(const Geometry& g, const Batch& b, const paddle::Tensor& qkv,
               const paddle::Tensor& cos, const paddle::Tensor& sin,
               const paddle::Tensor& key_cache, const paddle::Tensor& value_cache,
@@ -357,11 +360,12 @@ void run_step(const Geometry& g, const Batch& b, const paddle::Tensor& qkv,
   const std::vector<TokenRef> tokens = list_tokens(b);
   // Cache writes are the op's contract (in-place outputs), hence const_cast.
   const auto writable = [](const paddle::Tensor& t) { return const_cast<void*>(t.data()); };
-  const bool quantized = g.quant != fd_kvq::kFloat;
-  const KvPages<CacheT> kv{reinterpret_cast<CacheT*>(writable(key_cache)),
-                           reinterpret_cast<CacheT*>(writable(value_cache)),
-                           quantized ? reinterpret_cast<float*>(writable(key_scales)) : nullptr,
-                           quantized ? reinterpret_cast<float*>(writable(value_scales)) : nullptr};
+  const auto scales_of = [&](fd_kvq::Format f, const paddle::Tensor& t) {
+    return f != fd_kvq::kFloat ? reinterpret_cast<float*>(writable(t)) : nullptr;
+  };
+  const KvPages<KeyT, ValueT> kv{reinterpret_cast<KeyT*>(writable(key_cache)),
+                                 reinterpret_cast<ValueT*>(writable(value_cache)),
+                                 scales_of(g.key_quant, key_scales), scales_of(g.value_quant, value_scales)};
   const QkvT* x = reinterpret_cast<const QkvT*>(qkv.data());
   QkvT* o = reinterpret_cast<QkvT*>(out->data());
 
@@ -375,25 +379,34 @@ void run_step(const Geometry& g, const Batch& b, const paddle::Tensor& qkv,
             o + token_num * g.num_heads * g.head_dim, QkvT(0));
 }
 
-// The step with the cache's element type: float32, bfloat16, int8, e4m3 or int4 (uint8) pages.
+// The step with the lanes' element types, by the (key, value) dtype pair the checks accepted: both
+// float32, bfloat16, int8, e4m3 or int4 (uint8), or int8 keys with int4 values (k8v4).
 template <typename QkvT>
 void run_step_for_cache(const Geometry& g, const Batch& b, const paddle::Tensor& qkv,
                         const paddle::Tensor& cos, const paddle::Tensor& sin,
                         const paddle::Tensor& key_cache, const paddle::Tensor& value_cache,
                         const paddle::Tensor& key_scales, const paddle::Tensor& value_scales,
                         paddle::Tensor* out) {
-  switch (key_cache.dtype()) {
+  if (g.page_format() == fd_kvq::kK8V4) {
+    return run_step<QkvT, int8_t, Int4Pair>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales, value_scales,
+                                            out);
+  }
+  switch (key_cache.dtype()) {  // the value lane has the key lane's dtype
     case paddle::DataType::BFLOAT16:
-      return run_step<QkvT, bf16_bits>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales, value_scales, out);
+      return run_step<QkvT, bf16_bits, bf16_bits>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales,
+                                                  value_scales, out);
     case paddle::DataType::INT8:
-      return run_step<QkvT, int8_t>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales, value_scales, out);
+      return run_step<QkvT, int8_t, int8_t>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales, value_scales,
+                                            out);
     case paddle::DataType::FLOAT8_E4M3FN:
-      return run_step<QkvT, fd_kvq::e4m3>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales, value_scales,
-                                          out);
+      return run_step<QkvT, fd_kvq::e4m3, fd_kvq::e4m3>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales,
+                                                        value_scales, out);
     case paddle::DataType::UINT8:
-      return run_step<QkvT, Int4Pair>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales, value_scales, out);
+      return run_step<QkvT, Int4Pair, Int4Pair>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales,
+                                                value_scales, out);
     default:
-      return run_step<QkvT, float>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales, value_scales, out);
+      return run_step<QkvT, float, float>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales, value_scales,
+                                          out);
   }
 }
 

@@ -1,4 +1,4 @@
-// Quantized KV pages (int8, block_wise_fp8 and block_wise_int4): the one rule for writing a token's
+// Quantized KV pages (int8, block_wise_fp8, block_wise_int4 and k8v4): the one rule for writing a token's
 // K or V head vector as 8-bit (or 4-bit) codes with one float32 scale, and for reading it back. The CPU op and the CUDA
 // kernels both include this header (the CUDA build has cpu_ops/ on its include path), so the two
 // devices write the same bytes and read the same floats.
@@ -31,8 +31,30 @@
 
 namespace fd_kvq {
 
-// The page formats; the cache's dtype says which one a lane holds.
+// The formats of one lane (the K or the V tensor of a layer); its dtype says which one it holds.
 enum Format { kFloat = 0, kInt8 = 1, kE4M3 = 2, kInt4 = 3 };
+
+// A layer's page format names the format of each lane. kFloat .. kInt4 store keys and values alike;
+// kK8V4 (vLLM TurboQuant's k8v4) stores keys as int8 and values as int4: a key's outlier channels
+// need the bits (they set the row's one scale), values average over many rows in p . v and do not.
+// A row of K + V then costs (head_dim + 4) + (head_dim / 2 + 4) bytes.
+constexpr int kK8V4 = 4;
+
+struct LaneFormats {
+  Format key;
+  Format value;
+};
+
+FD_KVQ_FN LaneFormats lane_formats(int page_format) {
+  if (page_format == kK8V4) return {kInt8, kInt4};
+  return {static_cast<Format>(page_format), static_cast<Format>(page_format)};
+}
+
+// The page format whose lanes are (key, value), or -1 for a pair no format stores.
+FD_KVQ_FN int page_format_of(Format key, Format value) {
+  if (key == value) return key;
+  return key == kInt8 && value == kInt4 ? kK8V4 : -1;
+}
 
 constexpr float kInt8Max = 127.f;
 constexpr float kE4M3Max = 448.f;  // largest finite e4m3fn (0x7E); 0x7F is NaN, there is no inf

@@ -38,14 +38,15 @@ inline bool key_rotation_enabled() { return cpu_options().kv_key_rotation != 0; 
 inline bool value_rotation_enabled() { return cpu_options().kv_value_rotation != 0; }
 
 // The rotations a step's pages use: the page rule's (rotated int8 / int4 keys) with the two measurement
-// knobs above applied; the write pass and the attention pass both ask here, so they always agree.
+// knobs above applied; the write pass and the attention pass both ask here, so they always agree. The
+// key lane's format decides (k8v4: int8 keys rotated, int4 values as they are unless the knob asks).
 struct PageRotation {
   bool keys;
   bool values;
 };
 
-inline PageRotation page_rotation(fd_kvq::Format format, int head_dim) {
-  const bool keys = fd_kvq::rotates_keys(format, head_dim) && key_rotation_enabled();
+inline PageRotation page_rotation(fd_kvq::Format key_format, int head_dim) {
+  const bool keys = fd_kvq::rotates_keys(key_format, head_dim) && key_rotation_enabled();
   return {keys, keys && value_rotation_enabled()};
 }
 

@@ -1,7 +1,7 @@
 // Paddle custom op `append_attention_gpu`: a thin wrapper over the C ABI launcher in
 // append_attn/ (same arguments, semantics and input checks as the CPU op; bf16/fp16 tensors on
-// the GPU; int8 / float8_e4m3fn caches, or uint8 caches of int4 pairs [..., head_dim / 2], with their
-// scales for quantized pages, bf16 qkv). key_cache /
+// the GPU; int8 / float8_e4m3fn caches, or uint8 caches of int4 pairs [..., head_dim / 2], or k8v4's
+// int8 keys beside uint8 int4 values, with their scales for quantized pages, bf16 qkv). key_cache /
 // value_cache (and the scales) are updated in place. Built by custom_ops/setup_ops.py, or
 // JIT-built on first use (fastdeploy/.../ops/gpu_op_loader.py), when Paddle has CUDA.
 //
@@ -35,10 +35,10 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
     paddle::Tensor& value_cache_scales, paddle::Tensor& error_info, int num_heads, int kv_num_heads, int head_dim,
     bool visit_all_pages, bool dual_pass) {
   // The CPU op's metadata checks (one header); the value checks run on the device (error_info).
-  fd_attn::check_inputs(fd_attn::gpu_rules(), qkv, key_cache, value_cache, seq_lens_encoder,
-                        seq_lens_decoder, seq_lens_this_time, cu_seqlens_q, block_tables, rotary_cos,
-                        rotary_sin, head_windows, kv_head_slots, key_cache_scales,
-                        value_cache_scales, num_heads, kv_num_heads, head_dim, visit_all_pages);
+  const fd_attn::Geometry g = fd_attn::check_inputs(
+      fd_attn::gpu_rules(), qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
+      cu_seqlens_q, block_tables, rotary_cos, rotary_sin, head_windows, kv_head_slots, key_cache_scales,
+      value_cache_scales, num_heads, kv_num_heads, head_dim, visit_all_pages);
   PD_CHECK(error_info.is_gpu() && error_info.dtype() == paddle::DataType::INT32 &&
                error_info.numel() == 4,
            "append_attention_gpu: error_info must be 4 int32 on the GPU");
@@ -60,7 +60,7 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
   p.max_position = static_cast<int>(rotary_cos.shape()[0]);
   p.visit_all_pages = visit_all_pages;
   p.dual_pass = dual_pass ? 1 : 0;
-  p.cache_quant = fd_attn::page_format(key_cache.dtype());  // AppendAttnCacheQuant's values
+  p.cache_quant = g.page_format();  // the (key, value) lane pair the checks accepted, as AppendAttnCacheQuant
   const bool quantized = p.cache_quant != APPEND_ATTN_CACHE_FLOAT;
 
   auto out = paddle::empty({p.token_num, num_heads * head_dim}, qkv.dtype(), qkv.place());

@@ -55,8 +55,8 @@ PARAM_FIELDS = cuda_on_cpu.PARAM_FIELDS
 BUFFER_FIELDS = cuda_on_cpu.BUFFER_FIELDS
 
 # AppendAttnCacheQuant: float pages of `dtype`, or int8 / e4m3fn bytes or int4 codes two per byte
-# (caches [..., head_dim / 2] uint8), with a float32 scale per row.
-CACHE_FLOAT, CACHE_INT8, CACHE_FP8_E4M3, CACHE_INT4 = 0, 1, 2, 3
+# (caches [..., head_dim / 2] uint8), or k8v4 (int8 keys, int4 values), with a float32 scale per row.
+CACHE_FLOAT, CACHE_INT8, CACHE_FP8_E4M3, CACHE_INT4, CACHE_K8V4 = 0, 1, 2, 3, 4
 
 # Device-side error codes (AppendAttnDeviceError).
 ERR_DEAD_ENTRY = 1
@@ -281,8 +281,8 @@ class Case:
     out: np.ndarray
     kv_head_slots: np.ndarray | None = None  # None: KV head h in slot h (params kv_slots 0)
     # Quantized pages (params cache_quant != 0): the caches are uint8 / int8 codes (int4: uint8
-    # [num_blocks, kv_slots, block_size, head_dim / 2], two codes a byte) and these float32
-    # [num_blocks, kv_slots, block_size] their rows' scales.
+    # [num_blocks, kv_slots, block_size, head_dim / 2], two codes a byte; k8v4: int8 keys, int4 values)
+    # and these float32 [num_blocks, kv_slots, block_size] their rows' scales.
     key_cache_scales: np.ndarray | None = None
     value_cache_scales: np.ndarray | None = None
 

@@ -18,7 +18,7 @@ from reference_kv_quant import quantized_pages
 
 # kv_cache_quant_type -> AppendAttnCacheQuant
 QUANT = {"int8": gpu_harness.CACHE_INT8, "block_wise_fp8": gpu_harness.CACHE_FP8_E4M3,
-         "block_wise_int4": gpu_harness.CACHE_INT4}
+         "block_wise_int4": gpu_harness.CACHE_INT4, "k8v4": gpu_harness.CACHE_K8V4}
 
 
 # Per-head windows (build_case's head_windows) for 4 KV heads: a full head and three sliding types, a
@@ -261,8 +261,8 @@ def relative_error(out_bits: np.ndarray, ref: np.ndarray, dtype: int) -> float:
 
 
 def quantize_case(case: Case, fmt: str) -> Case:
-    """The (bf16) case with its cache rows as quantized pages of `fmt` (tests/custom_ops/
-    reference_kv_quant.py; NaN rows: scale NaN, codes 0, so a stray read still poisons the output)."""
+    """The (bf16) case with its cache rows as quantized pages of `fmt`, each lane in its own format (tests/
+    custom_ops/reference_kv_quant.py; NaN rows: scale NaN, codes 0, so a stray read still poisons the output)."""
     shape = case.key_cache.shape
     kc, ks = quantized_pages(from_storage(case.key_cache, BF16).reshape(shape), fmt, keys=True)
     vc, vs = quantized_pages(from_storage(case.value_cache, BF16).reshape(shape), fmt, keys=False)

@@ -60,9 +60,13 @@ MUTANTS = {
         "mixed", "prefill scores read K rows other threads have not loaded yet (a race)"),
     "int4_nibbles_swapped_on_write": Mutant(
         "rope_write_cache.cu",
-        "fd_kvq::int4_pack(fd_kvq::int4_code(k[0], scale_s[h]), fd_kvq::int4_code(k[1], scale_s[h]))",
-        "fd_kvq::int4_pack(fd_kvq::int4_code(k[1], scale_s[h]), fd_kvq::int4_code(k[0], scale_s[h]))",
-        "int4", "the int4 cache write puts a key's odd element in the low nibble"),
+        "fd_kvq::int4_pack(fd_kvq::int4_code(x[0], scales[h]), fd_kvq::int4_code(x[1], scales[h]))",
+        "fd_kvq::int4_pack(fd_kvq::int4_code(x[1], scales[h]), fd_kvq::int4_code(x[0], scales[h]))",
+        "int4", "the int4 cache write puts a row's odd element in the low nibble"),
+    "k8v4_values_read_with_the_key_codec": Mutant(
+        "decode_attention.cu", "const float2 v = PV::pair(v_reg[i], kQuantized ? v_scale_s[key] : 0.f);",
+        "const float2 v = PK::pair(v_reg[i], kQuantized ? v_scale_s[key] : 0.f);",
+        "k8v4", "decode reads k8v4's int4 value bytes as the keys' int8 codes"),
     "int4_codes_read_unsigned": Mutant(
         "append_attn_common.cuh", "float(static_cast<int32_t>(word << (28 - 4 * e)) >> 28)",
         "float((word << (28 - 4 * e)) >> 28)", "int4", "decode reads negative int4 codes as 9..15"),
@@ -108,6 +112,12 @@ def int4_case(rng):
     return quantize_case(mixed_case(rng), "block_wise_int4")
 
 
+def k8v4_case(rng):
+    from gpu_reference import quantize_case
+
+    return quantize_case(mixed_case(rng), "k8v4")
+
+
 def per_head_case(rng):
     """Per-head windows (head_windows [2, kv_num_heads]): a full head and three sliding types, each
     head's dead pages -1; another head's window or sink is what a kernel must not use."""
@@ -117,7 +127,7 @@ def per_head_case(rng):
                       head_dim=64, block_size=16, head_windows=MIXED_HEAD_WINDOWS)
 
 
-CASES = {"mixed": mixed_case, "decodes": decodes_case, "int8": int8_case, "int4": int4_case,
+CASES = {"mixed": mixed_case, "decodes": decodes_case, "int8": int8_case, "int4": int4_case, "k8v4": k8v4_case,
          "per_head": per_head_case}
 
 
@@ -169,8 +179,8 @@ def _child(library: str, case_name: str, seed: int, orders: str) -> dict:
     return report
 
 
-# the test file's bf16, int8 and int4 tolerances
-TOLERANCE = {"mixed": 1e-2, "decodes": 1e-2, "int8": 2.5e-2, "int4": 0.25, "per_head": 1e-2}
+# the test file's bf16, int8, int4 and k8v4 tolerances
+TOLERANCE = {"mixed": 1e-2, "decodes": 1e-2, "int8": 2.5e-2, "int4": 0.25, "k8v4": 0.2, "per_head": 1e-2}
 
 
 def caught(report: dict, case_name: str) -> bool:

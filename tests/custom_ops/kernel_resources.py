@@ -47,11 +47,24 @@ DECODE_PATH = ("decode_attention_kernel", "decode_merge_kernel")
 # (the quantized cache write stages a token's rows) is evaluated.
 MODEL_SHAPES = {"Gemma-3-270M": (4, 1, 256), "Gemma-3-4B": (8, 4, 256), "SmolLM2-135M": (9, 3, 64),
                 "ERNIE-4.5-21B-A3B": (20, 4, 128)}
+# The attention kernels' lane codecs (<T, key codec, value codec, D, BS>) -> the lane's format
 PAGE_FORMATS = {"FloatPages": gpu_harness.CACHE_FLOAT, "Int8Pair": gpu_harness.CACHE_INT8,
                 "E4M3Pair": gpu_harness.CACHE_FP8_E4M3, "NibblePages": gpu_harness.CACHE_INT4}
-# rope_write_quantized_kernel<T, Code>: the Code type's name -> its page format
+# rope_write_quantized_kernel<T, KeyCode, ValueCode>: a Code type's name -> its lane's format
 WRITE_CODES = {"signed char": gpu_harness.CACHE_INT8, "e4m3": gpu_harness.CACHE_FP8_E4M3,
                "Int4Pair": gpu_harness.CACHE_INT4}
+
+
+def page_format(key_format: int, value_format: int) -> int:
+    """AppendAttnCacheQuant of a (key lane, value lane) pair: the lanes' own format, or k8v4."""
+    if key_format == value_format:
+        return key_format
+    assert (key_format, value_format) == (gpu_harness.CACHE_INT8, gpu_harness.CACHE_INT4), (key_format, value_format)
+    return gpu_harness.CACHE_K8V4
+
+
+def _lane_format(names: dict, arg: str) -> int:
+    return next(v for k, v in names.items() if k in arg)
 
 
 @dataclasses.dataclass
@@ -161,11 +174,11 @@ def _dynamic_smem(lib, kernel: str, name: str) -> dict[str, int]:
         got = lib.append_attention_dynamic_smem_bytes(ctypes.byref(p), KERNEL_IDS[kernel])
         return int(got)
 
-    if kernel == "prefill_attention_kernel":  # <T, Pages, D, BS>: depends on the page format and D
-        quant = next(v for k, v in PAGE_FORMATS.items() if k in args[1])
-        return {"": ask(int(args[2]), int(args[3]), quant, 8, 1)}
-    if kernel == "rope_write_quantized_kernel":  # <T, Code>: depends on the model's heads
-        quant = next(v for k, v in WRITE_CODES.items() if k in args[1])
+    if kernel == "prefill_attention_kernel":  # <T, KeyPages, ValuePages, D, BS>: the page format and D
+        quant = page_format(_lane_format(PAGE_FORMATS, args[1]), _lane_format(PAGE_FORMATS, args[2]))
+        return {"": ask(int(args[3]), int(args[4]), quant, 8, 1)}
+    if kernel == "rope_write_quantized_kernel":  # <T, KeyCode, ValueCode>: depends on the model's heads
+        quant = page_format(_lane_format(WRITE_CODES, args[1]), _lane_format(WRITE_CODES, args[2]))
         return {model: ask(d, 64, quant, nh, kvh) for model, (nh, kvh, d) in MODEL_SHAPES.items()}
     return {"": ask(128, 64, gpu_harness.CACHE_FLOAT, 8, 1)}  # the other kernels: 0 at every shape
 

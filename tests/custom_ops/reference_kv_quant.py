@@ -5,7 +5,8 @@ saturating at +-Q; a zero row gets scale 0 and codes 0. Float32 arithmetic where
 float32 (scale, division), exact float64 for the rounding itself. int8 and int4 keys are stored
 rotated by the unnormalised Walsh-Hadamard matrix H (head_dim a power of two), queries by H / head_dim.
 int4 codes (-7..7) are stored two per byte: element 2i in the low nibble, 2i + 1 in the high one,
-each a 4-bit two's complement number.
+each a 4-bit two's complement number. k8v4 pages store their keys by the int8 rule (rotated) and their
+values by the int4 rule (lane_format); the functions that take `keys` accept it.
 Used only by tests.
 """
 
@@ -16,9 +17,18 @@ import numpy as np
 # page format name (the engine's kv_cache_quant_type) -> (cache dtype, Q)
 FORMATS = {"int8": ("int8", 127.0), "block_wise_fp8": ("float8_e4m3fn", 448.0),
            "block_wise_int4": ("uint8", 7.0)}
+# page formats whose key and value lanes differ -> (the keys' format, the values' format)
+MIXED_FORMATS = {"k8v4": ("int8", "block_wise_int4")}
+PAGE_FORMATS = list(FORMATS) + list(MIXED_FORMATS)  # every quantized kv_cache_quant_type
+
+
+def lane_format(fmt: str, keys: bool) -> str:
+    """The one-lane format (a key of FORMATS) the keys (or the values) of `fmt` pages are stored in."""
+    return MIXED_FORMATS[fmt][0 if keys else 1] if fmt in MIXED_FORMATS else fmt
 
 
 def rotates_keys(fmt: str, head_dim: int) -> bool:
+    fmt = lane_format(fmt, keys=True)
     return fmt in ("int8", "block_wise_int4") and head_dim > 1 and head_dim & (head_dim - 1) == 0
 
 
@@ -119,11 +129,13 @@ def e4m3_values(codes: np.ndarray) -> np.ndarray:
 
 def quantized_pages(rows: np.ndarray, fmt: str, keys: bool):
     """(codes as stored — int8, e4m3fn bytes as uint8, or int4 pairs as uint8 [..., d / 2] —, float32
-    scales) of cache rows [..., d];
+    scales) of cache rows [..., d] of the key (or value) lane of `fmt` pages;
     NaN rows (never written) get scale NaN and codes 0, so reading one poisons the result."""
+    rotate = keys and rotates_keys(fmt, rows.shape[-1])
+    fmt = lane_format(fmt, keys)
     poisoned = np.isnan(rows).any(axis=-1)
     rows = np.nan_to_num(np.asarray(rows, dtype=np.float32))
-    if keys and rotates_keys(fmt, rows.shape[-1]):
+    if rotate:
         rows = hadamard(rows)
     codes, scales = quantize_rows(rows, fmt)
     stored = {"int8": lambda c: c.astype(np.int8), "block_wise_int4": pack_int4,
@@ -132,7 +144,8 @@ def quantized_pages(rows: np.ndarray, fmt: str, keys: bool):
 
 
 def pages_from_codes(codes: np.ndarray, scales: np.ndarray, fmt: str, keys: bool) -> np.ndarray:
-    """float64 values of stored pages (int8 keys rotated back exactly)."""
+    """float64 values of the stored key (or value) lane of `fmt` pages (int8 keys rotated back exactly)."""
+    page_fmt, fmt = fmt, lane_format(fmt, keys)
     # The codes' bytes, whatever array holds them (the harness returns uint8): int8 codes are signed.
     if fmt == "int8":
         values = codes.view(np.int8).astype(np.float64)
@@ -141,6 +154,6 @@ def pages_from_codes(codes: np.ndarray, scales: np.ndarray, fmt: str, keys: bool
     else:
         values = e4m3_values(codes.view(np.uint8))
     rows = values * scales[..., None].astype(np.float32).astype(np.float64)
-    if keys and rotates_keys(fmt, rows.shape[-1]):
+    if keys and rotates_keys(page_fmt, rows.shape[-1]):
         rows = hadamard(rows) / rows.shape[-1]
     return rows

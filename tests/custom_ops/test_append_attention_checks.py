@@ -197,6 +197,10 @@ def test_gpu_wrapper_rules_reject_cpu_tensors_naming_the_input():
 
 # -- the scale tensors of quantized pages (int8 / float8_e4m3fn / uint8 int4 caches) -----------------
 SCALES_SHAPE = (NUM_BLOCKS, KV_HEADS, BLOCK)
+# The message naming a key / value pair that is no page format, with both lanes' dtypes and shapes.
+NOT_A_PAIR = (r"value_cache must match key_cache in shape and dtype, or hold the uint8 int4 values of k8v4 pages "
+              r"\[num_blocks, slots, block_size, head_dim / 2\] beside int8 keys \[num_blocks, slots, block_size, "
+              r"head_dim\]; got key_cache ")
 BAD_SCALES = {
     "int8 caches without scales (the float placeholder)": (
         "int8", dict(key_cache_scales=np.zeros(1, np.float32)), r"key_cache_scales must be \[num_blocks=8, slots=2, "
@@ -207,7 +211,23 @@ BAD_SCALES = {
     "float64 scales": ("int8", dict(key_cache_scales=np.zeros(SCALES_SHAPE)), "key_cache_scales must be float32"),
     "float caches given real scales": (
         "float32", dict(key_cache_scales=np.zeros(SCALES_SHAPE, np.float32)), "1-element placeholder for float caches"),
-    "int8 keys, e4m3 values": ("int8", dict(value_cache="float8_e4m3fn"), "value_cache must match key_cache"),
+    "int8 keys, e4m3 values": ("int8", dict(value_cache="float8_e4m3fn"),
+                               NOT_A_PAIR + r"int8 \[8, 2, 16, 16\] and value_cache float8_e4m3fn \[8, 2, 16, 16\]"),
+    # k8v4 is int8 keys with int4 values; nothing else mixes lanes.
+    "int4 keys, int8 values (k8v4 the wrong way round)": (
+        "uint8", dict(value_cache="int8"), NOT_A_PAIR + r"uint8 \[8, 2, 16, 8\] and value_cache int8 \[8, 2, 16, 16\]"),
+    "int8 keys, int4 values a whole head_dim wide (codes not packed two per byte)": (
+        "int8", dict(value_cache="uint8", unpacked=True),
+        NOT_A_PAIR + r"int8 \[8, 2, 16, 16\] and value_cache uint8 \[8, 2, 16, 16\]"),
+    "int8 keys, float values": (  # float32 for the CPU op, bfloat16 under the CUDA rules
+        "int8", dict(value_cache="float32"),
+        NOT_A_PAIR + r"int8 \[8, 2, 16, 16\] and value_cache (float32|bfloat16) \[8, 2, 16, 16\]"),
+    "k8v4 values without scales": (
+        "int8", dict(value_cache="uint8", value_cache_scales=np.zeros(1, np.float32)),
+        r"value_cache_scales must be \[num_blocks=8, slots=2, block_size=16\] .* for uint8 \(int4 pairs\) caches"),
+    "k8v4 keys without scales": (
+        "int8", dict(value_cache="uint8", key_cache_scales=np.zeros(1, np.float32)),
+        r"key_cache_scales must be \[num_blocks=8, slots=2, block_size=16\] .* for int8 caches"),
     "int4 caches without scales": (
         "uint8", dict(value_cache_scales=np.zeros(1, np.float32)),
         r"value_cache_scales must be \[num_blocks=8, slots=2, block_size=16\] .* for uint8 \(int4 pairs\) caches"),
@@ -221,7 +241,7 @@ def _with_scales(cache_dtype, change):
     t = _tensors(valid_inputs())
     for name in ("key_cache", "value_cache"):
         t[name] = (t[name] * 10).astype(change.get(name, cache_dtype))
-        if cache_dtype == "uint8" and not change.get("unpacked"):  # int4: two codes per byte
+        if t[name].dtype == paddle.uint8 and not change.get("unpacked"):  # int4: two codes per byte
             t[name] = t[name][..., : t[name].shape[-1] // 2].contiguous()
     quantized = cache_dtype != "float32"
     for name in ("key_cache_scales", "value_cache_scales"):
@@ -253,6 +273,28 @@ def test_quantized_caches_pass_both_rule_sets_and_the_cuda_rules_want_bfloat16(c
     _validate_all({**t, "qkv": t["qkv"].astype("bfloat16")}, "gpu")
     with pytest.raises(ValueError, match="append_attention_gpu: int8 / float8_e4m3fn caches .* need bfloat16 qkv"):
         _validate_all({**t, "qkv": t["qkv"].astype("float16")}, "gpu")
+
+
+def test_k8v4_int8_keys_beside_int4_values_pass_both_rule_sets_and_run():
+    """k8v4 pages: an int8 key lane [..., head_dim] and a uint8 value lane of int4 pairs [..., head_dim / 2],
+    each with its scales; the CPU op runs it with either qkv dtype, the CUDA rules want bfloat16 qkv."""
+    t = _with_scales("int8", dict(value_cache="uint8"))
+    assert t["key_cache"].shape == [NUM_BLOCKS, KV_HEADS, BLOCK, HEAD_DIM]
+    assert t["value_cache"].shape == [NUM_BLOCKS, KV_HEADS, BLOCK, HEAD_DIM // 2]
+    out = append_attention(**t, **ATTRS)
+    assert out.shape == [6, NUM_HEADS * HEAD_DIM] and np.isfinite(out.numpy()).all()
+    append_attention(**{**t, "qkv": t["qkv"].astype("bfloat16")}, **ATTRS)
+    _validate_all(t, "cpu")
+    _validate_all({**t, "qkv": t["qkv"].astype("bfloat16")}, "gpu")
+    with pytest.raises(ValueError, match="append_attention_gpu: int8 / float8_e4m3fn caches .* need bfloat16 qkv"):
+        _validate_all({**t, "qkv": t["qkv"].astype("float16")}, "gpu")
+
+
+def test_float_lanes_of_two_dtypes_are_no_page_format():
+    t = _tensors(valid_inputs())
+    t["value_cache"] = t["value_cache"].astype("bfloat16")
+    with pytest.raises(ValueError, match=NOT_A_PAIR + r"float32 \[8, 2, 16, 16\] and value_cache bfloat16 "):
+        append_attention(**t, **ATTRS)
 
 
 def _validate_all(t, rules):

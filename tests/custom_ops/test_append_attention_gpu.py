@@ -300,16 +300,17 @@ def test_a_head_slot_outside_the_lane_is_reported(harness, rng):
     assert result.status == 2 and result.error_info[0] == gpu_harness.ERR_OUT_OF_RANGE, result
 
 
-# -- quantized pages (int8 / e4m3fn codes, or int4 codes two per byte, with a float32 scale per row;
-# bf16 compute) ---------------------------------------------------------------------------------------
+# -- quantized pages (int8 / e4m3fn codes, or int4 codes two per byte, or k8v4's int8 keys beside int4
+# values, with a float32 scale per row; bf16 compute) -------------------------------------------------
 from gpu_reference import QUANT, expected_quantized_caches, quantize_case  # noqa: E402
 from reference_attention import reference_append_attention  # noqa: E402
 from reference_kv_quant import pages_from_codes  # noqa: E402
 
 # Attention over the original float values: the format's error (the CPU op's cases measure int8
 # 7e-3 to 8e-3, e4m3 3e-2 to 3.5e-2; int4 pages on these random rows 1.5e-1 to 1.8e-1 at head_dim
-# 64 to 256, Q = 7 levels a side) plus bf16 rounding of q, k, v and the output.
-QUANT_TOLERANCE = {"int8": 2.5e-2, "block_wise_fp8": 7e-2, "block_wise_int4": 0.25}
+# 64 to 256, Q = 7 levels a side; k8v4's int4 values beside int8 keys 1.05e-1 to 1.3e-1: the values'
+# error alone) plus bf16 rounding of q, k, v and the output.
+QUANT_TOLERANCE = {"int8": 2.5e-2, "block_wise_fp8": 7e-2, "block_wise_int4": 0.25, "k8v4": 0.2}
 
 
 def attention_over_written_pages(case, result, fmt: str) -> np.ndarray:
@@ -595,7 +596,7 @@ def test_dual_pass_refuses_sliding_heads_with_different_windows(harness, rng):
     assert harness.run(case.with_params(dual_pass=0)).status == 0
 
 
-@pytest.mark.parametrize("fmt", ["int8", "block_wise_int4"])
+@pytest.mark.parametrize("fmt", ["int8", "block_wise_int4", "k8v4"])
 def test_quantized_pages_with_per_head_windows_match_float64_attention(harness, rng, fmt):
     case = build_case(rng, [(0, 40), (300, 1), (90, 17), (129, 3)], num_heads=8, kv_num_heads=4, head_dim=64,
                       block_size=16, head_windows=MIXED_HEAD_WINDOWS)
@@ -642,7 +643,7 @@ def test_a_removed_barrier_is_reported_as_a_race_naming_the_kernel(tmp_path):
     library = kernel_mutants.build_mutant(tmp_path, kernel_mutants.MUTANTS["missing_barrier_after_page_lookup"])
     report = kernel_mutants.run_case_in_child(library, "mixed", seed=3)
     assert "crashed" not in report, report
-    assert "race in decode_attention_kernel<T, P, D, BS>" in report["races"], report
+    assert "race in decode_attention_kernel<T, PK, PV, D, BS>" in report["races"], report
     assert "decode_attention.cu" in report["races"]
     forward_only = kernel_mutants.run_case_in_child(library, "mixed", seed=3, orders="forward")
     assert forward_only["races"] == ""  # one order cannot see it: the comparison is what finds it
@@ -655,6 +656,20 @@ def test_an_off_by_one_at_the_window_edge_fails_the_reference_check(tmp_path):
     assert kernel_mutants.caught(report, mutant.case), report
     unmutated = kernel_mutants.run_case_in_child(gpu_harness.cached_build(on_cpu=True), mutant.case, seed=3)
     assert not kernel_mutants.caught(unmutated, mutant.case), unmutated  # the case itself passes
+
+
+@needs_headers
+def test_k8v4_values_read_with_the_key_codec_fail_the_reference_check(tmp_path):
+    """k8v4's lanes differ: the decode kernel reading its int4 value bytes through the int8 key codec (a
+    change no uniform format can see, its two codecs being one) is caught by the k8v4 case."""
+    mutant = kernel_mutants.MUTANTS["k8v4_values_read_with_the_key_codec"]
+    library = kernel_mutants.build_mutant(tmp_path, mutant)
+    report = kernel_mutants.run_case_in_child(library, mutant.case, seed=3)
+    assert kernel_mutants.caught(report, mutant.case), report
+    unmutated = kernel_mutants.run_case_in_child(gpu_harness.cached_build(on_cpu=True), mutant.case, seed=3)
+    assert not kernel_mutants.caught(unmutated, mutant.case), unmutated
+    int4 = kernel_mutants.run_case_in_child(library, "int4", seed=3)
+    assert not kernel_mutants.caught(int4, "int4"), int4  # block_wise_int4 pages: the same codec either way
 
 
 @needs_headers

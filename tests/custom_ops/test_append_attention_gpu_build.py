@@ -87,8 +87,9 @@ def _launch_status(lib, params):
         (dict(num_heads=36, kv_num_heads=4), "group size"),
         (dict(num_heads=21), "group size"),
         (dict(dtype=7), "dtype"),
-        (dict(cache_quant=4), "cache_quant 4 unknown (0 float, 1 int8, 2 e4m3, 3 int4)"),
+        (dict(cache_quant=5), "cache_quant 5 unknown (0 float, 1 int8, 2 e4m3, 3 int4, 4 k8v4)"),
         (dict(cache_quant=gpu_harness.CACHE_INT4, dtype=gpu_harness.FP16), "need dtype bf16"),
+        (dict(cache_quant=gpu_harness.CACHE_K8V4, dtype=gpu_harness.FP16), "need dtype bf16"),
         (dict(dual_pass=2), "dual_pass 2 must be 0 or 1"),
     ],
 )

@@ -6,8 +6,8 @@ prefill cuts prompts where the token budget ends, and batch mates change the til
 engine's promise that a request's tokens never depend on its batch mates (and so that recycling ON
 and OFF can be compared token for token) needs every one of those cuts to give identical bits, and
 the AVX-512 kernels to agree with the portable ones. Quantized pages (int8, e4m3fn, int4 pairs in
-uint8, with per-row scales) keep the promise too: a row is quantized once when it is written,
-whatever the cut.
+uint8, k8v4's int8 keys beside int4 values, with per-row scales) keep the promise too: a row is
+quantized once when it is written, whatever the cut.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from fastdeploy.model_executor.layers.attention.ops import append_attention
 BLOCK, HEAD_DIM, KV_HEADS, GROUP = 16, 64, 2, 3
 WINDOW, SINK = 40, 8  # head 0 slides, head 1 is full
 TOKENS = 150
-PAGE_DTYPES = ["float32", "int8", "float8_e4m3fn", "uint8"]  # float pages and the quantized formats (uint8: int4)
+# float pages and the quantized formats (uint8: int4; k8v4: int8 keys, uint8 int4 values)
+PAGE_DTYPES = ["float32", "int8", "float8_e4m3fn", "uint8", "k8v4"]
+LANE_DTYPES = {"k8v4": ("int8", "uint8")}  # (key lane, value lane) where they differ
 
 
 def _rotary(max_pos: int, head_dim: int):
@@ -49,11 +51,12 @@ class Run:
         for r, n in enumerate(blocks):
             self.table[r, :n] = np.arange(start, start + n)
             start += n
-        shape = [start, KV_HEADS, BLOCK, head_dim // 2 if page_dtype == "uint8" else head_dim]
-        self.key_cache = paddle.zeros(shape, page_dtype)
-        self.value_cache = paddle.zeros(shape, page_dtype)
+        cells = [start, KV_HEADS, BLOCK]
+        lanes = LANE_DTYPES.get(page_dtype, (page_dtype, page_dtype))
+        self.key_cache, self.value_cache = (paddle.zeros(cells + [head_dim // 2 if t == "uint8" else head_dim], t)
+                                            for t in lanes)
         quantized = page_dtype != "float32"
-        self.scales = [paddle.zeros(shape[:3] if quantized else [1], "float32") for _ in range(2)]
+        self.scales = [paddle.zeros(cells if quantized else [1], "float32") for _ in range(2)]
         self.done = [0] * len(qkv_rows)
         self.cos, self.sin = _rotary(max(len(q) for q in qkv_rows) + 1, head_dim)
         self.out = [[] for _ in qkv_rows]
@@ -120,7 +123,7 @@ def test_batch_mates_do_not_change_a_requests_bits(page_dtype):
 
 
 @pytest.mark.parametrize("head_dim, page_dtype", [(128, "float32"), (256, "float32"), (256, "int8"),
-                                                  (256, "uint8")])
+                                                  (256, "uint8"), (256, "k8v4")])
 def test_other_head_dims_tiles_match_token_by_token(head_dim, page_dtype):
     # Each head_dim has its own kernel variants (256, Gemma 3's: q blocks in two passes; 128 the
     # two-query weighted values).

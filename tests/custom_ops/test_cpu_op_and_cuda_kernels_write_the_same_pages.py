@@ -16,15 +16,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 import gpu_harness  # noqa: E402
 from gpu_harness import BF16, from_storage  # noqa: E402
 from gpu_reference import MIXED_HEAD_WINDOWS, build_case, quantize_case  # noqa: E402
+from reference_kv_quant import lane_format  # noqa: E402
 
 from fastdeploy.model_executor.layers.attention.ops import append_attention  # noqa: E402
 
 pytestmark = pytest.mark.skipif(gpu_harness.find_cuda_include() is None,
                                 reason="the CUDA toolkit's headers are needed to build the kernels for the CPU")
 
-# The cache dtype each format's codes travel in to the CPU op (int4: two codes per uint8).
+# The cache dtype each lane format's codes travel in to the CPU op (int4: two codes per uint8).
 PADDLE_CODES = {"int8": paddle.int8, "block_wise_int4": paddle.uint8}
-FORMATS = ["int8", "block_wise_int4"]
+FORMATS = ["int8", "block_wise_int4", "k8v4"]  # k8v4: int8 keys beside int4 values
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +36,8 @@ def executor():
 def cpu_op(case, fmt):
     """The CPU op on the quantized case: (output bf16 bits, key codes, key scales, value codes, value scales)."""
     p = case.params
-    codes = {n: paddle.to_tensor(np.ascontiguousarray(getattr(case, n)).view(np.uint8)) for n in ("key_cache", "value_cache")}
-    if fmt == "int8":
-        codes = {n: t.view(paddle.int8) for n, t in codes.items()}
+    codes = {n: paddle.to_tensor(np.ascontiguousarray(getattr(case, n)).view(np.uint8)).view(
+        PADDLE_CODES[lane_format(fmt, keys=n == "key_cache")]) for n in ("key_cache", "value_cache")}
     scales = {n: paddle.to_tensor(getattr(case, n).copy()) for n in ("key_cache_scales", "value_cache_scales")}
     qkv = paddle.to_tensor(from_storage(case.qkv, BF16)).astype(paddle.bfloat16)  # exact: bf16 values
     ints = {n: paddle.to_tensor(getattr(case, n).astype(np.int32)) for n in (

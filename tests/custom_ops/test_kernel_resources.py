@@ -29,9 +29,9 @@ def test_every_attention_instantiation_is_reported_on_both_architectures_head_di
     for kernel in ("decode_attention_kernel", "prefill_attention_kernel"):
         by_arch = {arch: {r["name"] for r in _rows(report, kernel) if r["arch"] == arch} for arch in ARCH_LIMITS}
         assert by_arch["sm_80"] == by_arch["sm_90"]
-        # 2 float page dtypes + int8 + e4m3 + int4 pages, head_dim 64 / 128 / 256, block 16 / 64
-        assert len(by_arch["sm_90"]) == 5 * 3 * 2, sorted(by_arch["sm_90"])
-        assert sum(", 256, " in name for name in by_arch["sm_90"]) == 5 * 2
+        # 2 float page dtypes + int8 + e4m3 + int4 + k8v4 pages, head_dim 64 / 128 / 256, block 16 / 64
+        assert len(by_arch["sm_90"]) == 6 * 3 * 2, sorted(by_arch["sm_90"])
+        assert sum(", 256, " in name for name in by_arch["sm_90"]) == 6 * 2
     assert {r["kernel"] for r in report["kernels"]} == set(kernel_resources.KERNEL_IDS)
 
 

@@ -1,5 +1,6 @@
-"""Quantized KV pages in the CPU AppendAttention op (int8, block_wise_fp8 = e4m3fn codes and
-block_wise_int4 = 4-bit codes -7..7 two per byte, with a float32 scale per token row of every page).
+"""Quantized KV pages in the CPU AppendAttention op (int8, block_wise_fp8 = e4m3fn codes,
+block_wise_int4 = 4-bit codes -7..7 two per byte, and k8v4 = int8 keys beside int4 values, with a
+float32 scale per token row of every page).
 
 The op quantizes once, where it writes a token's K/V, and dequantizes inside its tiles. So:
 - the rows it writes are exactly the numpy rule's codes and scales (tests/custom_ops/
@@ -22,19 +23,21 @@ import pytest
 from fastdeploy.model_executor.layers.attention.ops import append_attention
 from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import set_cpu_options
 from reference_attention import reference_append_attention
-from reference_kv_quant import FORMATS, dequantize_rows, error_bound, hadamard, pack_int4, quantize_rows, \
-    rotates_keys, unpack_int4
+from reference_kv_quant import FORMATS, PAGE_FORMATS, dequantize_rows, error_bound, hadamard, lane_format, \
+    pack_int4, quantize_rows, rotates_keys, unpack_int4
 from test_append_attention_cpu import MIXED, Case, build_inputs, rel_err
 
 TIGHT_TOL = 1e-5  # attention over the very values the op read: float32 arithmetic only
 # Attention over the original float values: the format's error through softmax and the value sum
 # (measured on these cases, standard normal K/V: int8 6.5e-3 to 8.2e-3, e4m3 2.9e-2 to 3.5e-2,
-# int4 1.1e-1 to 1.5e-1: 4 bits leave a step of absmax / 7, about 0.4 of a standard normal value).
-FORMAT_TOL = {"int8": 1.5e-2, "block_wise_fp8": 6e-2, "block_wise_int4": 2.5e-1}
+# int4 1.1e-1 to 1.5e-1: 4 bits leave a step of absmax / 7, about 0.4 of a standard normal value;
+# k8v4 9.2e-2 to 1.1e-1: its int4 values' error, the int8 keys add little).
+FORMAT_TOL = {"int8": 1.5e-2, "block_wise_fp8": 6e-2, "block_wise_int4": 2.5e-1, "k8v4": 2e-1}
+LANE = {"key_cache": True, "value_cache": False}  # the cache -> `keys` of lane_format
 
 
 def stored(codes: np.ndarray, fmt: str) -> paddle.Tensor:
-    """Code values [..., d] as the cache holds them (int4: packed two per uint8)."""
+    """Code values [..., d] as a lane of the one-lane format `fmt` holds them (int4: packed two per uint8)."""
     if fmt == "block_wise_int4":
         return paddle.to_tensor(pack_int4(codes))
     return paddle.to_tensor(codes.astype(np.float32)).astype(FORMATS[fmt][0])
@@ -48,7 +51,8 @@ def code_values(t: paddle.Tensor) -> np.ndarray:
 
 
 def quantized_tensors(arrays: dict, fmt: str) -> dict:
-    """The step's inputs with the prior cache as quantized pages (NaN rows: scale NaN, codes 0)."""
+    """The step's inputs with the prior cache as quantized pages, each lane in its format (NaN rows: scale
+    NaN, codes 0)."""
     t = {k: paddle.to_tensor(v) for k, v in arrays.items() if k not in ("key_cache", "value_cache")}
     for name in ("key_cache", "value_cache"):
         rows = arrays[name]
@@ -56,8 +60,8 @@ def quantized_tensors(arrays: dict, fmt: str) -> dict:
         rows = np.nan_to_num(rows)
         if name == "key_cache" and rotates_keys(fmt, rows.shape[-1]):
             rows = hadamard(rows)
-        codes, scales = quantize_rows(rows, fmt)
-        t[name] = stored(codes, fmt)
+        codes, scales = quantize_rows(rows, lane_format(fmt, LANE[name]))
+        t[name] = stored(codes, lane_format(fmt, LANE[name]))
         t[name.replace("cache", "cache_scales")] = paddle.to_tensor(np.where(poisoned, np.nan, scales).astype(np.float32))
     return t
 
@@ -116,7 +120,7 @@ def spread_inputs(case: Case) -> dict:
     return arrays
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", PAGE_FORMATS)
 def test_written_rows_are_the_rules_codes_within_the_formats_error(fmt):
     case = Case(31, [(0, 40), (17, 9)], kv_heads=2, group=2, head_dim=64, window=12, sink=4, swa_heads=(0,),
                 poison_invisible_rows=False)
@@ -126,22 +130,24 @@ def test_written_rows_are_the_rules_codes_within_the_formats_error(fmt):
     where, k64, v64 = new_rows(case, arrays, fmt)
     pages, slots = [w[0] for w in where], [w[1] for w in where]
     for name, exact in (("key_cache", k64), ("value_cache", v64)):
+        lane = lane_format(fmt, LANE[name])  # k8v4: int8 keys, int4 values
         codes = code_values(t[name]).reshape(-1, case.block_size, case.head_dim)[pages, slots]
         scales = t[name.replace("cache", "cache_scales")].numpy().reshape(-1, case.block_size)[pages, slots]
-        want_codes, want_scales = quantize_rows(exact, fmt)
+        want_codes, want_scales = quantize_rows(exact, lane)
         np.testing.assert_array_equal(scales, want_scales)
         np.testing.assert_array_equal(codes, want_codes)
-        if fmt == "block_wise_int4":  # the bytes themselves: even element in the low nibble
+        assert t[name].dtype == paddle.to_tensor(np.zeros(1)).astype(FORMATS[lane][0]).dtype
+        if lane == "block_wise_int4":  # the bytes themselves: even element in the low nibble
             written = t[name].numpy().reshape(-1, case.block_size, case.head_dim // 2)[pages, slots]
             np.testing.assert_array_equal(written, pack_int4(want_codes))
             assert codes.min() >= -7 and codes.max() <= 7  # never the 16th code, -8
-        assert (np.abs(codes).max(axis=-1)[scales > 0] == FORMATS[fmt][1]).all()  # absmax -> the largest code
+        assert (np.abs(codes).max(axis=-1)[scales > 0] == FORMATS[lane][1]).all()  # absmax -> the largest code
         err = np.abs(dequantize_rows(codes, scales).astype(np.float64) - exact.astype(np.float64))
-        assert (err <= error_bound(exact, scales, fmt)).all()
+        assert (err <= error_bound(exact, scales, lane)).all()
         zero = [i for i, w in enumerate(where) if w[2] == 5]
         assert (scales[zero] == 0).all() and (codes[zero] == 0).all()
         rms = np.sqrt((err ** 2).mean() / (exact.astype(np.float64) ** 2).mean())
-        used = (err / np.maximum(error_bound(exact, scales, fmt), 1e-30)).max()
+        used = (err / np.maximum(error_bound(exact, scales, lane), 1e-30)).max()
         print(f"[kv_quant] {fmt} {name}: max |err| / bound = {used:.3f}, relative RMS error {rms:.2e}")
     assert np.isfinite(out).all()
 
@@ -171,7 +177,7 @@ CASES = {
 
 @pytest.mark.parametrize("table", ["1d", "headwise"])
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", PAGE_FORMATS)
 def test_attention_over_quantized_pages_matches_float64(fmt, name, table):
     case = Case(**{**CASES[name].__dict__, "table": table})
     arrays = build_inputs(case)
@@ -213,7 +219,7 @@ def cpu_options():
     set_cpu_options(**saved)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "block_wise_int4"])
+@pytest.mark.parametrize("fmt", ["int8", "block_wise_int4", "k8v4"])
 def test_the_rotation_knob_stores_keys_as_they_are(cpu_options, fmt):
     """FD_KV_QUANT_ROTATION=0 (a measurement knob: what the rotation buys) writes the keys' own codes
     and leaves the queries alone, so attention is still over the values the pages hold."""
@@ -223,15 +229,15 @@ def test_the_rotation_knob_stores_keys_as_they_are(cpu_options, fmt):
     t = quantized_tensors(arrays, fmt)  # the prior pages as the rule writes them (rotated keys) ...
     unrotated = {k: arrays[k] for k in ("key_cache", "value_cache")}
     for name in ("key_cache", "value_cache"):  # ... replaced by unrotated ones
-        codes, scales = quantize_rows(np.nan_to_num(unrotated[name]), fmt)
-        t[name] = stored(codes, fmt)
+        codes, scales = quantize_rows(np.nan_to_num(unrotated[name]), lane_format(fmt, LANE[name]))
+        t[name] = stored(codes, lane_format(fmt, LANE[name]))
         t[name.replace("cache", "cache_scales")] = paddle.to_tensor(
             np.where(np.isnan(unrotated[name]).any(axis=-1), np.nan, scales).astype(np.float32))
     out = run(case, t)
     where, k_plain, _ = new_rows(case, arrays, fmt="block_wise_fp8")  # keys as they are (e4m3 keys are not rotated)
     pages, slots = [w[0] for w in where], [w[1] for w in where]
     written = code_values(t["key_cache"]).reshape(-1, case.block_size, case.head_dim)[pages, slots]
-    np.testing.assert_array_equal(written, quantize_rows(k_plain, fmt)[0])
+    np.testing.assert_array_equal(written, quantize_rows(k_plain, lane_format(fmt, keys=True))[0])
     a = {k: v for k, v in arrays.items() if k != "seq_lens_encoder"}
     kw = dict(num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim)
     deq = dict(a, key_cache=pages_as_float(t, "key_cache"), value_cache=pages_as_float(t, "value_cache"))
@@ -239,7 +245,7 @@ def test_the_rotation_knob_stores_keys_as_they_are(cpu_options, fmt):
     assert rel_err(out, tight) < TIGHT_TOL
 
 
-@pytest.mark.parametrize("fmt", ["int8", "block_wise_int4"])
+@pytest.mark.parametrize("fmt", ["int8", "block_wise_int4", "k8v4"])
 def test_the_value_rotation_knob_stores_rotated_values_and_rotates_the_output_back(cpu_options, fmt):
     """FD_KV_QUANT_ROTATE_VALUES=1 (a measurement knob: what rotating the values would buy) writes H v's
     codes and returns H out' / d: attention over the values the pages hold, rotated back."""
@@ -248,14 +254,15 @@ def test_the_value_rotation_knob_stores_rotated_values_and_rotates_the_output_ba
     arrays = build_inputs(case)
     t = quantized_tensors(arrays, fmt)
     values = arrays["value_cache"]
-    codes, scales = quantize_rows(hadamard(np.nan_to_num(values)), fmt)  # the prior pages' values rotated too
-    t["value_cache"] = stored(codes, fmt)
+    value_fmt = lane_format(fmt, keys=False)
+    codes, scales = quantize_rows(hadamard(np.nan_to_num(values)), value_fmt)  # the prior pages' values rotated too
+    t["value_cache"] = stored(codes, value_fmt)
     t["value_cache_scales"] = paddle.to_tensor(np.where(np.isnan(values).any(axis=-1), np.nan, scales).astype(np.float32))
     out = run(case, t)
     where, _, v = new_rows(case, arrays, fmt)
     pages, slots = [w[0] for w in where], [w[1] for w in where]
     written = code_values(t["value_cache"]).reshape(-1, case.block_size, case.head_dim)[pages, slots]
-    np.testing.assert_array_equal(written, quantize_rows(hadamard(v), fmt)[0])
+    np.testing.assert_array_equal(written, quantize_rows(hadamard(v), value_fmt)[0])
     a = {k: v for k, v in arrays.items() if k != "seq_lens_encoder"}
     kw = dict(num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim)
     rotated_values = pages_as_float(t, "value_cache").astype(np.float64)

@@ -81,16 +81,21 @@ def test_int8_pages_through_the_cuda_kernels_give_the_cpu_ops_tokens(monkeypatch
     assert tokens == int8_oracle
 
 
-def test_int4_pages_through_the_cuda_kernels_give_the_same_tokens_in_every_memory_mode(monkeypatch):
-    """int4 codes two per byte, written by the CUDA cache-write kernel: head-wise tables with sliding pages
-    recycled give the 1-D table's tokens. (Against the CPU op the comparison is made per op, on the same
-    bf16 rows: tests/custom_ops/test_cpu_op_and_cuda_kernels_write_the_same_pages.py. The engine's CPU op
-    quantizes float32 K/V where these kernels take bf16, and 4-bit codes turn that rounding into code
-    flips: 2 of these 5 prompts part from the CPU op's tokens, where its top-2 margin is 0.02 and 0.07 nats.)"""
-    one_d, _ = generate(monkeypatch, "CUDA_ON_CPU", "1d", kv_cache_quant_type="block_wise_int4")
-    head_wise, engine = generate(monkeypatch, "CUDA_ON_CPU", "head_wise_recycle_on", kv_cache_quant_type="block_wise_int4")
+@pytest.mark.parametrize("quant", ["block_wise_int4", "k8v4"])
+def test_int4_pages_through_the_cuda_kernels_give_the_same_tokens_in_every_memory_mode(monkeypatch, quant):
+    """int4 codes two per byte (block_wise_int4: keys and values; k8v4: the values, beside int8 keys), written
+    by the CUDA cache-write kernel: head-wise tables with sliding pages recycled give the 1-D table's tokens.
+    (Against the CPU op the comparison is made per op, on the same bf16 rows:
+    tests/custom_ops/test_cpu_op_and_cuda_kernels_write_the_same_pages.py. The engine's CPU op quantizes
+    float32 K/V where these kernels take bf16, and 4-bit codes turn that rounding into code flips: 2 of these
+    5 prompts part from the CPU op's block_wise_int4 tokens, where its top-2 margin is 0.02 and 0.07 nats.)"""
+    one_d, _ = generate(monkeypatch, "CUDA_ON_CPU", "1d", kv_cache_quant_type=quant)
+    head_wise, engine = generate(monkeypatch, "CUDA_ON_CPU", "head_wise_recycle_on", kv_cache_quant_type=quant)
     assert head_wise == one_d
     assert engine.get_stats()["swa_pages_recycled_total"] > 0
+    backend = engine.runner.attn_backend  # the lanes the kernels wrote: k8v4's keys int8, its values int4 pairs
+    assert backend.value_caches[0].dtype.name == "UINT8" and backend.value_caches[0].shape[-1] == 32
+    assert backend.key_caches[0].dtype.name == ("INT8" if quant == "k8v4" else "UINT8")
 
 
 def test_speculative_verification_through_the_cuda_kernels_keeps_the_tokens(monkeypatch, oracles):

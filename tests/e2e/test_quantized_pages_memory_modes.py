@@ -1,6 +1,6 @@
 """Quantized KV pages change the numbers once (where K/V are written), and the memory model must not
-change them again: with int8, block_wise_fp8 or block_wise_int4 pages every memory mode gives the bits of the
-quantized 1-D run (greedy tokens and their logprobs), through head-wise tables with recycling off
+change them again: with int8, block_wise_fp8, block_wise_int4 or k8v4 (int8 keys, int4 values) pages every
+memory mode gives the bits of the quantized 1-D run (greedy tokens and their logprobs), through head-wise tables with recycling off
 and on, chunked prefill, preemption and recompute, prefix-cache hits, and the slots + lanes of a
 model with sliding layers. The dense NATIVE_ATTN oracle keeps float K/V, so the quantized 1-D run is
 the reference here; that it really is quantized shows in its logprobs, which differ from float
@@ -14,7 +14,7 @@ from fastdeploy import LLM, SamplingParams
 import test_prefix_caching_e2e as chat
 import test_sliding_layers as sliding
 
-FORMATS = ["int8", "block_wise_fp8", "block_wise_int4"]
+FORMATS = ["int8", "block_wise_fp8", "block_wise_int4", "k8v4"]
 LOGPROBS = 2
 
 
@@ -86,8 +86,8 @@ def test_slots_of_sliding_layers_give_the_bits_of_1d_pages(monkeypatch, fmt):
 
 
 def poison_pages_when_freed(monkeypatch, llm) -> list:
-    """Every page the cache manager frees gets, in every lane, NaN scales (and, int4 lanes, the codes
-    0x88 = nibbles -8, which no write of the page rule produces): a later read of any row of it that the new
+    """Every page the cache manager frees gets, in every lane, NaN scales (and, int4 lanes — k8v4's values
+    among them —, the codes 0x88 = nibbles -8, which no write of the page rule produces): a later read of any row of it that the new
     owner has not rewritten (a stale scale, stale codes) turns that step's logits into NaN. Returns
     the list of poisoned pages as it grows."""
     backend = llm.engine.runner.attn_backend

@@ -2,7 +2,8 @@
 custom_ops/cpu_ops/decoder_stack.cc) gives the bits of the per-layer calls (FD_CPU_FUSED_LAYERS=1) on
 SmolLM2 from text: greedy chat answers with their log-probs, and the prompt log-probs of a prose prompt
 long enough that the shipped head-wise configuration recycles pages, flag off and on, exact weights
-and int8 activations; and a decode step is then one op call for all 30 layers and the LM head."""
+and int8 activations, float and k8v4 pages (int8 keys beside int4 values: lanes of two dtypes and
+widths bound per layer); and a decode step is then one op call for all 30 layers and the LM head."""
 
 from __future__ import annotations
 
@@ -44,11 +45,12 @@ def assert_stack_equals_per_layer_calls(llm):
     assert np.array_equal(stacked[1].view(np.int32), per_layer[1].view(np.int32))
 
 
-def engine(**flags):
+def engine(kv_cache_quant_type=None, **flags):
     # The named model: its shipped head-wise configuration. Prefix caching off: the per-layer run must
     # compute every prompt position again.
     with envs.override(**flags):
-        return LLM(model="smollm2-135m-instruct", max_model_len=1024, max_num_seqs=8, block_size=16, enable_prefix_caching=False)
+        return LLM(model="smollm2-135m-instruct", max_model_len=1024, max_num_seqs=8, block_size=16, enable_prefix_caching=False,
+                   kv_cache_quant_type=kv_cache_quant_type)
 
 
 @pytest.mark.parametrize("flags", [dict(FD_HEAD_WISE_KV_CACHE=0), dict(FD_HEAD_WISE_KV_CACHE=1),
@@ -56,6 +58,13 @@ def engine(**flags):
                          ids=["flag-off", "flag-on", "flag-on-int8-activations"])
 def test_decoder_stack_gives_the_per_layer_calls_bits(smollm2_path, flags):  # smollm2_path: skips without it
     assert_stack_equals_per_layer_calls(engine(**flags))
+
+
+def test_decoder_stack_on_k8v4_pages_gives_the_per_layer_calls_bits(smollm2_path):
+    llm = engine("k8v4", FD_HEAD_WISE_KV_CACHE=1)
+    backend = llm.engine.runner.attn_backend
+    assert backend.key_caches[0].dtype.name == "INT8" and backend.value_caches[0].dtype.name == "UINT8"
+    assert_stack_equals_per_layer_calls(llm)
 
 
 def test_a_decode_step_is_one_op_call_for_every_layer(smollm2_flag_on):

@@ -18,16 +18,18 @@ extern "C" {
 
 enum AppendAttnDtype { APPEND_ATTN_BF16 = 0, APPEND_ATTN_FP16 = 1 };
 
-// Page format of the caches (the values of fd_kvq::Format, custom_ops/cpu_ops/kv_quant.h): 16-bit
-// pages of `dtype`, 8-bit codes (int8 / e4m3fn bytes), or 4-bit int4 codes two per byte (element 2i
-// in the low nibble; the caches are [num_blocks, kv_slots, block_size, head_dim / 2] bytes), with
-// one float32 scale per token row of every page in key_cache_scales / value_cache_scales.
-// Quantized pages need dtype bf16.
+// Page format of the caches (the values of fd_kvq::Format and fd_kvq::kK8V4, custom_ops/cpu_ops/
+// kv_quant.h): 16-bit pages of `dtype`, 8-bit codes (int8 / e4m3fn bytes), or 4-bit int4 codes two per
+// byte (element 2i in the low nibble; the caches are [num_blocks, kv_slots, block_size, head_dim / 2]
+// bytes), with one float32 scale per token row of every page in key_cache_scales / value_cache_scales.
+// Both caches hold the one format, except K8V4: int8 keys [..., head_dim] (rotated, as INT8's) and
+// int4 values [..., head_dim / 2] (as INT4's). Quantized pages need dtype bf16.
 enum AppendAttnCacheQuant {
   APPEND_ATTN_CACHE_FLOAT = 0,
   APPEND_ATTN_CACHE_INT8 = 1,
   APPEND_ATTN_CACHE_FP8_E4M3 = 2,
   APPEND_ATTN_CACHE_INT4 = 3,
+  APPEND_ATTN_CACHE_K8V4 = 4,
 };
 
 // Return codes of append_attention_launch.
@@ -76,7 +78,7 @@ typedef struct AppendAttnBuffers {
   const void* qkv;                // [token_num, (num_heads + 2 * kv_num_heads) * head_dim]
   void* key_cache;                // [num_blocks, kv_slots, block_size, head_dim] (int4: head_dim / 2
                                   // bytes), updated
-  void* value_cache;              // same shape, updated
+  void* value_cache;              // same shape (K8V4: int4, head_dim / 2 bytes), updated
   const int* seq_lens_encoder;    // [bsz], informational, may be NULL
   const int* seq_lens_decoder;    // [bsz], cached tokens = position of the first new token
   const int* seq_lens_this_time;  // [bsz], new tokens; 0 = idle slot

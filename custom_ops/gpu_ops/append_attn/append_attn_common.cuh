@@ -30,7 +30,8 @@ namespace append_attn {
 static_assert(int(APPEND_ATTN_CACHE_FLOAT) == int(fd_kvq::kFloat) &&
                   int(APPEND_ATTN_CACHE_INT8) == int(fd_kvq::kInt8) &&
                   int(APPEND_ATTN_CACHE_FP8_E4M3) == int(fd_kvq::kE4M3) &&
-                  int(APPEND_ATTN_CACHE_INT4) == int(fd_kvq::kInt4),
+                  int(APPEND_ATTN_CACHE_INT4) == int(fd_kvq::kInt4) &&
+                  int(APPEND_ATTN_CACHE_K8V4) == fd_kvq::kK8V4,
               "AppendAttnCacheQuant must keep fd_kvq::Format's values");
 
 // Everything a kernel reads, filled once by the launcher (passed by value as a kernel argument).
@@ -103,7 +104,8 @@ struct Num<__half> {
 // base / head_dim + r). A stored unit (Elem) holds kPerUnit elements: kernels count in elements and
 // index a cache or a staged copy at element offset e through unit_at (e / kPerUnit). pair_bits
 // loads two neighbouring elements (the first at an even offset), pair turns them into floats, eight
-// does so for 8 (the first at a multiple of 8).
+// does so for 8 (the first at a multiple of 8). The kernels take one codec for the key lane and one
+// for the value lane (PK, PV): the same for every format but K8V4 (Int8Pages keys, NibblePages values).
 template <typename T>
 struct FloatPages {
   using Elem = T;
@@ -196,6 +198,14 @@ template <typename P, typename E>
 __device__ __forceinline__ E* unit_at(E* units, long long element) {
   return units + element / P::kPerUnit;
 }
+
+// A page format quantizes both lanes or neither: the kernels stage one set of scales per lane when
+// kQuantized, and the launcher passes scales for both or for none.
+template <typename PK, typename PV>
+struct LanePair {
+  static_assert(PK::kQuantized == PV::kQuantized, "a page format quantizes both lanes or neither");
+  static constexpr bool kQuantized = PK::kQuantized;
+};
 
 // Records the first device-side error of a launch; later ones are dropped so the report names the
 // earliest culprit deterministically enough to debug a scheduler.

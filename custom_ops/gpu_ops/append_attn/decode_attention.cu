@@ -10,9 +10,10 @@
 //   m, l at partial[acc_floats + ((s * bsz + r) * num_heads + qh) * 2 + {0, 1}]
 // with acc_floats = decode_max_splits * bsz * num_heads * head_dim.
 //
-// Pages are read through a codec P (append_attn_common.cuh): T pages as they are, or 8-bit codes
-// (half the bytes of a bf16 page) or 4-bit codes (a quarter) dequantized with their row's scale
-// where they are used; k_s holds the page's stored units, kPerUnit elements each.
+// Each lane is read through its codec, PK for keys and PV for values (append_attn_common.cuh; they
+// differ only for k8v4 pages): T pages as they are, or 8-bit codes (half the bytes of a bf16 page)
+// or 4-bit codes (a quarter) dequantized with their row's scale where they are used; k_s holds the
+// page's stored key units, kPerUnit elements each.
 #include "append_attn_common.cuh"
 
 namespace append_attn {
@@ -22,11 +23,13 @@ constexpr int kThreads = 128;
 
 // Min 1 block per SM: lets ptxas take the registers it needs; left to its default it spilled
 // (head_dim 128, block 16 on sm_90: benchmarks/kernel_resources.py).
-template <typename T, typename P, int D, int BS>
+template <typename T, typename PK, typename PV, int D, int BS>
 __global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(Args a, int swa_override) {
-  using Elem = typename P::Elem;
-  constexpr int kVec = 16 / sizeof(Elem);         // stored units per 16-byte load
-  constexpr int kRowUnits = D / P::kPerUnit;      // stored units per page row
+  using KElem = typename PK::Elem;
+  using VElem = typename PV::Elem;
+  constexpr bool kQuantized = LanePair<PK, PV>::kQuantized;
+  constexpr int kVec = 16 / sizeof(KElem);        // stored key units per 16-byte load
+  constexpr int kRowUnits = D / PK::kPerUnit;     // stored key units per page row
   constexpr int kKStride = kRowUnits + kVec;      // 16-byte rows, staggered banks
   constexpr int kThreadsPerKey = kThreads / BS;   // q.k: threads sharing one key
   constexpr int kDimsPerThread = D / kThreadsPerKey;
@@ -58,7 +61,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(Args a, i
 
   // k_s is dead after the page loop (its last barrier) and red_s only lives after it, so they
   // share bytes: at head_dim 256 the two together would pass the 48 KB of static shared memory.
-  constexpr size_t kKBytes = sizeof(Elem) * BS * kKStride;
+  constexpr size_t kKBytes = sizeof(KElem) * BS * kKStride;
   constexpr size_t kRedBytes = sizeof(float) * kKeyGroups * kMaxGroup * D;
   __shared__ __align__(16) float q_s[kMaxGroup][D];
   __shared__ __align__(16) unsigned char k_red_s[kKBytes > kRedBytes ? kKBytes : kRedBytes];
@@ -66,7 +69,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(Args a, i
   __shared__ float p_s[kMaxGroup][BS];
   __shared__ float row_m[kMaxGroup], row_l[kMaxGroup], row_scale[kMaxGroup];
   __shared__ long long page_base_s;
-  auto k_s = reinterpret_cast<Elem (*)[kKStride]>(k_red_s);
+  auto k_s = reinterpret_cast<KElem (*)[kKStride]>(k_red_s);
   auto red_s = reinterpret_cast<float (*)[kMaxGroup][D]>(k_red_s);
 
   const int tid = threadIdx.x;
@@ -88,8 +91,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(Args a, i
 #pragma unroll
   for (int g = 0; g < kMaxGroup; ++g) acc[g][0] = acc[g][1] = 0.f;
 
-  const Elem* k_cache = static_cast<const Elem*>(a.key_cache);
-  const Elem* v_cache = static_cast<const Elem*>(a.value_cache);
+  const KElem* k_cache = static_cast<const KElem*>(a.key_cache);
+  const VElem* v_cache = static_cast<const VElem*>(a.value_cache);
   for (int it = it_begin; it < it_end; ++it) {
     const int blk = live.nth(it);
     if (tid == 0) page_base_s = page_offset(a, req, head, blk, dead_code);
@@ -104,16 +107,16 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(Args a, i
 #pragma unroll
     for (int i = 0; i < kKeysPerThread; ++i) {
       const int key = pv_group + i * kKeyGroups;
-      v_reg[i] = key < n_valid ? P::pair_bits(unit_at<P>(v_cache, base + (long long)key * D + 2 * pv_pair)) : 0u;
+      v_reg[i] = key < n_valid ? PV::pair_bits(unit_at<PV>(v_cache, base + (long long)key * D + 2 * pv_pair)) : 0u;
     }
     for (int i = tid; i < BS * (kRowUnits / kVec); i += kThreads) {
       const int key = i / (kRowUnits / kVec);
       const int col = i % (kRowUnits / kVec);
       uint4 kv = make_uint4(0, 0, 0, 0);
-      if (key < n_valid) kv = reinterpret_cast<const uint4*>(unit_at<P>(k_cache, base + (long long)key * D))[col];
+      if (key < n_valid) kv = reinterpret_cast<const uint4*>(unit_at<PK>(k_cache, base + (long long)key * D))[col];
       *reinterpret_cast<uint4*>(&k_s[key][col * kVec]) = kv;
     }
-    if (P::kQuantized && tid < BS) {
+    if (kQuantized && tid < BS) {
       k_scale_s[tid] = tid < n_valid ? a.key_scales[base / D + tid] : 0.f;
       v_scale_s[tid] = tid < n_valid ? a.value_scales[base / D + tid] : 0.f;
     }
@@ -124,11 +127,11 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(Args a, i
 #pragma unroll
       for (int g = 0; g < kMaxGroup; ++g) dot[g] = 0.f;
       const int d0 = qk_part * kDimsPerThread;
-      const float k_scale = P::kQuantized ? k_scale_s[qk_key] : 1.f;
+      const float k_scale = kQuantized ? k_scale_s[qk_key] : 1.f;
 #pragma unroll 2
       for (int d = 0; d < kDimsPerThread; d += 8) {
         float kf[8];
-        P::eight(unit_at<P>(k_s[qk_key], d0 + d), k_scale, kf);
+        PK::eight(unit_at<PK>(k_s[qk_key], d0 + d), k_scale, kf);
 #pragma unroll
         for (int g = 0; g < kMaxGroup; ++g) {
           if (g < group) {
@@ -197,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(Args a, i
 #pragma unroll
     for (int i = 0; i < kKeysPerThread; ++i) {
       const int key = pv_group + i * kKeyGroups;
-      const float2 v = P::pair(v_reg[i], P::kQuantized ? v_scale_s[key] : 0.f);
+      const float2 v = PV::pair(v_reg[i], kQuantized ? v_scale_s[key] : 0.f);
 #pragma unroll
       for (int g = 0; g < kMaxGroup; ++g) {
         if (g < group) {
@@ -273,25 +276,25 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(Args a, int swa_overr
   }
 }
 
-template <typename T, typename P, int D, int BS>
+template <typename T, typename PK, typename PV, int D, int BS>
 cudaError_t launch_kernel(const Args& a, int swa_override, cudaStream_t stream) {
   dim3 grid(a.decode_max_splits, a.bsz, a.kv_num_heads);
-  CUDA_LAUNCH(grid, kThreads, 0, stream, decode_attention_kernel<T, P, D, BS>)(a, swa_override);
+  CUDA_LAUNCH(grid, kThreads, 0, stream, decode_attention_kernel<T, PK, PV, D, BS>)(a, swa_override);
   return cudaGetLastError();
 }
 
-template <typename T, typename P>
+template <typename T, typename PK, typename PV>
 cudaError_t launch_shapes(const Args& a, int swa_override, cudaStream_t stream) {
   if (a.head_dim == 64) {
-    return a.block_size == 64 ? launch_kernel<T, P, 64, 64>(a, swa_override, stream)
-                              : launch_kernel<T, P, 64, 16>(a, swa_override, stream);
+    return a.block_size == 64 ? launch_kernel<T, PK, PV, 64, 64>(a, swa_override, stream)
+                              : launch_kernel<T, PK, PV, 64, 16>(a, swa_override, stream);
   }
   if (a.head_dim == 256) {  // Gemma 3
-    return a.block_size == 64 ? launch_kernel<T, P, 256, 64>(a, swa_override, stream)
-                              : launch_kernel<T, P, 256, 16>(a, swa_override, stream);
+    return a.block_size == 64 ? launch_kernel<T, PK, PV, 256, 64>(a, swa_override, stream)
+                              : launch_kernel<T, PK, PV, 256, 16>(a, swa_override, stream);
   }
-  return a.block_size == 64 ? launch_kernel<T, P, 128, 64>(a, swa_override, stream)
-                            : launch_kernel<T, P, 128, 16>(a, swa_override, stream);
+  return a.block_size == 64 ? launch_kernel<T, PK, PV, 128, 64>(a, swa_override, stream)
+                            : launch_kernel<T, PK, PV, 128, 16>(a, swa_override, stream);
 }
 
 template <typename T>
@@ -299,13 +302,15 @@ cudaError_t launch_typed(const Args& a, int swa_override, void* out, cudaStream_
   cudaError_t err;
   // Quantized pages come with bf16 compute only (the launcher checks it): half the kernels to build.
   if (a.cache_quant == APPEND_ATTN_CACHE_INT8) {
-    err = launch_shapes<__nv_bfloat16, Int8Pages>(a, swa_override, stream);
+    err = launch_shapes<__nv_bfloat16, Int8Pages, Int8Pages>(a, swa_override, stream);
   } else if (a.cache_quant == APPEND_ATTN_CACHE_FP8_E4M3) {
-    err = launch_shapes<__nv_bfloat16, E4M3Pages>(a, swa_override, stream);
+    err = launch_shapes<__nv_bfloat16, E4M3Pages, E4M3Pages>(a, swa_override, stream);
   } else if (a.cache_quant == APPEND_ATTN_CACHE_INT4) {
-    err = launch_shapes<__nv_bfloat16, NibblePages>(a, swa_override, stream);
+    err = launch_shapes<__nv_bfloat16, NibblePages, NibblePages>(a, swa_override, stream);
+  } else if (a.cache_quant == APPEND_ATTN_CACHE_K8V4) {
+    err = launch_shapes<__nv_bfloat16, Int8Pages, NibblePages>(a, swa_override, stream);
   } else {
-    err = launch_shapes<T, FloatPages<T>>(a, swa_override, stream);
+    err = launch_shapes<T, FloatPages<T>, FloatPages<T>>(a, swa_override, stream);
   }
   if (err != cudaSuccess) return err;
   dim3 grid(a.bsz, a.num_heads);

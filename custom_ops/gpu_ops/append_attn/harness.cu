@@ -84,19 +84,25 @@ __global__ void fill_kernel(uint16_t* dst, size_t n, uint32_t seed, int dtype) {
   }
 }
 
-// Quantized pages for benchmarks: int8 codes in [-64, 63], e4m3 bytes of magnitude < 2 (never the
-// NaN code), or int4 bytes of two codes in [-7, 7]; every row's scale 1/64.
-__global__ void fill_bytes_kernel(uint8_t* dst, size_t n, uint32_t seed, int cache_quant) {
+// Quantized lanes for benchmarks (`format` a fd_kvq::Format): int8 codes in [-64, 63], e4m3 bytes of
+// magnitude < 2 (never the NaN code), or int4 bytes of two codes in [-7, 7]; every row's scale 1/64.
+__global__ void fill_bytes_kernel(uint8_t* dst, size_t n, uint32_t seed, int format) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x) {
     const uint32_t h = mix(i, seed);
-    if (cache_quant == APPEND_ATTN_CACHE_INT4) {
+    if (format == fd_kvq::kInt4) {
       dst[i] = fd_kvq::int4_pack((int)((h >> 8) % 15u) - 7, (int)((h >> 16) % 15u) - 7);
     } else {
-      dst[i] = cache_quant == APPEND_ATTN_CACHE_INT8 ? (uint8_t)((h >> 8) & 0x7Fu) - 64
-                                                      : (uint8_t)(((h >> 8) & 0x3Fu) | ((h >> 16) & 0x80u));
+      dst[i] = format == fd_kvq::kInt8 ? (uint8_t)((h >> 8) & 0x7Fu) - 64
+                                       : (uint8_t)(((h >> 8) & 0x3Fu) | ((h >> 16) & 0x80u));
     }
   }
+}
+
+// Bytes of a lane of `elems` elements: 2 per element of a float (bf16 / fp16) lane, 1 per 8-bit code,
+// half of one per int4 code.
+size_t lane_bytes(fd_kvq::Format format, size_t elems) {
+  return format == fd_kvq::kFloat ? elems * 2 : format == fd_kvq::kInt4 ? elems / 2 : elems;
 }
 
 __global__ void fill_scales_kernel(float* dst, size_t n) {
@@ -138,8 +144,8 @@ int aa_device_count(void) {
 // caches / out may be NULL (benchmarks). Otherwise out and the caches are copied back after the
 // first run. Then `warmup` untimed and `iters` timed runs (re-running is idempotent: the same K/V
 // are rewritten); *avg_ms is the mean time of one launch. Quantized caches (p->cache_quant) hold one
-// byte per element (int4: per two elements) and come with key/value_cache_scales (host arrays,
-// copied back like the caches).
+// byte per element (int4: per two elements; k8v4: int8 keys, int4 values) and come with
+// key/value_cache_scales (host arrays, copied back like the caches).
 // Returns 0 ok, 1 launcher rejected the arguments, 2 device-side error (error_info, msg), 3 CUDA.
 int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on_device,
            int warmup, int iters, float* avg_ms, int* error_info, char* msg, int msg_len) {
@@ -154,9 +160,9 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   const size_t qkv_elems = tokens * (size_t)(p->num_heads + 2 * p->kv_num_heads) * p->head_dim;
   const int slots = p->kv_slots > 0 ? p->kv_slots : p->kv_num_heads;
   const size_t cache_elems = (size_t)p->num_blocks * slots * p->block_size * p->head_dim;
-  const size_t cache_bytes = p->cache_quant == APPEND_ATTN_CACHE_INT4 ? cache_elems / 2
-                             : quantized                               ? cache_elems
-                                                                       : cache_elems * 2;
+  const fd_kvq::LaneFormats lanes = fd_kvq::lane_formats(p->cache_quant);
+  const size_t key_bytes = lane_bytes(lanes.key, cache_elems);
+  const size_t value_bytes = lane_bytes(lanes.value, cache_elems);
   const size_t out_elems = tokens * (size_t)p->num_heads * p->head_dim;
   const size_t table_elems = (size_t)p->bsz * (p->head_wise_table ? slots : 1) *
                              p->max_blocks_per_seq;
@@ -166,8 +172,8 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   DeviceBuffer qkv, kc, vc, ks, vs, enc, dec, this_time, cu, tables, cos_t, sin_t, windows, head_slots, out,
       ws, err;
   HARNESS_CUDA(qkv.alloc(qkv_elems * elt));
-  HARNESS_CUDA(kc.alloc(cache_bytes));
-  HARNESS_CUDA(vc.alloc(cache_bytes));
+  HARNESS_CUDA(kc.alloc(key_bytes));
+  HARNESS_CUDA(vc.alloc(value_bytes));
   HARNESS_CUDA(ks.alloc(scale_elems * sizeof(float)));
   HARNESS_CUDA(vs.alloc(scale_elems * sizeof(float)));
   HARNESS_CUDA(enc.alloc(sizeof(int) * p->bsz));
@@ -189,9 +195,9 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
     CUDA_LAUNCH(1024, 256, 0, 0, fill_kernel)(qkv.as<uint16_t>(), qkv_elems, 1u, p->dtype);
     HARNESS_CUDA(cudaGetLastError());
     if (quantized) {
-      CUDA_LAUNCH(4096, 256, 0, 0, fill_bytes_kernel)(kc.as<uint8_t>(), cache_bytes, 2u, p->cache_quant);
+      CUDA_LAUNCH(4096, 256, 0, 0, fill_bytes_kernel)(kc.as<uint8_t>(), key_bytes, 2u, lanes.key);
       HARNESS_CUDA(cudaGetLastError());
-      CUDA_LAUNCH(4096, 256, 0, 0, fill_bytes_kernel)(vc.as<uint8_t>(), cache_bytes, 3u, p->cache_quant);
+      CUDA_LAUNCH(4096, 256, 0, 0, fill_bytes_kernel)(vc.as<uint8_t>(), value_bytes, 3u, lanes.value);
       HARNESS_CUDA(cudaGetLastError());
       CUDA_LAUNCH(1024, 256, 0, 0, fill_scales_kernel)(ks.as<float>(), scale_elems);
       HARNESS_CUDA(cudaGetLastError());

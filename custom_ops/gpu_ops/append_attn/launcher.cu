@@ -94,8 +94,8 @@ std::string validate(const AppendAttnParams& p) {
     snprintf(buf, sizeof(buf), "dual_pass %d must be 0 or 1", p.dual_pass);
     return buf;
   }
-  if (p.cache_quant < APPEND_ATTN_CACHE_FLOAT || p.cache_quant > APPEND_ATTN_CACHE_INT4) {
-    snprintf(buf, sizeof(buf), "cache_quant %d unknown (0 float, 1 int8, 2 e4m3, 3 int4)", p.cache_quant);
+  if (p.cache_quant < APPEND_ATTN_CACHE_FLOAT || p.cache_quant > APPEND_ATTN_CACHE_K8V4) {
+    snprintf(buf, sizeof(buf), "cache_quant %d unknown (0 float, 1 int8, 2 e4m3, 3 int4, 4 k8v4)", p.cache_quant);
     return buf;
   }
   if (p.cache_quant != APPEND_ATTN_CACHE_FLOAT && p.dtype != APPEND_ATTN_BF16) {

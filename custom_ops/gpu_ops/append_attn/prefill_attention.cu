@@ -3,9 +3,10 @@
 // One thread block = one tile of up to 64 / G consecutive new tokens of one request times the G q
 // heads of one KV head (64 rows), so each K/V page read from memory serves every row of the tile.
 // The block walks only the tile's live blocks (see LiveBlocks) in chunks of 64 keys, with an
-// online softmax in fp32; K, V and the scores live in shared memory, fp32 CUDA-core math. Pages
-// are read through a codec P (append_attn_common.cuh): quantized pages stay 8-bit (or 4-bit) in
-// shared memory with their rows' scales next to them, dequantized where they are used.
+// online softmax in fp32; K, V and the scores live in shared memory, fp32 CUDA-core math. Each lane
+// is read through its codec, PK for keys and PV for values (append_attn_common.cuh; they differ only
+// for k8v4 pages): quantized pages stay 8-bit (or 4-bit) in shared memory with their rows' scales
+// next to them, dequantized where they are used.
 #include "append_attn_common.cuh"
 
 namespace append_attn {
@@ -46,20 +47,22 @@ __global__ void __launch_bounds__(1024) prefill_tile_prefix_kernel(Args a, int t
 __host__ __device__ constexpr size_t align16(size_t x) { return (x + 15) / 16 * 16; }
 
 // Shared memory layout (bytes). Row strides are padded so the threads of a warp that read
-// different rows of the same column hit different banks. K and V rows hold the pages' stored units
-// (kPerUnit elements each: 2 for int4 pages).
-template <typename P, int D>
+// different rows of the same column hit different banks. K and V rows hold their lane's stored units
+// (kPerUnit elements each: 2 for int4 lanes).
+template <typename PK, typename PV, int D>
 struct PrefillSmem {
-  using Elem = typename P::Elem;
-  static constexpr int kRowUnits = D / P::kPerUnit;
+  using KElem = typename PK::Elem;
+  using VElem = typename PV::Elem;
+  static constexpr int kKRowUnits = D / PK::kPerUnit;
+  static constexpr int kVRowUnits = D / PV::kPerUnit;
   static constexpr int kQStride = D + 2;  // floats
-  static constexpr int kKStride = kRowUnits + 4 / sizeof(Elem);  // units: an odd number of 32-bit words
+  static constexpr int kKStride = kKRowUnits + 4 / sizeof(KElem);  // units: an odd number of 32-bit words
   static constexpr int kPStride = kChunkKeys + 1;
   static constexpr size_t kQ = 0;
   static constexpr size_t kP = align16(kQ + sizeof(float) * kPrefillRows * kQStride);
   static constexpr size_t kK = align16(kP + sizeof(float) * kPrefillRows * kPStride);
-  static constexpr size_t kV = align16(kK + sizeof(Elem) * kChunkKeys * kKStride);
-  static constexpr size_t kKeyPos = align16(kV + sizeof(Elem) * kChunkKeys * kRowUnits);
+  static constexpr size_t kV = align16(kK + sizeof(KElem) * kChunkKeys * kKStride);
+  static constexpr size_t kKeyPos = align16(kV + sizeof(VElem) * kChunkKeys * kVRowUnits);
   static constexpr size_t kPageBase = align16(kKeyPos + sizeof(int) * kChunkKeys);
   static constexpr size_t kPageBlock = align16(kPageBase + sizeof(long long) * kChunkKeys);
   static constexpr size_t kKScale = align16(kPageBlock + sizeof(int) * kChunkKeys);
@@ -67,14 +70,56 @@ struct PrefillSmem {
   static constexpr size_t kBytes = align16(kVScale + sizeof(float) * kChunkKeys);
 };
 
+// The 32-bit words holding 8 consecutive elements of P's pages: 4 (16-bit elements), 2 (bytes) or 1
+// (int4 codes).
+template <typename P>
+__host__ __device__ constexpr int words_of_eight() {
+  return int(8 * sizeof(typename P::Elem) / P::kPerUnit / 4);
+}
+
+// The 8 elements of a cache of P's pages at element offset `off` (a multiple of 8) as words: one 16-,
+// 8- or 4-byte load, or zeros where the key must not be read (not written yet, or a skipped entry).
+template <typename P>
+__device__ __forceinline__ void load_eight(const typename P::Elem* cache, long long off, bool valid, uint32_t* w) {
+  constexpr int n = words_of_eight<P>();
+  if constexpr (n == 4) {
+    const uint4 x = valid ? *reinterpret_cast<const uint4*>(unit_at<P>(cache, off)) : make_uint4(0, 0, 0, 0);
+    w[0] = x.x;
+    w[1] = x.y;
+    w[2] = x.z;
+    w[3] = x.w;
+  } else if constexpr (n == 2) {
+    const uint2 x = valid ? *reinterpret_cast<const uint2*>(unit_at<P>(cache, off)) : make_uint2(0, 0);
+    w[0] = x.x;
+    w[1] = x.y;
+  } else {
+    w[0] = valid ? *reinterpret_cast<const uint32_t*>(unit_at<P>(cache, off)) : 0u;
+  }
+}
+
+// Stores them as one 16-, 8- or 4-byte store (dst aligned to its size: a V row of the staged copy).
+template <typename P>
+__device__ __forceinline__ void store_eight(void* dst, const uint32_t* w) {
+  constexpr int n = words_of_eight<P>();
+  if constexpr (n == 4) {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+  } else if constexpr (n == 2) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  } else {
+    *reinterpret_cast<uint32_t*>(dst) = w[0];
+  }
+}
+
 // At head_dim 256 shared memory allows one block per SM anyway: min 1 block lets ptxas take the
 // registers it needs (left to its default it spilled with e4m3 pages on sm_80); 0 = ptxas's default.
-template <typename T, typename P, int D, int BS>
+template <typename T, typename PK, typename PV, int D, int BS>
 __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
     prefill_attention_kernel(Args a, int swa_override, T* __restrict__ out) {
   using T2 = typename Num<T>::T2;
-  using Elem = typename P::Elem;
-  using L = PrefillSmem<P, D>;
+  using KElem = typename PK::Elem;
+  using VElem = typename PV::Elem;
+  using L = PrefillSmem<PK, PV, D>;
+  constexpr bool kQuantized = LanePair<PK, PV>::kQuantized;
   constexpr int kPagesPerChunk = kChunkKeys / BS;
   constexpr int kDimPairsPerThread = D / 16;  // a thread owns dims 16 * j + 2 * tk + {0, 1}
 
@@ -85,8 +130,8 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
   unsigned char* smem = dynamic_shared_memory;
   float* q_s = reinterpret_cast<float*>(smem + L::kQ);
   float* p_s = reinterpret_cast<float*>(smem + L::kP);
-  Elem* k_s = reinterpret_cast<Elem*>(smem + L::kK);
-  Elem* v_s = reinterpret_cast<Elem*>(smem + L::kV);
+  KElem* k_s = reinterpret_cast<KElem*>(smem + L::kK);
+  VElem* v_s = reinterpret_cast<VElem*>(smem + L::kV);
   int* key_pos_s = reinterpret_cast<int*>(smem + L::kKeyPos);
   long long* page_base_s = reinterpret_cast<long long*>(smem + L::kPageBase);
   int* page_block_s = reinterpret_cast<int*>(smem + L::kPageBlock);
@@ -166,8 +211,8 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
     for (int j = 0; j < 2 * kDimPairsPerThread; ++j) acc[i][j] = 0.f;
   }
 
-  const Elem* k_cache = static_cast<const Elem*>(a.key_cache);
-  const Elem* v_cache = static_cast<const Elem*>(a.value_cache);
+  const KElem* k_cache = static_cast<const KElem*>(a.key_cache);
+  const VElem* v_cache = static_cast<const VElem*>(a.value_cache);
   const int n_chunks = (live.count + kPagesPerChunk - 1) / kPagesPerChunk;
   for (int c = 0; c < n_chunks; ++c) {
     if (tid < kPagesPerChunk) {
@@ -193,47 +238,23 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
       const int kpos = page_block_s[pg] * BS + key % BS;
       const bool valid = base >= 0 && kpos <= pos_last;
       const long long off = base + (long long)(key % BS) * D + col8 * 8;  // elements
-      uint32_t* kd = reinterpret_cast<uint32_t*>(k_s + key * L::kKStride + col8 * 8 / P::kPerUnit);
-      Elem* vd = v_s + key * L::kRowUnits + col8 * 8 / P::kPerUnit;
-      if constexpr (P::kPerUnit == 2) {  // 8 four-bit codes: 4 bytes
-        uint32_t kv = 0;
-        uint32_t vv = 0;
-        if (valid) {
-          kv = *reinterpret_cast<const uint32_t*>(unit_at<P>(k_cache, off));
-          vv = *reinterpret_cast<const uint32_t*>(unit_at<P>(v_cache, off));
-        }
-        kd[0] = kv;
-        *reinterpret_cast<uint32_t*>(vd) = vv;
-      } else if constexpr (sizeof(Elem) == 2) {  // 8 elements: 16 bytes
-        uint4 kv = make_uint4(0, 0, 0, 0);
-        uint4 vv = make_uint4(0, 0, 0, 0);
-        if (valid) {
-          kv = *reinterpret_cast<const uint4*>(k_cache + off);
-          vv = *reinterpret_cast<const uint4*>(v_cache + off);
-        }
-        kd[0] = kv.x;
-        kd[1] = kv.y;
-        kd[2] = kv.z;
-        kd[3] = kv.w;
-        *reinterpret_cast<uint4*>(vd) = vv;
-      } else {  // 8 one-byte codes: 8 bytes
-        uint2 kv = make_uint2(0, 0);
-        uint2 vv = make_uint2(0, 0);
-        if (valid) {
-          kv = *reinterpret_cast<const uint2*>(k_cache + off);
-          vv = *reinterpret_cast<const uint2*>(v_cache + off);
-        }
-        kd[0] = kv.x;
-        kd[1] = kv.y;
-        *reinterpret_cast<uint2*>(vd) = vv;
-      }
+      // 8 elements of each lane: 16 bytes (16-bit pages), 8 (one-byte codes) or 4 (int4 codes). A K row's
+      // stride is an odd number of words, so K is stored word by word; V rows are aligned.
+      uint32_t kw[words_of_eight<PK>()];
+      uint32_t vw[words_of_eight<PV>()];
+      load_eight<PK>(k_cache, off, valid, kw);
+      load_eight<PV>(v_cache, off, valid, vw);
+      uint32_t* kd = reinterpret_cast<uint32_t*>(k_s + key * L::kKStride + col8 * 8 / PK::kPerUnit);
+#pragma unroll
+      for (int w = 0; w < words_of_eight<PK>(); ++w) kd[w] = kw[w];
+      store_eight<PV>(v_s + key * L::kVRowUnits + col8 * 8 / PV::kPerUnit, vw);
     }
     if (tid < kChunkKeys) {
       const int pg = tid / BS;
       const int kpos = page_block_s[pg] * BS + tid % BS;
       const bool valid = page_base_s[pg] >= 0 && kpos <= pos_last;
       key_pos_s[tid] = valid ? kpos : -1;
-      if (P::kQuantized) {
+      if (kQuantized) {
         const long long row = page_base_s[pg] / D + tid % BS;  // the row's scale index
         k_scale_s[tid] = valid ? a.key_scales[row] : 0.f;
         v_scale_s[tid] = valid ? a.value_scales[row] : 0.f;
@@ -254,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
       for (int j = 0; j < 8; ++j) {
         const int key = tk + 8 * j;
         const float2 kf =
-            P::pair(P::pair_bits(unit_at<P>(k_s + key * L::kKStride, d)), P::kQuantized ? k_scale_s[key] : 1.f);
+            PK::pair(PK::pair_bits(unit_at<PK>(k_s + key * L::kKStride, d)), kQuantized ? k_scale_s[key] : 1.f);
         s[0][j] += q0.x * kf.x + q0.y * kf.y;
         s[1][j] += q1.x * kf.x + q1.y * kf.y;
       }
@@ -300,10 +321,10 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
     for (int key = 0; key < kChunkKeys; ++key) {
       const float p0 = p_s[tr * L::kPStride + key];
       const float p1 = p_s[(tr + 32) * L::kPStride + key];
-      const float v_scale = P::kQuantized ? v_scale_s[key] : 1.f;
+      const float v_scale = kQuantized ? v_scale_s[key] : 1.f;
 #pragma unroll
       for (int j = 0; j < kDimPairsPerThread; ++j) {
-        const float2 v = P::pair(P::pair_bits(unit_at<P>(v_s + key * L::kRowUnits, 16 * j + 2 * tk)), v_scale);
+        const float2 v = PV::pair(PV::pair_bits(unit_at<PV>(v_s + key * L::kVRowUnits, 16 * j + 2 * tk)), v_scale);
         acc[0][2 * j] += p0 * v.x;
         acc[0][2 * j + 1] += p0 * v.y;
         acc[1][2 * j] += p1 * v.x;
@@ -328,10 +349,10 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
   }
 }
 
-template <typename T, typename P, int D, int BS>
+template <typename T, typename PK, typename PV, int D, int BS>
 cudaError_t launch_kernel(const Args& a, int swa_override, void* out, cudaStream_t stream) {
-  constexpr size_t kSmem = PrefillSmem<P, D>::kBytes;  // = prefill_attention_smem_bytes
-  auto kernel = prefill_attention_kernel<T, P, D, BS>;
+  constexpr size_t kSmem = PrefillSmem<PK, PV, D>::kBytes;  // = prefill_attention_smem_bytes
+  auto kernel = prefill_attention_kernel<T, PK, PV, D, BS>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem);
   if (err != cudaSuccess) return err;
@@ -341,37 +362,41 @@ cudaError_t launch_kernel(const Args& a, int swa_override, void* out, cudaStream
   // on the device and surplus blocks exit at once.
   const int grid_x = (a.token_num + tokens_per_tile - 1) / tokens_per_tile + a.bsz;
   dim3 grid(grid_x, a.kv_num_heads);
-  CUDA_LAUNCH(grid, kThreads, kSmem, stream, prefill_attention_kernel<T, P, D, BS>)(a, swa_override, static_cast<T*>(out));
+  CUDA_LAUNCH(grid, kThreads, kSmem, stream, prefill_attention_kernel<T, PK, PV, D, BS>)(a, swa_override,
+                                                                                      static_cast<T*>(out));
   return cudaGetLastError();
 }
 
-template <typename T, typename P>
+template <typename T, typename PK, typename PV>
 cudaError_t launch_shapes(const Args& a, int swa_override, void* out, cudaStream_t stream) {
   if (a.head_dim == 64) {
-    return a.block_size == 64 ? launch_kernel<T, P, 64, 64>(a, swa_override, out, stream)
-                              : launch_kernel<T, P, 64, 16>(a, swa_override, out, stream);
+    return a.block_size == 64 ? launch_kernel<T, PK, PV, 64, 64>(a, swa_override, out, stream)
+                              : launch_kernel<T, PK, PV, 64, 16>(a, swa_override, out, stream);
   }
   if (a.head_dim == 256) {  // Gemma 3
-    return a.block_size == 64 ? launch_kernel<T, P, 256, 64>(a, swa_override, out, stream)
-                              : launch_kernel<T, P, 256, 16>(a, swa_override, out, stream);
+    return a.block_size == 64 ? launch_kernel<T, PK, PV, 256, 64>(a, swa_override, out, stream)
+                              : launch_kernel<T, PK, PV, 256, 16>(a, swa_override, out, stream);
   }
-  return a.block_size == 64 ? launch_kernel<T, P, 128, 64>(a, swa_override, out, stream)
-                            : launch_kernel<T, P, 128, 16>(a, swa_override, out, stream);
+  return a.block_size == 64 ? launch_kernel<T, PK, PV, 128, 64>(a, swa_override, out, stream)
+                            : launch_kernel<T, PK, PV, 128, 16>(a, swa_override, out, stream);
 }
 
 template <typename T>
 cudaError_t launch_typed(const Args& a, int swa_override, void* out, cudaStream_t stream) {
   // Quantized pages come with bf16 compute only (the launcher checks it).
   if (a.cache_quant == APPEND_ATTN_CACHE_INT8) {
-    return launch_shapes<__nv_bfloat16, Int8Pages>(a, swa_override, out, stream);
+    return launch_shapes<__nv_bfloat16, Int8Pages, Int8Pages>(a, swa_override, out, stream);
   }
   if (a.cache_quant == APPEND_ATTN_CACHE_FP8_E4M3) {
-    return launch_shapes<__nv_bfloat16, E4M3Pages>(a, swa_override, out, stream);
+    return launch_shapes<__nv_bfloat16, E4M3Pages, E4M3Pages>(a, swa_override, out, stream);
   }
   if (a.cache_quant == APPEND_ATTN_CACHE_INT4) {
-    return launch_shapes<__nv_bfloat16, NibblePages>(a, swa_override, out, stream);
+    return launch_shapes<__nv_bfloat16, NibblePages, NibblePages>(a, swa_override, out, stream);
   }
-  return launch_shapes<T, FloatPages<T>>(a, swa_override, out, stream);
+  if (a.cache_quant == APPEND_ATTN_CACHE_K8V4) {
+    return launch_shapes<__nv_bfloat16, Int8Pages, NibblePages>(a, swa_override, out, stream);
+  }
+  return launch_shapes<T, FloatPages<T>, FloatPages<T>>(a, swa_override, out, stream);
 }
 
 }  // namespace
@@ -379,10 +404,12 @@ cudaError_t launch_typed(const Args& a, int swa_override, void* out, cudaStream_
 namespace {
 template <int D>
 size_t smem_bytes_of(int cache_quant) {
-  if (cache_quant == APPEND_ATTN_CACHE_INT8) return PrefillSmem<Int8Pages, D>::kBytes;
-  if (cache_quant == APPEND_ATTN_CACHE_FP8_E4M3) return PrefillSmem<E4M3Pages, D>::kBytes;
-  if (cache_quant == APPEND_ATTN_CACHE_INT4) return PrefillSmem<NibblePages, D>::kBytes;
-  return PrefillSmem<FloatPages<__nv_bfloat16>, D>::kBytes;  // fp16 pages: the same bytes
+  if (cache_quant == APPEND_ATTN_CACHE_INT8) return PrefillSmem<Int8Pages, Int8Pages, D>::kBytes;
+  if (cache_quant == APPEND_ATTN_CACHE_FP8_E4M3) return PrefillSmem<E4M3Pages, E4M3Pages, D>::kBytes;
+  if (cache_quant == APPEND_ATTN_CACHE_INT4) return PrefillSmem<NibblePages, NibblePages, D>::kBytes;
+  if (cache_quant == APPEND_ATTN_CACHE_K8V4) return PrefillSmem<Int8Pages, NibblePages, D>::kBytes;
+  using Bf16Pages = FloatPages<__nv_bfloat16>;  // fp16 pages: the same bytes
+  return PrefillSmem<Bf16Pages, Bf16Pages, D>::kBytes;
 }
 }  // namespace
 

@@ -3,6 +3,7 @@
 // read it once per tile without re-rotating and keep fp32 precision (the CPU op's math).
 // Quantized pages (cache_quant) take the CPU op's rule, the same header (kv_quant.h): each row's
 // absmax scale, codes rounded to nearest even; int8 and int4 keys and the queries Hadamard-rotated.
+// Each lane is written in its own format (k8v4: int8 keys, int4 values).
 #include <type_traits>
 
 #include "append_attn_common.cuh"
@@ -91,12 +92,46 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The codes of the token's kv_num_heads staged rows (head h's at rows + h * stride, its scale scales[h])
+// into the page row `row_in_block` of block `block` of one lane, whose format is Code: a byte of two
+// codes per thread step for int4, one code for the 8-bit formats. Every thread of the block takes part.
+template <typename Code>
+__device__ __forceinline__ void write_lane_codes(const Args& a, void* cache, const float* rows, int stride,
+                                                 const float* scales, int req, int block, long long row_in_block) {
+  const int D = a.head_dim;
+  const int kvh = a.kv_num_heads;
+  if constexpr (std::is_same<Code, Int4Pair>::value) {
+    // A page row of D codes is D / 2 bytes: the byte offset of an element offset is its half.
+    uint8_t* codes = static_cast<uint8_t*>(cache);
+    const int pairs = D / 2;
+    for (int i = threadIdx.x; i < kvh * pairs; i += blockDim.x) {
+      const int h = i / pairs;
+      const int p = i % pairs;
+      const long long base = page_offset(a, req, h, block, APPEND_ATTN_ERR_DEAD_ENTRY);
+      if (base < 0) continue;  // recorded; never write through a -1 entry
+      const float* x = rows + h * stride + 2 * p;
+      codes[(base + row_in_block * D) / 2 + p] =
+          fd_kvq::int4_pack(fd_kvq::int4_code(x[0], scales[h]), fd_kvq::int4_code(x[1], scales[h]));
+    }
+  } else {
+    Code* codes = static_cast<Code*>(cache);
+    for (int i = threadIdx.x; i < kvh * D; i += blockDim.x) {
+      const int h = i / D;
+      const int d = i % D;
+      const long long base = page_offset(a, req, h, block, APPEND_ATTN_ERR_DEAD_ENTRY);
+      if (base < 0) continue;  // recorded; never write through a -1 entry
+      codes[base + row_in_block * D + d] = fd_kvq::code_of<Code>(rows[h * stride + d], scales[h]);
+    }
+  }
+}
+
 // Quantized pages: one block per token. The token's rotated q and k rows and its v rows are staged
 // in shared memory ([rows][D + 1] floats: one thread walks a row without bank conflicts); a thread
-// per row applies the Hadamard rotation (int8, int4) and takes the absmax of each K/V row, then every
-// thread writes codes (int4: a byte of two codes each). Shared memory: quantized_smem_bytes().
-// Min 1 block per SM: left to its default ptxas spilled a few bytes (int8 on sm_90).
-template <typename T, typename Code>
+// per row applies the Hadamard rotation (int8, int4 keys) and takes the absmax of each K/V row, then
+// every thread writes codes, each lane in its own format (int4: a byte of two codes each). Shared
+// memory: quantized_smem_bytes(). Min 1 block per SM: left to its default ptxas spilled a few bytes
+// (int8 on sm_90).
+template <typename T, typename KeyCode, typename ValueCode>
 __global__ void __launch_bounds__(kThreads, 1)
     rope_write_quantized_kernel(Args a, float q_scale, T* __restrict__ out) {
   const int token = blockIdx.x;
@@ -130,15 +165,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  const fd_kvq::Format format = format_of_code<Code>();
-  const bool rotate = fd_kvq::rotates_keys(format, D);
+  const fd_kvq::Format key_format = format_of_code<KeyCode>();
+  const fd_kvq::Format value_format = format_of_code<ValueCode>();
+  const bool rotate = fd_kvq::rotates_keys(key_format, D);  // the key lane's format decides (kv_quant.h)
   for (int r = threadIdx.x; r < nh + 2 * kvh; r += blockDim.x) {
     float* x = rows_s + r * stride;
     if (rotate && r < nh + kvh) fd_kvq::hadamard_in_place(x, D);
     if (r >= nh) {
       float absmax = 0.f;
       for (int i = 0; i < D; ++i) absmax = fmaxf(absmax, fabsf(x[i]));
-      scale_s[r - nh] = fd_kvq::scale_for(absmax, format);
+      scale_s[r - nh] = fd_kvq::scale_for(absmax, r < nh + kvh ? key_format : value_format);
     }
   }
   __syncthreads();
@@ -150,35 +186,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   const int block = pos / a.block_size;
   const long long row_in_block = pos % a.block_size;
-  if constexpr (std::is_same<Code, Int4Pair>::value) {
-    // A page row of D codes is D / 2 bytes: the byte offset of an element offset is its half.
-    uint8_t* k_cache = static_cast<uint8_t*>(a.key_cache);
-    uint8_t* v_cache = static_cast<uint8_t*>(a.value_cache);
-    for (int i = threadIdx.x; i < kvh * pairs; i += blockDim.x) {
-      const int h = i / pairs;
-      const int p = i % pairs;
-      const long long base = page_offset(a, req, h, block, APPEND_ATTN_ERR_DEAD_ENTRY);
-      if (base < 0) continue;  // recorded; never write through a -1 entry
-      const long long dst = (base + row_in_block * D) / 2 + p;
-      const float* k = k_s + h * stride + 2 * p;
-      const float* v = v_s + h * stride + 2 * p;
-      k_cache[dst] = fd_kvq::int4_pack(fd_kvq::int4_code(k[0], scale_s[h]), fd_kvq::int4_code(k[1], scale_s[h]));
-      v_cache[dst] = fd_kvq::int4_pack(fd_kvq::int4_code(v[0], scale_s[kvh + h]),
-                                       fd_kvq::int4_code(v[1], scale_s[kvh + h]));
-    }
-  } else {
-    Code* k_cache = static_cast<Code*>(a.key_cache);
-    Code* v_cache = static_cast<Code*>(a.value_cache);
-    for (int i = threadIdx.x; i < kvh * D; i += blockDim.x) {
-      const int h = i / D;
-      const int d = i % D;
-      const long long base = page_offset(a, req, h, block, APPEND_ATTN_ERR_DEAD_ENTRY);
-      if (base < 0) continue;  // recorded; never write through a -1 entry
-      const long long dst = base + row_in_block * D + d;
-      k_cache[dst] = fd_kvq::code_of<Code>(k_s[h * stride + d], scale_s[h]);
-      v_cache[dst] = fd_kvq::code_of<Code>(v_s[h * stride + d], scale_s[kvh + h]);
-    }
-  }
+  write_lane_codes<KeyCode>(a, a.key_cache, k_s, stride, scale_s, req, block, row_in_block);
+  write_lane_codes<ValueCode>(a, a.value_cache, v_s, stride, scale_s + kvh, req, block, row_in_block);
   for (int h = threadIdx.x; h < kvh; h += blockDim.x) {
     const long long base = page_offset(a, req, h, block, APPEND_ATTN_ERR_DEAD_ENTRY);
     if (base < 0) continue;
@@ -194,14 +203,15 @@ cudaError_t launch_typed(const Args& a, void* out, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename Code>
+template <typename KeyCode, typename ValueCode>
 cudaError_t launch_quantized(const Args& a, void* out, cudaStream_t stream) {
   const float q_scale = 1.0f / sqrtf(static_cast<float>(a.head_dim));
   const size_t smem = quantized_rope_write_smem_bytes(a.num_heads, a.kv_num_heads, a.head_dim);
-  auto kernel = rope_write_quantized_kernel<__nv_bfloat16, Code>;
+  auto kernel = rope_write_quantized_kernel<__nv_bfloat16, KeyCode, ValueCode>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (err != cudaSuccess) return err;
-  CUDA_LAUNCH(a.token_num, kThreads, smem, stream, rope_write_quantized_kernel<__nv_bfloat16, Code>)(a, q_scale, static_cast<__nv_bfloat16*>(out));
+  CUDA_LAUNCH(a.token_num, kThreads, smem, stream, rope_write_quantized_kernel<__nv_bfloat16, KeyCode, ValueCode>)(
+      a, q_scale, static_cast<__nv_bfloat16*>(out));
   return cudaGetLastError();
 }
 
@@ -214,9 +224,10 @@ size_t quantized_rope_write_smem_bytes(int num_heads, int kv_num_heads, int head
 cudaError_t launch_rope_write_cache(const Args& a, int dtype, void* out, cudaStream_t stream) {
   if (a.token_num == 0) return cudaSuccess;
   // Quantized pages come with bf16 compute only (the launcher checks it).
-  if (a.cache_quant == APPEND_ATTN_CACHE_INT8) return launch_quantized<int8_t>(a, out, stream);
-  if (a.cache_quant == APPEND_ATTN_CACHE_FP8_E4M3) return launch_quantized<fd_kvq::e4m3>(a, out, stream);
-  if (a.cache_quant == APPEND_ATTN_CACHE_INT4) return launch_quantized<Int4Pair>(a, out, stream);
+  if (a.cache_quant == APPEND_ATTN_CACHE_INT8) return launch_quantized<int8_t, int8_t>(a, out, stream);
+  if (a.cache_quant == APPEND_ATTN_CACHE_FP8_E4M3) return launch_quantized<fd_kvq::e4m3, fd_kvq::e4m3>(a, out, stream);
+  if (a.cache_quant == APPEND_ATTN_CACHE_INT4) return launch_quantized<Int4Pair, Int4Pair>(a, out, stream);
+  if (a.cache_quant == APPEND_ATTN_CACHE_K8V4) return launch_quantized<int8_t, Int4Pair>(a, out, stream);
   return dtype == APPEND_ATTN_BF16 ? launch_typed<__nv_bfloat16>(a, out, stream)
                                    : launch_typed<__half>(a, out, stream);
 }

@@ -5,8 +5,9 @@ rank's `H / tp` KV heads (and their query heads, which arrive as the rank's qkv 
 cache for them, addressed by rank-local page ids. The cache is the slot layout's k lanes
 (cache_manager/slots.py), each `[num_blocks, G, block_size, head_dim]` for K and for V (quantized
 pages, --kv-cache-quant-type: int8 / float8_e4m3fn codes, or int4 codes two per uint8 in
-`[..., head_dim / 2]`, plus float32 scales `[num_blocks, G, block_size]` for K and for V, one per
-token row of every page); a layer reads and writes its lane
+`[..., head_dim / 2]`, or k8v4's int8 keys beside int4 values, plus float32 scales
+`[num_blocks, G, block_size]` for K and for V, one per token row of every page); a layer reads and
+writes its lane
 through its head -> slot map (one lane per layer, G = H / tp and slot h
 = head h for a model whose layers all look alike). Every layer passes its own sliding heads,
 window and sink (sliding layers of the model as much as head-wise SWA heads), one pair per KV head: the
@@ -28,7 +29,8 @@ from fastdeploy.model_executor.tensor_parallel import local_kv_heads
 
 
 class AppendAttentionBackend:
-    """Owns one rank's paged KV cache: per lane, K and V of shape `[num_blocks, G, block_size, head_dim]`."""
+    """Owns one rank's paged KV cache: per lane, K and V of shape `[num_blocks, G, block_size, head_dim]`
+    (int4 values: `head_dim / 2` bytes)."""
 
     def __init__(self, fd_config, rotary: list, tp_rank: int = 0):
         model, cache = fd_config.model_config, fd_config.cache_config
@@ -36,13 +38,17 @@ class AppendAttentionBackend:
         self.num_heads, self.kv_num_heads = model.num_attention_heads // tp, model.num_key_value_heads // tp
         self.head_dim = model.head_dim
         slots = fd_config.slot_layout
-        shape = [cache.num_gpu_blocks, slots.slots_per_rank, cache.block_size, cache.row_elements(model.head_dim)]
-        self.lane_keys = [paddle.zeros(shape, dtype=cache.page_dtype) for _ in range(slots.num_lanes)]
-        self.lane_values = [paddle.zeros(shape, dtype=cache.page_dtype) for _ in range(slots.num_lanes)]
+        cells = [cache.num_gpu_blocks, slots.slots_per_rank, cache.block_size]  # (block, slot, row) of a page
+
+        def lanes(lane: str) -> list:  # K and V may differ in dtype and row width (k8v4: int8 keys, int4 values)
+            shape = cells + [cache.row_elements(model.head_dim, lane)]
+            return [paddle.zeros(shape, dtype=cache.page_dtype(lane)) for _ in range(slots.num_lanes)]
+
+        self.lane_keys, self.lane_values = lanes("key"), lanes("value")
         # A page's scales sit at its own (block, slot) cell: whatever moves the page moves them.
         if cache.quantized:
-            self.lane_key_scales = [paddle.zeros(shape[:3], "float32") for _ in range(slots.num_lanes)]
-            self.lane_value_scales = [paddle.zeros(shape[:3], "float32") for _ in range(slots.num_lanes)]
+            self.lane_key_scales = [paddle.zeros(cells, "float32") for _ in range(slots.num_lanes)]
+            self.lane_value_scales = [paddle.zeros(cells, "float32") for _ in range(slots.num_lanes)]
         else:  # float pages: the op's 1-element placeholders
             place = self.lane_keys[0].place
             self.lane_key_scales = [no_scales(place)] * slots.num_lanes

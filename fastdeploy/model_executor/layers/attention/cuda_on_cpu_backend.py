@@ -3,7 +3,8 @@
 The cache, tables, slot maps and per-layer arguments are APPEND_ATTN's (the same engine, scheduler
 and cache manager); the per-layer call goes to the C ABI of the CUDA kernels (append_attn_api.cuh)
 compiled for the CUDA-on-CPU executor (ops/cuda_on_cpu_loader.py), on host buffers. The pages are
-what a GPU holds: bfloat16, or int8 / e4m3 codes (int4: two codes per uint8) with float32 scales;
+what a GPU holds: bfloat16, or int8 / e4m3 codes (int4: two codes per uint8; k8v4: int8 keys, int4
+values) with float32 scales;
 q, k, v enter as bfloat16 (the GPU's compute dtype) and the output returns in the model's dtype. Each launch runs its blocks one
 after another under one thread order (CUDA_ON_CPU_ORDERS, default forward): slow, for checking the
 kernels under real models, not for serving.
@@ -24,7 +25,10 @@ from fastdeploy.model_executor.layers.attention.ops.cuda_on_cpu_loader import Ap
     AppendAttnParams, configure_executor, load_cuda_on_cpu
 
 _BF16 = 0  # AppendAttnDtype
-_CACHE_QUANT = {paddle.bfloat16: 0, paddle.int8: 1, paddle.float8_e4m3fn: 2, paddle.uint8: 3}  # AppendAttnCacheQuant
+# AppendAttnCacheQuant of the (key, value) lane dtypes: alike, or int8 keys with int4 values (k8v4).
+_CACHE_QUANT = {(paddle.bfloat16, paddle.bfloat16): 0, (paddle.int8, paddle.int8): 1,
+                (paddle.float8_e4m3fn, paddle.float8_e4m3fn): 2, (paddle.uint8, paddle.uint8): 3,
+                (paddle.int8, paddle.uint8): 4}
 
 
 def _ptr(t):
@@ -70,7 +74,7 @@ class CudaOnCpuAttentionBackend(AppendAttentionBackend):
             num_blocks=int(key_cache.shape[0]), max_blocks_per_seq=int(table32.shape[-1]),
             head_wise_table=int(len(table32.shape) == 3), max_position=int(cos32.shape[0]),
             visit_all_pages=0, dual_pass=0, kv_slots=int(key_cache.shape[1]),
-            cache_quant=_CACHE_QUANT[key_cache.dtype])
+            cache_quant=_CACHE_QUANT[key_cache.dtype, value_cache.dtype])
         scales = (self.key_scales[layer_id], self.value_scales[layer_id]) if self.quantized else (None, None)
         buffers = AppendAttnBuffers(
             qkv=_ptr(q16), key_cache=_ptr(key_cache), value_cache=_ptr(value_cache), seq_lens_encoder=_ptr(enc),

@@ -10,7 +10,8 @@ or the head-wise page table ``[bsz, G, max_blocks]`` (told apart by rank);
 and sink (row 1, >= 0); ``kv_head_slots`` (int32 ``[kv_num_heads]``, distinct slots < G; None = head h
 in slot h) says which slot, i.e. which table row and which place in a block,
 holds each KV head of this layer. Quantized pages (int8, float8_e4m3fn, or uint8 caches of int4
-pairs ``[num_blocks, G, block_size, head_dim / 2]``) carry
+pairs ``[num_blocks, G, block_size, head_dim / 2]``; k8v4: an int8 key cache beside a uint8 int4 value
+cache, the one pair of caches that differ) carry
 ``key_cache_scales``/``value_cache_scales``, float32 ``[num_blocks, G, block_size]`` (one scale
 per token row of every page, written with the row); float caches take a 1-element placeholder
 there (None = made here). Returns ``[token_num, num_heads * head_dim]`` in the dtype of ``qkv``.
