@@ -12,12 +12,13 @@ prefilling --prefill-lens tokens in one step (the tiled path), in ms and attenti
 The issue's target: all-SWA head-wise at 64k <= 0.1x the full arm.
 A second table compares 1 vs 2 threads (FD_CPU_ATTN_NUM_THREADS). With --page-formats, a third
 table times the full-attention decode step over pages of each format (float32, bfloat16, int8,
-float8_e4m3fn, int4: the quantized pages of --kv-cache-quant-type int8 / block_wise_fp8 /
-block_wise_int4, int4 as codes two per uint8), interleaved, against the first format.
+float8_e4m3fn, int4, k8v4: the quantized pages of --kv-cache-quant-type int8 / block_wise_fp8 /
+block_wise_int4 / k8v4, int4 as codes two per uint8, k8v4 int8 keys beside int4 values), interleaved,
+against the first format.
 
     python benchmarks/bench_append_attention_cpu.py [--contexts 4096 16384 65536] [--json out.json]
     python benchmarks/bench_append_attention_cpu.py --batch 32 --contexts 2048 --num-heads 9 --kv-heads 3 \
-        --head-dim 64 --page-formats float32 bfloat16 int8 int4 --skip-arms --prefill-lens 4096  # SmolLM2's
+        --head-dim 64 --page-formats float32 bfloat16 int8 int4 k8v4 --skip-arms --prefill-lens 4096  # SmolLM2's
 """
 
 from __future__ import annotations
@@ -39,8 +40,15 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from ab_harness import log, median, print_table, take_turns, timed, write_json  # noqa: E402
 
 
-# Page formats of --kv-cache-quant-type int8 / block_wise_fp8 / block_wise_int4 (cache dtypes, int4: uint8 pairs).
-QUANTIZED = ("int8", "float8_e4m3fn", "int4")
+# Page formats of --kv-cache-quant-type int8 / block_wise_fp8 / block_wise_int4 / k8v4 (cache dtypes, int4: uint8
+# pairs); k8v4's lanes differ (LANES: key format, value format).
+QUANTIZED = ("int8", "float8_e4m3fn", "int4", "k8v4")
+LANES = {"k8v4": ("int8", "int4")}
+
+
+def lane_formats(page_format: str) -> tuple:
+    """(key lane format, value lane format) of a page format."""
+    return LANES.get(page_format, (page_format, page_format))
 
 
 def cache_shape_and_dtype(shape: list, page_format: str):
@@ -69,13 +77,16 @@ class DecodeStep:
         # Values only need to be finite and varied; the op's cost does not depend on them.
         page_dtype = page_dtype or args.dtype
         quantized = page_dtype in QUANTIZED
-        source = (lambda: paddle.uniform(cache_shape, min=-100, max=100).astype("int8")) if page_dtype == "int8" \
-            else (lambda: paddle.uniform(cache_shape, min=-1, max=1).astype(page_dtype))
-        if page_dtype == "int4":
-            self.key_cache = random_int4_pairs(cache_shape_and_dtype(cache_shape, "int4")[0], 1)
-            self.value_cache = random_int4_pairs(cache_shape_and_dtype(cache_shape, "int4")[0], 2)
-        else:
-            self.key_cache, self.value_cache = source(), source()
+
+        def lane(fmt: str, seed: int) -> paddle.Tensor:
+            if fmt == "int4":
+                return random_int4_pairs(cache_shape_and_dtype(cache_shape, "int4")[0], seed)
+            if fmt == "int8":
+                return paddle.uniform(cache_shape, min=-100, max=100).astype("int8")
+            return paddle.uniform(cache_shape, min=-1, max=1).astype(fmt)
+
+        key_format, value_format = lane_formats(page_dtype)
+        self.key_cache, self.value_cache = lane(key_format, 1), lane(value_format, 2)
         scales = (lambda: paddle.uniform(cache_shape[:3], min=0.01, max=0.02)) if quantized \
             else (lambda: paddle.zeros([1], "float32"))
         self.scales = dict(key_cache_scales=scales(), value_cache_scales=scales())
@@ -136,10 +147,10 @@ def prefill_step(args, tokens: int, swa_heads: int, page_dtype: str = None):
     i32 = lambda a: paddle.to_tensor(np.asarray(a, np.int32))  # noqa: E731
     inv_freq = 10000.0 ** (-np.arange(0, D, 2) / D)
     angle = np.arange(tokens)[:, None] * inv_freq[None, :]
-    lane_shape, lane_dtype = cache_shape_and_dtype(shape, page_dtype)
+    key_lane, value_lane = (cache_shape_and_dtype(shape, fmt) for fmt in lane_formats(page_dtype))
     tensors = dict(
         qkv=paddle.uniform([tokens, (args.num_heads + 2 * H) * D], min=-1, max=1),
-        key_cache=paddle.zeros(lane_shape, lane_dtype), value_cache=paddle.zeros(lane_shape, lane_dtype),
+        key_cache=paddle.zeros(*key_lane), value_cache=paddle.zeros(*value_lane),
         key_cache_scales=paddle.zeros(shape[:3] if page_dtype in QUANTIZED else [1], "float32"),
         value_cache_scales=paddle.zeros(shape[:3] if page_dtype in QUANTIZED else [1], "float32"),
         seq_lens_encoder=i32([tokens]), seq_lens_decoder=i32([0]), seq_lens_this_time=i32([tokens]),
@@ -234,7 +245,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-lens", type=int, nargs="*", default=[2048],
                    help="also time one request prefilling this many tokens in one step")
     p.add_argument("--page-formats", nargs="*", default=[],
-                   choices=["float32", "bfloat16", "int8", "float8_e4m3fn", "int4"],
+                   choices=["float32", "bfloat16", "int8", "float8_e4m3fn", "int4", "k8v4"],
                    help="also time the full decode step over pages of each format (vs the first one)")
     p.add_argument("--skip-arms", action="store_true", help="only the --page-formats table (and prefill)")
     p.add_argument("--json", metavar="PATH")

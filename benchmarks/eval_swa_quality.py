@@ -100,7 +100,8 @@ def path_of(spec, num_layers: int) -> str:
 
 
 def build_llm(model: str, spec, path: str, max_model_len: int, prefix_caching: bool, max_num_seqs: int = 1,
-              quant: str = "none", head_wise: bool = False, rotation: bool = True, value_rotation: bool = False):
+              quant: str = "none", head_wise: bool = False, rotation: bool = True, value_rotation: bool = False,
+              kv_cache_memory=None):
     """The engine for one configuration. A servable per-layer spec the engine does not accept yet
     falls back to the masked dense reference (returned path says which ran). `quant`: the KV page
     format (kv_cache_quant_type); `head_wise`: full attention on head-wise pages; `rotation=False`:
@@ -111,7 +112,7 @@ def build_llm(model: str, spec, path: str, max_model_len: int, prefix_caching: b
     from fastdeploy.tools.probed_attention import install
 
     common = dict(model=model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=CHUNK, enable_prefix_caching=prefix_caching)
+                  max_num_batched_tokens=CHUNK, enable_prefix_caching=prefix_caching, kv_cache_memory=kv_cache_memory)
     set_cpu_options(kv_key_rotation=rotation, kv_value_rotation=value_rotation)
     if quant != "none":
         if path in ("native", "native-full"):
@@ -333,6 +334,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=4, help="retrieval prompts in flight at once")
+    p.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
+                   help="KV memory per engine (default: the engine's); 8k-token prompts at full attention in "
+                        "float32 need ~380 MB each in flight on SmolLM2")
     p.add_argument("--kv-cache-quant-type", default="none",
                    choices=list(kv_quant.KV_CACHE_QUANT_TYPES),
                    help="KV page format of configs that name none (the reference stays float32 pages)")
@@ -394,7 +398,8 @@ def main(argv=None) -> int:
         key = "native-full" if path == "native" else "full"
         if key not in references:
             t0 = time.time()
-            llm, _ = build_llm(args.model, None, key, max_len, prefix_caching=False)
+            llm, _ = build_llm(args.model, None, key, max_len, prefix_caching=False,
+                               kv_cache_memory=args.kv_cache_memory)
             references[key] = [text_logprobs(llm, seg) for seg in segments]
             llm.engine.close()
             log(f"reference ({key}) log-probs in {time.time() - t0:.0f} s")
@@ -416,6 +421,7 @@ def main(argv=None) -> int:
         exact_below = 0 if quant != "none" else exact_span(spec, num_layers, num_kv) if spec else args.segment_tokens
         row = {"head_wise_swa": spec, "path": path, **variant}
         build = functools.partial(build_llm, args.model, spec, max_model_len=max_len, quant=quant, head_wise=head_wise,
+                                  kv_cache_memory=args.kv_cache_memory,
                                   rotation=variant["kv_quant_rotation"],
                                   value_rotation=variant["kv_quant_value_rotation"])
         is_reference = spec is None and quant == "none" and not head_wise

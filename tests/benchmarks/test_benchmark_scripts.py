@@ -43,11 +43,13 @@ def test_bench_append_attention_cpu_times_every_arm_and_page_format(tmp_path):
     out = tmp_path / "attn.json"
     run("bench_append_attention_cpu.py", "--contexts", "256", "--batch", "2", "--num-heads", "4", "--kv-heads", "2",
         "--head-dim", "32", "--block-size", "16", "--window", "64", "--sink", "16", "--reps", "2", "--prefill-lens",
-        "128", "--page-formats", "float32", "int8", "--json", str(out))
+        "128", "--page-formats", "float32", "int8", "k8v4", "--json", str(out))
     result = json.loads(out.read_text())
     assert [r["arm"] for r in result["steps"]] == ["full", "1 SWA 1d-mask", "1 SWA headwise", "2 SWA 1d-mask",
                                                    "2 SWA headwise"]
-    assert [r["page_format"] for r in result["page_formats"]] == ["float32", "int8"]
+    formats = result["page_formats"]
+    assert [r["page_format"] for r in formats] == ["float32", "int8", "k8v4"]
+    assert formats[0]["kv_mb"] > formats[1]["kv_mb"] > formats[2]["kv_mb"]  # k8v4: int4 values beside int8 keys
     assert [r["arm"] for r in result["prefill"]] == ["full", "2 SWA"] and len(result["threads"]) == 2
 
 
