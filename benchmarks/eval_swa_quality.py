@@ -560,6 +560,30 @@ def print_retrieval(rows: dict) -> None:
                 every = [sum(v[k] for v in got.values()) for k in (0, 1)]
                 print(f"| {name} | " + " | ".join(f"{got[c][0]}/{got[c][1]}" if c in got else "-" for c in cells)
                       + f" | {every[0]}/{every[1]} |")
+    print_retrieval_margins(rows)
+
+
+def print_retrieval_margins(rows: dict) -> None:
+    """Every variant and form together: found / prompts of each configuration per length and per depth
+    (band), the margins where a configuration's first failures show."""
+    def axis_totals(r, axis):
+        got = {}
+        for x in r.get("retrieval", []):
+            f, t = got.get(str(x[axis]), (0, 0))
+            got[str(x[axis])] = (f + x["found"], t + x["total"])
+        return got
+
+    with_retrieval = {name: r for name, r in rows.items() if r.get("retrieval")}
+    if not with_retrieval:
+        return
+    keys = {axis: sorted({k for r in with_retrieval.values() for k in axis_totals(r, axis)},
+                         key=lambda k: (float(k.split("-")[0]), k)) for axis in ("length", "depth")}
+    print("\n| all variants: found/prompts | " + " | ".join(f"{k} tokens" for k in keys["length"]) + " | "
+          + " | ".join(f"depth {k}" for k in keys["depth"]) + " |")
+    print("|---" * (1 + len(keys["length"]) + len(keys["depth"])) + "|")
+    for name, r in with_retrieval.items():
+        cells = [axis_totals(r, axis).get(k) for axis in ("length", "depth") for k in keys[axis]]
+        print(f"| {name} | " + " | ".join(f"{c[0]}/{c[1]}" if c else "-" for c in cells) + " |")
 
 
 def family(name: str) -> str:

@@ -58,6 +58,8 @@ def test_the_checkpoints_quantization_config_is_read_and_the_flag_wins(monkeypat
                                        r"block_wise_fp8, block_wise_int4, k8v4$"),
     (dict(kv_cache_quant_type="int4_zp"), "an upstream type with calibrated static scales or zero points, not "
                                           "implemented here; block_wise_int4 is this engine's 4-bit pages"),
+    (dict(kv_cache_quant_type="int4_kivi"), "KIVI's per-channel key scales change as a page fills.*k8v4 is the "
+                                            "4-bit form that keeps retrieval"),
     (dict(kv_cache_quant_type="block_wise_int4", cache_dtype="bfloat16"),
      "kv_cache_quant_type=block_wise_int4 stores 4-bit pages with float32 scales, but --cache-dtype bfloat16"),
     (dict(kv_cache_quant_type="int8", cache_dtype="bfloat16"),

@@ -42,6 +42,9 @@ SCALE_BYTES = 4  # one float32 scale per token row, for K and for V
 # Upstream types this engine does not implement: static per-channel scales from a calibrated
 # checkpoint (int8, fp8 in upstream's sense with cache_k_scale weights, int4 with zero points).
 UPSTREAM_ONLY = ("int8_zp", "int4_zp", "fp8", "int4")
+# Forms weighed and not built, with why (docs/swa_quality.md).
+NOT_BUILT = {"int4_kivi": "KIVI's per-channel key scales change as a page fills, which breaks pages whose codes are "
+                          "final when written (prefix hits, recycling); k8v4 is the 4-bit form that keeps retrieval"}
 
 
 def resolve_kv_cache_quant_type(flag: Optional[str], model_raw: dict) -> str:
@@ -59,7 +62,8 @@ def resolve_kv_cache_quant_type(flag: Optional[str], model_raw: dict) -> str:
     if name in KV_CACHE_QUANT_TYPES:
         return name
     hint = (" (an upstream type with calibrated static scales or zero points, not implemented here; "
-            "block_wise_int4 is this engine's 4-bit pages)" if name in UPSTREAM_ONLY else "")
+            "block_wise_int4 is this engine's 4-bit pages)" if name in UPSTREAM_ONLY else
+            f" ({NOT_BUILT[name]})" if name in NOT_BUILT else "")
     override = "; pass --kv-cache-quant-type to override it" if flag is None else ""
     raise ValueError(f"{source}={value!r} is not supported{hint}: choose one of "
                      f"{', '.join(KV_CACHE_QUANT_TYPES)}{override}")
