@@ -36,6 +36,17 @@ COLORS = ("red", "green", "blue", "yellow", "white", "black", "orange", "purple"
 WORDS = ("anchor", "violin", "harbor", "pepper", "lantern", "meadow", "copper", "falcon", "saddle", "orchid",
          "glacier", "tunnel", "marble", "walnut", "compass", "kettle", "thunder", "ribbon", "canyon", "pillow")
 
+# The one-needle forms, as data: (key range, intro, needle, question, answer prefix). passkey is the
+# calibration split's, accesskey the evaluation split's (other phrasing, other text around it).
+ONE_NEEDLE = {
+    "passkey": ((10000, 100000), "There is a pass key hidden in the text below. Find it and remember it.\n\n",
+                " The pass key is {key}. Remember it: {key} is the pass key. ",
+                "\n\nWhat is the pass key? Answer with the number only.", "The pass key is"),
+    "accesskey": ((1_000_000, 10_000_000), "An access number is written somewhere in the text below. Keep it in "
+                  "mind.\n\n", " Note for the reader: the access number is {key}. ",
+                  "\n\nWhat is the access number written in the text?", "The access number is"),
+}
+
 
 class RetrievalTask:
     """Prompts of about `length` tokens with facts hidden at depths, for one split."""
@@ -55,12 +66,11 @@ class RetrievalTask:
         """(token ids, expected answer, the asked needle's depth)."""
         depth = float(rng.uniform(*DEPTH_RANGE)) if depth == RANDOM_DEPTH else float(depth)
         enc = self.tok.encode
-        if variant == "passkey":
-            key = str(rng.integers(10000, 100000))
-            intro = enc("There is a pass key hidden in the text below. Find it and remember it.\n\n")
-            needles = [(depth, enc(f" The pass key is {key}. Remember it: {key} is the pass key. "))]
-            question = enc("\n\nWhat is the pass key? Answer with the number only.")
-            answer_prefix, answer = enc("The pass key is"), key
+        if variant in ONE_NEEDLE:
+            (low, high), intro, needle, question, answer_prefix = ONE_NEEDLE[variant]
+            answer = str(rng.integers(low, high))
+            intro, question, answer_prefix = enc(intro), enc(question), enc(answer_prefix)
+            needles = [(depth, enc(needle.format(key=answer)))]
         elif variant == "multikey":
             colors = rng.choice(len(COLORS), size=3, replace=False)
             keys = [str(rng.integers(10000, 100000)) for _ in colors]
@@ -84,12 +94,6 @@ class RetrievalTask:
             question = enc(f"\n\nWhat is the special magic number for {words[0]} mentioned in the provided text?")
             answer_prefix = enc(f"The special magic number for {words[0]} mentioned in the provided text is")
             answer = numbers[0]
-        elif variant == "accesskey":
-            key = str(rng.integers(1_000_000, 10_000_000))
-            intro = enc("An access number is written somewhere in the text below. Keep it in mind.\n\n")
-            needles = [(depth, enc(f" Note for the reader: the access number is {key}. "))]
-            question = enc("\n\nWhat is the access number written in the text?")
-            answer_prefix, answer = enc("The access number is"), key
         else:
             raise ValueError(f"unknown retrieval variant {variant!r}")
         before, after = (self.chat_before, self.chat_after) if chat else ([], enc("\n\n"))
