@@ -93,7 +93,9 @@ class EngineArgs:
         g.add_argument("--kv-cache-quant-type", type=str, default=d.kv_cache_quant_type,
                        help="KV page format: none, int8 or block_wise_fp8 (8-bit K/V + a float32 scale per token "
                             "and KV head, ~3.8x the float32 pages at head_dim 64), block_wise_int4 (4-bit codes + "
-                            "the same scales, ~7.1x), k8v4 (int8 keys, int4 values, each with its scale, ~4.9x); "
+                            "the same scales, ~7.1x, costly in accuracy), k8v4 (int8 keys, int4 values, each "
+                            "with its scale, ~4.9x: the recommended 4-bit form, retrieval within 2 of float32 "
+                            "pages, docs/swa_quality.md); "
                             "default: the checkpoint's quantization_config.kv_cache_quant_type, else none")
         g.add_argument("--device", choices=list(DEVICE_CHOICES), default=d.device,
                        help="where the model, KV cache and attention run (auto: the GPU when Paddle has CUDA and "

@@ -32,10 +32,11 @@ def test_the_override_wins_over_the_calibrated_configuration():
     assert cfg.head_wise_swa.to_dict() == override and cfg.head_wise_swa_source == "--head-wise-swa-config"
 
 
-def test_the_shipped_configuration_holds_at_most_1_over_1_7_of_the_flag_off_pages_once_decoding():
-    """A 3968 + 128-token request at its last decode step, counted by the engine's own page accounting
-    (the slot layout and PageLayout of the configuration it serves) with the flag on and off, as a share
-    of the cache (a page holds one slot of every lane: its size differs between the two layouts)."""
+def test_the_shipped_configuration_holds_at_most_half_the_flag_off_pages_over_the_decode():
+    """A 3968 + 128-token request at its peak over every decode step (a window's count rises as it
+    crosses a block edge), counted by the engine's own page accounting (the slot layout and PageLayout of
+    the configuration it serves) with the flag on and off, as a share of the cache (a page holds one slot
+    of every lane: its size differs between the two layouts)."""
     from fastdeploy.cache_manager.head_wise import PageLayout
     from fastdeploy.engine.args_utils import EngineArgs
 
@@ -45,8 +46,9 @@ def test_the_shipped_configuration_holds_at_most_1_over_1_7_of_the_flag_off_page
             fd = EngineArgs(model="smollm2-135m-instruct", max_model_len=4096, block_size=64,
                             num_gpu_blocks_override=4096).create_engine_config()
         layout = PageLayout.from_config(fd)
-        held[flag] = sum(layout.pages_per_rank(3968 + 128 - 1, 1)) / (fd.slot_layout.slots_per_rank * 4096)
-    assert held[0] / held[1] >= 1.7, held
+        peak = max(sum(layout.pages_per_rank(t, 1)) for t in range(3968, 3968 + 128))
+        held[flag] = peak / (fd.slot_layout.slots_per_rank * 4096)
+    assert held[0] / held[1] >= 2.0, held
 
 
 def _named(name: str) -> dict:
