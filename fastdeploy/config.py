@@ -100,6 +100,8 @@ class FDConfig:
     head_wise_attn: str = "SINGLE_PASS"  # FD_HEAD_WISE_ATTN: SINGLE_PASS or DUAL_PASS (upstream's baseline)
     speculative_config: Any = None  # spec_decode.config.SpeculativeConfig, or None: no speculation
     guided_decoding_backend: str = "auto"  # --guided-decoding-backend (model_executor/guided_decoding/backend.py)
+    # --splitwise-role / --kv-transfer-config (disaggregation/transfer_config.py); None: a plain server
+    kv_transfer_config: Any = None
     env: Any = None  # every environment flag as it was when the config was made (envs.snapshot())
 
     def __post_init__(self) -> None:
@@ -172,6 +174,21 @@ class FDConfig:
             raise ValueError("FD_HEAD_WISE_SWA_RECYCLE=0 has no effect without FD_HEAD_WISE_KV_CACHE=1")
         self._resolve_prefix_caching()
         self._check_device()
+        self._check_kv_transfer()
+
+    def _check_kv_transfer(self) -> None:
+        """What a prefill/decode pair moves is one rank's pool of pages in host memory."""
+        if self.kv_transfer_config is None:
+            return
+        role = self.kv_transfer_config.splitwise_role
+        if self.parallel_config.tensor_parallel_size != 1:
+            raise ValueError(f"--splitwise-role {role}: KV transfer is built for tensor_parallel_size 1 (each "
+                             f"rank's pool would need its own agent)")
+        if self.attention_backend == "NATIVE_ATTN":
+            raise ValueError(f"--splitwise-role {role}: the NATIVE_ATTN oracle keeps no paged KV to transfer")
+        if self.device != "cpu":
+            raise ValueError(f"--splitwise-role {role}: KV transfer registers host memory (NIXL DRAM segments); "
+                             f"pages in GPU memory are not built here")
 
     def _resolve_slots(self) -> None:
         """The slot layout (cache_manager/slots.py) of the model's per-(layer, KV head) attention types,

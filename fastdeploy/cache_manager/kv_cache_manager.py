@@ -64,6 +64,7 @@ class KVCacheManager:
         self._tables: dict = {}
         self._due: list = []  # request ids whose progress reached next_recycle_at since the last recycle()
         self._matches: dict = {}  # request id -> (request, cache version, tokens, the last lookup's path)
+        self._parked: set = set()  # finished requests whose pages wait for a decode server's read (park)
         self.prefix_caching = self.pages.prefix_cache is not None
         self.swa_pages_recycled_total = 0
 
@@ -85,6 +86,34 @@ class KVCacheManager:
             table.updates.append((None, 0, len(hit), [list(row) for row in rows]))  # rows grow in place later
         self._schedule_recycling(table)
         return table.tokens
+
+    def start_remote(self, request_id, num_tokens: int) -> Optional[int]:
+        """A new table addressing tokens [0, num_tokens) whose KV another server computed and a transfer
+        will write (disaggregation): only the pages a query at `num_tokens` or later can read are taken,
+        the dead entries of sliding rows are -1 from the start. None, with nothing taken, if pages lack."""
+        if request_id in self._tables:
+            raise ValueError(f"request {request_id!r} already holds a page table")
+        self._matches.pop(request_id, None)
+        entries = table_length(num_tokens, self.block_size)
+        dead = [(0, 0)] * self.num_rows  # per row: its dead entries [lo, hi)
+        upto = list(self._sink_blocks)
+        for k, (_, slots) in enumerate(self._groups):
+            upto[k] = max(upto[k], min(entries, self.layout.first_live_block(k, num_tokens)))
+            for s in slots:
+                dead[s] = (self._sink_blocks[k], upto[k])
+        counts = [entries - max(0, hi - lo) for lo, hi in dead]
+        new = self.pages.allocate(counts if self.num_rows > 1 else entries, request_id)
+        if new is None:
+            return None
+        table = PageTable(self.num_rows, upto, None)  # no cache parent: its blocks are not registered
+        for row, ids, (lo, hi) in zip(table.rows, new, dead):
+            row.extend(ids[:lo] + [-1] * max(0, hi - lo) + ids[lo:])
+        table.tokens = entries * self.block_size
+        table.num_computed = num_tokens
+        table.updates.append((None, 0, entries, [list(row) for row in table.rows]))
+        self._tables[request_id] = table
+        self._schedule_recycling(table)
+        return num_tokens
 
     def grow(self, request_id, num_tokens: int) -> bool:
         """Extend the table to address tokens [0, num_tokens), if pages allow (nothing taken otherwise)."""
@@ -128,10 +157,23 @@ class KVCacheManager:
         table.updates.append((None, keep, width, None))
         table.tokens = keep * bs
 
+    def park(self, request_id) -> None:
+        """Keep a finished request's pages, unchanged, until `free` (disaggregation: a decode server reads
+        them): nothing of it recycles any more, and check_integrity accepts its table without a request."""
+        table = self._tables[request_id]
+        table.next_recycle_at = _NEVER
+        self._parked.add(request_id)
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
     def free(self, request_id) -> None:
-        """Release the request's table (finished, aborted, preempted, or an admission undone): private
-        pages to the free lists, cached ones lose its reference. A no-op for a request without one."""
+        """Release the request's table (finished, aborted, preempted, parked and read, or an admission
+        undone): private pages to the free lists, cached ones lose its reference. A no-op for a request
+        without one."""
         self._matches.pop(request_id, None)
+        self._parked.discard(request_id)
         table = self._tables.pop(request_id, None)
         if table is None:
             return
@@ -208,15 +250,20 @@ class KVCacheManager:
             per_rank[s // spr] += n
         return per_rank
 
-    def live_pages(self, request_id) -> list:
-        """Per row, the (block index, page id) entries a future query of the request can still read: a
-        sliding slot's sink blocks and the blocks of its window at the tokens computed so far (with
-        FD_HEAD_WISE_SWA_RECYCLE=0 the dead ones are still held, but no query reads them), every entry of
-        a slot that attends fully. In 1-D mode a block holds every head: the whole row."""
+    def live_pages(self, request_id, num_tokens: Optional[int] = None) -> list:
+        """Per row, the (block index, page id) entries of tokens [0, num_tokens) (default: the tokens
+        computed) that a query at position num_tokens or later can still read: a sliding slot's sink
+        blocks and the blocks of its window (with FD_HEAD_WISE_SWA_RECYCLE=0 the dead ones are still
+        held, but no query reads them), every entry of a slot that attends fully. In 1-D mode a block
+        holds every head: the whole row."""
         table = self._tables[request_id]
-        n, bs = table.num_computed, self.block_size
+        bs = self.block_size
+        n = table.num_computed if num_tokens is None else num_tokens
+        if n > table.num_computed:
+            raise ValueError(f"request {request_id!r} has computed {table.num_computed} tokens, not {n}")
+        entries = table_length(n, bs)
         if self.num_rows == 1:
-            return [list(enumerate(table.rows[0]))]
+            return [list(enumerate(table.rows[0][:entries]))]
         out = []
         kinds = {s: kind for kind, slots in self.layout.sliding for s in slots}
         for s, row in enumerate(table.rows):
@@ -226,7 +273,7 @@ class KVCacheManager:
                 continue
             sink = -(-kind.sink // bs)
             lo = max(sink, first_window_block(n, kind.window, bs))
-            out.append([(i, p) for i, p in enumerate(row) if (i < sink or i >= lo) and p != -1])
+            out.append([(i, p) for i, p in enumerate(row[:entries]) if (i < sink or i >= lo) and p != -1])
         return out
 
     def take_updates(self, request_id) -> list:
@@ -282,8 +329,15 @@ class KVCacheManager:
                 raise AssertionError(f"{request.request_id}: waiting but holds pages")
         running_ids = {r.request_id for r in running}
         for rid in self._tables:
-            if rid not in running_ids:
-                raise AssertionError(f"{rid}: holds a page table but is not running")
+            if rid not in running_ids and rid not in self._parked:
+                raise AssertionError(f"{rid}: holds a page table but is neither running nor parked")
+            if rid in self._parked and rid in running_ids:
+                raise AssertionError(f"{rid}: parked but still running")
+        for rid in self._parked:  # its pages are held as they were when it finished
+            for s, row in enumerate(self._tables[rid].rows):
+                for p in row:
+                    if p != -1:
+                        _claim(expected[s // spr if self.num_rows > 1 else 0], p, rid)
         for request in running:
             rid = request.request_id
             table = self._tables.get(rid)

@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 from fastdeploy import envs
 from fastdeploy.config import (ADMISSION_POLICIES, COMPUTE_DTYPES, DEFAULT_ADMISSION_POLICY, CacheConfig, FDConfig,
                                ModelConfig, ParallelConfig, SchedulerConfig)
+from fastdeploy.disaggregation.transfer_config import SPLITWISE_ROLES, KVTransferConfig
 from fastdeploy.model_executor.guided_decoding.backend import BACKENDS, check_backend
 from fastdeploy.spec_decode.config import SpeculativeConfig
 from fastdeploy.worker.device import DEVICE_CHOICES, default_cache_dtype, resolve_device
@@ -36,6 +37,8 @@ class EngineArgs:
     device: Optional[str] = None  # None: FD_DEVICE (default auto)
     speculative_config: Union[None, str, dict] = None  # spec_decode/config.py; None: no speculation
     guided_decoding_backend: str = "auto"  # structured outputs: auto (llguidance) or off
+    splitwise_role: str = "mixed"  # prefill/decode disaggregation (upstream's flag); mixed: both in one server
+    kv_transfer_config: Union[None, str, dict] = None  # vLLM's --kv-transfer-config JSON (NixlConnector)
 
     def create_engine_config(self) -> FDConfig:
         """Validate every flag (env flags included) and build the config; raises ValueError naming the field."""
@@ -66,6 +69,7 @@ class EngineArgs:
             device=device,
             speculative_config=SpeculativeConfig.parse(self.speculative_config),
             guided_decoding_backend=check_backend(self.guided_decoding_backend),
+            kv_transfer_config=KVTransferConfig.parse(self.splitwise_role, self.kv_transfer_config),
         )
 
     @staticmethod
@@ -134,6 +138,19 @@ class EngineArgs:
                        help="grammar engine of structured outputs (response_format json_schema / json_object, "
                             "guided_json, guided_regex, guided_choice, guided_grammar): auto and llguidance (guidance "
                             "is vLLM's name for it) use llguidance; off rejects constrained requests")
+        g = parser.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+        g.add_argument("--splitwise-role", choices=list(SPLITWISE_ROLES), default=d.splitwise_role,
+                       help="prefill: compute prompts and hand their KV to a decode server; decode: read a prompt's "
+                            "KV from a prefill server and generate; mixed: one server does both (a plain server "
+                            "unless --kv-transfer-config is given). A router (vllm-router --vllm-pd-disaggregation "
+                            "--kv-connector nixl) sends each request to both")
+        g.add_argument("--kv-transfer-config", type=str, default=None,
+                       help='vLLM\'s JSON, e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\'; '
+                            "kv_connector_extra_config (or the top level) may set side_channel_host / "
+                            "side_channel_port (where decode servers reach this one; default 127.0.0.1:5600, "
+                            "also VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT), kv_load_failure_policy (recompute | fail), "
+                            "abort_timeout_s (480: parked pages nobody read are freed), handshake_timeout_s, "
+                            "transfer_timeout_s, engine_id")
         return parser
 
     @classmethod

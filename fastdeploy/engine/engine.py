@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 
+from fastdeploy.disaggregation.transfer_config import parse_kv_transfer_params
 from fastdeploy.engine.activity_log import ActivityLog
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
@@ -43,11 +44,21 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.engine_steps_total = 0  # steps that ran the model: the denominator of per-step cost
         self._activity = ActivityLog(fd_config.env.FD_LOG_INTERVAL, logger)
+        # Prefill/decode disaggregation (--splitwise-role, --kv-transfer-config): the transfer engine.
+        self.connector = None
+        if fd_config.kv_transfer_config is not None:
+            from fastdeploy.disaggregation.nixl_connector import NixlConnector
+
+            self.connector = NixlConnector(fd_config.kv_transfer_config, fd_config, self.scheduler.kv_cache_manager,
+                                           self.runner.kv_tensors())
         for level, message in fd_config.startup_log(self.scheduler.cache_manager.num_total_pages):
             logger.log(level, message)
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes (a no-op with one rank); idempotent."""
+        """Stop the tensor-parallel worker processes (a no-op with one rank) and the transfer engine's
+        side channel; idempotent."""
+        if self.connector is not None:
+            self.connector.close()
         self.runner.close()
 
     @classmethod
@@ -55,8 +66,10 @@ class LLMEngine:
         return cls(engine_args.create_engine_config())
 
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: Union[str, list], sampling_params: SamplingParams) -> None:
-        """Queue a request; raise ValueError with a user-facing message if it cannot run."""
+    def add_request(self, request_id: str, prompt: Union[str, list], sampling_params: SamplingParams,
+                    kv_transfer_params: Optional[dict] = None) -> None:
+        """Queue a request; raise ValueError with a user-facing message if it cannot run.
+        `kv_transfer_params`: its part in a prefill/decode pair (disaggregation/transfer_config.py)."""
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
         sampling_params.validate()
@@ -79,6 +92,10 @@ class LLMEngine:
                              f"{sampling_params.max_tokens} for the completion): the total exceeds "
                              f"max_model_len={max_len}. Reduce the prompt or max_tokens.")
         request = Request(request_id, token_ids, sampling_params, eos_token_id=self.model_config.eos_token_ids)
+        if self.connector is not None:
+            self.connector.accept(request, kv_transfer_params)
+        else:
+            parse_kv_transfer_params(kv_transfer_params, None, n)  # refuses any transfer, by name
         if sampling_params.guided_decoding is not None:
             if self.guided is None:
                 raise ValueError("guided decoding is off on this server (--guided-decoding-backend off)")
@@ -106,24 +123,58 @@ class LLMEngine:
                 raise ValueError(f"{field}: token id {t!r} is outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request and free its KV pages now; unknown or finished ids are ignored."""
-        if self.scheduler.abort_request(request_id) is not None:
+        """Stop a request and free its KV pages now (a decode request whose prompt KV is being read: when
+        the read ends, never while it writes them); unknown or finished ids are ignored."""
+        request = self.scheduler.requests.get(request_id)
+        reading = request is not None and request.kv_loading and self.connector.forget(request_id)
+        if self.scheduler.abort_request(request_id, keep_pages=reading) is not None:
             self.runner.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_runnable_requests(self) -> bool:
+        """Whether a step may run the model now (requests waiting for their KV's transfer cannot)."""
+        return self.scheduler.has_runnable_requests()
+
+    @property
+    def transfers_pending(self) -> bool:
+        """KV transfers or parked pages to watch: the caller steps (which polls them) often."""
+        return self.connector is not None and self.connector.busy
+
+    def _transfers(self) -> list:
+        """Advance the KV transfers: decode requests whose prompt KV arrived run from the next schedule;
+        a failed one is recomputed here or fails with its reason (kv_load_failure_policy)."""
+        outputs = []
+        recompute = self.fd_config.kv_transfer_config.kv_load_failure_policy == "recompute"
+        for outcome in self.connector.poll():
+            request = outcome.request
+            if self.scheduler.requests.get(request.request_id) is not request:  # aborted while it was read
+                self.scheduler.kv_cache_manager.free(request.request_id)
+            elif outcome.error is None:
+                self.scheduler.remote_kv_loaded(request)
+            else:
+                self.scheduler.remote_kv_failed(request, recompute)
+                if not recompute:
+                    out = self._output(request, "")
+                    out.error = f"loading the prompt's KV from the prefill server failed: {outcome.error}"
+                    outputs.append(out)
+        return outputs
+
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list:
+        outputs = self._transfers() if self.connector is not None else []
         batch = self.scheduler.schedule()
         for request in batch.preempted:
             self.runner.release(request.request_id)
+        for request in batch.loading:
+            self.connector.start_load(request)
         if not batch.requests:
-            return []
+            return outputs
         self._activity.step_started()
         tokens, logprobs, failures = self.runner.execute(batch)
         self.engine_steps_total += 1
-        outputs = [self._fail(batch.requests[i].request, error) for i, error in failures.items()]
+        outputs += [self._fail(batch.requests[i].request, error) for i, error in failures.items()]
         before = {s.request.request_id: len(s.request.output_token_ids) for s in batch.requests}
         progressed = self.scheduler.update_from_output(batch, tokens, logprobs)
         new_tokens = 0
@@ -134,9 +185,12 @@ class LLMEngine:
             else:
                 text = self.tokenizer.decode_incremental(request.output_token_ids, request.detokenize_state)
             new_tokens += len(request.output_token_ids) - before[request.request_id]
+            output = self._output(request, text)
             if request.is_finished:
                 self.runner.release(request.request_id)
-            outputs.append(self._output(request, text))
+                if request.hands_off_kv:  # its pages are parked for the decode server
+                    output.kv_transfer_params = self.connector.hand_off(request)
+            outputs.append(output)
         self.generation_tokens_total += new_tokens
         self._activity.step_finished(new_tokens, self.get_stats, busy=self.has_unfinished_requests())
         return outputs
@@ -214,6 +268,8 @@ class LLMEngine:
                      kv_pages_per_block=self.scheduler.kv_cache_manager.pages_per_entry)
         # Per tensor-parallel rank: each rank's page pool is that worker's own memory.
         tp = self.fd_config.parallel_config.tensor_parallel_size
+        if self.connector is not None:
+            stats.update(self.connector.stats())
         stats.update(kv_pages_total_per_rank=[self.scheduler.pages_per_rank] * tp,
                      kv_pages_free_per_rank=self.scheduler.cache_manager.free_pages_per_rank(),
                      tp_worker_pids=self.runner.worker_pids)

@@ -135,6 +135,10 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first, else
     # {token id: logprob} of that token and the top k (vLLM's shape, floats for Logprob objects).
     prompt_logprobs: Optional[list] = None
+    # Disaggregation: what a prefill server's answer tells the decode server (vLLM's kv_transfer_params),
+    # or why a decode server could not load the prompt's KV (kv_load_failure_policy "fail").
+    kv_transfer_params: Optional[dict] = None
+    error: Optional[str] = None
 
 
 class Request:
@@ -168,6 +172,13 @@ class Request:
         self.stop_checked = 0  # characters of the output text searched for stop strings so far
         self.num_preemptions = 0
         self.first_token_time: Optional[float] = None
+        # Prefill/decode disaggregation (fastdeploy/disaggregation/): `remote_kv` is the transfer that fills
+        # this request's first tokens' KV on a decode server (RemotePrefill, None once loaded or given up);
+        # `kv_loading` is true while its pages are taken and the transfer runs; `hands_off_kv` marks a
+        # prefill server's request whose pages wait for the decode server when it finishes.
+        self.remote_kv = None
+        self.kv_loading = False
+        self.hands_off_kv = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -43,6 +43,10 @@ class StepRunner:
     def attn_backend(self):
         return self.ranks.attn_backend
 
+    def kv_tensors(self) -> list:
+        """The in-process rank's KV tensors (a KV transfer engine registers them; config allows TP=1 only)."""
+        return self.ranks.attn_backend.kv_tensors()
+
     @property
     def worker_pids(self) -> list:
         """Process id of each rank's worker (empty when the single rank runs in-process)."""

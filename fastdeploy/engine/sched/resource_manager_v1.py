@@ -56,6 +56,7 @@ class ScheduledRequest:
 class ScheduledBatch:
     requests: list = field(default_factory=list)
     preempted: list = field(default_factory=list)
+    loading: list = field(default_factory=list)  # admitted with pages for a remote prefill's KV, to be read
 
     @property
     def num_tokens(self) -> int:
@@ -127,14 +128,20 @@ class ResourceManagerV1:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort_request(self, request_id: str) -> Optional[Request]:
-        """Stop a request and free its pages at once; a no-op for unknown or finished ids."""
+    def abort_request(self, request_id: str, keep_pages: bool = False) -> Optional[Request]:
+        """Stop a request and free its pages at once (keep_pages: park them, for a transfer still writing
+        them, until the caller frees them); a no-op for unknown or finished ids."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
         if request in self.running:
             self.running.remove(request)
-            self._release(request)
+            if keep_pages:
+                self.kv_cache_manager.park(request_id)
+                self.admission.released(request)
+                request.num_computed_tokens = 0
+            else:
+                self._release(request)
         else:
             self.waiting.remove(request)
             self.kv_cache_manager.free(request_id)  # drops its prefix lookup
@@ -147,12 +154,39 @@ class ResourceManagerV1:
             return
         del self.requests[request.request_id]
         self.running.remove(request)
-        self._release(request)
+        if request.hands_off_kv:  # a prefill server's request: its pages wait for the decode server's read
+            self.kv_cache_manager.park(request.request_id)
+            self.admission.released(request)  # num_computed_tokens stays: the prompt's KV is what it hands off
+        else:
+            self._release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
+    # -- disaggregation: a decode server's remote prefills -------------------------------------
+    def remote_kv_loaded(self, request: Request) -> None:
+        """The transfer wrote the KV of the request's first `remote_kv.num_tokens` tokens: it runs."""
+        request.kv_loading, request.remote_kv = False, None
+
+    def remote_kv_failed(self, request: Request, recompute: bool) -> None:
+        """The transfer failed: the pages go back and the request computes its prompt here (recompute,
+        first in line) or leaves the scheduler (the caller fails it)."""
+        request.kv_loading, request.remote_kv = False, None
+        self.running.remove(request)
+        self._release(request)
+        if recompute:
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        else:
+            del self.requests[request.request_id]
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = "abort"
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_runnable_requests(self) -> bool:
+        """Requests a step could run: waiting ones, or running ones not waiting for a KV transfer."""
+        return bool(self.waiting) or any(not r.kv_loading for r in self.running)
 
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -166,12 +200,16 @@ class ResourceManagerV1:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.kv_loading:  # its pages are held; nothing runs until the transfer is done
+                i += 1
+                continue
             start = request.num_computed_tokens
             num_new = min(request.num_tokens - start, budget, policy.chunk_of(request, self.max_chunk))
             if num_new > 1:  # a prefill or recompute chunk; one token always fits (add_request checked it)
                 num_new = policy.running_chunk(request, num_new, len(self.running) - i - 1)
             while not kv.grow(request.request_id, start + num_new):
-                victim = self.running.pop()
+                victim = next(r for r in reversed(self.running) if not r.kv_loading)  # a transfer writes the others
+                self.running.remove(victim)
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is request:
@@ -192,6 +230,9 @@ class ResourceManagerV1:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.kv_loading:
+                batch.loading.append(request)
+                continue
             batch.requests.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
         if self.proposer is not None and budget > 0 and not batch.preempted \
@@ -215,16 +256,23 @@ class ResourceManagerV1:
         kv, policy = self.kv_cache_manager, self.admission
         # A request scoring its prompt computes every position (engine/prompt_logprobs.py): no lookup, and it
         # counts neither as a query nor as a miss of the prefix cache.
-        queried = kv.prefix_caching and request.sampling_params.prompt_logprobs is None
+        # A decode server's remote prefill: its first tokens' KV comes from the prefill server, into pages
+        # taken here (the live ones only) and filled while it waits (batch.loading; no lookup either).
+        remote = request.remote_kv
+        queried = kv.prefix_caching and request.sampling_params.prompt_logprobs is None and remote is None
         hit = kv.match_prefix(request) if queried else ()
-        start = len(hit) * self.block_size
+        start = remote.num_tokens if remote is not None else len(hit) * self.block_size
         claim = policy.admit(request, start, self.max_chunk)
         if claim is None:
             return None
         num_new = min(request.num_tokens - start, budget, self.max_chunk)
         if num_new > 1:  # a chunk needs no more than the whole cache, whatever it recomputes
             num_new = max(1, self.layout.largest_chunk_within(start, num_new, kv.capacity))
-        request.num_computed_tokens = kv.start(request.request_id, hit)
+        request.num_computed_tokens = kv.start(request.request_id, hit) if remote is None \
+            else kv.start_remote(request.request_id, start)
+        if request.num_computed_tokens is None:  # the live pages of the remote KV do not fit now
+            request.num_computed_tokens = 0
+            return None
         num_new = policy.first_chunk(request, num_new, claim)
         if not num_new or not kv.grow(request.request_id, start + num_new):
             kv.free(request.request_id)  # drops the references the hit took
@@ -237,6 +285,7 @@ class ResourceManagerV1:
             self.prefix_cache_hit_requests_total += start > 0
             request.num_cached_tokens = start
         policy.admitted(request, self.max_chunk)
+        request.kv_loading = remote is not None
         return num_new
 
     # -- speculative decoding ------------------------------------------------------------------

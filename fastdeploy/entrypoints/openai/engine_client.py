@@ -41,11 +41,18 @@ STATS_INTERVAL_BUSY_S = 0.1
 STATS_INTERVAL_IDLE_S = 0.5
 # How often the reader thread checks that the engine process is still alive.
 LIVENESS_POLL_S = 0.5
+# How often the engine polls KV transfers (disaggregation) while it has nothing else to run (seconds).
+TRANSFER_POLL_S = 0.002
 MIN_LOGPROB = -9999.0
 
 
 class EngineUnavailableError(Exception):
     """The engine is starting, has died, or the server is shutting down (HTTP 503)."""
+
+
+class KVTransferFailedError(EngineUnavailableError):
+    """A decode request's prompt KV could not be read from the prefill server (kv_load_failure_policy
+    "fail"; HTTP 503)."""
 
 
 class ConcurrencyLimitError(Exception):
@@ -68,6 +75,7 @@ class AddPayload:
     messages: Optional[list] = None   # chat: rendered with the engine's chat template
     sampling: dict = field(default_factory=dict)  # SamplingParams kwargs; max_tokens None = fill context
     echo: bool = False                # completions echo: the first output carries the prompt's text
+    kv_transfer_params: Optional[dict] = None  # its part in a prefill/decode pair (disaggregation/)
 
 
 @dataclass
@@ -97,6 +105,8 @@ class EngineOutput:
     # token (the first has logprob None and no top entries).
     prompt_text: Optional[str] = None
     prompt_logprobs: Optional[list] = None
+    kv_transfer_params: Optional[dict] = None   # a prefill server's answer for the decode server
+    error: Optional[str] = None                 # the request failed (its KV could not be loaded)
 
 
 @dataclass
@@ -171,7 +181,10 @@ class _EngineLoop:
     def run(self) -> None:
         while True:
             aborted = False
-            for msg in self._drain(block=not self.engine.has_unfinished_requests()):
+            # Block for the next message while nothing can run; KV transfers in flight are polled often.
+            transfers = self.engine.transfers_pending
+            for msg in self._drain(block=not self.engine.has_runnable_requests(),
+                                   timeout=TRANSFER_POLL_S if transfers else STATS_INTERVAL_IDLE_S):
                 if msg[0] == "shutdown":
                     return
                 if msg[0] == "add":
@@ -180,7 +193,7 @@ class _EngineLoop:
                     self._forget(msg[1])
                     self.engine.abort_request(msg[1])
                     aborted = True
-            if self.engine.has_unfinished_requests():
+            if self.engine.has_unfinished_requests() or transfers:
                 outputs = self.engine.step()
                 if outputs:
                     self.outputs_q.put(("outputs", [self._convert(o) for o in outputs]))
@@ -193,10 +206,10 @@ class _EngineLoop:
             if self.parent is not None and not self.parent.is_alive():
                 return  # orphaned: nobody can read our outputs
 
-    def _drain(self, block: bool) -> list:
+    def _drain(self, block: bool, timeout: float = STATS_INTERVAL_IDLE_S) -> list:
         msgs = []
         try:
-            msgs.append(self.requests_q.get(timeout=STATS_INTERVAL_IDLE_S) if block
+            msgs.append(self.requests_q.get(timeout=timeout) if block
                         else self.requests_q.get_nowait())
             while True:
                 msgs.append(self.requests_q.get_nowait())
@@ -215,7 +228,8 @@ class _EngineLoop:
                 tokenizer = self.engine.tokenizer
                 prompt = tokenizer.encode_chat(payload.messages)
                 params = with_turn_stops(params, tokenizer.chat_template)
-            self.engine.add_request(request_id, prompt, params)  # validates prompt, length and params
+            # validates prompt, length, params and kv_transfer_params
+            self.engine.add_request(request_id, prompt, params, payload.kv_transfer_params)
         except ValueError as exc:
             self.outputs_q.put(("rejected", request_id, str(exc), True))
             return
@@ -243,6 +257,7 @@ class _EngineLoop:
             finish_reason=comp.finish_reason,
             arrival_time=max(0.0, time.time() - out.metrics.get("arrival_time", time.time())),
             num_cached_tokens=int(out.metrics.get("num_cached_tokens") or 0),
+            kv_transfer_params=out.kv_transfer_params, error=out.error,
         )
         if out.request_id in self.wants_logprobs:
             converted.new_logprobs = self._new_logprobs(out.request_id, comp)
@@ -546,6 +561,9 @@ class RequestStream:
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item
+            if item.error is not None:
+                self.finished = True
+                raise KVTransferFailedError(item.error)
             self.finished = item.finished
             yield item
 

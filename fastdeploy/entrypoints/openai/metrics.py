@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Callable, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -73,6 +73,29 @@ ENGINE_METRICS = (
     ("prefix_cache_cached_pages", "prefix_cache_cached_pages", "gauge", "KV pages held by the prefix cache.", None),
     ("prefix_cache_evictions_total", "prefix_cache_evictions_total", "counter",
      "Cached KV pages evicted to make room.", None),
+    # Prefill/decode disaggregation (only with --kv-transfer-config): what moved between the servers.
+    ("kv_transfer_bytes_sent_total", "kv_transfer_bytes_sent_total", "counter",
+     "KV bytes handed to decode servers (the live pages of finished prefill requests).", None),
+    ("kv_transfer_pages_sent_total", "kv_transfer_pages_sent_total", "counter",
+     "KV pages handed to decode servers.", None),
+    ("kv_transfer_bytes_received_total", "kv_transfer_bytes_received_total", "counter",
+     "KV bytes read from prefill servers.", None),
+    ("kv_transfer_pages_received_total", "kv_transfer_pages_received_total", "counter",
+     "KV pages read from prefill servers.", None),
+    ("kv_transfer_requests_sent_total", "kv_transfer_requests_sent_total", "counter",
+     "Prefill requests whose KV was parked for a decode server.", None),
+    ("kv_transfer_requests_received_total", "kv_transfer_requests_received_total", "counter",
+     "Decode requests whose prompt KV was read from a prefill server.", None),
+    ("kv_transfer_failed_total", "kv_transfer_failed_total", "counter",
+     "Decode requests whose prompt KV could not be read (recomputed or failed, kv_load_failure_policy).", None),
+    ("kv_transfer_timed_out_total", "kv_transfer_timed_out_total", "counter",
+     "KV reads that did not finish within transfer_timeout_s.", None),
+    ("kv_transfer_expired_total", "kv_transfer_expired_total", "counter",
+     "Parked prefill KV freed because no decode server read it within abort_timeout_s.", None),
+    ("kv_transfer_parked_requests", "kv_transfer_parked_requests", "gauge",
+     "Finished prefill requests whose pages wait for a decode server's read.", None),
+    ("kv_transfer_loading_requests", "kv_transfer_loading_requests", "gauge",
+     "Decode requests whose prompt KV is being read.", None),
     # Speculative decoding (only with --speculative-config): upstream FastDeploy's names, plus vLLM's
     # num_drafts (verification steps) and the tokens a verification step yields on average.
     ("spec_decode_num_draft_tokens_total", "spec_decode_num_draft_tokens_total", "counter",
@@ -149,6 +172,17 @@ def _family(name: str, kind: str, help_text: str, label: Optional[str] = None) -
     return GaugeMetricFamily(name, help_text, labels=[label] if label else None)
 
 
+def _histogram(name: str, help_text: str, snapshot: dict) -> Metric:
+    """A histogram the engine keeps as bucket counts ({"buckets", "counts", "sum"}), cumulated here."""
+    family = HistogramMetricFamily(name, help_text)
+    total, buckets = 0, []
+    for bound, count in zip(list(snapshot["buckets"]) + [float("inf")], snapshot["counts"]):
+        total += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
+    family.add_metric([], buckets, snapshot["sum"])
+    return family
+
+
 class EngineStatsCollector:
     """A prometheus_client collector over the latest engine snapshot and the server's in-flight count."""
 
@@ -168,6 +202,9 @@ class EngineStatsCollector:
                 else:
                     family.add_metric([], float(stats[key]))
                 yield family
+            if "kv_transfer_seconds" in stats:
+                yield _histogram(PREFIX + "kv_transfer_seconds", "Time to read one request's prompt KV from "
+                                 "the prefill server (handshake excluded).", stats["kv_transfer_seconds"])
             if "kv_pages_total" in stats:
                 values = upstream_values(stats)
                 for suffix, kind, help_text in UPSTREAM_METRICS:

@@ -89,6 +89,9 @@ class _Request(BaseModel):
     """Fields shared by both endpoints; sampling extras follow upstream FastDeploy/vLLM names."""
 
     model_config = ConfigDict(extra="ignore")
+    # Prefill/decode disaggregation: vLLM's NixlConnector fields, which vllm-router sends (checked by the
+    # engine: disaggregation/transfer_config.py).
+    kv_transfer_params: Optional[dict] = None
 
     model: Optional[str] = None
     stream: bool = False

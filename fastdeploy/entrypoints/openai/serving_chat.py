@@ -32,7 +32,8 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         payload = AddPayload(prompt=None, messages=messages,
-                             sampling=request.sampling_kwargs(request.output_limit, request.num_logprobs))
+                             sampling=request.sampling_kwargs(request.output_limit, request.num_logprobs),
+                             kv_transfer_params=request.kv_transfer_params)
         return await self.serve(request, raw_request, id_prefix="chatcmpl", chunk_object="chat.completion.chunk",
                                 payloads=[payload], stream_body=self._stream, respond=self._respond)
 

@@ -25,6 +25,7 @@ from fastdeploy.entrypoints.openai.engine_client import (
     EngineClient,
     EngineOutput,
     EngineUnavailableError,
+    KVTransferFailedError,
     RequestRejectedError,
     TokenLogprob,
 )
@@ -45,6 +46,8 @@ CLIENT_CLOSED_REQUEST = 499
 
 
 def engine_error_to_api_error(exc: Exception) -> APIError:
+    if isinstance(exc, KVTransferFailedError):
+        return APIError(503, str(exc), type="service_unavailable_error", code="kv_load_failed")
     if isinstance(exc, ConcurrencyLimitError):
         return APIError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded")
     if isinstance(exc, EngineUnavailableError):
@@ -190,6 +193,9 @@ class OpenAIServing:
         one final output and one list of logprob entries per choice.
         """
         model = self.model_name(request.model)
+        if request.kv_transfer_params is not None and (request.n != 1 or len(payloads) != 1):
+            raise APIError(400, "kv_transfer_params: a prefill/decode request has one prompt and n=1",
+                           param="kv_transfer_params")
         request_id = random_id(id_prefix)
         choices = await self.admit_choices(request_id, payloads, request.n)
         created = int(time.time())
@@ -200,7 +206,10 @@ class OpenAIServing:
         collected = await self.collect(choices, raw_request)
         if collected is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(respond(request, request_id, created, model, *collected).model_dump())
+        body = respond(request, request_id, created, model, *collected).model_dump()
+        if collected[0][0].kv_transfer_params is not None:  # a prefill server's answer (vLLM's field)
+            body["kv_transfer_params"] = collected[0][0].kv_transfer_params
+        return JSONResponse(body)
 
     def model_name(self, requested: Optional[str]) -> str:
         self.client.check_available()
@@ -286,7 +295,8 @@ class OpenAIServing:
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         sampling = echo.engine_sampling(request)
-        payloads = [AddPayload(prompt=prompt, sampling=sampling, echo=request.echo) for prompt in request.prompts]
+        payloads = [AddPayload(prompt=prompt, sampling=sampling, echo=request.echo,
+                               kv_transfer_params=request.kv_transfer_params) for prompt in request.prompts]
         return await self.serve(request, raw_request, id_prefix="cmpl", chunk_object="text_completion",
                                 payloads=payloads, stream_body=self._stream, respond=self._respond)
 

@@ -95,6 +95,14 @@ class AppendAttentionBackend:
                           for _ in self.layer_args]
         self._layer_operands = [self._operands_of(layer) for layer in range(len(self.layer_args))]
 
+    def kv_tensors(self) -> list:
+        """Every tensor a page lives in (K and V of each lane, and their scales for quantized pages): a page
+        or block is the same byte range of each, which a KV transfer engine registers and moves."""
+        tensors = self.lane_keys + self.lane_values
+        if self.lane_key_scales[0].numel() > 1:  # quantized pages (float pages pass 1-element placeholders)
+            tensors += self.lane_key_scales + self.lane_value_scales
+        return tensors
+
     def _bind_cpu_op(self):
         return load_cpu_ops().append_attention_cpu
 
