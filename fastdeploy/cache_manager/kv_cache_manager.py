@@ -269,7 +269,7 @@ class KVCacheManager:
         for s, row in enumerate(table.rows):
             kind = kinds.get(s)
             if kind is None:
-                out.append(list(enumerate(row)))
+                out.append(list(enumerate(row[:entries])))
                 continue
             sink = -(-kind.sink // bs)
             lo = max(sink, first_window_block(n, kind.window, bs))

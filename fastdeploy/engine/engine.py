@@ -189,11 +189,23 @@ class LLMEngine:
             if request.is_finished:
                 self.runner.release(request.request_id)
                 if request.hands_off_kv:  # its pages are parked for the decode server
-                    output.kv_transfer_params = self.connector.hand_off(request)
+                    output.kv_transfer_params = self._hand_off(request)
             outputs.append(output)
         self.generation_tokens_total += new_tokens
         self._activity.step_finished(new_tokens, self.get_stats, busy=self.has_unfinished_requests())
         return outputs
+
+    def _hand_off(self, request: Request) -> dict:
+        """The kv_transfer_params of a finished prefill request; if they cannot be made, its pages are
+        freed and the decode server is told to compute the prompt itself (one request never stops the
+        engine)."""
+        try:
+            return self.connector.hand_off(request)
+        except Exception:
+            logger.exception("request %s: handing its KV to the decode server failed; the decode server "
+                             "will compute the prompt", request.request_id)
+            self.scheduler.kv_cache_manager.free(request.request_id)
+            return {"do_remote_prefill": False, "do_remote_decode": False}
 
     def _fail(self, request: Request, error: str) -> RequestOutput:
         """End a request whose step failed (its pages are freed); the rest of the batch goes on."""

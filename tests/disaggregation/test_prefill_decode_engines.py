@@ -28,7 +28,9 @@ BLOCK = 16
 # Head 0 of every layer slides (window 40, sink 4): a 200-token prompt leaves it 4 of 13 blocks.
 HEAD_WISE = '{"sliding_window": 40, "sink_size": 4, "swa_kv_heads": [0]}'
 MODES = {"1d": ("0", None), "head_wise": ("1", HEAD_WISE)}
-PROMPTS = [list(range(7, 44)), [(5 * i + 3) % 250 + 1 for i in range(200)], [(11 * i) % 240 + 2 for i in range(333)]]
+# 161 tokens: the KV sent (160 tokens) ends on a block boundary, the last prompt token starts a new block.
+PROMPTS = [list(range(7, 44)), [(5 * i + 3) % 250 + 1 for i in range(200)], [(11 * i) % 240 + 2 for i in range(333)],
+           [(7 * i) % 230 + 9 for i in range(161)]]
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
 
@@ -106,9 +108,9 @@ def test_decode_through_transferred_pages_equals_one_engine(trio):
     settle(prefill, decode)
     assert all_free(prefill) and all_free(decode)
     stats_p, stats_d = prefill.get_stats(), decode.get_stats()
-    assert stats_p["kv_transfer_requests_sent_total"] == stats_d["kv_transfer_requests_received_total"] == 3
+    assert stats_p["kv_transfer_requests_sent_total"] == stats_d["kv_transfer_requests_received_total"] == len(PROMPTS)
     assert stats_p["kv_transfer_bytes_sent_total"] == stats_d["kv_transfer_bytes_received_total"] > 0
-    assert sum(stats_d["kv_transfer_seconds"]["counts"]) == 3
+    assert sum(stats_d["kv_transfer_seconds"]["counts"]) == len(PROMPTS)
 
 
 def test_received_pages_hold_the_prefill_pages_bytes(trio):

@@ -51,9 +51,11 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interva
 class ServerProcess(ApiServerProcess):
     """The shared launcher with this suite's base settings, an HTTP client and test helpers."""
 
-    def __init__(self, args: tuple, env: dict, log_path: Path, separate_metrics_port: bool = False):
+    def __init__(self, args: tuple, env: dict, log_path: Path, separate_metrics_port: bool = False,
+                 host: str = "127.0.0.1", prefix: tuple = ()):
         super().__init__((*BASE_SERVER_ARGS, *args), env={**BASE_SERVER_ENV, **env}, log_path=log_path,
-                         metrics_port=free_port() if separate_metrics_port else None)
+                         metrics_port=free_port() if separate_metrics_port else None, host=host, prefix=prefix,
+                         port=free_port() if prefix else None)
         self.http = httpx.Client(base_url=self.base_url, timeout=REQUEST_TIMEOUT_S)
 
     def wait_ready(self) -> None:
@@ -68,7 +70,7 @@ class ServerProcess(ApiServerProcess):
         return self.http.get("/v1/models").json()["data"][0]["id"]
 
     def metrics(self, port: Optional[int] = None) -> dict[str, float]:
-        url = f"http://127.0.0.1:{port or self.port}/metrics"
+        url = f"http://{self.host}:{port or self.port}/metrics"
         resp = self.http.get(url)
         assert resp.status_code == 200, resp.text
         return parse_prometheus_text(resp.text)
@@ -178,16 +180,87 @@ def helpers():
 
 @pytest.fixture(scope="module")
 def server_factory(tmp_path_factory):
-    """start(*args, env=, separate_metrics_port=) -> a ready ServerProcess, stopped when the module ends."""
+    """start(*args, env=, separate_metrics_port=, host=, prefix=, wait=) -> a ServerProcess, stopped when the
+    module ends; ready unless wait=False (then call its wait_ready(): several servers start side by side)."""
     started: list[ServerProcess] = []
 
-    def start(*args: str, env: Optional[dict] = None, separate_metrics_port: bool = False) -> ServerProcess:
+    def start(*args: str, env: Optional[dict] = None, separate_metrics_port: bool = False, host: str = "127.0.0.1",
+              prefix: tuple = (), wait: bool = True) -> ServerProcess:
         log = tmp_path_factory.mktemp("api_server") / "server.log"
-        srv = ServerProcess(args, env or {}, log, separate_metrics_port=separate_metrics_port)
+        srv = ServerProcess(args, env or {}, log, separate_metrics_port=separate_metrics_port, host=host,
+                            prefix=prefix)
         started.append(srv)
-        srv.wait_ready()
+        if wait:
+            srv.wait_ready()
         return srv
 
     yield start
     for srv in started:
         srv.stop()
+
+
+class RouterProcess:
+    """vllm-router (its PyPI wheel's Rust binary) in prefill/decode mode in front of this engine's servers:
+    `--vllm-pd-disaggregation --kv-connector nixl`, as users run it."""
+
+    def __init__(self, prefill_urls: list, decode_urls: list, log_path: Path, prefix: tuple = ()):
+        import shutil
+        import subprocess
+        import sys
+
+        binary = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
+        if binary is None:
+            pytest.skip("vllm-router is not installed (pip install vllm-router==0.1.17)")
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [*prefix, binary, "--host", "127.0.0.1", "--port", str(self.port), "--vllm-pd-disaggregation",
+               "--kv-connector", "nixl", "--prometheus-port", str(free_port()), "--policy", "round_robin"]
+        for url in prefill_urls:
+            cmd += ["--prefill", url]
+        for url in decode_urls:
+            cmd += ["--decode", url]
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.http = httpx.Client(base_url=self.base_url, timeout=REQUEST_TIMEOUT_S)
+
+    def wait_ready(self) -> None:
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vllm-router exited with {self.proc.returncode}: "
+                                     f"{self.log_path.read_text(errors='replace')[-3000:]}")
+            try:
+                return self.http.get("/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, STARTUP_TIMEOUT_S, "vllm-router to answer /health")
+
+    def stop(self) -> None:
+        import signal
+
+        self.http.close()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except Exception:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def router_factory(tmp_path_factory):
+    """start(prefill_urls, decode_urls) -> a ready RouterProcess, stopped when the module ends."""
+    started: list[RouterProcess] = []
+
+    def start(prefill_urls: list, decode_urls: list, prefix: tuple = ()) -> RouterProcess:
+        router = RouterProcess(prefill_urls, decode_urls, tmp_path_factory.mktemp("router") / "router.log", prefix)
+        started.append(router)
+        router.wait_ready()
+        return router
+
+    yield start
+    for router in started:
+        router.stop()

@@ -76,13 +76,14 @@ class ApiServerProcess:
 
     def __init__(self, args: Sequence[str] = (), *, log_path, port: Optional[int] = None,
                  metrics_port: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", prefix: Sequence[str] = ()):
         self.host = host
         self.port = port if port is not None else free_port(host)
         self.metrics_port = metrics_port
         self.base_url = f"http://{host}:{self.port}"
         self.log_path = Path(log_path)
-        self.cmd = [sys.executable, "-m", API_SERVER_MODULE, "--host", host, "--port", str(self.port)]
+        # prefix: a command the server runs under, e.g. `ip netns exec NS` (a test host of its own)
+        self.cmd = [*prefix, sys.executable, "-m", API_SERVER_MODULE, "--host", host, "--port", str(self.port)]
         if metrics_port is not None:
             self.cmd += ["--metrics-port", str(metrics_port)]
         self.cmd += list(args)
