@@ -30,7 +30,7 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RUN_HERE = {"fastdeploy.entrypoints.openai.api_server": "--help",
             "benchmarks/eval_swa_quality.py": "docs/swa_quality_results.json", "benchmarks/bench_recycling.py": "--tp-placements"}
 OUTPUT_FLAGS = {"--json", "--plot", "--out", "--decision-json"}  # redirected to a temporary folder when run
-SHELL_TOOLS = {"curl", "ps", "grep", "rm", "bash", "pip", "tar", "cmake"}
+SHELL_TOOLS = {"curl", "ps", "grep", "rm", "bash", "pip", "tar", "cmake", "vllm-router"}
 ENDPOINTS_SOURCE = REPO / "fastdeploy" / "entrypoints" / "openai" / "api_server.py"
 
 

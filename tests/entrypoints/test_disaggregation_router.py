@@ -150,3 +150,28 @@ def test_a_killed_prefill_server_leaves_the_decode_servers_serving(failure_deplo
         servers[role].assert_still_serves()
         snapshot = servers[role].wait_idle_with_all_pages_free()
         assert snapshot["fastdeploy:kv_transfer_failed_total"] == 1
+
+
+# -- a real model: SmolLM2 with its shipped per-head windows, int8 pages -----------------------------------
+@pytest.fixture(scope="module")
+def smollm2_deployment(server_factory, router_factory, helpers):
+    helpers.named_model_path("smollm2-135m-instruct")  # skips, saying how to install it, without the model
+    model_args = ("--model", "smollm2-135m-instruct", "--max-model-len", "2048", "--kv-cache-quant-type", "int8",
+                  "--num-gpu-blocks-override", "96", "--block-size", "64")
+    servers = start_servers(server_factory, ("prefill", "decode", "mixed"), {"FD_HEAD_WISE_KV_CACHE": "1"},
+                            model_args)
+    return servers, router_factory([servers["prefill"].base_url], [servers["decode"].base_url])
+
+
+def test_smollm2_through_the_router_answers_as_one_mixed_server(smollm2_deployment):
+    servers, router = smollm2_deployment
+    for prompt in held_out_prompts():
+        question = f"{prompt}\n\nIn one sentence, what is this text about?"
+        body = {"messages": [{"role": "user", "content": question}], "max_tokens": 24, "temperature": 0}
+        want = servers["mixed"].http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        got = router.http.post("/v1/chat/completions", json=body)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["message"]["content"] == want["content"]
+    metrics = servers["decode"].wait_idle_with_all_pages_free()
+    assert metrics["fastdeploy:kv_transfer_requests_received_total"] == 4
+    servers["prefill"].wait_idle_with_all_pages_free()
