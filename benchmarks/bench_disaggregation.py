@@ -177,7 +177,7 @@ def capacity_rows(models: list, prompt_tokens: int, kv_memory: int, num_requests
                     running = [r for r in decode.scheduler.running if not r.kv_loading]
                     peak = max(peak, len(running))
                     held += [sum(kv.held_pages_per_slot(r.request_id)) for r in running]
-                    settle(prefill)
+                    prefill.step()  # frees the pages the decode engine has read
                 settle(prefill, decode)
                 row = dict(model=model, head_wise=int(head_wise), prompt_tokens=prompt_tokens,
                            kv_cache_memory=kv_memory, kv_pages_total=kv.pages.num_total_pages,
@@ -191,11 +191,13 @@ def capacity_rows(models: list, prompt_tokens: int, kv_memory: int, num_requests
 
 
 # -- latency: HTTP servers pinned to cores ----------------------------------------------------------------
-def start_server(args: list, port: int, core: str, env: dict, log_path: Path):
-    cmd = ["taskset", "-c", core, sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server",
+def start_server(args: list, port: int, cores: str, env: dict, log_path: Path):
+    """An api_server pinned to `cores` (taskset), its threads as many as its cores."""
+    cmd = ["taskset", "-c", cores, sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server",
            "--port", str(port), "--disable-uvicorn-access-log", *args]
-    return subprocess.Popen(cmd, env={**os.environ, **env}, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True, cwd=REPO)
+    threads = str(len(cores.split(",")))
+    return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": threads, **env}, stdout=open(log_path, "wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
 
 
 def wait_http(url: str, timeout_s: float = 300) -> None:
@@ -270,7 +272,7 @@ def latency_rows(model: str, head_wise: str, long_tokens: int, out_dir: Path) ->
     from fastdeploy.model_config import ModelConfig
 
     tokenizer = load_tokenizer(ModelConfig.create(model, 4096))
-    env = {"FD_HEAD_WISE_KV_CACHE": head_wise, "OMP_NUM_THREADS": "1"}
+    env = {"FD_HEAD_WISE_KV_CACHE": head_wise}
     common = ["--model", model, "--max-model-len", str(long_tokens + 512), "--max-num-seqs", "16"]
     transfer = json.dumps({"kv_connector": "NixlConnector", "side_channel_port": 0})
     long_prompts = [prose_ids(tokenizer, long_tokens + 50 * i)[50 * i:] for i in range(4)]

@@ -343,8 +343,11 @@ def _pairs(live_rows: list, remote_rows: list) -> tuple:
 
 def _descriptors(local_regions: list, remote_regions: list, local: list, remote: list) -> tuple:
     """Nx3 (address, bytes, device) arrays, local and remote, for the pages `local[j]` <- `remote[j]` of
-    every KV tensor; runs where both sides' entries are consecutive become one range."""
-    lo, re_ = np.asarray(local, np.uint64), np.asarray(remote, np.uint64)
+    every KV tensor; runs where both sides' entries are consecutive become one range. Sorted by local
+    entry first: head-wise, the pages of one block's slots are often neighbours on both sides (each slot
+    takes from its own free list, page p = block * slots + slot), while a row's own pages never are."""
+    order = np.argsort(np.asarray(local, np.int64), kind="stable")
+    lo, re_ = np.asarray(local, np.uint64)[order], np.asarray(remote, np.uint64)[order]
     breaks = np.ones(len(lo), bool)
     breaks[1:] = (lo[1:] != lo[:-1] + 1) | (re_[1:] != re_[:-1] + 1)
     starts = np.flatnonzero(breaks)

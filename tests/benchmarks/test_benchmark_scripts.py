@@ -113,3 +113,17 @@ def test_bench_structured_outputs_runs_both_arms_and_times_the_compile(tmp_path)
     result = json.loads(out.read_text())
     assert set(result["decode_tok_s"]) == {"free", "json_schema"} and all(v > 0 for v in result["decode_tok_s"].values())
     assert len(result["ratio_per_round"]) == 1 and result["compile"]
+
+
+def test_bench_disaggregation_moves_fewer_bytes_with_the_flag_on(tmp_path):
+    import pytest
+
+    pytest.importorskip("nixl_cu12", reason="pip install --no-deps nixl-cu12==1.5.1")
+    out = tmp_path / "pd.json"
+    run("bench_disaggregation.py", "bytes", "--models", "smollm2-135m-instruct", "--lengths", "1500",
+        "--json", str(out))
+    off, on = json.loads(out.read_text())
+    assert (off["head_wise"], on["head_wise"]) == (0, 1)
+    for row in (off, on):  # the bytes a read moved are the page-need arithmetic's, exactly
+        assert row["bytes_moved"] == row["arithmetic_bytes"] > 0 and row["read_gbps"] > 0
+    assert on["ratio_to_flag_off"] < 1
