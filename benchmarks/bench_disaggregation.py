@@ -271,7 +271,7 @@ def latency_rows(model: str, head_wise: str, long_tokens: int, out_dir: Path) ->
     from fastdeploy.input.tokenizer_loader import load_tokenizer
     from fastdeploy.model_config import ModelConfig
 
-    tokenizer = load_tokenizer(ModelConfig.create(model, 4096))
+    tokenizer = load_tokenizer(ModelConfig.create(model, 4096, None))
     env = {"FD_HEAD_WISE_KV_CACHE": head_wise}
     common = ["--model", model, "--max-model-len", str(long_tokens + 512), "--max-num-seqs", "16"]
     transfer = json.dumps({"kv_connector": "NixlConnector", "side_channel_port": 0})
@@ -327,7 +327,7 @@ def latency_rows(model: str, head_wise: str, long_tokens: int, out_dir: Path) ->
     return rows
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["bytes", "capacity", "latency"])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -338,7 +338,11 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=32, help="decode requests (capacity)")
     parser.add_argument("--head-wise", choices=["0", "1"], default="1", help="FD_HEAD_WISE_KV_CACHE (latency)")
     parser.add_argument("--json", type=Path, help="write the rows here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.what == "bytes":
         rows = bytes_rows(args.models, args.lengths)
     elif args.what == "capacity":

@@ -15,8 +15,11 @@ thread pool so a dead prefill server never stalls a step.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
+import queue
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,6 +32,8 @@ from fastdeploy.disaggregation.transfer_config import KVTransferConfig, RemotePr
 
 logger = logging.getLogger("fastdeploy.disaggregation")
 
+READS_REMEMBERED = 65536  # (prefill engine, request) pairs a decode server remembers having read
+PROGRESS_S = 0.001  # how often the progress thread moves transfers on (and collects read notifications)
 # Seconds buckets of the transfer-time histogram (a read of one request's pages).
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -73,7 +78,11 @@ class NixlConnector:
         self.kv = kv_cache_manager
         self.engine_id = config.engine_id or uuid.uuid4().hex
         self.tp_size = fd_config.parallel_config.tensor_parallel_size
-        self.agent = nixl.nixl_agent(f"fastdeploy-{self.engine_id}", nixl.nixl_agent_config(backends=["UCX"]))
+        # Not nixl's progress thread: it spins without pause (pthrDelay 0) and takes a core from the model.
+        # Ours (_progress) polls notifications every PROGRESS_S, which moves UCX's transfers on, also while
+        # the engine thread runs a long step; the agent locks its calls (STRICT) for the two threads.
+        self.agent = nixl.nixl_agent(f"fastdeploy-{self.engine_id}", nixl.nixl_agent_config(
+            enable_prog_thread=False, backends=["UCX"], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
         num_entries = kv_cache_manager.pages_per_rank // kv_cache_manager.pages_per_entry
         self.regions = []
         for tensor in kv_tensors:
@@ -95,6 +104,9 @@ class NixlConnector:
         self._pending: dict = {}    # prefill engine id -> [_Load] waiting for its handshake
         self._loads: dict = {}      # request id -> _Load being read
         self._outcomes: list = []
+        # (prefill engine, its request) of the reads already made: a second read of the same parked pages
+        # (a retried request) would find them freed and perhaps reused by then, so it is refused
+        self._read_before: collections.OrderedDict = collections.OrderedDict()
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kv-handshake")
         self.counters = dict(kv_transfer_bytes_sent_total=0, kv_transfer_pages_sent_total=0,
                              kv_transfer_bytes_received_total=0, kv_transfer_pages_received_total=0,
@@ -103,6 +115,10 @@ class NixlConnector:
                              kv_transfer_expired_total=0)
         self._seconds = [0] * (len(TRANSFER_BUCKETS) + 1)
         self._seconds_sum = 0.0
+        self._notifs: queue.SimpleQueue = queue.SimpleQueue()  # read notifications, from the progress thread
+        self._stop = threading.Event()
+        self._progress_thread = threading.Thread(target=self._progress, name="kv-transfer-progress", daemon=True)
+        self._progress_thread.start()
         logger.info("KV transfer: NIXL agent %s (%s), %d KV tensors registered%s", self.agent.name,
                     self.config.splitwise_role, len(self.regions),
                     f", side channel {config.side_channel_host}:{self.side_channel.port}" if self.side_channel else "")
@@ -180,6 +196,17 @@ class NixlConnector:
         return bool(self._parked or self._loads or self._pending)
 
     # -- progress ------------------------------------------------------------------------------
+    def _progress(self) -> None:
+        while not self._stop.wait(PROGRESS_S):
+            try:
+                notifs = self.agent.get_new_notifs()
+            except Exception as e:  # the agent is being torn down
+                logger.debug("KV transfer progress stopped: %s", e)
+                return
+            for messages in notifs.values():
+                for message in messages:
+                    self._notifs.put(message)
+
     def poll(self) -> list:
         """Advance handshakes and reads, free parked pages that were read or timed out; returns the
         TransferOutcome of every decode read that ended since the last call."""
@@ -232,11 +259,20 @@ class NixlConnector:
         """Post one NIXL READ of every live entry of the request, into the pages its table holds here."""
         rid = load.request.request_id
         remote = self._remotes[load.remote.engine_id]
+        source = (load.remote.engine_id, load.remote.request_id)
+        if source in self._read_before:
+            self._fail(load, f"the prefill pages of request {load.remote.request_id!r} were read already (a "
+                             f"retried request): they may hold another request's KV by now")
+            return
         try:
             local_entries, remote_entries = _pairs(self.kv.live_pages(rid, load.remote.num_tokens), load.remote.rows)
         except ValueError as e:
+            self._notify(remote, load.remote.request_id)  # its pages are of no use: the prefill frees them now
             self._fail(load, str(e))
             return
+        self._read_before[source] = None
+        while len(self._read_before) > READS_REMEMBERED:
+            self._read_before.popitem(last=False)
         local, theirs = _descriptors(self.regions, remote.regions, local_entries, remote_entries)
         try:
             handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, "DRAM"),
@@ -252,6 +288,12 @@ class NixlConnector:
         self._loads[rid] = load
         if state == "ERR":
             self._end(load, "the NIXL read failed at once")
+
+    def _notify(self, remote: _Remote, prefill_request_id: str) -> None:
+        try:
+            self.agent.send_notif(remote.agent, prefill_request_id.encode())
+        except Exception as e:  # the prefill server frees them at its abort timeout instead
+            logger.debug("notifying the prefill server: %s", e)
 
     def _end(self, load: _Load, error: Optional[str]) -> None:
         del self._loads[load.request.request_id]
@@ -287,11 +329,10 @@ class NixlConnector:
 
     def _release_parked(self, now: float) -> None:
         """Free the parked pages a decode server has read (its read's notification) or never will."""
-        for messages in self.agent.get_new_notifs().values():
-            for message in messages:
-                rid = message.decode(errors="replace")
-                if self._parked.pop(rid, None) is not None:
-                    self.kv.free(rid)
+        while not self._notifs.empty():
+            rid = self._notifs.get().decode(errors="replace")
+            if self._parked.pop(rid, None) is not None:
+                self.kv.free(rid)
         for rid, deadline in list(self._parked.items()):
             if now > deadline:
                 del self._parked[rid]
@@ -308,6 +349,8 @@ class NixlConnector:
                                         "sum": self._seconds_sum}}
 
     def close(self) -> None:
+        self._stop.set()
+        self._progress_thread.join(1.0)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.side_channel is not None:
             self.side_channel.close()

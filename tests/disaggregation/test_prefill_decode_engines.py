@@ -328,3 +328,39 @@ def test_bad_kv_transfer_params_are_refused_with_the_field_named(pair, params, m
         decode.close()
     with pytest.raises(ValueError, match="moves no KV"):
         mixed.add_request("bad", PROMPTS[0], GREEDY, {"do_remote_decode": True})
+
+
+def test_a_head_wise_prefill_and_a_1d_decode_are_refused_by_name(pair):
+    """Different FD_HEAD_WISE_KV_CACHE on the two servers: the tables differ in rows, refused before any
+    page is taken (and a different window, same rows, at the handshake: the layout's slot types)."""
+    prefill, _ = pair
+    decode = make_engine("1d", "decode")
+    try:
+        params = run(prefill, "hw", PROMPTS[1], SamplingParams(temperature=0, max_tokens=1),
+                     {"do_remote_decode": True}).kv_transfer_params
+        with pytest.raises(ValueError, match="KV layouts differ"):
+            decode.add_request("hw", PROMPTS[1], GREEDY, params)
+        assert all_free(decode)
+    finally:
+        decode.close()
+        expire_parked(prefill)
+
+
+def test_a_second_read_of_the_same_parked_pages_is_refused_and_recomputed(pair):
+    """A retried decode request carries kv_transfer_params whose pages were read and freed already (and
+    may hold another request's KV now): it is never read twice; the prompt is computed here instead."""
+    prefill, mixed = pair
+    decode = make_engine("head_wise", "decode")
+    try:
+        prompt = PROMPTS[2]
+        params = run(prefill, "twice", prompt, SamplingParams(temperature=0, max_tokens=1),
+                     {"do_remote_decode": True}).kv_transfer_params
+        want = run(mixed, "twice-ref", prompt).outputs.token_ids
+        assert run(decode, "first", prompt, kv=params).outputs.token_ids == want
+        settle(prefill, decode)
+        run(prefill, "other", PROMPTS[1][::-1] * 2, SamplingParams(temperature=0, max_tokens=4))  # reuses the pages
+        assert run(decode, "again", prompt, kv=params).outputs.token_ids == want
+        assert decode.get_stats()["kv_transfer_failed_total"] == 1
+        assert all_free(decode)
+    finally:
+        decode.close()
