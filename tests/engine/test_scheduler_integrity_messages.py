@@ -98,7 +98,7 @@ def test_a_waiting_request_holding_head_wise_pages_is_named(running):
 def test_a_table_nobody_runs_is_named(running):
     rm, _ = running
     rm.kv_cache_manager.start("ghost")
-    assert broken(rm) == "ghost: holds a page table but is not running"
+    assert broken(rm) == "ghost: holds a page table but is neither running nor parked"
 
 
 def test_reservation_corruptions_are_named(running):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import time
+
 import pytest
 
 from fastdeploy.model_executor.models.tiny_preset import TINY_PRESET_NAME
@@ -320,6 +322,17 @@ def test_a_repeated_prompt_hits_the_prefix_cache(server, client, model):
         client.completions.create(model=model, prompt=prompt, max_tokens=2, extra_body={"ignore_eos": True})
     after = server.wait_idle_with_all_pages_free()["fastdeploy:prefix_cache_hit_tokens_total"]
     assert after - before >= 64  # the second request reused the first one's full blocks
+
+
+def test_an_idle_engines_metrics_count_a_request_that_ran_in_one_step(server, client, model):
+    """A request added and finished within one engine step leaves the engine idle as it found it; its
+    counters must still be in the snapshot the idle engine shows (not half a second later)."""
+    server.wait_idle_with_all_pages_free()
+    time.sleep(0.6)  # the idle engine has just published its periodic snapshot
+    before = server.metrics()["fastdeploy:prompt_tokens_total"]
+    out = client.completions.create(model=model, prompt=[5, 6, 7, 8, 9], max_tokens=1)
+    snapshot = server.wait_idle_with_all_pages_free()
+    assert snapshot["fastdeploy:prompt_tokens_total"] - before == out.usage.prompt_tokens == 5
 
 
 def test_metrics_port_serves_metrics_but_not_the_api(server):

@@ -175,7 +175,7 @@ class _EngineLoop:
         self.wants_logprobs: dict[str, int] = {}  # request id -> top-k asked for
         self.echo_pending: dict[str, Optional[str]] = {}  # request id -> its prompt string (None: token ids)
         self.last_stats = 0.0
-        self.was_busy = False
+        self.was_active = False
         self.parent = multiprocessing.parent_process()
 
     def run(self) -> None:
@@ -193,16 +193,19 @@ class _EngineLoop:
                     self._forget(msg[1])
                     self.engine.abort_request(msg[1])
                     aborted = True
-            if self.engine.has_unfinished_requests() or transfers:
+            stepped = self.engine.has_unfinished_requests() or transfers
+            if stepped:
                 outputs = self.engine.step()
                 if outputs:
                     self.outputs_q.put(("outputs", [self._convert(o) for o in outputs]))
             busy = self.engine.has_unfinished_requests()
-            # Publish at once when pages were freed wholesale (abort, going idle), so /metrics shows
-            # them without waiting a full interval.
-            self._publish_stats(0.0 if aborted or not busy and self.was_busy
+            active = busy or self.engine.transfers_pending
+            # Publish at once when the engine falls idle (an abort, the last request done, the last parked
+            # pages read; also a request that came and went within one step), so /metrics never shows an
+            # idle engine with the counters of before its last work.
+            self._publish_stats(0.0 if aborted or not active and (self.was_active or stepped)
                                 else STATS_INTERVAL_BUSY_S if busy else STATS_INTERVAL_IDLE_S)
-            self.was_busy = busy
+            self.was_active = active
             if self.parent is not None and not self.parent.is_alive():
                 return  # orphaned: nobody can read our outputs
 
