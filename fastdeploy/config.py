@@ -102,6 +102,8 @@ class FDConfig:
     guided_decoding_backend: str = "auto"  # --guided-decoding-backend (model_executor/guided_decoding/backend.py)
     # --splitwise-role / --kv-transfer-config (disaggregation/transfer_config.py); None: a plain server
     kv_transfer_config: Any = None
+    # --kv-events-config (engine/kv_events_publisher.py); None: no KV-cache events
+    kv_events_config: Any = None
     env: Any = None  # every environment flag as it was when the config was made (envs.snapshot())
 
     def __post_init__(self) -> None:
@@ -175,6 +177,9 @@ class FDConfig:
         self._resolve_prefix_caching()
         self._check_device()
         self._check_kv_transfer()
+        if self.kv_events_config is not None and not self.cache_config.enable_prefix_caching:
+            raise ValueError("--kv-events-config: KV-cache events describe the prefix cache, which is off "
+                             "(drop --no-enable-prefix-caching)")
 
     def _check_kv_transfer(self) -> None:
         """What a prefill/decode pair moves is one rank's pool of pages in host memory."""

@@ -111,6 +111,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # declares a rank hung, stops every worker and fails the in-flight requests.
     "FD_TP_START_TIMEOUT": _int_flag("FD_TP_START_TIMEOUT", "600"),
     "FD_TP_STEP_TIMEOUT": _int_flag("FD_TP_STEP_TIMEOUT", "300"),
+    # Seconds a rank may go unheard (each sends a heartbeat every second) before the engine declares its
+    # host or link down; checked while a step waits, so a cut link ends the step in about this long.
+    "FD_TP_HEARTBEAT_TIMEOUT": _int_flag("FD_TP_HEARTBEAT_TIMEOUT", "10"),
     # 0: the engine does not start its tensor-parallel workers but waits for ranks started by
     # `paddle.distributed.launch ... fastdeploy/worker/worker_process.py --engine-address HOST:PORT`
     # (several machines); they connect to FD_TP_ENGINE_HOST:FD_TP_ENGINE_PORT (results) and PORT+1+rank (steps).

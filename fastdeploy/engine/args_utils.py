@@ -10,6 +10,7 @@ from fastdeploy import envs
 from fastdeploy.config import (ADMISSION_POLICIES, COMPUTE_DTYPES, DEFAULT_ADMISSION_POLICY, CacheConfig, FDConfig,
                                ModelConfig, ParallelConfig, SchedulerConfig)
 from fastdeploy.disaggregation.transfer_config import SPLITWISE_ROLES, KVTransferConfig
+from fastdeploy.engine.kv_events_publisher import KVEventsConfig
 from fastdeploy.model_executor.guided_decoding.backend import BACKENDS, check_backend
 from fastdeploy.spec_decode.config import SpeculativeConfig
 from fastdeploy.worker.device import DEVICE_CHOICES, default_cache_dtype, resolve_device
@@ -39,6 +40,7 @@ class EngineArgs:
     guided_decoding_backend: str = "auto"  # structured outputs: auto (llguidance) or off
     splitwise_role: str = "mixed"  # prefill/decode disaggregation (upstream's flag); mixed: both in one server
     kv_transfer_config: Union[None, str, dict] = None  # vLLM's --kv-transfer-config JSON (NixlConnector)
+    kv_events_config: Union[None, str, dict] = None  # vLLM's --kv-events-config JSON (KV-cache events over ZMQ)
 
     def create_engine_config(self) -> FDConfig:
         """Validate every flag (env flags included) and build the config; raises ValueError naming the field."""
@@ -70,6 +72,7 @@ class EngineArgs:
             speculative_config=SpeculativeConfig.parse(self.speculative_config),
             guided_decoding_backend=check_backend(self.guided_decoding_backend),
             kv_transfer_config=KVTransferConfig.parse(self.splitwise_role, self.kv_transfer_config),
+            kv_events_config=KVEventsConfig.parse(self.kv_events_config),
         )
 
     @staticmethod
@@ -151,6 +154,13 @@ class EngineArgs:
                             "also VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT), kv_load_failure_policy (recompute | fail), "
                             "abort_timeout_s (480: parked pages nobody read are freed), handshake_timeout_s, "
                             "transfer_timeout_s, engine_id")
+        g = parser.add_argument_group("replicas and KV-cache events (docs/scaling.md)")
+        g.add_argument("--kv-events-config", type=str, default=None,
+                       help='vLLM\'s JSON, e.g. \'{"enable_kv_cache_events":true,"publisher":"zmq",'
+                            '"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}\': BlockStored / '
+                            "BlockRemoved / AllBlocksCleared batches a KV-aware router (vllm-router --policy "
+                            "kv_aware --kv-event-source URL=ENDPOINT) reads; a block is stored while a prefix hit "
+                            "ending at it is valid here (every head holds what it needs)")
         return parser
 
     @classmethod

@@ -51,6 +51,14 @@ class LLMEngine:
 
             self.connector = NixlConnector(fd_config.kv_transfer_config, fd_config, self.scheduler.kv_cache_manager,
                                            self.runner.kv_tensors())
+        # KV-cache events (--kv-events-config): where prefix hits are valid here, for KV-aware routers.
+        self.kv_events = self.kv_event_publisher = None
+        if fd_config.kv_events_config is not None:
+            from fastdeploy.cache_manager.kv_events import HitEndEvents
+            from fastdeploy.engine.kv_events_publisher import make_publisher
+
+            self.kv_events = HitEndEvents(self.scheduler.kv_cache_manager.pages.prefix_cache)
+            self.kv_event_publisher = make_publisher(fd_config.kv_events_config)
         for level, message in fd_config.startup_log(self.scheduler.cache_manager.num_total_pages):
             logger.log(level, message)
 
@@ -59,6 +67,8 @@ class LLMEngine:
         side channel; idempotent."""
         if self.connector is not None:
             self.connector.close()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
         self.runner.close()
 
     @classmethod
@@ -163,6 +173,12 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list:
+        outputs = self._step()
+        if self.kv_events is not None:  # what this step stored in / evicted from the prefix cache
+            self.kv_event_publisher.publish(self.kv_events.collect())
+        return outputs
+
+    def _step(self) -> list:
         outputs = self._transfers() if self.connector is not None else []
         batch = self.scheduler.schedule()
         for request in batch.preempted:
@@ -282,6 +298,10 @@ class LLMEngine:
         tp = self.fd_config.parallel_config.tensor_parallel_size
         if self.connector is not None:
             stats.update(self.connector.stats())
+        if self.kv_events is not None:
+            stats.update(kv_events_published_total=self.kv_event_publisher.events_published_total,
+                         kv_events_batches_dropped_total=self.kv_event_publisher.batches_dropped_total,
+                         kv_events_valid_hit_ends=len(self.kv_events.stored))
         stats.update(kv_pages_total_per_rank=[self.scheduler.pages_per_rank] * tp,
                      kv_pages_free_per_rank=self.scheduler.cache_manager.free_pages_per_rank(),
                      tp_worker_pids=self.runner.worker_pids)

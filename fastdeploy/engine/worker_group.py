@@ -84,6 +84,8 @@ class WorkerGroup:
         self.table_rows = fd_config.table_rows  # the persistent block table's rows, all ranks (for_rank)
         env = fd_config.env
         self.step_timeout_s = env.FD_TP_STEP_TIMEOUT
+        self.heartbeat_timeout_s = env.FD_TP_HEARTBEAT_TIMEOUT
+        self._last_heard: list = [None] * tp  # monotonic time of each rank's last message, from its ready on
         host, base_port = env.FD_TP_ENGINE_HOST, env.FD_TP_ENGINE_PORT
         self._ctx = zmq.Context()
         self._results = self._ctx.socket(zmq.PULL)
@@ -112,12 +114,19 @@ class WorkerGroup:
                 self._send(sock, fd_config, env.FD_TP_START_TIMEOUT, "start")
             while None in self.rank_info:
                 _, rank, info = self._receive("ready", env.FD_TP_START_TIMEOUT, "start")
+                if self.rank_info[rank] is not None:
+                    self._fail(f"two tensor-parallel workers claim rank {rank} (pids {self.rank_info[rank]['pid']} "
+                               f"and {info['pid']}, endpoint {info.get('endpoint')}): paddle.distributed.launch "
+                               f"could not tell which address in --ips is its own machine's (its host name "
+                               f"resolves elsewhere); pass --host THIS_MACHINE_IP to it")
                 self.rank_info[rank] = info
+                self._last_heard[rank] = time.monotonic()
         except BaseException:
             self.close()
             raise
         logger.info("%d tensor-parallel workers ready: %s", tp,
-                    "; ".join(f"rank {r} pid {i['pid']} KV heads {i['kv_heads']} cache {i['cache_shape']}"
+                    "; ".join(f"rank {r} pid {i['pid']} at {i.get('endpoint')} (collectives on {i.get('interface')}) "
+                              f"KV heads {i['kv_heads']} cache {i['cache_shape']}"
                               for r, i in enumerate(self.rank_info)))
 
     def _launch(self, tp: int, host: str, result_port: int, step_ports: list, gpu: bool = False) -> None:
@@ -173,6 +182,9 @@ class WorkerGroup:
         while True:
             if self._results.poll(POLL_MS):
                 msg = self._results.recv_pyobj()
+                if msg[0] == "alive":
+                    self._last_heard[msg[1]] = time.monotonic()
+                    continue
                 if msg[0] == "failed":
                     # A rank's collective fails when its peer died: name the dead peer as the cause.
                     deadline_peer = time.monotonic() + 1.0
@@ -184,6 +196,7 @@ class WorkerGroup:
                     return msg
                 continue
             self._check_alive()
+            self._check_heard()  # the queue is drained here: a heartbeat that is late really is late
             if time.monotonic() > deadline:
                 self._fail(f"tensor-parallel workers did not finish a {what} within {timeout_s:g} s "
                            f"(FD_TP_{what.upper()}_TIMEOUT); a rank is hung")
@@ -192,6 +205,17 @@ class WorkerGroup:
         message = self._exit_message()
         if message is not None:
             self._fail(message)
+
+    def _check_heard(self) -> None:
+        """A rank that has been silent (no heartbeat, no result) for FD_TP_HEARTBEAT_TIMEOUT: its host, its
+        process or its network link is gone, and a collective waiting on it would never finish."""
+        now = time.monotonic()
+        for rank, heard in enumerate(self._last_heard):
+            if heard is not None and now - heard > self.heartbeat_timeout_s:
+                info = self.rank_info[rank] or {}
+                self._fail(f"tensor-parallel worker rank {rank} (pid {info.get('pid')} at {info.get('endpoint')}) "
+                           f"has not been heard from for {now - heard:.1f} s (FD_TP_HEARTBEAT_TIMEOUT="
+                           f"{self.heartbeat_timeout_s:g}): its host or its network link to this engine is down")
 
     def _exit_message(self, exclude=None):
         for rank, proc in enumerate(self.procs):

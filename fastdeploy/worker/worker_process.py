@@ -28,6 +28,7 @@ import sys
 
 PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
 POLL_MS = 1000
+HEARTBEAT_S = 1.0  # how often a rank tells the engine it is alive (engine/worker_group.py: FD_TP_HEARTBEAT_TIMEOUT)
 
 
 def _tie_to_parent(name: str) -> None:
@@ -55,7 +56,28 @@ def place_rank(device: str, rank: int) -> None:
     paddle.set_device(paddle_device_name(device, rank))
 
 
+def _heartbeat(ctx, result_address: str, rank: int, stop) -> None:
+    """From a thread of its own (so a long step does not silence it), on a socket of its own: ("alive",
+    rank) every HEARTBEAT_S. The engine tells a rank whose host or link went down from a slow step by it."""
+    import zmq
+
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 4)  # an unreachable engine holds a few, not an hour's worth
+    sock.connect(result_address)
+    try:
+        while not stop.wait(HEARTBEAT_S):
+            try:
+                sock.send_pyobj(("alive", rank), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+    finally:
+        sock.close()
+
+
 def serve(rank: int, step_address: str, result_address: str) -> int:
+    import threading
+
     import zmq
 
     ctx = zmq.Context()
@@ -65,6 +87,9 @@ def serve(rank: int, step_address: str, result_address: str) -> int:
     steps.connect(step_address)
     results.connect(result_address)
     parent = os.getppid()
+    stop_heartbeat = threading.Event()
+    heartbeat = threading.Thread(target=_heartbeat, args=(ctx, result_address, rank, stop_heartbeat),
+                                 name="fd-tp-heartbeat", daemon=True)
     try:
         fd_config = steps.recv_pyobj()
         if fd_config is None:  # the engine gave up before this rank started
@@ -72,7 +97,12 @@ def serve(rank: int, step_address: str, result_address: str) -> int:
         tp = fd_config.parallel_config.tensor_parallel_size
         import paddle.distributed as dist
 
-        place_rank(getattr(fd_config, "device", "cpu"), rank)
+        from fastdeploy.worker.collective_interface import bind_collective_interface
+        from fastdeploy.worker.device import collective_backend
+
+        device = getattr(fd_config, "device", "cpu")
+        place_rank(device, rank)
+        interface = bind_collective_interface(collective_backend(device))
         if tp > 1:
             dist.init_parallel_env()
         from fastdeploy.worker.model_runner import ModelRunner
@@ -84,7 +114,9 @@ def serve(rank: int, step_address: str, result_address: str) -> int:
         caches = getattr(backend, "key_caches", None)
         results.send_pyobj(("ready", rank, {
             "pid": os.getpid(), "kv_heads": list(runner.kv_heads),
-            "cache_shape": list(caches[0].shape) if caches else None, "weight_bytes": runner.model.weight_bytes()}))
+            "cache_shape": list(caches[0].shape) if caches else None, "weight_bytes": runner.model.weight_bytes(),
+            "endpoint": os.environ.get("PADDLE_CURRENT_ENDPOINT"), "interface": interface}))
+        heartbeat.start()
         while True:
             if not steps.poll(POLL_MS):
                 if os.getppid() != parent:
@@ -105,6 +137,9 @@ def serve(rank: int, step_address: str, result_address: str) -> int:
         results.send_pyobj(("failed", rank, f"{type(exc).__name__}: {exc}"))
         return 1
     finally:
+        stop_heartbeat.set()
+        if heartbeat.is_alive():
+            heartbeat.join()
         steps.close()
         results.close()
         ctx.term()

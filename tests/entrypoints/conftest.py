@@ -110,7 +110,7 @@ class ServerProcess(ApiServerProcess):
                              timeout=REQUEST_TIMEOUT_S)
 
     def raw_request(self, path: str, body: dict) -> "RawHTTPRequest":
-        return RawHTTPRequest(self.port, path, body)
+        return RawHTTPRequest(self.port, path, body, self.host)
 
     def assert_still_serves(self) -> None:
         resp = self.http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2, "temperature": 0})
@@ -121,10 +121,10 @@ class ServerProcess(ApiServerProcess):
 class RawHTTPRequest:
     """One HTTP/1.1 request on its own socket, so a test can read part of a response and hang up."""
 
-    def __init__(self, port: int, path: str, body: dict):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=REQUEST_TIMEOUT_S)
+    def __init__(self, port: int, path: str, body: dict, host: str = "127.0.0.1"):
+        self.sock = socket.create_connection((host, port), timeout=REQUEST_TIMEOUT_S)
         payload = json.dumps(body).encode()
-        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode()
         self.sock.sendall(head + payload)
         self.received = b""
@@ -200,10 +200,12 @@ def server_factory(tmp_path_factory):
 
 
 class RouterProcess:
-    """vllm-router (its PyPI wheel's Rust binary) in prefill/decode mode in front of this engine's servers:
-    `--vllm-pd-disaggregation --kv-connector nixl`, as users run it."""
+    """vllm-router (its PyPI wheel's Rust binary) in front of this engine's servers, as users run it: in
+    prefill/decode mode (`--vllm-pd-disaggregation --kv-connector nixl`, round robin), or with the routing
+    arguments given (`args`, e.g. `--worker-urls ... --policy kv_aware ...`)."""
 
-    def __init__(self, prefill_urls: list, decode_urls: list, log_path: Path, prefix: tuple = ()):
+    def __init__(self, prefill_urls: list, decode_urls: list, log_path: Path, prefix: tuple = (),
+                 args: Optional[list] = None):
         import shutil
         import subprocess
         import sys
@@ -213,8 +215,9 @@ class RouterProcess:
             pytest.skip("vllm-router is not installed (pip install vllm-router==0.1.17)")
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [*prefix, binary, "--host", "127.0.0.1", "--port", str(self.port), "--vllm-pd-disaggregation",
-               "--kv-connector", "nixl", "--prometheus-port", str(free_port()), "--policy", "round_robin"]
+        cmd = [*prefix, binary, "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-port", str(free_port())]
+        cmd += args if args is not None else ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--policy",
+                                              "round_robin"]
         for url in prefill_urls:
             cmd += ["--prefill", url]
         for url in decode_urls:
@@ -255,8 +258,10 @@ def router_factory(tmp_path_factory):
     """start(prefill_urls, decode_urls) -> a ready RouterProcess, stopped when the module ends."""
     started: list[RouterProcess] = []
 
-    def start(prefill_urls: list, decode_urls: list, prefix: tuple = ()) -> RouterProcess:
-        router = RouterProcess(prefill_urls, decode_urls, tmp_path_factory.mktemp("router") / "router.log", prefix)
+    def start(prefill_urls: list = (), decode_urls: list = (), prefix: tuple = (),
+              args: Optional[list] = None) -> RouterProcess:
+        router = RouterProcess(prefill_urls, decode_urls, tmp_path_factory.mktemp("router") / "router.log", prefix,
+                               args)
         started.append(router)
         router.wait_ready()
         return router

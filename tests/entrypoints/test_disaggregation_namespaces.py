@@ -8,53 +8,20 @@ namespaces.
 from __future__ import annotations
 
 import json
-import random
-import subprocess
 
 import pytest
+from network_hosts import NamespacesRefused, network_hosts
 
 pytest.importorskip("nixl_cu12", reason="KV transfer needs NIXL: pip install --no-deps nixl-cu12==1.5.1")
 
 
-def ip(*args: str, ns: str = "") -> None:
-    cmd = ["ip", *(["-n", ns] if ns else []), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        raise OSError(f"{' '.join(cmd)}: {done.stderr.strip()}")
-
-
 @pytest.fixture(scope="module")
 def two_hosts():
-    tag = f"{random.randrange(16 ** 4):04x}"
-    subnet = f"10.213.{random.randrange(1, 250)}"
-    bridge, hosts = f"fdbr{tag}", {}
-    made: list = []
     try:
-        ip("link", "add", bridge, "type", "bridge")
-        made.append(("link", bridge))
-        ip("addr", "add", f"{subnet}.1/24", "dev", bridge)
-        ip("link", "set", bridge, "up")
-        for k, role in enumerate(("prefill", "decode")):
-            ns, outside = f"fd{role[0]}{tag}", f"fd{role[0]}{tag}h"
-            ip("netns", "add", ns)
-            made.append(("netns", ns))
-            ip("link", "add", outside, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            ip("link", "set", outside, "master", bridge)
-            ip("link", "set", outside, "up")
-            ip("addr", "add", f"{subnet}.{k + 2}/24", "dev", "eth0", ns=ns)
-            ip("link", "set", "eth0", "up", ns=ns)
-            ip("link", "set", "lo", "up", ns=ns)
-            hosts[role] = (ns, f"{subnet}.{k + 2}", outside)
-    except OSError as e:
-        _remove(made)
-        pytest.skip(f"this machine refuses network namespaces for the test hosts: {e}")
-    yield hosts
-    _remove(made)
-
-
-def _remove(made: list) -> None:
-    for kind, name in reversed(made):
-        subprocess.run(["ip", kind, "del", name], capture_output=True)  # a namespace takes its veth end along
+        with network_hosts("prefill", "decode") as hosts:
+            yield hosts
+    except NamespacesRefused as e:
+        pytest.skip(str(e))
 
 
 def test_kv_crosses_a_network_link_between_two_hosts(two_hosts, server_factory, router_factory):

@@ -267,6 +267,24 @@ def build_app(client: EngineClient, metrics: ServerMetrics, api_port: Optional[i
         request = parse_request(ChatCompletionRequest, await read_json_object(raw_request))
         return await chat.create_chat_completion(request, raw_request)
 
+    # vLLM's render endpoints: the token ids a completion / chat body becomes, without running it. A KV-aware
+    # router (vllm-router's kv_aware and cache_aware) asks every replica for them and matches them against
+    # the replica's KV-cache events, which carry the same ids.
+    @app.post("/v1/completions/render")
+    async def render_completion(raw_request: Request) -> Response:
+        request = parse_request(CompletionRequest, await read_json_object(raw_request))
+        prompts = request.prompt
+        if isinstance(prompts, str) or prompts and isinstance(prompts[0], int):
+            prompts = [prompts]
+        return JSONResponse([{"token_ids": p if not isinstance(p, str) else tokenization.tokenize(
+            TokenizeRequest(prompt=p))["tokens"]} for p in prompts])
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat_completion(raw_request: Request) -> Response:
+        request = parse_request(ChatCompletionRequest, await read_json_object(raw_request))
+        ids = tokenization.tokenize(TokenizeRequest(messages=request.messages))["tokens"]
+        return JSONResponse({"token_ids": ids})
+
     @app.post("/tokenize")
     async def tokenize(raw_request: Request) -> Response:
         request = parse_request(TokenizeRequest, await read_json_object(raw_request))

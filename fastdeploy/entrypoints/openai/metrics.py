@@ -96,6 +96,13 @@ ENGINE_METRICS = (
      "Finished prefill requests whose pages wait for a decode server's read.", None),
     ("kv_transfer_loading_requests", "kv_transfer_loading_requests", "gauge",
      "Decode requests whose prompt KV is being read.", None),
+    # KV-cache events (only with --kv-events-config): what KV-aware routers were told.
+    ("kv_events_published_total", "kv_events_published_total", "counter",
+     "KV-cache events (BlockStored / BlockRemoved / AllBlocksCleared) published.", None),
+    ("kv_events_batches_dropped_total", "kv_events_batches_dropped_total", "counter",
+     "Event batches dropped because the publisher's queue was full (consumers see a gap).", None),
+    ("kv_events_valid_hit_ends", "kv_events_valid_hit_ends", "gauge",
+     "Cached blocks at which a prefix hit is valid now (announced as stored).", None),
     # Speculative decoding (only with --speculative-config): upstream FastDeploy's names, plus vLLM's
     # num_drafts (verification steps) and the tokens a verification step yields on average.
     ("spec_decode_num_draft_tokens_total", "spec_decode_num_draft_tokens_total", "counter",
