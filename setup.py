@@ -40,7 +40,8 @@ setup(
         "pydantic>=2",
         "tqdm",
         "prometheus_client",
-        "pyzmq",  # engine <-> tensor-parallel worker messages
+        "pyzmq",  # engine <-> tensor-parallel worker messages; KV-cache events (--kv-events-config)
+        "msgpack",  # KV-cache events' wire format (vLLM's KVEventBatch)
         "jinja2",  # the checkpoint's chat template (tokenizer_config.json / chat_template.jinja)
         "tokenizers",  # the checkpoint's tokenizer.json, and tokenizer.model converted to the same pipeline
         "sentencepiece",  # reads tokenizer.model (its protobuf comes with paddle)

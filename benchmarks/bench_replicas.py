@@ -103,6 +103,7 @@ async def run_workload(url: str, args, systems, sessions) -> dict:
             async with http.post(url + "/v1/completions", json=body) as resp:
                 if resp.status != 200:
                     results.append({"error": resp.status})
+                    log(f"  HTTP {resp.status}: {(await resp.text())[:300]}")
                     return
                 async for line in resp.content:
                     line = line.strip()
@@ -195,8 +196,10 @@ def events_check(urls: list, mirror: EventMirror, args, systems, sessions) -> di
             ids = httpx.post(url + "/v1/completions/render", json={"prompt": prompt}, timeout=60).json()[0]["token_ids"]
             hashes = chain_hashes(ids, args.block_size)[:(len(ids) - 1) // args.block_size]
             promised = max((i + 1 for i, h in enumerate(hashes) if h in mirror.stored[r]), default=0)
-            resp = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=300).json()
-            served = (resp["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            resp = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=300)
+            if resp.status_code != 200:
+                raise SystemExit(f"events check: replica {r} answered {resp.status_code}: {resp.text[:300]}")
+            served = (resp.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             checked += 1
             if served != promised * args.block_size:
                 disagreements += 1
@@ -281,6 +284,7 @@ def main(argv=None) -> int:
         runs.append((1, args.kv_cache_memory * args.replicas, None))
     rows = []
     out_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_replicas_{os.getpid()}"
+    out_dir.mkdir(parents=True, exist_ok=True)
     for head_wise in args.head_wise:
         for replicas, memory, policy in runs:
             log(f"== FD_HEAD_WISE_KV_CACHE={head_wise} {policy or 'one replica'} x{replicas}, {memory >> 20} MiB each")

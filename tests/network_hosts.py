@@ -58,6 +58,17 @@ class NamespacesRefused(OSError):
     pass
 
 
+def hosts_or_skip(*names: str):
+    """For a module-scoped fixture (`yield from hosts_or_skip("a", "b")`): the hosts, or a skip saying why."""
+    import pytest
+
+    try:
+        with network_hosts(*names) as hosts:
+            yield hosts
+    except NamespacesRefused as e:
+        pytest.skip(str(e))
+
+
 def _remove(made: list) -> None:
     for kind, name in reversed(made):
         subprocess.run(["ip", kind, "del", name], capture_output=True)  # a namespace takes its veth end along

@@ -13,10 +13,11 @@ computes the last prompt token itself, as vLLM's does, and samples the first out
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Optional, Union
+
+from fastdeploy.json_flag import json_object
 
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")
 CONNECTORS = ("NixlConnector",)
@@ -62,12 +63,7 @@ class KVTransferConfig:
             if splitwise_role == "mixed":
                 return None
             text = {}
-        try:
-            spec = json.loads(text) if isinstance(text, str) else dict(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from None
-        if not isinstance(spec, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
+        spec = dict(json_object(text, "--kv-transfer-config", "of vLLM's KVTransferConfig fields"))
         extra = spec.pop("kv_connector_extra_config", None) or {}
         if not isinstance(extra, dict):
             raise ValueError("--kv-transfer-config: kv_connector_extra_config must be a JSON object")

@@ -14,13 +14,14 @@ A thread of its own sends and answers replays, so a slow consumer never stalls a
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
 from typing import Optional, Union
+
+from fastdeploy.json_flag import json_object
 
 logger = logging.getLogger("fastdeploy.engine.kv_events")
 
@@ -43,12 +44,7 @@ class KVEventsConfig:
         """None when events are off; ValueError naming the bad field otherwise."""
         if text is None:
             return None
-        try:
-            spec = json.loads(text) if isinstance(text, str) else dict(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--kv-events-config is not valid JSON: {e}") from None
-        if not isinstance(spec, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
+        spec = dict(json_object(text, "--kv-events-config", "of vLLM's KVEventsConfig fields"))
         unknown = sorted(set(spec) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(f"--kv-events-config: unknown field(s) {', '.join(unknown)} (known: "

@@ -10,18 +10,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from network_hosts import NamespacesRefused, network_hosts
+from network_hosts import hosts_or_skip
 
 pytest.importorskip("nixl_cu12", reason="KV transfer needs NIXL: pip install --no-deps nixl-cu12==1.5.1")
 
 
 @pytest.fixture(scope="module")
 def two_hosts():
-    try:
-        with network_hosts("prefill", "decode") as hosts:
-            yield hosts
-    except NamespacesRefused as e:
-        pytest.skip(str(e))
+    yield from hosts_or_skip("prefill", "decode")
 
 
 def test_kv_crosses_a_network_link_between_two_hosts(two_hosts, server_factory, router_factory):

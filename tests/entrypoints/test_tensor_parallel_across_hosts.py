@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from network_hosts import NamespacesRefused, ip, network_hosts
+from network_hosts import hosts_or_skip, ip
 
 REPO = Path(__file__).resolve().parents[2]
 HEARTBEAT_TIMEOUT_S = 3
@@ -25,11 +25,7 @@ PROMPTS = ("Tensor parallel ranks on two hosts", "The sliding window keeps the s
 
 @pytest.fixture(scope="module")
 def two_hosts():
-    try:
-        with network_hosts("engine", "second") as hosts:
-            yield hosts
-    except NamespacesRefused as e:
-        pytest.skip(str(e))
+    yield from hosts_or_skip("engine", "second")
 
 
 @pytest.fixture(scope="module")
