@@ -80,7 +80,7 @@ class HitEndEvents:
         self.cache = prefix_cache
         self.block_size = prefix_cache.block_size
         self._version = None
-        self._digests: dict = {}   # node -> its chained digest (nodes still in the trie)
+        self._digests: dict = {}   # node -> its chained digest (pruned of detached nodes now and then)
         self.stored: dict = {}     # node -> event hash of every block announced stored and not removed
         self._anchors: set = set()  # event hashes ever announced (a parent a consumer knows)
         self._none = none_hash()
@@ -125,38 +125,38 @@ class HitEndEvents:
         gone = [self.stored.pop(n) for n in list(self.stored) if n not in now_set]
         if gone:
             events.append(block_removed(gone))
-        digests: dict = {}
         for node in now:
             if node in self.stored:
                 continue
             # the node, then its ancestors no consumer has heard of, deepest first
             chain, a = [node], node.parent
-            while a is not self.cache.root and self._event_hash(a, digests) not in self._anchors:
+            while a is not self.cache.root and self._event_hash(a) not in self._anchors:
                 chain.append(a)
                 a = a.parent
-            parent = None if a is self.cache.root else self._event_hash(a, digests)
+            parent = None if a is self.cache.root else self._event_hash(a)
             for b in reversed(chain):
-                h = self._event_hash(b, digests)
+                h = self._event_hash(b)
                 events.append(block_stored([h], parent, list(b.key), self.block_size))
                 self._anchors.add(h)
                 parent = h
             # ancestors are earlier in `now` (by depth): an unannounced one is not a valid end
-            anchors_only = [self._event_hash(b, digests) for b in chain if b is not node]
-            if anchors_only:
-                events.append(block_removed(anchors_only))
-            self.stored[node] = self._event_hash(node, digests)
-        self._digests = {n: d for n, d in {**self._digests, **digests}.items() if not n.detached}
+            if len(chain) > 1:
+                events.append(block_removed([self._event_hash(b) for b in chain[1:]]))
+            self.stored[node] = self._event_hash(node)
+        if len(self._digests) > 2 * self.cache.num_nodes + 1024:  # forget nodes that left the trie, now and then
+            self._digests = {n: d for n, d in self._digests.items() if not n.detached}
         return events
 
-    def _event_hash(self, node, digests: dict) -> int:
-        return external_hash(self._digest(node, digests))
+    def _event_hash(self, node) -> int:
+        return external_hash(self._digest(node))
 
-    def _digest(self, node, digests: dict) -> bytes:
-        unknown = []  # the node and its ancestors not hashed yet, deepest first
-        while node is not self.cache.root and (digests.get(node) or self._digests.get(node)) is None:
+    def _digest(self, node) -> bytes:
+        """The node's chained digest, hashing (once) whichever of its ancestors were not hashed yet."""
+        unknown = []  # deepest first
+        while node is not self.cache.root and node not in self._digests:
             unknown.append(node)
             node = node.parent
-        d = self._none if node is self.cache.root else digests.get(node) or self._digests[node]
+        d = self._none if node is self.cache.root else self._digests[node]
         for n in reversed(unknown):
-            d = digests[n] = block_hash(d, n.key)
+            d = self._digests[n] = block_hash(d, n.key)
         return d

@@ -335,6 +335,24 @@ def test_an_idle_engines_metrics_count_a_request_that_ran_in_one_step(server, cl
     assert snapshot["fastdeploy:prompt_tokens_total"] - before == out.usage.prompt_tokens == 5
 
 
+def test_render_gives_the_ids_the_request_runs_on(server, model):
+    """vLLM's render routes (what vllm-router's kv_aware matches against KV-cache events): the ids a completion
+    or chat body becomes are exactly the prompt the engine then runs (its usage counts them)."""
+    chat = {"model": model, "messages": [{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": "Name a colour."}]}
+    rendered = server.http.post("/v1/chat/completions/render", json=chat).json()["token_ids"]
+    ran = server.http.post("/v1/chat/completions", json={**chat, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+    assert len(rendered) == ran and rendered == server.http.post("/tokenize", json=chat).json()["tokens"]
+    many = server.http.post("/v1/completions/render", json={"model": model, "prompt": ["one prompt", "and another"]})
+    assert [len(r["token_ids"]) for r in many.json()] == [
+        server.http.post("/v1/completions", json={"prompt": p, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+        for p in ("one prompt", "and another")]
+    ids = server.http.post("/v1/completions/render", json={"prompt": [5, 6, 7]}).json()
+    assert ids == [{"token_ids": [5, 6, 7]}]
+    bad = server.http.post("/v1/completions/render", json={"prompt": 5})
+    assert bad.status_code == 400 and bad.json()["error"]["message"]
+
+
 def test_metrics_port_serves_metrics_but_not_the_api(server):
     snapshot = server.metrics(port=server.metrics_port)
     assert "fastdeploy:kv_pages_total" in snapshot

@@ -154,11 +154,25 @@ def test_a_late_subscriber_rebuilds_the_replicas_hit_ends_from_the_replay_socket
     assert last <= {seq for seq, _ in batches}  # the live stream and the replay agree on numbering
 
 
-def test_a_replica_that_dies_leaves_the_others_serving(fleet):
+def test_a_replica_that_dies_ends_its_requests_and_leaves_the_others_serving(fleet):
+    """Requests in flight on the replica that dies end (retried elsewhere, or an error), none hangs; new ones
+    are served by the others."""
+    from concurrent.futures import ThreadPoolExecutor
+
     replicas, router = fleet
     dead = replicas[2]
-    os.killpg(dead.proc.pid, signal.SIGKILL)
-    dead.proc.wait()
+    body = {"max_tokens": 600, "ignore_eos": True, "temperature": 0}
+    with ThreadPoolExecutor(3) as pool:
+        flights = [pool.submit(router.http.post, "/v1/completions", json={**body, "prompt": prompt_of(40 + i, 0)})
+                   for i in range(3)]
+        deadline = time.monotonic() + 60
+        while dead.metrics()["fastdeploy:num_requests_running"] == 0:  # the load spreads them over the replicas
+            assert time.monotonic() < deadline, "no request reached the third replica"
+            time.sleep(0.05)
+        os.killpg(dead.proc.pid, signal.SIGKILL)
+        dead.proc.wait()
+        ended = [f.result(timeout=120) for f in flights]  # a request left hanging fails here
+    assert all(r.status_code == 200 or r.status_code >= 500 for r in ended), [r.status_code for r in ended]
     for session in range(6):
         resp = router.http.post("/v1/completions", json={"prompt": prompt_of(session, 3), "max_tokens": 3})
         assert resp.status_code == 200, resp.text

@@ -26,6 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.entrypoints.openai.server_process import ApiServerProcess, ServerStartError
 
 logger = logging.getLogger("fastdeploy.entrypoints.multi_api_server")
@@ -120,7 +121,7 @@ class Fleet:
         cmd = [binary, "--host", opts.host, "--port", str(opts.router_port), "--worker-urls", *urls,
                "--policy", opts.policy]
         if opts.policy == "kv_aware":
-            cmd += ["--kv-event-block-size", _option(opts.args, "--block-size", "64"),
+            cmd += ["--kv-event-block-size", _option(opts.args, "--block-size", str(EngineArgs.block_size)),
                     "--kv-event-model", _option(opts.args, "--served-model-name", _option(opts.args, "--model", "default"))]
             for url, port in zip(urls, self.events):
                 cmd += ["--kv-event-source", f"{url}=tcp://{_reachable(opts.host)}:{port}",
