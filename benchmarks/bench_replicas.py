@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--policies", nargs="+", default=["kv_aware", "cache_aware", "round_robin"])
     p.add_argument("--head-wise", nargs="+", default=["0", "1"], help="FD_HEAD_WISE_KV_CACHE values to run")
+    p.add_argument("--stored-blocks", nargs="+", default=["hit_paths"], choices=("hit_ends", "hit_paths"),
+                   help="what the replicas' events announce with the flag on (kv_aware runs once per value)")
     p.add_argument("--no-ceiling", action="store_true", help="skip the one-replica run with the fleet's memory")
     p.add_argument("--sessions", type=int, default=48)
     p.add_argument("--turns", type=int, default=4)
@@ -223,15 +225,15 @@ def wait_events_settled(url: str) -> None:
 
 
 # -- runs ------------------------------------------------------------------------------------------------------
-def start_fleet(args, replicas: int, kv_memory: int, policy, head_wise: str, log_dir: Path):
-    from fastdeploy.entrypoints.openai.server_process import free_port
+def start_fleet(args, replicas: int, kv_memory: int, policy, head_wise: str, log_dir: Path, stored_blocks: str):
+    from fastdeploy.entrypoints.openai.server_process import free_port, free_port_pair
 
     ports = [free_port() for _ in range(replicas)]
-    events = [free_port() for _ in range(replicas)]
+    events = [free_port_pair() for _ in range(replicas)]  # each replica's replay socket is E + 1
     router = free_port() if policy else None
     cmd = [sys.executable, "-m", "fastdeploy.entrypoints.openai.multi_api_server", "--num-servers", str(replicas),
            "--ports", ",".join(map(str, ports)), "--log-dir", str(log_dir), "--kv-events-ports",
-           ",".join(map(str, events))]
+           ",".join(map(str, events)), "--kv-events-stored-blocks", stored_blocks]
     if router:
         cmd += ["--router-port", str(router), "--policy", policy]
     cmd += ["--args", "--model", args.model, "--kv-cache-memory", str(kv_memory), "--block-size", str(args.block_size),
@@ -256,13 +258,14 @@ def start_fleet(args, replicas: int, kv_memory: int, policy, head_wise: str, log
     return proc, url, [f"http://127.0.0.1:{p}" for p in ports], [f"tcp://127.0.0.1:{e}" for e in events]
 
 
-def run_one(args, systems, sessions, replicas, kv_memory, policy, head_wise, log_dir) -> dict:
-    proc, url, urls, events = start_fleet(args, replicas, kv_memory, policy, head_wise, log_dir)
+def run_one(args, systems, sessions, replicas, kv_memory, policy, head_wise, log_dir, stored_blocks) -> dict:
+    proc, url, urls, events = start_fleet(args, replicas, kv_memory, policy, head_wise, log_dir, stored_blocks)
     mirror = EventMirror(events) if policy == "kv_aware" else None
     try:
         time.sleep(0.5)  # subscriptions reach the publishers
         row = {"model": args.model, "head_wise": int(head_wise), "replicas": replicas,
                "policy": policy or "one replica", "kv_cache_memory_per_replica": kv_memory,
+               **({"stored_blocks": stored_blocks} if policy == "kv_aware" else {}),
                **asyncio.run(run_workload(url, args, systems, sessions))}
         if mirror is not None:
             for u in urls:
@@ -287,11 +290,16 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     for head_wise in args.head_wise:
         for replicas, memory, policy in runs:
-            log(f"== FD_HEAD_WISE_KV_CACHE={head_wise} {policy or 'one replica'} x{replicas}, {memory >> 20} MiB each")
-            row = run_one(args, systems, sessions, replicas, memory, policy, head_wise,
-                          out_dir / f"{head_wise}_{policy or 'ceiling'}")
-            rows.append(row)
-            log(json.dumps(row))
+            # With the flag off every valid end's ancestors are valid ends: the two announcements agree.
+            modes = args.stored_blocks if policy == "kv_aware" and head_wise != "0" else args.stored_blocks[:1]
+            for stored_blocks in modes:
+                what = f" ({stored_blocks})" if policy == "kv_aware" else ""
+                log(f"== FD_HEAD_WISE_KV_CACHE={head_wise} {policy or 'one replica'}{what} x{replicas}, "
+                    f"{memory >> 20} MiB each")
+                row = run_one(args, systems, sessions, replicas, memory, policy, head_wise,
+                              out_dir / f"{head_wise}_{policy or 'ceiling'}_{stored_blocks}", stored_blocks)
+                rows.append(row)
+                log(json.dumps(row))
     for row in rows:
         base = next((r for r in rows if r["head_wise"] == row["head_wise"] and r["policy"] == "round_robin"), None)
         ceiling = next((r for r in rows if r["head_wise"] == row["head_wise"] and r["policy"] == "one replica"), None)

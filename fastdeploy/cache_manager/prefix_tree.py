@@ -23,7 +23,11 @@ blocks first on ties so a chain is eaten from its tail):
   0. *stale SWA pages*: a recycling head's page of a non-sink block that no *anchor* below it can
      see. Anchors are the nodes where hits are likely to end: leaves (a repeated prompt or the next
      turn of a chat extends a leaf) and branch points (where requests sharing a system prompt
-     diverge). A SWA page outside the window of every anchor of its subtree serves only hits ending
+     diverge). A node stays a branch point while it is cached once a second child has been created
+     under it, whether or not the first is still there: when one conversation at a time uses a
+     system prompt, the last one's tail is often evicted before the next arrives, and the next
+     ones resume there.
+     A SWA page outside the window of every anchor of its subtree serves only hits ending
      at an unremarkable block in the middle of a chain. This class is what lets recycling keep
      saving memory when prefixes are cached: the out-of-window SWA pages of a request are
      reclaimable while its full-head pages are still in use (the vLLM #48435 problem). The SWA
@@ -63,18 +67,23 @@ STALE_SWA, WHOLE_LEAF, OTHER = 0, 1, 2  # eviction classes, cheapest first
 class BlockNode:
     """One cached full block: its pages per slot and the bookkeeping the eviction policy needs."""
 
-    __slots__ = ("parent", "key", "depth", "children", "pages", "num_referenced", "protects", "anchor")
+    __slots__ = ("parent", "key", "depth", "children", "pages", "gaps", "num_referenced", "protects", "anchor",
+                 "children_created")
 
     def __init__(self, parent: Optional["BlockNode"], key: Optional[tuple], depth: int, num_slots: int,
-                 num_types: int = 1):
+                 num_types: int = 1, column_sizes: tuple = ()):
         self.parent = parent
         self.key = key
         self.depth = depth            # block index; the root is -1
         self.children: dict = {}
         self.pages = [-1] * num_slots
+        # Tombstones per column (0: slots that attend fully, 1 + k: recycling type k's slots), so a
+        # lookup asks "does every full head hold this block" in O(1), not O(slots).
+        self.gaps = list(column_sizes)
         self.num_referenced = 0       # pages (slots) of this block referenced by some request
         self.protects = [0] * num_types  # per recycling sliding type: anchors whose window covers this block
         self.anchor = False
+        self.children_created = 0     # two or more: requests diverged here (a branch point for good)
 
     @property
     def protect(self) -> int:
@@ -113,6 +122,8 @@ class PrefixCache:
         self.block_size = layout.block_size
         self.type_sink_blocks = layout.sink_blocks_per_type
         self.num_types = max(1, len(self.types))
+        self.column_of_slot = [0 if k is None else 1 + k for k in self.type_of_slot]
+        self.column_sizes = (len(self.full_slots),) + tuple(len(slots) for slots in self.type_slots)
         self.root = BlockNode(None, None, -1, self.num_slots, self.num_types)
         ranks = len(pools)
         self.where = [dict() for _ in range(ranks)]      # page -> (node, slot)
@@ -123,6 +134,9 @@ class PrefixCache:
         self.num_nodes = 0
         self.evictions_total = 0
         self.version = 0  # bumped whenever a lookup could answer differently
+        # Nodes whose pages or place in the trie changed since a watcher (kv_events) took them; None while
+        # nobody watches.
+        self.changed: Optional[set] = None
         self.clock = 0
         for pool in pools:
             pool.holders = {}
@@ -130,10 +144,10 @@ class PrefixCache:
     # -- lookup and hits -----------------------------------------------------------------------
     def match(self, block_keys: Iterable[tuple]) -> list:
         """The longest valid cached path for these consecutive block keys (validity: module docstring)."""
-        node, path, full = self.root, [], self.full_slots
+        node, path = self.root, []
         for key in block_keys:
             node = node.children.get(key)
-            if node is None or any(node.pages[s] < 0 for s in full):
+            if node is None or node.gaps[0]:
                 break
             path.append(node)
         return path[:self.valid_depth(path)]
@@ -144,19 +158,18 @@ class PrefixCache:
         n = len(path)
         if not self.rec_slots or not n:
             return n
-        for k, slots in enumerate(self.type_slots):
+        for k in range(len(self.types)):
             for i in range(min(self.type_sink_blocks[k], n)):
-                if not all(path[i].pages[s] >= 0 for s in slots):
+                if path[i].gaps[1 + k]:
                     n = i  # a sink block every later query sees is gone
                     break
         while n > 0:
             # For each type the last block of its window span that is missing; a hit longer than the
             # latest of them can still see it (a type's window start only moves up with n).
             missing = None
-            for k, slots in enumerate(self.type_slots):
+            for k in range(len(self.types)):
                 lo = self.dead_end(n, k)
-                gone = next((i for i in range(n - 1, lo - 1, -1) if not all(path[i].pages[s] >= 0 for s in slots)),
-                            None)
+                gone = next((i for i in range(n - 1, lo - 1, -1) if path[i].gaps[1 + k]), None)
                 if gone is not None and (missing is None or gone > missing):
                     missing = gone
             if missing is None:
@@ -206,7 +219,7 @@ class PrefixCache:
         node = parent.children.get(key)
         created = node is None
         if created:
-            node = BlockNode(parent, key, parent.depth + 1, self.num_slots, self.num_types)
+            node = BlockNode(parent, key, parent.depth + 1, self.num_slots, self.num_types, self.column_sizes)
         adopted, was_unreferenced = False, node.num_referenced == 0
         for s, p in enumerate(pages):
             if p < 0 or node.pages[s] >= 0:
@@ -219,12 +232,14 @@ class PrefixCache:
             pool.holders[p] = {owner}
             self.where[rank][p] = (node, s)
             node.pages[s] = p
+            node.gaps[self.column_of_slot[s]] -= 1
             node.num_referenced += 1
             adopted = True
         if created:
             if not adopted:
                 return None  # nothing to cache (every head of the block already recycled)
             parent.children[key] = node
+            parent.children_created += 1
             self.num_nodes += 1
             self._children_changed(parent)
             self._update_anchor(node)
@@ -232,6 +247,8 @@ class PrefixCache:
             self._repush(node)  # its other pages are no longer part of a whole unreferenced leaf
         if adopted:
             self.version += 1
+            if self.changed is not None:
+                self.changed.add(node)
         return node
 
     # -- release and eviction ------------------------------------------------------------------
@@ -344,17 +361,22 @@ class PrefixCache:
     def _evict_page(self, rank: int, page: int, node: BlockNode, slot: int) -> None:
         pool = self.pools[rank]
         node.pages[slot] = -1
+        node.gaps[self.column_of_slot[slot]] += 1
         del self.where[rank][page], self.tick_of[rank][page], pool.holders[page]
         self._count_evictable(rank, page, -1)
         pool.release([page])
         self.evictions_total += 1
         self.version += 1
+        if self.changed is not None:
+            self.changed.add(node)
         while node is not self.root and not node.children and all(p < 0 for p in node.pages):
             parent = node.parent
             self._remove_leaf(node)
             node = parent
 
     def _remove_leaf(self, node: BlockNode) -> None:
+        if self.changed is not None:
+            self.changed.add(node)
         node.children = {}
         self._update_anchor(node, force_off=True)
         parent = node.parent
@@ -374,7 +396,7 @@ class PrefixCache:
         """Keep `protects[k]` = number of anchors whose window of recycling type k covers each block."""
         if not self.rec_slots:
             return
-        want = not force_off and len(node.children) != 1  # a leaf or a branch point
+        want = not force_off and (len(node.children) != 1 or node.children_created > 1)  # a leaf or a branch point
         if want == node.anchor:
             return
         node.anchor = want
@@ -409,6 +431,11 @@ class PrefixCache:
         for node in nodes:
             if not node.children and all(p < 0 for p in node.pages):
                 raise AssertionError(f"{node!r}: an all-tombstone leaf was not removed")
+            gaps = [0] * len(self.column_sizes)
+            for s, p in enumerate(node.pages):
+                gaps[self.column_of_slot[s]] += p < 0
+            if gaps != node.gaps:
+                raise AssertionError(f"{node!r}: tombstones per column {gaps}, counters say {node.gaps}")
             referenced = 0
             for s, p in enumerate(node.pages):
                 if p < 0:
@@ -427,7 +454,7 @@ class PrefixCache:
             if referenced != node.num_referenced:
                 raise AssertionError(f"{node!r}: {referenced} referenced pages, counter says {node.num_referenced}")
             if self.rec_slots:
-                anchor = len(node.children) != 1
+                anchor = len(node.children) != 1 or node.children_created > 1
                 if anchor != node.anchor:
                     raise AssertionError(f"{node!r}: anchor flag {node.anchor}, expected {anchor}")
                 if anchor:

@@ -57,7 +57,8 @@ class LLMEngine:
             from fastdeploy.cache_manager.kv_events import HitEndEvents
             from fastdeploy.engine.kv_events_publisher import make_publisher
 
-            self.kv_events = HitEndEvents(self.scheduler.kv_cache_manager.pages.prefix_cache)
+            self.kv_events = HitEndEvents(self.scheduler.kv_cache_manager.pages.prefix_cache,
+                                          fd_config.kv_events_config.stored_blocks)
             self.kv_event_publisher = make_publisher(fd_config.kv_events_config)
         for level, message in fd_config.startup_log(self.scheduler.cache_manager.num_total_pages):
             logger.log(level, message)
@@ -301,7 +302,7 @@ class LLMEngine:
         if self.kv_events is not None:
             stats.update(kv_events_published_total=self.kv_event_publisher.events_published_total,
                          kv_events_batches_dropped_total=self.kv_event_publisher.batches_dropped_total,
-                         kv_events_valid_hit_ends=len(self.kv_events.stored))
+                         kv_events_stored_blocks=len(self.kv_events.stored))
         stats.update(kv_pages_total_per_rank=[self.scheduler.pages_per_rank] * tp,
                      kv_pages_free_per_rank=self.scheduler.cache_manager.free_pages_per_rank(),
                      tp_worker_pids=self.runner.worker_pids)

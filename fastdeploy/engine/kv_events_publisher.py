@@ -38,6 +38,10 @@ class KVEventsConfig:
     hwm: int = 100_000              # the PUB socket's send high-water mark
     max_queue_size: int = 100_000   # batches waiting for the sender thread (more are dropped and counted)
     topic: str = ""
+    # This engine's own field: what a BlockStored announces with sliding heads (cache_manager/kv_events.py):
+    # "hit_ends", a block a hit may end at; "hit_paths", a block on the way to one (what a router that
+    # credits the run of stored blocks from a prompt's first block can use).
+    stored_blocks: str = "hit_paths"
 
     @classmethod
     def parse(cls, text: Union[None, str, dict]) -> Optional["KVEventsConfig"]:
@@ -57,10 +61,15 @@ class KVEventsConfig:
                 raise ValueError(f"--kv-events-config: {name} must be a positive integer")
         if spec.get("replay_endpoint") is not None and not isinstance(spec["replay_endpoint"], str):
             raise ValueError("--kv-events-config: replay_endpoint must be a string")
-        for name in ("publisher", "endpoint", "topic"):
+        for name in ("publisher", "endpoint", "topic", "stored_blocks"):
             if name in spec and not isinstance(spec[name], str):
                 raise ValueError(f"--kv-events-config: {name} must be a string")
         config = cls(**spec)
+        from fastdeploy.cache_manager.kv_events import STORED_BLOCKS
+
+        if config.stored_blocks not in STORED_BLOCKS:
+            raise ValueError(f"--kv-events-config: stored_blocks {config.stored_blocks!r} is not one of "
+                             f"{', '.join(STORED_BLOCKS)}")
         if not config.enable_kv_cache_events:
             return None
         if config.publisher not in ("zmq", "null"):

@@ -46,27 +46,31 @@ class Consumer:
         return out
 
 
-def hit_ends_by_lookup(cache) -> set:
-    """The event hash of every cached block at which the engine's own lookup serves a hit ending there."""
+def hit_ends_by_lookup(cache, paths: bool = False) -> set:
+    """The event hash of every cached block at which the engine's own lookup serves a hit ending there
+    (`paths`: and of every block on the way to one)."""
     ends, stack = set(), [(child, []) for child in cache.root.children.values()]
     while stack:
         node, keys = stack.pop()
         keys = keys + [node.key]
         if len(cache.match(keys)) == len(keys):
-            ends.add(chain_hashes([t for k in keys for t in k], BS)[-1])
+            hashes = chain_hashes([t for k in keys for t in k], BS)
+            ends.update(hashes if paths else hashes[-1:])
         stack += [(child, keys) for child in node.children.values()]
     return ends
 
 
+@pytest.mark.parametrize("stored_blocks", ["hit_ends", "hit_paths"])
 @pytest.mark.parametrize("mode", ["head_wise_recycle_on", "head_wise_recycle_off", "1d"])
-def test_replayed_events_are_exactly_the_blocks_a_hit_may_end_at(make_config, mode):
+def test_replayed_events_are_exactly_the_blocks_a_hit_may_end_at_or_pass(make_config, mode, stored_blocks):
     rm = ResourceManagerV1(make_config(mode, block_size=BS, max_num_batched_tokens=32, head_wise_swa_config=SWA,
                                        num_gpu_blocks_override=40))
     cache = rm.kv_cache_manager.pages.prefix_cache
-    events, consumer = HitEndEvents(cache), Consumer()
+    events, consumer = HitEndEvents(cache, stored_blocks), Consumer()
+    paths = stored_blocks == "hit_paths"
     system = [3 + (i * 5) % 97 for i in range(37)]
     history = {s: [] for s in range(8)}
-    checked = removed = 0
+    checked = removed = wider = 0
     for turn in range(4):
         for s in history:
             history[s] += [100 + s * 10 + turn] * (3 + s)
@@ -78,10 +82,44 @@ def test_replayed_events_are_exactly_the_blocks_a_hit_may_end_at(make_config, mo
             batch_events = events.collect()
             removed += sum(len(e["block_hashes"]) for e in batch_events if e["type"] == "BlockRemoved")
             consumer.apply(batch_events)
-            assert consumer.stored == hit_ends_by_lookup(cache), (turn, checked)
+            assert consumer.stored == hit_ends_by_lookup(cache, paths), (turn, checked)
+            wider += consumer.stored != hit_ends_by_lookup(cache)
             checked += 1
         for s in history:
             history[s] += [9] * 10
     assert checked > 30 and removed > 0  # the cache overflowed: hit ends were withdrawn
+    # Only recycling makes valid ends other than a run from the first block, where the two modes differ.
+    assert (wider > 0) == (paths and mode == "head_wise_recycle_on")
     for h in consumer.stored:  # what the consumer reads is vLLM's chain hash of the tokens it rebuilt
         assert chain_hashes(consumer.tokens(h), BS)[-1] == h
+
+
+def test_a_step_that_changes_one_block_judges_only_what_lies_below_it(make_config):
+    """Validity is re-judged under the changed nodes only, so a step's cost does not grow with the cache."""
+    from fastdeploy.cache_manager.prefix_cache_manager import PrefixCacheManager
+
+    cm = PrefixCacheManager(make_config("head_wise_recycle_on", block_size=BS, head_wise_swa_config=SWA,
+                                        num_gpu_blocks_override=64, enable_prefix_caching=True))
+    events = HitEndEvents(cm.prefix_cache)
+
+    def write(rid, keys):
+        rows, parent = cm.allocate(len(keys), rid), cm.prefix_root
+        for i, key in enumerate(keys):
+            parent = cm.register_block(parent, key, [row[i] for row in rows], rid)
+        return parent
+
+    chains = [[(s, i) * (BS // 2) for i in range(5)] for s in range(8)]
+    for s, keys in enumerate(chains):
+        write(f"c{s}", keys)
+    first = events.collect()
+    assert sum(1 for e in first if e["type"] == "BlockStored") == 40
+    judged = []
+    judge = events._judge
+    events._judge = lambda tops, state: judged.append(judge(tops, state)[1]) or judge(tops, state)
+    leaf = write("x", chains[3] + [(99,) * BS])
+    batch = events.collect()
+    assert judged == [{leaf}]
+    assert [e["type"] for e in batch] == ["BlockStored"] and leaf in events.stored
+    assert events.collect() == []  # nothing changed: nothing judged, nothing sent
+    assert judged == [{leaf}]
+    assert set(events.stored) == set(events.valid_ends())

@@ -263,7 +263,7 @@ def _nodes(cache):
     (lambda cm, page, node: cm._pools[0].holders[page].add("ghost"), "references"),
     (lambda cm, page, node: setattr(node, "num_referenced", node.num_referenced + 1), "referenced pages"),
     (lambda cm, page, node: setattr(node, "protect", node.protect + 1), "protect"),
-    (lambda cm, page, node: node.pages.__setitem__(1, -1), "referenced pages|reachable in the trie"),
+    (lambda cm, page, node: node.pages.__setitem__(1, -1), "tombstones per column|referenced pages|reachable in the trie"),
 ])
 def test_check_integrity_catches_broken_refcounts_anchors_and_tombstones(make_config, corrupt, message):
     rm = manager(make_config, "head_wise_recycle_on")

@@ -162,6 +162,38 @@ def test_stale_swa_pages_are_evicted_by_release_time_then_deepest_first(make_man
     assert len(cm.match_prefix(chain(8))) == 8
 
 
+
+def test_a_system_prompts_branch_point_keeps_its_window_after_the_older_conversation_left(make_manager):
+    """One conversation at a time on a system prompt (blocks 0..3): by the time the third arrives, the
+    first one's tail has been evicted, and the system prompt's end is no longer a branch point in the
+    trie today. It stays an anchor, so its SWA window is evicted after whole leaves, not first, and
+    the third conversation resumes at the system prompt's end instead of at its sink."""
+    cm = make_manager(blocks=12)
+    system = chain(4)
+    a = Writer(cm, "a", system + chain(3, seed=1))
+    a.compute(7)
+    a.recycle()
+    a.release()
+    b_keys = system + chain(3, seed=2)
+    b = Writer(cm, "b", b_keys, cm.match_prefix(b_keys))
+    assert b.done == 4
+    b.compute(3)
+    b.recycle()
+    b.release()
+
+    end_of_system = cm.prefix_root
+    for key in system:
+        end_of_system = end_of_system.children[key]
+    take_all_free_pages(cm)
+    held = 0
+    while len(end_of_system.children) > 1:  # pressure until a's tail has left the trie
+        cm.allocate_gpu_blocks_head_wise([1, 0, 0, 0], f"p{held}")
+        held += 1
+    cm.allocate_gpu_blocks_head_wise([2, 0, 0, 0], "more")  # and two pages more
+    cm.check_integrity()
+    assert end_of_system.anchor and swa_tombstones(cm, system) == [1]
+    assert len(cm.match_prefix(system + chain(3, seed=3))) == 4
+
 # -- the lazy eviction heap ----------------------------------------------------------------------
 def heap_bound(cache, rank=0):
     """The compaction threshold PrefixCache.evict() enforces."""

@@ -14,6 +14,9 @@ def test_vllms_fields_are_read_and_events_off_means_no_config():
                                               "buffer_steps": 100, "hwm": 1000, "max_queue_size": 10, "topic": "kv"}))
     assert (config.endpoint, config.replay_endpoint, config.buffer_steps, config.topic) == \
         ("tcp://*:5557", "tcp://*:5558", 100, "kv")
+    assert config.stored_blocks == "hit_paths"  # this engine's field; the default
+    assert KVEventsConfig.parse('{"enable_kv_cache_events": true, "stored_blocks": "hit_ends"}').stored_blocks == \
+        "hit_ends"
     assert KVEventsConfig.parse(None) is None
     assert KVEventsConfig.parse('{"enable_kv_cache_events": false}') is None
 
@@ -24,6 +27,7 @@ def test_vllms_fields_are_read_and_events_off_means_no_config():
     ('{"enable_kv_cache_events": true, "buffer_steps": 0}', "buffer_steps"),
     ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "kafka"),
     ('{"enable_kv_cache_events": true, "endpoint": "localhost:5557"}', "endpoint"),
+    ('{"enable_kv_cache_events": true, "stored_blocks": "all"}', "stored_blocks 'all' is not one of"),
     ('[1]', "JSON object"),
     ('{nope', "not valid JSON"),
 ])

@@ -141,7 +141,7 @@ def test_a_late_subscriber_rebuilds_the_replicas_hit_ends_from_the_replay_socket
                 stored.difference_update(e["block_hashes"])
             else:
                 stored.clear()
-    assert len(stored) == srv.metrics()["fastdeploy:kv_events_valid_hit_ends"]
+    assert len(stored) == srv.metrics()["fastdeploy:kv_events_stored_blocks"]
     ids = srv.http.post("/v1/completions/render", json={"prompt": prompt}).json()[0]["token_ids"]
     full = (len(ids) - 1) // BLOCK  # a hit never takes the block of the last prompt token
     assert full >= 3 and set(chain_hashes(ids, BLOCK)[:full]) <= stored  # vLLM's hashes of the rendered ids

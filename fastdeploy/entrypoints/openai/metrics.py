@@ -101,8 +101,8 @@ ENGINE_METRICS = (
      "KV-cache events (BlockStored / BlockRemoved / AllBlocksCleared) published.", None),
     ("kv_events_batches_dropped_total", "kv_events_batches_dropped_total", "counter",
      "Event batches dropped because the publisher's queue was full (consumers see a gap).", None),
-    ("kv_events_valid_hit_ends", "kv_events_valid_hit_ends", "gauge",
-     "Cached blocks at which a prefix hit is valid now (announced as stored).", None),
+    ("kv_events_stored_blocks", "kv_events_stored_blocks", "gauge",
+     "Blocks announced as stored now (a hit ends at or passes them: --kv-events-config stored_blocks).", None),
     # Speculative decoding (only with --speculative-config): upstream FastDeploy's names, plus vLLM's
     # num_drafts (verification steps) and the tokens a verification step yields on average.
     ("spec_decode_num_draft_tokens_total", "spec_decode_num_draft_tokens_total", "counter",

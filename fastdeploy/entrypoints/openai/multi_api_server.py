@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-ports", type=str, default=None,
                    help="comma-separated event port of each replica (its replay socket is PORT+1); default: "
                         "API port + 1000. Used with --policy kv_aware, or whenever given")
+    p.add_argument("--kv-events-stored-blocks", choices=("hit_ends", "hit_paths"), default="hit_paths",
+                   help="what a replica's BlockStored announces with sliding heads: a block a hit may end at, "
+                        "or a block on the way to one (docs/scaling.md)")
     p.add_argument("--log-dir", type=str, default="log/replicas", help="one server.log per replica, router.log")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a replica may take to start")
     p.add_argument("--args", nargs=argparse.REMAINDER, default=[],
@@ -99,7 +102,7 @@ class Fleet:
             if events is not None:
                 args += ["--kv-events-config", json.dumps({
                     "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events[i]}",
-                    "replay_endpoint": f"tcp://*:{events[i] + 1}"})]
+                    "replay_endpoint": f"tcp://*:{events[i] + 1}", "stored_blocks": opts.kv_events_stored_blocks})]
             self.replicas.append(ApiServerProcess(args, log_path=self.log_dir / f"server{i}.log", port=ports[i],
                                                   metrics_port=metrics[i], host=opts.host))
 

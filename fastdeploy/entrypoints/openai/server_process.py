@@ -46,6 +46,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A port P with P and P + 1 both free right now (an event socket and its replay socket)."""
+    for _ in range(100):
+        port = free_port(host)
+        if port < 65535:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no two consecutive free ports found")
+
+
 def settings_to_flags(settings: Mapping[str, object]) -> list[str]:
     """{"max_num_seqs": 8, "head_wise_swa_config": {...}} -> ["--max-num-seqs", "8", ...].
 
