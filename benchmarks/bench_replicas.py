@@ -235,7 +235,7 @@ def start_fleet(args, replicas: int, kv_memory: int, policy, head_wise: str, log
            "--ports", ",".join(map(str, ports)), "--log-dir", str(log_dir), "--kv-events-ports",
            ",".join(map(str, events)), "--kv-events-stored-blocks", stored_blocks]
     if router:
-        cmd += ["--router-port", str(router), "--policy", policy]
+        cmd += ["--router-port", str(router), "--router-metrics-port", str(free_port()), "--policy", policy]
     cmd += ["--args", "--model", args.model, "--kv-cache-memory", str(kv_memory), "--block-size", str(args.block_size),
             "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.concurrency),
             "--disable-uvicorn-access-log"]

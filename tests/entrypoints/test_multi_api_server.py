@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fastdeploy.entrypoints.openai.server_process import PACKAGE_ROOT, free_port
+from fastdeploy.entrypoints.openai.server_process import PACKAGE_ROOT, free_port, free_port_pair
 
 TINY = ["--block-size", "16", "--num-gpu-blocks-override", "64", "--max-num-seqs", "8", "--max-model-len", "1024"]
 
@@ -39,11 +39,12 @@ def test_replicas_behind_the_router_start_serve_survive_a_death_and_stop(tmp_pat
     if not (Path(sys.executable).parent / "vllm-router").exists():
         pytest.skip("vllm-router is not installed (pip install vllm-router==0.1.17)")
     ports, router_port = [free_port(), free_port()], free_port()
-    events = [free_port() for _ in range(2)]
+    events = [free_port_pair() for _ in range(2)]
     log = open(tmp_path / "launcher.log", "wb")
     launcher = subprocess.Popen(
         [sys.executable, "-m", "fastdeploy.entrypoints.openai.multi_api_server", "--num-servers", "2",
          "--ports", ",".join(map(str, ports)), "--router-port", str(router_port), "--policy", "kv_aware",
+         "--router-metrics-port", str(free_port()),
          "--kv-events-ports", ",".join(map(str, events)), "--log-dir", str(tmp_path / "log"), "--args", *TINY],
         cwd=PACKAGE_ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "FD_HEAD_WISE_KV_CACHE": "1"})
     router = f"http://127.0.0.1:{router_port}"

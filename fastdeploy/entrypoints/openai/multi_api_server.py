@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", type=str, default="127.0.0.1", help="address the replicas and the router listen on")
     p.add_argument("--router-port", type=int, default=None,
                    help="start vllm-router (pip install vllm-router==0.1.17) on this port in front of the replicas")
+    p.add_argument("--router-metrics-port", type=int, default=None,
+                   help="the router's Prometheus port (default: vllm-router's, 29000; set it to run two fleets "
+                        "on one host)")
     p.add_argument("--policy", choices=POLICIES, default="kv_aware", help="the router's load-balancing policy")
     p.add_argument("--kv-events-ports", type=str, default=None,
                    help="comma-separated event port of each replica (its replay socket is PORT+1); default: "
@@ -123,6 +126,8 @@ class Fleet:
         urls = [srv.base_url for srv in self.replicas]
         cmd = [binary, "--host", opts.host, "--port", str(opts.router_port), "--worker-urls", *urls,
                "--policy", opts.policy]
+        if opts.router_metrics_port is not None:
+            cmd += ["--prometheus-port", str(opts.router_metrics_port)]
         if opts.policy == "kv_aware":
             cmd += ["--kv-event-block-size", _option(opts.args, "--block-size", str(EngineArgs.block_size)),
                     "--kv-event-model", _option(opts.args, "--served-model-name", _option(opts.args, "--model", "default"))]
