@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from fastdeploy.json_flag import json_object
-from fastdeploy.model_executor.models.architectures import ACTIVATIONS, ERNIE4_5, Architecture, architecture
+from fastdeploy.model_executor.models.architectures import (ABOVE_MAX_WINDOW_LAYERS, ACTIVATIONS, ALL_LAYERS, ERNIE4_5,
+                                                           EVERY_NTH_GLOBAL, Architecture, architecture)
 from fastdeploy.model_executor.models.named_models import NAMED_MODELS
 from fastdeploy.model_executor.models.tiny_preset import PRESETS, TINY_PRESET_NAME, default_preset
 
@@ -396,7 +397,7 @@ class ModelConfig:
             max_model_len_given=given,
             arch=arch,
             hidden_act=hidden_act,
-            qkv_bias=bool(raw.get("attention_bias", False)),
+            qkv_bias=arch.qkv_bias if arch.qkv_bias is not None else bool(raw.get("attention_bias", False)),
             attn_scale_ratio=float(head_dim / raw["query_pre_attn_scalar"]) ** 0.5
             if raw.get("query_pre_attn_scalar") else 1.0,
             layer_sliding_window=layer_windows,
@@ -466,12 +467,23 @@ def _normalise_raw(arch: Architecture, raw: dict, where: str) -> dict:
 
 
 def _layer_sliding_windows(arch: Architecture, raw: dict) -> Optional[tuple]:
-    """Per layer: the window of a sliding layer, None for a global one (config `layer_types`, else Gemma 3's
-    every-Nth-layer-global pattern); None for an architecture without sliding layers."""
-    if arch.model_type != "gemma3_text":
-        return layer_sliding_windows(raw, int(raw["num_hidden_layers"]))
+    """Per layer: the window of a sliding layer, None for a global one (config `layer_types`, else the
+    architecture's own rule: Architecture.sliding_layers); None when no layer slides."""
     layers = raw["num_hidden_layers"]
     types = raw.get("layer_types")
+    if types is None and arch.sliding_layers == ALL_LAYERS:
+        types = ["sliding_attention" if raw.get("sliding_window") is not None else "full_attention"] * layers
+    if types is None and arch.sliding_layers == ABOVE_MAX_WINDOW_LAYERS:
+        first = raw.get("max_window_layers")
+        if raw.get("use_sliding_window") and (not _is_int(first) or first < 0):
+            raise ValueError(f"model config: max_window_layers must be an integer >= 0, got {first!r}")
+        types = ["sliding_attention" if raw.get("use_sliding_window") and i >= first else "full_attention"
+                 for i in range(layers)]
+    if arch.sliding_layers != EVERY_NTH_GLOBAL:
+        # transformers' Qwen2/3 slide only with use_sliding_window (it sets sliding_window to None otherwise)
+        if arch.sliding_layers == ABOVE_MAX_WINDOW_LAYERS and not raw.get("use_sliding_window"):
+            return None
+        return layer_sliding_windows(dict(raw, layer_types=types) if types is not None else raw, layers)
     if types is None:
         pattern = int(raw["sliding_window_pattern"])
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]

@@ -17,6 +17,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 INTERLEAVED, ROTATE_HALF = "interleaved", "rotate_half"
+# How a config.json without `layer_types` says which layers slide (`layer_types`, where present, wins):
+LAYER_SLIDING_WINDOW = "layer_sliding_window"  # this engine's per-layer list, or no layer slides
+EVERY_NTH_GLOBAL = "every_nth_global"          # Gemma 3: `sliding_window_pattern`, every Nth layer global
+ALL_LAYERS = "all_layers"                      # Mistral: `sliding_window` (when not null) on every layer
+ABOVE_MAX_WINDOW_LAYERS = "above_max_window_layers"  # Qwen2/3: with `use_sliding_window`, layers >= max_window_layers
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,8 @@ class Architecture:
     gguf_rope_layout: Optional[str] = None         # of llama.cpp's GGUF q/k rows (None: no GGUF)
     gguf_arch: Optional[str] = None
     moe: bool = False
+    qkv_bias: Optional[bool] = None  # q/k/v projections carry biases (None: the config's attention_bias says)
+    sliding_layers: str = LAYER_SLIDING_WINDOW
     config_aliases: dict = field(default_factory=dict)  # HF field name -> the name used here
 
 
@@ -57,6 +64,7 @@ LLAMA = Architecture(
 GEMMA3 = Architecture(
     "Gemma3ForCausalLM", "gemma3_text", activation="gelu_tanh", norm_offset=1.0, qk_norm=True, sandwich_norms=True,
     embed_scale=True, rope_layout=ROTATE_HALF, gguf_rope_layout=ROTATE_HALF, gguf_arch="gemma3",
+    sliding_layers=EVERY_NTH_GLOBAL,
     config_aliases={"hidden_activation": "hidden_act"},
     defaults=dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_act="gelu_pytorch_tanh",
@@ -65,7 +73,26 @@ GEMMA3 = Architecture(
                   sliding_window_pattern=6, final_logit_softcapping=None, attn_logit_softcapping=None,
                   pad_token_id=0, bos_token_id=2, eos_token_id=1))
 
-ARCHITECTURES = {a.name: a for a in (ERNIE4_5, ERNIE4_5_MOE, LLAMA, GEMMA3)}
+# Mistral / Ministral: Llama's layer with a sliding window on every layer.
+MISTRAL = Architecture(
+    "MistralForCausalLM", "mistral", rope_layout=ROTATE_HALF, sliding_layers=ALL_LAYERS,
+    defaults=dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=None, hidden_act="silu",
+                  max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
+                  sliding_window=4096, attention_bias=False, pad_token_id=None, bos_token_id=1, eos_token_id=2))
+_QWEN_DEFAULTS = dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, head_dim=None, hidden_act="silu",
+                      max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
+                      use_sliding_window=False, sliding_window=None, max_window_layers=28, attention_bias=False,
+                      pad_token_id=None, bos_token_id=None, eos_token_id=None)
+# Qwen2: biases on q, k and v always (its attention_bias field is not read by transformers either).
+QWEN2 = Architecture("Qwen2ForCausalLM", "qwen2", rope_layout=ROTATE_HALF, qkv_bias=True,
+                     sliding_layers=ABOVE_MAX_WINDOW_LAYERS, defaults=_QWEN_DEFAULTS)
+# Qwen3: no biases (unless attention_bias), an RMSNorm over head_dim on every q and k head.
+QWEN3 = Architecture("Qwen3ForCausalLM", "qwen3", rope_layout=ROTATE_HALF, qk_norm=True,
+                     sliding_layers=ABOVE_MAX_WINDOW_LAYERS, defaults=dict(_QWEN_DEFAULTS, head_dim=128))
+
+ARCHITECTURES = {a.name: a for a in (ERNIE4_5, ERNIE4_5_MOE, LLAMA, GEMMA3, MISTRAL, QWEN2, QWEN3)}
 ARCHITECTURES["Ernie4_5_ForCausalLM"] = ERNIE4_5  # the spelling upstream also uses for the dense model
 GGUF_ARCHITECTURES = {a.gguf_arch: a for a in ARCHITECTURES.values() if a.gguf_arch}
 # Activation names of config.json -> the decoder's.

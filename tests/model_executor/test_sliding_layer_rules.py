@@ -1,0 +1,42 @@
+"""Which layers slide, read from each family's own config.json fields as transformers reads them (the
+architecture's `sliding_layers` rule where `layer_types` is absent), and the families' bias rules."""
+
+import json
+
+import pytest
+
+from fastdeploy.model_config import ModelConfig
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=16, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+
+
+def model_config(tmp_path, architecture, **fields):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture], **SMALL, **fields}))
+    return ModelConfig.create(str(tmp_path), None, None)
+
+
+def test_mistrals_window_slides_every_layer_and_null_slides_none(tmp_path):
+    assert model_config(tmp_path, "MistralForCausalLM", sliding_window=64).layer_sliding_window == (64,) * 4
+    assert model_config(tmp_path, "MistralForCausalLM", sliding_window=None).layer_sliding_window is None
+
+
+@pytest.mark.parametrize("architecture", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_qwen_slides_from_max_window_layers_up_only_with_use_sliding_window(tmp_path, architecture):
+    on = dict(use_sliding_window=True, sliding_window=64, max_window_layers=2)
+    assert model_config(tmp_path, architecture, **on).layer_sliding_window == (None, None, 64, 64)
+    # transformers' own layer_types, where the config holds them, win
+    types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    assert model_config(tmp_path, architecture, **on, layer_types=types).layer_sliding_window == (64, None, 64, None)
+    # without use_sliding_window no layer slides, whatever layer_types says (transformers drops the window)
+    off = dict(on, use_sliding_window=False, layer_types=["sliding_attention"] * 4)
+    assert model_config(tmp_path, architecture, **off).layer_sliding_window is None
+    with pytest.raises(ValueError, match="max_window_layers must be an integer"):
+        model_config(tmp_path, architecture, **dict(on, max_window_layers="two"))
+
+
+def test_qwen2_always_has_qkv_biases_and_qwen3_only_with_attention_bias(tmp_path):
+    assert model_config(tmp_path, "Qwen2ForCausalLM", attention_bias=False).qkv_bias
+    assert not model_config(tmp_path, "Qwen3ForCausalLM").qkv_bias
+    assert model_config(tmp_path, "Qwen3ForCausalLM", attention_bias=True).qkv_bias
+    assert model_config(tmp_path, "Qwen3ForCausalLM").arch.qk_norm
