@@ -17,6 +17,8 @@ from typing import Any, Optional
 from fastdeploy.json_flag import json_object
 from fastdeploy.model_executor.models.architectures import (ABOVE_MAX_WINDOW_LAYERS, ACTIVATIONS, ALL_LAYERS, ERNIE4_5,
                                                            EVERY_NTH_GLOBAL, Architecture, architecture)
+from fastdeploy.model_executor.layers.rope_scaling import SUPPORTED as ROPE_SCALINGS
+from fastdeploy.model_executor.layers.rope_scaling import frequency_divisors
 from fastdeploy.model_executor.models.named_models import NAMED_MODELS
 from fastdeploy.model_executor.models.tiny_preset import PRESETS, TINY_PRESET_NAME, default_preset
 
@@ -294,6 +296,8 @@ class ModelConfig:
     # one; None for a model without. The model's own semantics: they apply in every memory mode.
     layer_sliding_window: Optional[tuple] = None
     layer_rope_theta: Optional[tuple] = None  # per layer, where layers differ (Gemma 3's local base)
+    # RoPE scaling as one divisor per frequency (Llama 3's rope_scaling, or a GGUF's rope_freqs); None: plain.
+    rope_freq_divisors: Optional[tuple] = None
     gguf_file: Optional[str] = None  # the GGUF file the weights, tokenizer and template come from
     head_wise_swa_source: str = "none"  # where head_wise_swa came from (logged at start-up)
 
@@ -331,7 +335,7 @@ class ModelConfig:
         if hidden_act is None or (arch.activation != hidden_act):
             raise ValueError(f"model config: hidden_act={raw.get('hidden_act')!r} is not supported for "
                              f"{arch.name} (expected {arch.activation})")
-        for key in ("rope_scaling", "final_logit_softcapping", "attn_logit_softcapping"):
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
             if raw.get(key) is not None:
                 raise ValueError(f"model config: {key}={raw[key]!r} is not supported by this engine")
         heads = raw["num_attention_heads"]
@@ -402,6 +406,7 @@ class ModelConfig:
             if raw.get("query_pre_attn_scalar") else 1.0,
             layer_sliding_window=layer_windows,
             layer_rope_theta=_layer_rope_thetas(raw, layer_windows),
+            rope_freq_divisors=frequency_divisors(raw, int(head_dim), model or preset),
             gguf_file=gguf_file,
             head_wise_swa_source=source if swa is not None else "none",
         )
@@ -457,9 +462,12 @@ def _normalise_raw(arch: Architecture, raw: dict, where: str) -> dict:
     if isinstance(rope, dict):
         per_type = {k: v for k, v in rope.items() if isinstance(v, dict)}
         for kind, params in (per_type or {"full_attention": rope}).items():
-            if params.get("rope_type", "default") != "default":
-                raise ValueError(f"model {where!r}: rope_type={params['rope_type']!r} is not supported "
-                                 "(only default RoPE)")
+            rope_type = params.get("rope_type", "default")
+            if rope_type != "default" and (per_type or rope_type not in ROPE_SCALINGS):
+                raise ValueError(f"model {where!r}: rope_type={rope_type!r} is not supported "
+                                 f"(supported: {', '.join(ROPE_SCALINGS)})")
+            if rope_type != "default":
+                raw["rope_scaling"] = params
             key = "rope_local_base_freq" if kind == "sliding_attention" else "rope_theta"
             if "rope_theta" in params:
                 raw[key] = params["rope_theta"]

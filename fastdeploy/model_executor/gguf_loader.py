@@ -18,7 +18,7 @@ from typing import Iterator
 
 import numpy as np
 
-from fastdeploy.model_executor.models.architectures import (GGUF_ARCHITECTURES, GGUF_CONFIG_KEYS,
+from fastdeploy.model_executor.models.architectures import (GGUF_ARCHITECTURES, GGUF_CONFIG_KEYS, GGUF_CONFIG_TENSORS,
                                                             GGUF_UNSUPPORTED_KEYS, gguf_tensor_names)
 
 GGUF_MAGIC = b"GGUF"
@@ -104,6 +104,9 @@ def gguf_config(reader, path: str) -> dict:
         raise ValueError(f"model {path!r}: GGUF file has no token_embd.weight tensor")
     raw["tie_word_embeddings"] = "output.weight" not in names
     raw["attention_bias"] = "blk.0.attn_q.bias" in names
+    for tensor in reader.tensors:
+        if tensor.name in GGUF_CONFIG_TENSORS:
+            raw[GGUF_CONFIG_TENSORS[tensor.name]] = [float(x) for x in dequantize(tensor).reshape(-1)]
     if "vocab_size" not in raw:
         raw["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data) \
             if "tokenizer.ggml.tokens" in reader.fields else _tensor_rows(reader, "token_embd.weight")
@@ -157,6 +160,8 @@ def iter_gguf_tensors(reader, arch) -> Iterator[tuple]:
     Gemma's GGUF stores RMSNorm weights as 1 + w (llama.cpp folds the offset the decoder applies);
     they are given back as w, so a directory and a GGUF file of the same model hold the same numbers."""
     for tensor in reader.tensors:
+        if tensor.name in GGUF_CONFIG_TENSORS:
+            continue
         name = checkpoint_name(tensor.name, arch)
         array = dequantize(tensor)
         if arch.norm_offset and name.endswith("norm.weight"):

@@ -5,10 +5,15 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from fastdeploy.model_executor.layers.rope_scaling import inverse_frequencies
 
-def rope_tables(head_dim: int, max_position: int, theta: float) -> tuple:
-    """cos and sin, float32 [max_position, head_dim // 2]; computed in float64 so every backend shares them."""
-    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+
+def rope_tables(head_dim: int, max_position: int, theta: float, divisors=None) -> tuple:
+    """cos and sin, float32 [max_position, head_dim // 2]; computed in float64 so every backend shares them.
+    `divisors`: one per frequency (RoPE scaling, layers/rope_scaling.py)."""
+    inv_freq = inverse_frequencies(head_dim, theta)
+    if divisors is not None:
+        inv_freq = inv_freq / np.asarray(divisors, np.float64)
     angles = np.outer(np.arange(max_position, dtype=np.float64), inv_freq)
     return (paddle.to_tensor(np.cos(angles).astype(np.float32)),
             paddle.to_tensor(np.sin(angles).astype(np.float32)))
@@ -17,7 +22,8 @@ def rope_tables(head_dim: int, max_position: int, theta: float) -> tuple:
 def layer_rope_tables(model_config) -> list:
     """(cos, sin) per layer, one table per distinct base (Gemma 3's sliding layers use a local base)."""
     thetas = model_config.layer_rope_theta or (model_config.rope_theta,) * model_config.num_hidden_layers
-    tables = {t: rope_tables(model_config.head_dim, model_config.max_model_len, t) for t in set(thetas)}
+    tables = {t: rope_tables(model_config.head_dim, model_config.max_model_len, t, model_config.rope_freq_divisors)
+              for t in set(thetas)}
     return [tables[t] for t in thetas]
 
 

@@ -127,8 +127,9 @@ GGUF_TENSOR_NAMES = {
     "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
-    "rope_freqs.weight": None,  # llama3 rope scaling factors: not supported (config check names it)
 }
+# Tensors that are configuration, not weights: read by gguf_config, skipped by the weight iterator.
+GGUF_CONFIG_TENSORS = {"rope_freqs.weight": "rope_freq_factors"}  # Llama 3's RoPE divisors per frequency
 # Gemma 3's GGUF calls the pre-FFN norm ffn_norm and the norm after attention post_attention_norm.
 GGUF_TENSOR_NAMES_GEMMA3 = dict(GGUF_TENSOR_NAMES, **{
     "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight"})

@@ -1,0 +1,120 @@
+"""Llama 3's RoPE scaling (rope_type "llama3") against transformers 5.24, on a small random Llama whose
+original context is 64 tokens, so prompts of 90 tokens and more rotate every frequency class (kept, slowed
+and smoothed). From its Hugging Face directory (`rope_parameters`, as save_pretrained writes it) and from a
+GGUF of the same weights written with the `gguf` package the way llama.cpp's converter lays a Llama out
+(q/k rows interleaved, `rope_freqs` holding the divisors, computed here with transformers' own llama3
+initialiser, SmolLM2's tokenizer fields): prompt log-probs within float32 tolerance, greedy tokens equal."""
+
+import numpy as np
+import pytest
+
+from fastdeploy import LLM, SamplingParams
+from transformers_reference import reference_greedy, reference_logits
+
+VOCAB = 49152
+ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4, 2, 32, 2
+PROMPTS = [[(7 + 131 * i + 17 * n) % (VOCAB - 10) + 5 for i in range(n)] for n in (5, 90, 200)]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory, smollm2_reference):
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                      num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=1024,
+                                      rope_parameters=dict(ROPE), tie_word_embeddings=False, initializer_range=0.1,
+                                      bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    path = tmp_path_factory.mktemp("llama3")
+    model.save_pretrained(path)
+    smollm2_reference[0].save_pretrained(path)
+    return str(path), model
+
+
+def _interleave(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Hugging Face's rotate-half q/k rows of each head -> llama.cpp's interleaved pairs."""
+    out = rows.shape[0]
+    return rows.reshape(heads, 2, HEAD_DIM // 2, -1).transpose(0, 2, 1, 3).reshape(out, -1)
+
+
+def _write_gguf(path, model, smollm2_path) -> None:
+    import gguf
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    plain = 10000.0 ** (-np.arange(0, HEAD_DIM, 2, dtype=np.float64) / HEAD_DIM)
+    scaled = ROPE_INIT_FUNCTIONS["llama3"](model.config, torch.device("cpu"))[0].double().numpy()
+    source = gguf.GGUFReader(smollm2_path)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(1024)
+    writer.add_embedding_length(128)
+    writer.add_feed_forward_length(256)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_key_length(HEAD_DIM)
+    writer.add_value_length(HEAD_DIM)
+    writer.add_rope_freq_base(ROPE["rope_theta"])
+    writer.add_layer_norm_rms_eps(model.config.rms_norm_eps)
+    writer.add_vocab_size(VOCAB)
+    field = lambda key: source.fields[key]  # noqa: E731
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(bytes(field("tokenizer.ggml.pre").parts[-1]).decode())
+    writer.add_token_list([bytes(field("tokenizer.ggml.tokens").parts[i]).decode("utf-8", "replace")
+                           for i in field("tokenizer.ggml.tokens").data])
+    writer.add_token_types([int(field("tokenizer.ggml.token_type").parts[i][0])
+                            for i in field("tokenizer.ggml.token_type").data])
+    writer.add_token_merges([bytes(field("tokenizer.ggml.merges").parts[i]).decode()
+                             for i in field("tokenizer.ggml.merges").data])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+                 "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, tensor in model.state_dict().items():
+        array = tensor.float().numpy()
+        if name in names:
+            target = names[name]
+        else:
+            layer, rest = name.split(".")[2], ".".join(name.split(".")[3:-1])
+            target = f"blk.{layer}.{per_layer[rest]}.weight"
+            if rest in ("self_attn.q_proj", "self_attn.k_proj"):
+                array = _interleave(array, HEADS if rest == "self_attn.q_proj" else KV_HEADS)
+        writer.add_tensor(target, np.ascontiguousarray(array, dtype=np.float32))
+    writer.add_tensor("rope_freqs.weight", (plain / scaled).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("source", ["directory", "gguf"])
+def test_llama3_rope_scaling_logprobs_and_greedy_tokens_equal_transformers(llama3, smollm2_path, tmp_path, source):
+    from fastdeploy.tools.prompt_logits import full_prompt_logprobs, log_softmax
+
+    path, model = llama3
+    if source == "gguf":
+        path = str(tmp_path / "llama3.gguf")
+        _write_gguf(path, model, smollm2_path)
+    llm = LLM(model=path, max_model_len=512, block_size=16, enable_prefix_caching=False)
+    divisors = llm.engine.model_config.rope_freq_divisors
+    assert divisors is not None and min(divisors) == pytest.approx(1.0) and max(divisors) == pytest.approx(8.0)
+    longest = PROMPTS[-1]
+    ref = log_softmax(reference_logits(model, longest).astype(np.float64))
+    diff = float(np.abs(full_prompt_logprobs(llm, longest).astype(np.float64) - ref).max())
+    print(f"Llama 3 RoPE from a {source}: max |log-prob diff| over {len(longest)} positions {diff:.2e}")
+    assert diff < 1e-3
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    for ids, out in zip(PROMPTS, outs):
+        assert list(out.outputs.token_ids) == reference_greedy(model, ids, MAX_TOKENS, [-1])
