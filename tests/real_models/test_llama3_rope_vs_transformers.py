@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fastdeploy import LLM, SamplingParams
-from transformers_reference import reference_greedy, reference_logits
+from transformers_reference import reference_greedy, reference_logits, write_gguf
 
 VOCAB = 49152
 ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -39,63 +39,14 @@ def llama3(tmp_path_factory, smollm2_reference):
     return str(path), model
 
 
-def _interleave(rows: np.ndarray, heads: int) -> np.ndarray:
-    """Hugging Face's rotate-half q/k rows of each head -> llama.cpp's interleaved pairs."""
-    out = rows.shape[0]
-    return rows.reshape(heads, 2, HEAD_DIM // 2, -1).transpose(0, 2, 1, 3).reshape(out, -1)
-
-
 def _write_gguf(path, model, smollm2_path) -> None:
-    import gguf
     import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    plain = 10000.0 ** (-np.arange(0, HEAD_DIM, 2, dtype=np.float64) / HEAD_DIM)
+    plain = ROPE["rope_theta"] ** (-np.arange(0, HEAD_DIM, 2, dtype=np.float64) / HEAD_DIM)
     scaled = ROPE_INIT_FUNCTIONS["llama3"](model.config, torch.device("cpu"))[0].double().numpy()
-    source = gguf.GGUFReader(smollm2_path)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(1024)
-    writer.add_embedding_length(128)
-    writer.add_feed_forward_length(256)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_key_length(HEAD_DIM)
-    writer.add_value_length(HEAD_DIM)
-    writer.add_rope_freq_base(ROPE["rope_theta"])
-    writer.add_layer_norm_rms_eps(model.config.rms_norm_eps)
-    writer.add_vocab_size(VOCAB)
-    field = lambda key: source.fields[key]  # noqa: E731
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(bytes(field("tokenizer.ggml.pre").parts[-1]).decode())
-    writer.add_token_list([bytes(field("tokenizer.ggml.tokens").parts[i]).decode("utf-8", "replace")
-                           for i in field("tokenizer.ggml.tokens").data])
-    writer.add_token_types([int(field("tokenizer.ggml.token_type").parts[i][0])
-                            for i in field("tokenizer.ggml.token_type").data])
-    writer.add_token_merges([bytes(field("tokenizer.ggml.merges").parts[i]).decode()
-                             for i in field("tokenizer.ggml.merges").data])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-                 "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    for name, tensor in model.state_dict().items():
-        array = tensor.float().numpy()
-        if name in names:
-            target = names[name]
-        else:
-            layer, rest = name.split(".")[2], ".".join(name.split(".")[3:-1])
-            target = f"blk.{layer}.{per_layer[rest]}.weight"
-            if rest in ("self_attn.q_proj", "self_attn.k_proj"):
-                array = _interleave(array, HEADS if rest == "self_attn.q_proj" else KV_HEADS)
-        writer.add_tensor(target, np.ascontiguousarray(array, dtype=np.float32))
-    writer.add_tensor("rope_freqs.weight", (plain / scaled).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(path, model, "llama", smollm2_path, interleave_qk=True,
+               extra_tensors={"rope_freqs.weight": (plain / scaled).astype(np.float32)})
 
 
 @pytest.mark.parametrize("source", ["directory", "gguf"])

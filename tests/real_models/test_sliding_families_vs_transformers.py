@@ -12,7 +12,7 @@ import pytest
 
 from fastdeploy import LLM, SamplingParams
 from fastdeploy import envs
-from transformers_reference import reference_greedy, reference_logits
+from transformers_reference import reference_greedy, reference_logits, write_gguf
 
 VOCAB = 49152  # SmolLM2's tokenizer is saved beside the weights; prompts are token ids
 PROMPT_LENGTHS = (5, 40, 90)
@@ -92,3 +92,39 @@ def test_sliding_family_logprobs_and_greedy_tokens_equal_transformers(family_dir
         assert list(out.outputs.token_ids) == reference_greedy(model, ids, MAX_TOKENS, [-1])
     if flag:
         assert llm.engine.get_stats()["swa_pages_recycled_total"] > 0  # the sliding layers' pages went back
+
+
+@pytest.mark.parametrize("name", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_qwen_gguf_logprobs_and_greedy_tokens_equal_transformers(tmp_path, smollm2_path, name):
+    """A GGUF of arch qwen2 / qwen3 (written with the `gguf` package as llama.cpp's converter lays Qwen out:
+    rotate-half q/k rows, biases, q/k norms; llama.cpp has no sliding layers for them, so neither has the
+    reference here) against transformers on the same weights."""
+    import torch
+    import transformers
+
+    from fastdeploy.tools.prompt_logits import full_prompt_logprobs, log_softmax
+
+    config_class = FAMILIES[name][0]
+    config = getattr(transformers, config_class)(**SMALL, num_hidden_layers=2, use_sliding_window=False)
+    torch.manual_seed(1)
+    model = getattr(transformers, name)(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+        for module_name, param in model.named_parameters():
+            if module_name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+                param.normal_(0.0, 0.5)
+            elif module_name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.normal_(1.0, 0.3)
+    path = tmp_path / f"{name}.gguf"
+    write_gguf(path, model, "qwen2" if name == "Qwen2ForCausalLM" else "qwen3", smollm2_path, interleave_qk=False)
+    llm = LLM(model=str(path), max_model_len=512, block_size=16, enable_prefix_caching=False)
+    assert llm.engine.model_config.architectures == [name]
+    prompts = _prompts()
+    ref = log_softmax(reference_logits(model, prompts[-1]).astype(np.float64))
+    diff = float(np.abs(full_prompt_logprobs(llm, prompts[-1]).astype(np.float64) - ref).max())
+    print(f"{name} from a GGUF: max |log-prob diff| {diff:.2e}")
+    assert diff < 1e-3
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        assert list(out.outputs.token_ids) == reference_greedy(model, ids, MAX_TOKENS, [-1])

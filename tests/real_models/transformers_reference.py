@@ -18,3 +18,62 @@ def reference_logits(model, prompt_ids: list):
 
     with torch.no_grad():
         return model(torch.tensor([prompt_ids])).logits[0].float().numpy()
+
+
+def write_gguf(path, model, arch: str, tokenizer_gguf: str, interleave_qk: bool, extra_tensors=None) -> None:
+    """A GGUF of a transformers model's float32 weights, written with the `gguf` package the way llama.cpp's
+    converter lays out `arch` (`interleave_qk`: q/k rows in interleaved pairs, as for `llama`; Qwen keeps
+    Hugging Face's rotate-half rows), with the tokenizer fields of another GGUF file."""
+    import gguf
+    import numpy as np
+
+    config = model.config
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    source = gguf.GGUFReader(tokenizer_gguf)
+    field = lambda key: source.fields[key]  # noqa: E731
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(bytes(field("tokenizer.ggml.pre").parts[-1]).decode())
+    writer.add_token_list([bytes(field("tokenizer.ggml.tokens").parts[i]).decode("utf-8", "replace")
+                           for i in field("tokenizer.ggml.tokens").data])
+    writer.add_token_types([int(field("tokenizer.ggml.token_type").parts[i][0])
+                            for i in field("tokenizer.ggml.token_type").data])
+    writer.add_token_merges([bytes(field("tokenizer.ggml.merges").parts[i]).decode()
+                             for i in field("tokenizer.ggml.merges").data])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+                 "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+                 "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, tensor in model.state_dict().items():
+        array = tensor.float().numpy()
+        if name in names:
+            target = names[name]
+        else:
+            parts = name.split(".")
+            layer, module, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
+            target = f"blk.{layer}.{per_layer[module]}.{kind}"
+            if interleave_qk and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                n = heads if module == "self_attn.q_proj" else kv_heads
+                array = array.reshape(n, 2, head_dim // 2, -1).transpose(0, 2, 1, 3).reshape(array.shape)
+        writer.add_tensor(target, np.ascontiguousarray(array, dtype=np.float32))
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -86,10 +86,14 @@ _QWEN_DEFAULTS = dict(vocab_size=151936, hidden_size=4096, intermediate_size=220
                       use_sliding_window=False, sliding_window=None, max_window_layers=28, attention_bias=False,
                       pad_token_id=None, bos_token_id=None, eos_token_id=None)
 # Qwen2: biases on q, k and v always (its attention_bias field is not read by transformers either).
+# llama.cpp keeps Qwen's q/k rows as Hugging Face lays them out (its NEOX RoPE); no sliding layers are read
+# from a Qwen GGUF (it carries no use_sliding_window): it serves full attention in every layer.
 QWEN2 = Architecture("Qwen2ForCausalLM", "qwen2", rope_layout=ROTATE_HALF, qkv_bias=True,
+                     gguf_rope_layout=ROTATE_HALF, gguf_arch="qwen2",
                      sliding_layers=ABOVE_MAX_WINDOW_LAYERS, defaults=_QWEN_DEFAULTS)
 # Qwen3: no biases (unless attention_bias), an RMSNorm over head_dim on every q and k head.
 QWEN3 = Architecture("Qwen3ForCausalLM", "qwen3", rope_layout=ROTATE_HALF, qk_norm=True,
+                     gguf_rope_layout=ROTATE_HALF, gguf_arch="qwen3",
                      sliding_layers=ABOVE_MAX_WINDOW_LAYERS, defaults=dict(_QWEN_DEFAULTS, head_dim=128))
 
 ARCHITECTURES = {a.name: a for a in (ERNIE4_5, ERNIE4_5_MOE, LLAMA, GEMMA3, MISTRAL, QWEN2, QWEN3)}
