@@ -8,8 +8,8 @@ initialiser, SmolLM2's tokenizer fields): prompt log-probs within float32 tolera
 import numpy as np
 import pytest
 
-from fastdeploy import LLM, SamplingParams
-from transformers_reference import reference_greedy, reference_logits, write_gguf
+from fastdeploy import LLM
+from transformers_reference import assert_greedy_equal, logprob_diff, write_gguf
 
 VOCAB = 49152
 ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -51,8 +51,6 @@ def _write_gguf(path, model, smollm2_path) -> None:
 
 @pytest.mark.parametrize("source", ["directory", "gguf"])
 def test_llama3_rope_scaling_logprobs_and_greedy_tokens_equal_transformers(llama3, smollm2_path, tmp_path, source):
-    from fastdeploy.tools.prompt_logits import full_prompt_logprobs, log_softmax
-
     path, model = llama3
     if source == "gguf":
         path = str(tmp_path / "llama3.gguf")
@@ -60,12 +58,7 @@ def test_llama3_rope_scaling_logprobs_and_greedy_tokens_equal_transformers(llama
     llm = LLM(model=path, max_model_len=512, block_size=16, enable_prefix_caching=False)
     divisors = llm.engine.model_config.rope_freq_divisors
     assert divisors is not None and min(divisors) == pytest.approx(1.0) and max(divisors) == pytest.approx(8.0)
-    longest = PROMPTS[-1]
-    ref = log_softmax(reference_logits(model, longest).astype(np.float64))
-    diff = float(np.abs(full_prompt_logprobs(llm, longest).astype(np.float64) - ref).max())
-    print(f"Llama 3 RoPE from a {source}: max |log-prob diff| over {len(longest)} positions {diff:.2e}")
+    diff = logprob_diff(llm, model, PROMPTS[-1])[0]
+    print(f"Llama 3 RoPE from a {source}: max |log-prob diff| over {len(PROMPTS[-1])} positions {diff:.2e}")
     assert diff < 1e-3
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False)
-    for ids, out in zip(PROMPTS, outs):
-        assert list(out.outputs.token_ids) == reference_greedy(model, ids, MAX_TOKENS, [-1])
+    assert_greedy_equal(llm, model, PROMPTS, MAX_TOKENS)

@@ -10,9 +10,9 @@ random values (transformers initialises them to zeros and ones, which would test
 import numpy as np
 import pytest
 
-from fastdeploy import LLM, SamplingParams
+from fastdeploy import LLM
 from fastdeploy import envs
-from transformers_reference import reference_greedy, reference_logits, write_gguf
+from transformers_reference import assert_greedy_equal, logprob_diff, write_gguf
 
 VOCAB = 49152  # SmolLM2's tokenizer is saved beside the weights; prompts are token ids
 PROMPT_LENGTHS = (5, 40, 90)
@@ -31,24 +31,31 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family_dir(request, tmp_path_factory, smollm2_reference):
+def random_model(name: str, seed: int, **fields):
+    """A transformers model of the family with random weights, its biases and q/k norm scales random too;
+    peaked logits, so a float32 rounding difference cannot flip a greedy token."""
     import torch
     import transformers
 
-    name = request.param
-    config_class, fields, sliding = FAMILIES[name]
-    config = getattr(transformers, config_class)(**SMALL, **fields)
+    config = getattr(transformers, FAMILIES[name][0])(**SMALL, **fields)
     config.architectures = [name]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = getattr(transformers, name)(config).eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # peaked logits: a float32 rounding difference cannot flip a greedy token
+        model.lm_head.weight.mul_(8.0)
         for module_name, param in model.named_parameters():
             if module_name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
                 param.normal_(0.0, 0.5)
             elif module_name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.normal_(1.0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_dir(request, tmp_path_factory, smollm2_reference):
+    name = request.param
+    _, fields, sliding = FAMILIES[name]
+    model = random_model(name, 0, **fields)
     path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path)
     smollm2_reference[0].save_pretrained(path)
@@ -61,8 +68,6 @@ def _prompts():
 
 @pytest.mark.parametrize("flag, pages", [(0, "float32"), (1, "float32"), (1, "int8")])
 def test_sliding_family_logprobs_and_greedy_tokens_equal_transformers(family_dir, flag, pages):
-    from fastdeploy.tools.prompt_logits import full_prompt_logprobs, log_softmax
-
     name, path, model, sliding = family_dir
     quant = dict(kv_cache_quant_type="int8") if pages == "int8" else {}
     with envs.override(FD_HEAD_WISE_KV_CACHE=flag, FD_HEAD_WISE_SWA_RECYCLE=1):
@@ -71,14 +76,11 @@ def test_sliding_family_logprobs_and_greedy_tokens_equal_transformers(family_dir
     assert [i for i, w in enumerate(config.layer_sliding_window) if w is not None] == list(sliding)
     assert all(w in (None, WINDOW) for w in config.layer_sliding_window)
     prompts = _prompts()
-    longest = prompts[-1]
-    ref = log_softmax(reference_logits(model, longest).astype(np.float64))
-    ours = full_prompt_logprobs(llm, longest).astype(np.float64)
-    diff = float(np.abs(ours - ref).max())  # row i predicts token i + 1 on both sides
+    diff, ours, ref = logprob_diff(llm, model, prompts[-1])
     kl = float((np.exp(ref) * (ref - ours)).sum(-1).mean())
     top1 = float((ours.argmax(-1) == ref.argmax(-1)).mean())
     print(f"{name} flag {flag} {pages} pages: max |log-prob diff| {diff:.2e}, mean KL {kl:.2e}, top-1 {top1:.3f} "
-          f"over {len(longest)} positions")
+          f"over {len(prompts[-1])} positions")
     if pages == "float32":
         assert diff < 1e-3
     else:
@@ -86,10 +88,7 @@ def test_sliding_family_logprobs_and_greedy_tokens_equal_transformers(family_dir
         # distributions a few near-ties flip; SmolLM2's trained ones keep 99% of top-1 choices)
         assert kl < 1e-2 and top1 >= 0.9
         return
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False)
-    for ids, out in zip(prompts, outs):
-        assert list(out.outputs.token_ids) == reference_greedy(model, ids, MAX_TOKENS, [-1])
+    assert_greedy_equal(llm, model, prompts, MAX_TOKENS)
     if flag:
         assert llm.engine.get_stats()["swa_pages_recycled_total"] > 0  # the sliding layers' pages went back
 
@@ -97,34 +96,15 @@ def test_sliding_family_logprobs_and_greedy_tokens_equal_transformers(family_dir
 @pytest.mark.parametrize("name", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
 def test_qwen_gguf_logprobs_and_greedy_tokens_equal_transformers(tmp_path, smollm2_path, name):
     """A GGUF of arch qwen2 / qwen3 (written with the `gguf` package as llama.cpp's converter lays Qwen out:
-    rotate-half q/k rows, biases, q/k norms; llama.cpp has no sliding layers for them, so neither has the
-    reference here) against transformers on the same weights."""
-    import torch
-    import transformers
-
-    from fastdeploy.tools.prompt_logits import full_prompt_logprobs, log_softmax
-
-    config_class = FAMILIES[name][0]
-    config = getattr(transformers, config_class)(**SMALL, num_hidden_layers=2, use_sliding_window=False)
-    torch.manual_seed(1)
-    model = getattr(transformers, name)(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-        for module_name, param in model.named_parameters():
-            if module_name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
-                param.normal_(0.0, 0.5)
-            elif module_name.endswith(("q_norm.weight", "k_norm.weight")):
-                param.normal_(1.0, 0.3)
+    rotate-half q/k rows, biases, q/k norms; no sliding layers are read from such a file, so the reference
+    has none either) against transformers on the same weights."""
+    model = random_model(name, 1, num_hidden_layers=2, use_sliding_window=False)
     path = tmp_path / f"{name}.gguf"
     write_gguf(path, model, "qwen2" if name == "Qwen2ForCausalLM" else "qwen3", smollm2_path, interleave_qk=False)
     llm = LLM(model=str(path), max_model_len=512, block_size=16, enable_prefix_caching=False)
     assert llm.engine.model_config.architectures == [name]
     prompts = _prompts()
-    ref = log_softmax(reference_logits(model, prompts[-1]).astype(np.float64))
-    diff = float(np.abs(full_prompt_logprobs(llm, prompts[-1]).astype(np.float64) - ref).max())
+    diff = logprob_diff(llm, model, prompts[-1])[0]
     print(f"{name} from a GGUF: max |log-prob diff| {diff:.2e}")
     assert diff < 1e-3
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False)
-    for ids, out in zip(prompts, outs):
-        assert list(out.outputs.token_ids) == reference_greedy(model, ids, MAX_TOKENS, [-1])
+    assert_greedy_equal(llm, model, prompts, MAX_TOKENS)

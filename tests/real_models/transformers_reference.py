@@ -13,6 +13,29 @@ def reference_greedy(model, prompt_ids: list, max_new_tokens: int, stop_ids) -> 
     return new[:ends[0] + 1] if ends else new  # nothing after the first stop token (no padding)
 
 
+def logprob_diff(llm, model, prompt_ids: list) -> tuple:
+    """(max |engine - transformers| log-prob over every position and token of one prompt, the engine's
+    log-probs, transformers' log-probs), float64 [n, vocab]; row i predicts token i + 1 on both sides.
+    The engine must be built with prefix caching off (every position computed)."""
+    import numpy as np
+
+    from fastdeploy.tools.prompt_logits import full_prompt_logprobs, log_softmax
+
+    ref = log_softmax(reference_logits(model, prompt_ids).astype(np.float64))
+    ours = full_prompt_logprobs(llm, prompt_ids).astype(np.float64)
+    return float(np.abs(ours - ref).max()), ours, ref
+
+
+def assert_greedy_equal(llm, model, prompts: list, max_tokens: int) -> None:
+    """The engine's greedy continuation of every prompt equals transformers' (no stop token)."""
+    from fastdeploy import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                        use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        assert list(out.outputs.token_ids) == reference_greedy(model, ids, max_tokens, [-1])
+
+
 def reference_logits(model, prompt_ids: list):
     import torch
 
