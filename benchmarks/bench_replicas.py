@@ -35,9 +35,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-
-def log(*args) -> None:
-    print(*args, file=sys.stderr, flush=True)
+from ab_harness import log, write_json  # noqa: E402
+from fastdeploy.cache_manager.kv_events import STORED_BLOCKS  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--policies", nargs="+", default=["kv_aware", "cache_aware", "round_robin"])
     p.add_argument("--head-wise", nargs="+", default=["0", "1"], help="FD_HEAD_WISE_KV_CACHE values to run")
-    p.add_argument("--stored-blocks", nargs="+", default=["hit_paths"], choices=("hit_ends", "hit_paths"),
+    p.add_argument("--stored-blocks", nargs="+", default=[STORED_BLOCKS[0]], choices=STORED_BLOCKS,
                    help="what the replicas' events announce with the flag on (kv_aware runs once per value)")
     p.add_argument("--no-ceiling", action="store_true", help="skip the one-replica run with the fleet's memory")
     p.add_argument("--sessions", type=int, default=48)
@@ -308,8 +307,7 @@ def main(argv=None) -> int:
         if ceiling and ceiling["hit_rate"]:
             row["hit_rate_vs_ceiling"] = round(row["hit_rate"] / ceiling["hit_rate"], 3)
     print(json.dumps(rows, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"argv": sys.argv[1:], "rows": rows}, indent=1) + "\n")
+    write_json(args.json, {"argv": sys.argv[1:], "rows": rows}, indent=1)
     return 0
 
 

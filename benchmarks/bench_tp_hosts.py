@@ -27,9 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # network_hosts: the test suite's namespace hosts
 
-
-def log(*args) -> None:
-    print(*args, file=sys.stderr, flush=True)
+from ab_harness import log, write_json  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,8 +124,7 @@ def main(argv=None) -> int:
     for row in rows:
         row["greedy_text_equal_across_runs"] = same
     print(json.dumps(rows, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"argv": sys.argv[1:], "rows": rows}, indent=1) + "\n")
+    write_json(args.json, {"argv": sys.argv[1:], "rows": rows}, indent=1)
     return 0
 
 

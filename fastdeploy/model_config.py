@@ -478,23 +478,11 @@ def _layer_sliding_windows(arch: Architecture, raw: dict) -> Optional[tuple]:
     """Per layer: the window of a sliding layer, None for a global one (config `layer_types`, else the
     architecture's own rule: Architecture.sliding_layers); None when no layer slides."""
     layers = raw["num_hidden_layers"]
-    types = raw.get("layer_types")
-    if types is None and arch.sliding_layers == ALL_LAYERS:
-        types = ["sliding_attention" if raw.get("sliding_window") is not None else "full_attention"] * layers
-    if types is None and arch.sliding_layers == ABOVE_MAX_WINDOW_LAYERS:
-        first = raw.get("max_window_layers")
-        if raw.get("use_sliding_window") and (not _is_int(first) or first < 0):
-            raise ValueError(f"model config: max_window_layers must be an integer >= 0, got {first!r}")
-        types = ["sliding_attention" if raw.get("use_sliding_window") and i >= first else "full_attention"
-                 for i in range(layers)]
+    if arch.sliding_layers == ABOVE_MAX_WINDOW_LAYERS and not raw.get("use_sliding_window"):
+        return None  # transformers' Qwen2/3 drop the window without use_sliding_window, whatever layer_types says
+    types = raw.get("layer_types") or _rule_layer_types(arch.sliding_layers, raw, layers)
     if arch.sliding_layers != EVERY_NTH_GLOBAL:
-        # transformers' Qwen2/3 slide only with use_sliding_window (it sets sliding_window to None otherwise)
-        if arch.sliding_layers == ABOVE_MAX_WINDOW_LAYERS and not raw.get("use_sliding_window"):
-            return None
         return layer_sliding_windows(dict(raw, layer_types=types) if types is not None else raw, layers)
-    if types is None:
-        pattern = int(raw["sliding_window_pattern"])
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
     if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
         raise ValueError(f"model config: layer_types must list full_attention/sliding_attention for each of the "
                          f"{layers} layers, got {types!r}")
@@ -502,6 +490,22 @@ def _layer_sliding_windows(arch: Architecture, raw: dict) -> Optional[tuple]:
     if not _is_int(window) or window < 1:
         raise ValueError(f"model config: sliding_window must be an integer >= 1, got {window!r}")
     return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def _rule_layer_types(rule: str, raw: dict, layers: int) -> Optional[list]:
+    """The layer types a config without `layer_types` implies by its architecture's rule (None: it names
+    none, and `layer_sliding_window`, if any, says)."""
+    if rule == ALL_LAYERS:
+        return ["sliding_attention" if raw.get("sliding_window") is not None else "full_attention"] * layers
+    if rule == ABOVE_MAX_WINDOW_LAYERS:
+        first = raw.get("max_window_layers")
+        if not _is_int(first) or first < 0:
+            raise ValueError(f"model config: max_window_layers must be an integer >= 0, got {first!r}")
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if rule == EVERY_NTH_GLOBAL:
+        pattern = int(raw["sliding_window_pattern"])
+        return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    return None
 
 
 def _layer_rope_thetas(raw: dict, layer_windows: Optional[tuple]) -> Optional[tuple]:

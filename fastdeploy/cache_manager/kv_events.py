@@ -80,7 +80,7 @@ def block_removed(hashes: list) -> dict:
 
 
 ALL_BLOCKS_CLEARED = {"type": "AllBlocksCleared"}
-STORED_BLOCKS = ("hit_ends", "hit_paths")  # what a BlockStored announces (module docstring)
+STORED_BLOCKS = ("hit_paths", "hit_ends")  # what a BlockStored announces (module docstring); the first is the default
 MAX_ANCHORS = 1 << 20  # hashes ever announced (consumers keep them as parents) before a fresh start
 
 
@@ -92,7 +92,7 @@ class HitEndEvents:
     block registered or filled, a page evicted, a node removed), not the whole trie.
     """
 
-    def __init__(self, prefix_cache, stored_blocks: str = "hit_paths"):
+    def __init__(self, prefix_cache, stored_blocks: str = STORED_BLOCKS[0]):
         if stored_blocks not in STORED_BLOCKS:
             raise ValueError(f"stored_blocks must be one of {', '.join(STORED_BLOCKS)}, not {stored_blocks!r}")
         self.cache = prefix_cache

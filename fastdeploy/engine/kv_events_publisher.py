@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from fastdeploy.cache_manager.kv_events import STORED_BLOCKS
 from fastdeploy.json_flag import json_object
 
 logger = logging.getLogger("fastdeploy.engine.kv_events")
@@ -41,7 +42,7 @@ class KVEventsConfig:
     # This engine's own field: what a BlockStored announces with sliding heads (cache_manager/kv_events.py):
     # "hit_ends", a block a hit may end at; "hit_paths", a block on the way to one (what a router that
     # credits the run of stored blocks from a prompt's first block can use).
-    stored_blocks: str = "hit_paths"
+    stored_blocks: str = STORED_BLOCKS[0]
 
     @classmethod
     def parse(cls, text: Union[None, str, dict]) -> Optional["KVEventsConfig"]:
@@ -65,8 +66,6 @@ class KVEventsConfig:
             if name in spec and not isinstance(spec[name], str):
                 raise ValueError(f"--kv-events-config: {name} must be a string")
         config = cls(**spec)
-        from fastdeploy.cache_manager.kv_events import STORED_BLOCKS
-
         if config.stored_blocks not in STORED_BLOCKS:
             raise ValueError(f"--kv-events-config: stored_blocks {config.stored_blocks!r} is not one of "
                              f"{', '.join(STORED_BLOCKS)}")

@@ -26,6 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from fastdeploy.cache_manager.kv_events import STORED_BLOCKS
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.entrypoints.openai.server_process import ApiServerProcess, ServerStartError
 
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-ports", type=str, default=None,
                    help="comma-separated event port of each replica (its replay socket is PORT+1); default: "
                         "API port + 1000. Used with --policy kv_aware, or whenever given")
-    p.add_argument("--kv-events-stored-blocks", choices=("hit_ends", "hit_paths"), default="hit_paths",
+    p.add_argument("--kv-events-stored-blocks", choices=STORED_BLOCKS, default=STORED_BLOCKS[0],
                    help="what a replica's BlockStored announces with sliding heads: a block a hit may end at, "
                         "or a block on the way to one (docs/scaling.md)")
     p.add_argument("--log-dir", type=str, default="log/replicas", help="one server.log per replica, router.log")
