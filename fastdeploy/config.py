@@ -47,7 +47,14 @@ class CacheConfig:
     # none / int8 / block_wise_fp8 / block_wise_int4 / k8v4 (layers/quantization/kv_cache.py); None = the
     # checkpoint's quantization_config.kv_cache_quant_type, else none (resolved by FDConfig).
     kv_cache_quant_type: Optional[str] = None
+    # GiB of host memory for the prefix cache's second tier (upstream's --swap-space; cache_manager/host_tier.py);
+    # None or 0: no tier.
+    swap_space: Optional[float] = None
     num_gpu_blocks: int = 0  # resolved by FDConfig
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int((self.swap_space or 0) * (1 << 30))
 
     def page_dtype(self, lane: str) -> str:
         """The dtype of the K (lane="key") or V (lane="value") tensors: int8 / float8_e4m3fn / uint8 (int4
@@ -175,6 +182,7 @@ class FDConfig:
         elif not self.swa_recycle:
             raise ValueError("FD_HEAD_WISE_SWA_RECYCLE=0 has no effect without FD_HEAD_WISE_KV_CACHE=1")
         self._resolve_prefix_caching()
+        self._check_swap_space()
         self._check_device()
         self._check_kv_transfer()
         if self.kv_events_config is not None and not self.cache_config.enable_prefix_caching:
@@ -264,6 +272,23 @@ class FDConfig:
         elif cache.enable_prefix_caching and dense:
             raise ValueError("enable_prefix_caching: FD_ATTENTION_BACKEND=NATIVE_ATTN keeps K/V per request and "
                              "cannot reuse cached pages; pass --no-enable-prefix-caching")
+
+    def _check_swap_space(self) -> None:
+        """The host tier lies below the prefix cache, and copies pages of the in-process rank's host tensors."""
+        space = self.cache_config.swap_space
+        if space is None or space == 0:
+            return
+        if isinstance(space, bool) or not isinstance(space, (int, float)) or not space > 0:
+            raise ValueError(f"swap_space (--swap-space) must be a positive number of GiB, got {space!r}")
+        if not self.cache_config.enable_prefix_caching:
+            raise ValueError("--swap-space: the host tier holds pages the prefix cache evicts, and the prefix "
+                             "cache is off (drop --no-enable-prefix-caching)")
+        if self.parallel_config.tensor_parallel_size != 1:
+            raise ValueError("--swap-space: the host tier is built for tensor_parallel_size 1 (the workers' pools "
+                             "would each need their own)")
+        if self.device != "cpu":
+            raise ValueError("--swap-space: the host tier copies pages of KV tensors in host memory; pages in GPU "
+                             "memory (pinned host copies) are not built here")
 
     def _resolve_num_blocks(self) -> None:
         cache = self.cache_config

@@ -296,6 +296,19 @@ class KVCacheManager:
             self._matches[request.request_id] = memo
         return memo[3]
 
+    def load_prefix(self, request, hit: list) -> tuple:
+        """(the hit with all its pages in the pool, how many of its tokens came from the host tier): pages of
+        a matched prefix that only the host tier holds are copied back into the pool (see
+        PrefixCacheManager.load_prefix); the hit is shorter if the pool has no room for them."""
+        cache = self.pages.prefix_cache
+        if not hit or cache is None or cache.lower is None:
+            return hit, 0
+        in_pool = cache.pool_depth(hit)
+        if in_pool == len(hit):
+            return hit, 0
+        hit = self.pages.load_prefix(hit, request.request_id)
+        return hit, max(0, len(hit) - in_pool) * self.block_size
+
     def _register_blocks(self, request, table: PageTable) -> None:
         """Cache every block the request has fully computed since the last call."""
         bs, parent = self.block_size, table.cache_parent

@@ -314,8 +314,52 @@ class PrefixCacheManager:
         return self.prefix_cache.root if self.prefix_cache else None
 
     def match_prefix(self, block_keys: Iterable[tuple]) -> list:
-        """Longest valid cached path (list of BlockNode) for consecutive full-block token tuples."""
-        return self.prefix_cache.match(block_keys) if self.prefix_cache else []
+        """Longest valid cached path (list of BlockNode) for consecutive full-block token tuples; pages the
+        host tier holds count (load_prefix brings them into the pool)."""
+        return self.prefix_cache.match(block_keys, tiers=True) if self.prefix_cache else []
+
+    def attach_host_tier(self, tier) -> None:
+        """Put a host tier (host_tier.HostTier) below the pool: evicted pages a hit can read go there."""
+        if self.prefix_cache is None:
+            raise ValueError("a host tier needs the prefix cache (drop --no-enable-prefix-caching)")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("the host tier serves tensor_parallel_size 1")
+        tier.cache, self.prefix_cache.lower = self.prefix_cache, tier
+
+    @property
+    def host_tier(self):
+        return self.prefix_cache.lower if self.prefix_cache is not None else None
+
+    def load_prefix(self, path: list, req_id: Hashable) -> list:
+        """Make a matched path a hit whose pages are all in the pool: the pages only the host tier holds are
+        copied into new pool pages, which join the prefix cache (cached, unreferenced, like any other hit's
+        pages). The path's own pages are pinned meanwhile. If the pool cannot take them, the part of the
+        path the pool holds alone is the hit (the rest is recomputed)."""
+        cache = self.prefix_cache
+        needs = cache.load_needs(path) if cache is not None and cache.lower is not None else ()
+        if not needs:
+            return path
+        owner, tier = _owner(req_id), cache.lower
+        entries = [node.host[s] for node, s in needs]
+        pinned = cache.reference(path, owner)
+        tier.pin(entries)
+        counts = [0] * self.num_slots
+        for _, s in needs:
+            counts[s] += 1
+        rows = self.allocate(counts, owner)  # may evict, and store what it evicts in the tier
+        if rows is None:
+            tier.unpin(entries)
+            for rank, pages in enumerate(pinned):
+                cache.unref(rank, pages, owner)
+            return path[:cache.pool_depth(path)]
+        pages = [rows[s].pop() for _, s in needs]
+        tier.load(entries, pages)
+        for (node, s), page in zip(needs, pages):
+            cache.adopt(node, s, page, owner)
+            pinned[self.slot_rank[s]].append(page)
+        for rank, pages in enumerate(pinned):
+            cache.unref(rank, pages, owner)  # now cached and unreferenced, until the hit takes them
+        return path
 
     def acquire_prefix(self, path: list, req_id: Hashable) -> list:
         """Reference a matched path; per slot (KV head, or the one 1-D slot) its page ids, -1 where dead."""
@@ -335,10 +379,15 @@ class PrefixCacheManager:
             return {"prefix_cache_cached_pages": 0, "prefix_cache_evictable_pages": 0,
                     "prefix_cache_evictions_total": 0, "prefix_cache_cached_blocks": 0}
         scale = 1 if self.head_wise else self.layout.num_slots  # 1-D: a block is one page per head
-        return {"prefix_cache_cached_pages": cache.num_cached_pages * scale,
-                "prefix_cache_evictable_pages": sum(cache.num_evictable) * scale,
-                "prefix_cache_evictions_total": cache.evictions_total * scale,
-                "prefix_cache_cached_blocks": cache.num_nodes}
+        stats = {"prefix_cache_cached_pages": cache.num_cached_pages * scale,
+                 "prefix_cache_evictable_pages": sum(cache.num_evictable) * scale,
+                 "prefix_cache_evictions_total": cache.evictions_total * scale,
+                 "prefix_cache_cached_blocks": cache.num_nodes}
+        if cache.lower is not None:
+            counts = ("host_cache_pages", "host_cache_pages_total", "host_cache_stored_pages_total",
+                      "host_cache_evicted_pages_total", "host_cache_loaded_pages_total")
+            stats.update({k: v * scale if k in counts else v for k, v in cache.lower.stats().items()})
+        return stats
 
     # -- helpers -------------------------------------------------------------------------------
     def _available(self, rank: int) -> int:

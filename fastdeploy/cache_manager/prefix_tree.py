@@ -64,11 +64,20 @@ CACHED = _Marker("<prefix cache>")  # pool owner of a page held by the prefix ca
 STALE_SWA, WHOLE_LEAF, OTHER = 0, 1, 2  # eviction classes, cheapest first
 
 
+def _absent_from_pool(node: "BlockNode", column: int) -> bool:
+    return node.gaps[column] > 0
+
+
+def _absent_from_tiers(node: "BlockNode", column: int) -> bool:
+    hosted = node.hosted
+    return node.gaps[column] > (hosted[column] if hosted else 0)
+
+
 class BlockNode:
     """One cached full block: its pages per slot and the bookkeeping the eviction policy needs."""
 
     __slots__ = ("parent", "key", "depth", "children", "pages", "gaps", "num_referenced", "protects", "anchor",
-                 "children_created")
+                 "children_created", "host", "hosted")
 
     def __init__(self, parent: Optional["BlockNode"], key: Optional[tuple], depth: int, num_slots: int,
                  num_types: int = 1, column_sizes: tuple = ()):
@@ -84,6 +93,10 @@ class BlockNode:
         self.protects = [0] * num_types  # per recycling sliding type: anchors whose window covers this block
         self.anchor = False
         self.children_created = 0     # two or more: requests diverged here (a branch point for good)
+        # The lower tier (host_tier.py): per slot the entry holding this block's page there (-1: none), and
+        # per column how many; None while the node has none. A slot's page is in the pool or the tier, never both.
+        self.host: Optional[list] = None
+        self.hosted: Optional[list] = None
 
     @property
     def protect(self) -> int:
@@ -94,6 +107,11 @@ class BlockNode:
     @protect.setter
     def protect(self, value: int) -> None:
         self.protects[0] = value
+
+    @property
+    def empty(self) -> bool:
+        """No page in the pool and none in the lower tier."""
+        return all(p < 0 for p in self.pages) and not (self.hosted and any(self.hosted))
 
     @property
     def detached(self) -> bool:
@@ -138,29 +156,35 @@ class PrefixCache:
         # nobody watches.
         self.changed: Optional[set] = None
         self.clock = 0
+        # The tier below the pool (host_tier.HostTier) or None: evicted pages a hit can still read go there.
+        self.lower = None
         for pool in pools:
             pool.holders = {}
 
     # -- lookup and hits -----------------------------------------------------------------------
-    def match(self, block_keys: Iterable[tuple]) -> list:
-        """The longest valid cached path for these consecutive block keys (validity: module docstring)."""
+    def match(self, block_keys: Iterable[tuple], tiers: bool = False) -> list:
+        """The longest valid cached path for these consecutive block keys (validity: module docstring);
+        with `tiers`, a page the lower tier holds counts as cached (load_needs says which to load)."""
+        absent = _absent_from_tiers if tiers and self.lower is not None else _absent_from_pool
         node, path = self.root, []
         for key in block_keys:
             node = node.children.get(key)
-            if node is None or node.gaps[0]:
+            if node is None or absent(node, 0):
                 break
             path.append(node)
-        return path[:self.valid_depth(path)]
+        return path[:self.valid_depth(path, absent)]
 
-    def valid_depth(self, path: list) -> int:
+    def valid_depth(self, path: list, absent=None) -> int:
         """Largest n <= len(path) such that every recycling type's slots hold what a query at n*bs can see
-        (their sink blocks and the blocks of their own window)."""
+        (their sink blocks and the blocks of their own window); `absent(node, column)`: whether a slot of
+        that column lacks the block (default: in the pool)."""
+        absent = absent or _absent_from_pool
         n = len(path)
         if not self.rec_slots or not n:
             return n
         for k in range(len(self.types)):
             for i in range(min(self.type_sink_blocks[k], n)):
-                if path[i].gaps[1 + k]:
+                if absent(path[i], 1 + k):
                     n = i  # a sink block every later query sees is gone
                     break
         while n > 0:
@@ -169,13 +193,33 @@ class PrefixCache:
             missing = None
             for k in range(len(self.types)):
                 lo = self.dead_end(n, k)
-                gone = next((i for i in range(n - 1, lo - 1, -1) if path[i].gaps[1 + k]), None)
+                gone = next((i for i in range(n - 1, lo - 1, -1) if absent(path[i], 1 + k)), None)
                 if gone is not None and (missing is None or gone > missing):
                     missing = gone
             if missing is None:
                 return n
             n = missing
         return 0
+
+    def pool_depth(self, path: list) -> int:
+        """How much of a valid path is a valid hit with the pool's pages alone."""
+        n = next((i for i, node in enumerate(path) if node.gaps[0]), len(path))
+        return self.valid_depth(path[:n])
+
+    def read_slots(self, path: list):
+        """(block index, node, slot) of every page a query after a hit on `path` reads (a sliding slot's
+        dead blocks skipped)."""
+        n, kinds = len(path), self.type_of_slot
+        dead = [(self.type_sink_blocks[k], self.dead_end(n, k)) for k in range(len(self.types))]
+        for i, node in enumerate(path):
+            for s in range(self.num_slots):
+                k = kinds[s]
+                if k is None or not dead[k][0] <= i < dead[k][1]:
+                    yield i, node, s
+
+    def load_needs(self, path: list) -> list:
+        """(node, slot) of every page a hit on `path` reads that only the lower tier holds."""
+        return [(node, s) for _, node, s in self.read_slots(path) if node.pages[s] < 0]
 
     def dead_end(self, n: int, k: int = 0) -> int:
         """Blocks [sink blocks, dead_end) of recycling type k are dead for a request resuming at n full blocks."""
@@ -185,27 +229,35 @@ class PrefixCache:
 
     def acquire(self, path: list, owner: Hashable) -> list:
         """Reference a valid hit; per slot, its page ids (-1 where a SWA block is already dead)."""
-        n = len(path)
-        dead = [(self.type_sink_blocks[k], self.dead_end(n, k)) for k in range(len(self.types))]
-        kinds = self.type_of_slot
-        rows = [[] for _ in range(self.num_slots)]
-        for i, node in enumerate(path):
-            was_unreferenced = node.num_referenced == 0
-            for s, p in enumerate(node.pages):
-                k = kinds[s]
-                if k is not None and dead[k][0] <= i < dead[k][1]:
-                    rows[s].append(-1)
-                    continue
-                rows[s].append(p)
-                rank = self.slot_rank[s]
-                holders = self.pools[rank].holders[p]
-                if not holders:
-                    self._count_evictable(rank, p, -1)
-                    node.num_referenced += 1
-                holders.add(owner)
-            if was_unreferenced and node.num_referenced:
-                self._repush(node)  # its still-unreferenced pages are no longer a whole leaf
+        rows = [[-1] * len(path) for _ in range(self.num_slots)]
+        for i, node, s in self.read_slots(path):
+            rows[s][i] = node.pages[s]
+        self.reference(path, owner)
         return rows
+
+    def reference(self, path: list, owner: Hashable) -> list:
+        """Reference every pool page a hit on `path` reads (pages only the lower tier holds are skipped);
+        returns them per rank, for unref."""
+        pinned = [[] for _ in self.pools]
+        last, was_unreferenced = None, False
+        for _, node, s in self.read_slots(path):
+            if node is not last:
+                if was_unreferenced and last.num_referenced:
+                    self._repush(last)  # its still-unreferenced pages are no longer a whole leaf
+                last, was_unreferenced = node, node.num_referenced == 0
+            p = node.pages[s]
+            if p < 0:
+                continue
+            rank = self.slot_rank[s]
+            holders = self.pools[rank].holders[p]
+            if not holders:
+                self._count_evictable(rank, p, -1)
+                node.num_referenced += 1
+            holders.add(owner)
+            pinned[rank].append(p)
+        if was_unreferenced and last.num_referenced:
+            self._repush(last)
+        return pinned
 
     # -- registration --------------------------------------------------------------------------
     def register(self, parent: BlockNode, key: tuple, pages: list, owner: Hashable) -> Optional[BlockNode]:
@@ -222,19 +274,9 @@ class PrefixCache:
             node = BlockNode(parent, key, parent.depth + 1, self.num_slots, self.num_types, self.column_sizes)
         adopted, was_unreferenced = False, node.num_referenced == 0
         for s, p in enumerate(pages):
-            if p < 0 or node.pages[s] >= 0:
-                continue
-            rank = self.slot_rank[s]
-            pool = self.pools[rank]
-            if pool.owner[p] != owner:
-                raise ValueError(f"request {owner!r} registers page {p} (rank {rank}) it does not own privately")
-            pool.owner[p] = CACHED
-            pool.holders[p] = {owner}
-            self.where[rank][p] = (node, s)
-            node.pages[s] = p
-            node.gaps[self.column_of_slot[s]] -= 1
-            node.num_referenced += 1
-            adopted = True
+            if p >= 0 and node.pages[s] < 0:
+                self.adopt(node, s, p, owner)
+                adopted = True
         if created:
             if not adopted:
                 return None  # nothing to cache (every head of the block already recycled)
@@ -245,11 +287,46 @@ class PrefixCache:
             self._update_anchor(node)
         elif adopted and was_unreferenced:
             self._repush(node)  # its other pages are no longer part of a whole unreferenced leaf
-        if adopted:
-            self.version += 1
-            if self.changed is not None:
-                self.changed.add(node)
         return node
+
+    def adopt(self, node: BlockNode, slot: int, page: int, owner: Hashable) -> None:
+        """Make the owner's private page the node's page of `slot` (a tombstone there), referenced by the
+        owner; a copy the lower tier held of it is dropped (the pool's copy is the one read)."""
+        rank = self.slot_rank[slot]
+        pool = self.pools[rank]
+        if pool.owner[page] != owner:
+            raise ValueError(f"request {owner!r} registers page {page} (rank {rank}) it does not own privately")
+        pool.owner[page] = CACHED
+        pool.holders[page] = {owner}
+        self.where[rank][page] = (node, slot)
+        node.pages[slot] = page
+        node.gaps[self.column_of_slot[slot]] -= 1
+        node.num_referenced += 1
+        self.version += 1
+        if self.changed is not None:
+            self.changed.add(node)
+        if node.host is not None and node.host[slot] >= 0:
+            self.lower.discard(node.host[slot])
+
+    # -- the lower tier --------------------------------------------------------------------------
+    def hold_below(self, node: BlockNode, slot: int, entry: int) -> None:
+        """The lower tier now holds the node's page of `slot` (just evicted from the pool) in `entry`."""
+        if node.host is None:
+            node.host, node.hosted = [-1] * self.num_slots, [0] * len(self.column_sizes)
+        node.host[slot] = entry
+        node.hosted[self.column_of_slot[slot]] += 1
+        self.version += 1
+
+    def drop_below(self, node: BlockNode, slot: int) -> None:
+        """The lower tier let the node's page of `slot` go; a node left with no page anywhere leaves the trie."""
+        node.host[slot] = -1
+        node.hosted[self.column_of_slot[slot]] -= 1
+        if not any(node.hosted):
+            node.host = node.hosted = None
+        self.version += 1
+        if self.changed is not None:
+            self.changed.add(node)
+        self._remove_empty_leaves(node)
 
     # -- release and eviction ------------------------------------------------------------------
     def unref(self, rank: int, pages: Iterable[int], owner: Hashable) -> None:
@@ -293,12 +370,18 @@ class PrefixCache:
         return True
 
     def clear(self) -> int:
-        """Evict every unreferenced cached page; returns how many."""
+        """Evict every unreferenced cached page and empty the lower tier; returns the pool pages evicted."""
+        lower, self.lower = self.lower, None  # nothing spills: everything goes
         total = 0
-        for rank in range(len(self.pools)):
-            n = self.num_evictable[rank]
-            self.evict(rank, n)
-            total += n
+        try:
+            for rank in range(len(self.pools)):
+                n = self.num_evictable[rank]
+                self.evict(rank, n)
+                total += n
+        finally:
+            self.lower = lower
+        if lower is not None:
+            lower.clear()
         return total
 
     @property
@@ -360,6 +443,10 @@ class PrefixCache:
 
     def _evict_page(self, rank: int, page: int, node: BlockNode, slot: int) -> None:
         pool = self.pools[rank]
+        # A page a hit can still read goes down a tier (copied before anyone can write it: allocation
+        # only hands it out, the next step writes); a stale sliding page no anchor sees is dropped.
+        spill = self.lower is not None and self._key(rank, node, slot, page)[0] != STALE_SWA
+        entry = self.lower.store(rank, page, node, slot) if spill else -1
         node.pages[slot] = -1
         node.gaps[self.column_of_slot[slot]] += 1
         del self.where[rank][page], self.tick_of[rank][page], pool.holders[page]
@@ -369,7 +456,12 @@ class PrefixCache:
         self.version += 1
         if self.changed is not None:
             self.changed.add(node)
-        while node is not self.root and not node.children and all(p < 0 for p in node.pages):
+        if entry >= 0:
+            self.hold_below(node, slot, entry)
+        self._remove_empty_leaves(node)
+
+    def _remove_empty_leaves(self, node: BlockNode) -> None:
+        while node is not self.root and not node.detached and not node.children and node.empty:
             parent = node.parent
             self._remove_leaf(node)
             node = parent
@@ -428,9 +520,24 @@ class PrefixCache:
         evictable = [0] * len(self.pools)
         protect = {id(n): [0] * self.num_types for n in nodes}
         heap_entries = [set(heap) for heap in self.heaps]
+        below = 0
         for node in nodes:
-            if not node.children and all(p < 0 for p in node.pages):
+            if not node.children and node.empty:
                 raise AssertionError(f"{node!r}: an all-tombstone leaf was not removed")
+            if node.host is not None:
+                hosted = [0] * len(self.column_sizes)
+                for s, h in enumerate(node.host):
+                    if h >= 0:
+                        hosted[self.column_of_slot[s]] += 1
+                        if node.pages[s] >= 0:
+                            raise AssertionError(f"{node!r}: slot {s} is in the pool and in the lower tier")
+                        if self.lower is None or self.lower.holder(h) != (node, s):
+                            raise AssertionError(f"{node!r}: slot {s} names lower-tier entry {h}, which holds "
+                                                 f"something else")
+                        below += 1
+                if hosted != node.hosted or not any(hosted):
+                    raise AssertionError(f"{node!r}: lower-tier entries per column {hosted}, counters say "
+                                         f"{node.hosted}")
             gaps = [0] * len(self.column_sizes)
             for s, p in enumerate(node.pages):
                 gaps[self.column_of_slot[s]] += p < 0
@@ -463,6 +570,8 @@ class PrefixCache:
                         while a is not self.root and a.depth >= lo:
                             protect[id(a)][k] += 1
                             a = a.parent
+        if self.lower is not None:
+            self.lower.check(below)
         for node in nodes:
             if self.rec_slots and protect[id(node)] != node.protects:
                 raise AssertionError(f"{node!r}: protect {node.protects}, expected {protect[id(node)]}")

@@ -27,6 +27,7 @@ class EngineArgs:
     kv_cache_memory: Optional[int] = None
     cache_dtype: Optional[str] = None  # None: float32 on the CPU, the compute dtype on the GPU
     kv_cache_quant_type: Optional[str] = None  # None: the checkpoint's quantization_config, else none
+    swap_space: Optional[float] = None  # GiB of host memory for the prefix cache's host tier
     max_num_batched_tokens: Optional[int] = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: Optional[bool] = None  # None: on, unless FD_ATTENTION_BACKEND=NATIVE_ATTN
@@ -59,6 +60,7 @@ class EngineArgs:
                 cache_dtype=self.cache_dtype or default_cache_dtype(device, model_config.dtype, env.FD_ATTENTION_BACKEND),
                 kv_cache_quant_type=self.kv_cache_quant_type,
                 enable_prefix_caching=self.enable_prefix_caching,
+                swap_space=self.swap_space,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -115,6 +117,10 @@ class EngineArgs:
                        default=d.enable_prefix_caching,
                        help="reuse KV blocks of shared prompt prefixes (default: on, except with the dense "
                             "NATIVE_ATTN oracle backend)")
+        g.add_argument("--swap-space", type=float, default=d.swap_space,
+                       help="GiB of host memory for a second tier of the prefix cache: cached pages the KV cache "
+                            "evicts are copied there (not stale sliding-window pages) and copied back on a hit "
+                            "(default: none)")
         g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                        help="ranks the model is split over: one worker process per rank (paddle.distributed), "
                             "each holding 1/N of the KV heads and their page pool")

@@ -51,6 +51,13 @@ class LLMEngine:
 
             self.connector = NixlConnector(fd_config.kv_transfer_config, fd_config, self.scheduler.kv_cache_manager,
                                            self.runner.kv_tensors())
+        # The prefix cache's host tier (--swap-space): evicted pages a hit can read are copied there.
+        if fd_config.cache_config.swap_space_bytes:
+            from fastdeploy.cache_manager.host_tier import HostTier
+
+            kv = self.scheduler.kv_cache_manager
+            self.scheduler.cache_manager.attach_host_tier(HostTier.for_bytes(
+                fd_config.cache_config.swap_space_bytes, self.runner.kv_tensors(), kv.pages_per_rank // kv.pages_per_entry))
         # KV-cache events (--kv-events-config): where prefix hits are valid here, for KV-aware routers.
         self.kv_events = self.kv_event_publisher = None
         if fd_config.kv_events_config is not None:

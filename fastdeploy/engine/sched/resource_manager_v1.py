@@ -90,6 +90,7 @@ class ResourceManagerV1:
         self.prefix_cache_query_tokens_total = 0
         self.prefix_cache_query_requests_total = 0  # admissions looked up / with a hit (upstream's hit_req_rate)
         self.prefix_cache_hit_requests_total = 0
+        self.prefix_cache_host_hit_tokens_total = 0  # of the hit tokens, those loaded from the host tier
         # Speculative decoding (spec_decode/): `proposer.propose(request, k)` drafts tokens; tests may
         # pass their own proposer to force acceptance patterns through the real scheduler.
         self.speculative_config = getattr(fd_config, "speculative_config", None)
@@ -261,6 +262,7 @@ class ResourceManagerV1:
         remote = request.remote_kv
         queried = kv.prefix_caching and request.sampling_params.prompt_logprobs is None and remote is None
         hit = kv.match_prefix(request) if queried else ()
+        hit, from_host = kv.load_prefix(request, hit)  # pages of the hit the host tier holds, into the pool
         start = remote.num_tokens if remote is not None else len(hit) * self.block_size
         claim = policy.admit(request, start, self.max_chunk)
         if claim is None:
@@ -283,6 +285,7 @@ class ResourceManagerV1:
             self.prefix_cache_hit_tokens_total += start
             self.prefix_cache_query_requests_total += 1
             self.prefix_cache_hit_requests_total += start > 0
+            self.prefix_cache_host_hit_tokens_total += from_host
             request.num_cached_tokens = start
         policy.admitted(request, self.max_chunk)
         request.kv_loading = remote is not None
@@ -419,6 +422,7 @@ class ResourceManagerV1:
             "prefix_cache_query_tokens_total": self.prefix_cache_query_tokens_total,
             "prefix_cache_hit_requests_total": self.prefix_cache_hit_requests_total,
             "prefix_cache_query_requests_total": self.prefix_cache_query_requests_total,
+            "prefix_cache_host_hit_tokens_total": self.prefix_cache_host_hit_tokens_total,
             **self._spec_decode_stats(),
         }
 

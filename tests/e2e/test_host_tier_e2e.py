@@ -1,0 +1,65 @@
+"""The prefix cache's host tier (--swap-space): a hit on pages the pool evicted gives the greedy tokens of a
+recompute (real engine, tiny preset: 4 KV heads, head 0 sliding with window 128 and sink 16, block size 16).
+
+The pool is too small to keep the system prompts of the first round, so the second round finds them in
+the host tier only; its tokens must equal those of an engine that recomputes every prompt.
+"""
+
+import pytest
+
+from fastdeploy import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+MODES = {"1d": ("0", "1"), "head_wise_recycle_off": ("1", "0"), "head_wise_recycle_on": ("1", "1")}
+
+
+def text(n, seed):
+    return [3 + (i * 37 + seed * 11 + (i * i + seed) % 23) % 250 for i in range(n)]
+
+
+SYSTEMS = [text(300, 10 + k) for k in range(4)]  # each longer than the sliding window
+
+
+def rounds(llm):
+    """Round 1 caches four system prompts, two conversations each (the second makes the prompt's end a
+    branch point, where the prefix cache keeps the sliding window); rounds 2 and 3 come back to them one
+    conversation at a time. The pool holds fewer than four, so each comes back after the others evicted it."""
+    outs = []
+    for r in range(3):
+        for k, system in enumerate(SYSTEMS):
+            for q in range(2 if r == 0 else 1):
+                prompt = system + text(20, 100 * r + 10 * q + k)
+                outs.append(llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs.token_ids)
+    return outs
+
+
+def engine(monkeypatch, mode, swap_space=None, caching=True, quant=None):
+    head_wise, recycle = MODES[mode]
+    monkeypatch.setenv("FD_ATTENTION_BACKEND", "APPEND_ATTN")
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", head_wise)
+    monkeypatch.setenv("FD_HEAD_WISE_SWA_RECYCLE", recycle)
+    return LLM(block_size=16, max_model_len=1024, max_num_seqs=4, enable_prefix_caching=caching,
+               num_gpu_blocks_override=48, swap_space=swap_space, kv_cache_quant_type=quant)
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("mode", MODES)
+def test_hits_on_pages_the_pool_evicted_give_the_tokens_of_a_recompute(monkeypatch, mode, quant):
+    recompute = rounds(engine(monkeypatch, mode, caching=False, quant=quant))
+    llm = engine(monkeypatch, mode, swap_space=0.02, quant=quant)
+    assert rounds(llm) == recompute
+    stats = llm.engine.get_stats()
+    # Rounds 2 and 3 find each system prompt (18 full blocks) whole, in the host tier: the prompts of the
+    # other three evicted it from the pool. (Round 1's second conversations hit in the pool, in 1-D mode
+    # whole; with recycling, a prompt's window in front of the branch point is kept once it is one.)
+    assert stats["prefix_cache_host_hit_tokens_total"] >= 8 * 288
+    assert stats["prefix_cache_hit_tokens_total"] >= 8 * 288 + 2 * 128
+    assert stats["host_cache_loaded_pages_total"] > 0
+    llm.engine.scheduler.check_integrity()
+
+
+def test_without_the_tier_the_same_workload_recomputes_what_the_pool_evicted(monkeypatch):
+    """The workload above really overflows the pool: without the tier the hits are far fewer."""
+    llm = engine(monkeypatch, "head_wise_recycle_on")
+    rounds(llm)
+    assert llm.engine.get_stats()["prefix_cache_hit_tokens_total"] < 4 * 288
