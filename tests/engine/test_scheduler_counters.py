@@ -43,6 +43,7 @@ def test_stats_after_a_repeated_prompt_by_hand(make_config):
         "prefix_cache_cached_pages": 2 * 4, "prefix_cache_evictable_pages": 2 * 4,
         "prefix_cache_evictions_total": 0, "prefix_cache_cached_blocks": 2,
         "prefix_cache_query_requests_total": 3, "prefix_cache_hit_requests_total": 1,  # only c hit
+        "prefix_cache_host_hit_tokens_total": 0,  # no host tier (--swap-space)
         "recomputed_tokens_total": 0,
     }
 
