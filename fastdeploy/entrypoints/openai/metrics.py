@@ -73,6 +73,24 @@ ENGINE_METRICS = (
     ("prefix_cache_cached_pages", "prefix_cache_cached_pages", "gauge", "KV pages held by the prefix cache.", None),
     ("prefix_cache_evictions_total", "prefix_cache_evictions_total", "counter",
      "Cached KV pages evicted to make room.", None),
+    # The prefix cache's host tier (only with --swap-space): evicted pages a hit can still read.
+    ("prefix_cache_host_hit_tokens_total", "prefix_cache_host_hit_tokens_total", "counter",
+     "Of the prompt tokens served from the prefix cache, those whose pages were loaded from the host tier.", None),
+    ("host_cache_pages", "host_cache_pages", "gauge", "KV pages held in the host tier.", None),
+    ("host_cache_pages_total", "host_cache_pages_total", "gauge", "KV pages the host tier can hold.", None),
+    ("host_cache_bytes", "host_cache_bytes", "gauge", "Bytes of KV pages held in the host tier.", None),
+    ("host_cache_stored_pages_total", "host_cache_stored_pages_total", "counter",
+     "KV pages copied into the host tier as the pool evicted them (stale sliding-window pages are not).", None),
+    ("host_cache_evicted_pages_total", "host_cache_evicted_pages_total", "counter",
+     "KV pages the host tier dropped to make room.", None),
+    ("host_cache_loaded_pages_total", "host_cache_loaded_pages_total", "counter",
+     "KV pages copied from the host tier back into the pool for a prefix hit.", None),
+    ("host_cache_loads_total", "host_cache_loads_total", "counter",
+     "Prefix hits that loaded pages from the host tier.", None),
+    ("host_cache_load_seconds_total", "host_cache_load_seconds_total", "counter",
+     "Seconds spent copying pages from the host tier into the pool.", None),
+    ("host_cache_store_seconds_total", "host_cache_store_seconds_total", "counter",
+     "Seconds spent copying evicted pages into the host tier.", None),
     # Prefill/decode disaggregation (only with --kv-transfer-config): what moved between the servers.
     ("kv_transfer_bytes_sent_total", "kv_transfer_bytes_sent_total", "counter",
      "KV bytes handed to decode servers (the live pages of finished prefill requests).", None),
@@ -134,8 +152,10 @@ UPSTREAM_METRICS = (
     ("hit_req_rate", "gauge", "Request-level prefix cache hit rate"),
     ("hit_token_rate", "gauge", "Token-level prefix cache hit rate"),
     ("gpu_hit_token_rate", "gauge", "Token-level GPU prefix cache hit rate"),
+    ("cpu_hit_token_rate", "gauge", "Token-level CPU prefix cache hit rate"),
     ("prefix_cache_token_num", "counter", "Total number of cached tokens"),
     ("prefix_gpu_cache_token_num", "counter", "Total number of cached tokens on GPU"),
+    ("prefix_cpu_cache_token_num", "counter", "Total number of cached tokens on CPU"),
 )
 
 
@@ -154,6 +174,7 @@ def upstream_values(stats: dict) -> dict:
     query = stats.get("prefix_cache_query_tokens_total", 0)
     hit = stats.get("prefix_cache_hit_tokens_total", 0)
     hit_rate = hit / query if query else 0.0
+    host = stats.get("prefix_cache_host_hit_tokens_total", 0)  # upstream's "CPU" tier: our host tier (--swap-space)
     req_query = stats.get("prefix_cache_query_requests_total", 0)
     req_hit_rate = stats.get("prefix_cache_hit_requests_total", 0) / req_query if req_query else 0.0
     return {
@@ -167,9 +188,11 @@ def upstream_values(stats: dict) -> dict:
         "available_batch_size": max(0, max_batch - running),
         "hit_req_rate": req_hit_rate,
         "hit_token_rate": hit_rate,
-        "gpu_hit_token_rate": hit_rate,
+        "gpu_hit_token_rate": (hit - host) / query if query else 0.0,
+        "cpu_hit_token_rate": host / query if query else 0.0,
         "prefix_cache_token_num": hit,
-        "prefix_gpu_cache_token_num": hit,
+        "prefix_gpu_cache_token_num": hit - host,
+        "prefix_cpu_cache_token_num": host,
     }
 
 

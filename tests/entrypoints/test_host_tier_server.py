@@ -1,0 +1,41 @@
+"""An api_server with --swap-space: a conversation the pool evicted comes back from the host tier, the client
+sees its cached_tokens in usage, and /metrics shows the tier (ours and upstream's CPU-cache names)."""
+
+import pytest
+
+
+def text(n, seed):
+    return [3 + (i * 37 + seed * 11 + (i * i + seed) % 23) % 250 for i in range(n)]
+
+
+SYSTEMS = [text(300, 10 + k) for k in range(4)]  # tiny preset: longer than its 128-token window
+
+
+@pytest.mark.parametrize("flag", ["0", "1"])
+def test_a_prompt_the_pool_evicted_is_served_from_the_host_tier_and_reported(server_factory, flag):
+    server = server_factory("--max-model-len", "512", "--block-size", "16", "--num-gpu-blocks-override", "48",
+                            "--swap-space", "0.02", env={"FD_HEAD_WISE_KV_CACHE": flag})
+
+    def complete(prompt):
+        body = server.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                                        "ignore_eos": True}).json()
+        return body["choices"][0]["text"], body["usage"]
+
+    first = {}
+    for k, system in enumerate(SYSTEMS):  # two conversations each: the prompt's end becomes a branch point
+        first[k] = complete(system + text(20, k))[0]
+        complete(system + text(20, 50 + k))
+    before = server.wait_idle_with_all_pages_free()
+    text0, usage = complete(SYSTEMS[0] + text(20, 0))  # evicted from the pool by the three others
+    assert text0 == first[0]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 288  # the system prompt's 18 blocks
+    m = server.wait_idle_with_all_pages_free()
+    assert m["fastdeploy:prefix_cache_host_hit_tokens_total"] - before["fastdeploy:prefix_cache_host_hit_tokens_total"] \
+        >= 288 - 16
+    assert m["fastdeploy:host_cache_loaded_pages_total"] > 0 and m["fastdeploy:host_cache_loads_total"] >= 1
+    assert m["fastdeploy:host_cache_pages"] > 0
+    assert m["fastdeploy:host_cache_bytes"] > 0 and m["fastdeploy:host_cache_pages_total"] >= m["fastdeploy:host_cache_pages"]
+    assert m["fastdeploy:cpu_hit_token_rate"] > 0
+    assert m["fastdeploy:prefix_cpu_cache_token_num_total"] == m["fastdeploy:prefix_cache_host_hit_tokens_total"]
+    assert m["fastdeploy:prefix_gpu_cache_token_num_total"] + m["fastdeploy:prefix_cpu_cache_token_num_total"] \
+        == m["fastdeploy:prefix_cache_token_num_total"]
