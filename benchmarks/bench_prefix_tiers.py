@@ -17,7 +17,8 @@ for every FD_HEAD_WISE_KV_CACHE value in --head-wise:
 - ceiling: no tier, a pool --ceiling-factor times as big (it keeps every session).
 
 Per arm, over the measured run (stats deltas after a warm-up request no session shares): prefix hit
-rate (hit / query tokens), the share of hit tokens the tier served, TTFT p50/p99 (first-token time minus
+rate (hit / query tokens), the share of hit tokens the tier served (as the stats count it, and as the
+pages copied back, in whole blocks' tokens), TTFT p50/p99 (first-token time minus
 arrival, inside the engine loop), output tokens/s and requests/s; for the tier, what it holds at the end:
 bytes, bytes per stored page and per cached token (the tokens of the trie blocks it holds any page of:
 head-wise, stale sliding pages are not stored, so a block costs fewer bytes), and the copy-back time per
@@ -62,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=4, help="sessions whose turns run at once (max_num_seqs)")
     p.add_argument("--seed", type=int, default=0, help="which prose and questions (a held-out run: another seed)")
     p.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="bytes of KV pool of the none/host arms (default: SmolLM2 128 MiB, about a quarter of "
-                        "the default workload's histories with the flag off; Gemma 3 270m 32 MiB)")
+                   help="bytes of KV pool of the none/host arms (default: SmolLM2 160 MiB, 227 blocks of 16 tokens "
+                        "with the flag off: a quarter of the default workload's 905 blocks of history; Gemma 3 270m "
+                        "120 MiB, 213 of its 853)")
     p.add_argument("--swap-space", type=float, default=1.0, help="GiB of the host arm's tier")
     p.add_argument("--ceiling-factor", type=float, default=8.0, help="the ceiling arm's pool: this x --kv-cache-memory")
     p.add_argument("--head-wise", nargs="+", default=["0", "1"], help="FD_HEAD_WISE_KV_CACHE values to run")
@@ -75,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-DEFAULT_POOL = {"smollm2-135m-instruct": 128 << 20, "gemma-3-270m": 32 << 20}
+DEFAULT_POOL = {"smollm2-135m-instruct": 160 << 20, "gemma-3-270m": 120 << 20}
 
 
 # -- the workload, in token ids ------------------------------------------------------------------------------
@@ -84,7 +86,8 @@ class Chat:
 
     The template's text between an answer and the next question's generation prompt is found by rendering
     a placeholder conversation (the text after the placeholder answer), so the answer's own ids are kept
-    as generated and never re-tokenized."""
+    as generated and never re-tokenized (a template that puts text before the answer, as the plain
+    transcript's "Assistant: " does, gets the answer right after its generation prompt, as generated)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -99,16 +102,17 @@ class Chat:
         answered = render(conv + [{"role": "assistant", "content": "PLACEHOLDER"}], False)
         again = render(conv + [{"role": "assistant", "content": "PLACEHOLDER"}, {"role": "user", "content": question}],
                        True)
-        if not (answered.startswith(asked + "PLACEHOLDER") and again.startswith(answered)):
+        end = answered.find("PLACEHOLDER", len(asked)) + len("PLACEHOLDER")
+        if not (answered.startswith(asked) and end > len(asked) and again.startswith(answered)):
             raise SystemExit("the chat template does not render a conversation by appending turns")
-        return prompt + list(answer) + self.tokenizer.encode(again[len(asked) + len("PLACEHOLDER"):])
+        return prompt + list(answer) + self.tokenizer.encode(again[end:])
 
 
 def drive(llm: LLM, args, systems, sessions, params) -> dict:
     """Every turn of every session, round-robin, --concurrency sessions at a time; stats deltas after a
     warm-up request."""
     engine, chat = llm.engine, Chat(llm.engine.tokenizer)
-    warm = chat.first("You are a calculator.", " ".join(str(i * 7919 % 1000) for i in range(200)))
+    warm = chat.first("You are a calculator.", " ".join(str(i * 7919 % 1000) for i in range(50)))
     run_requests(engine, {"warm-up": warm}, params)
     base = engine.get_stats()
     prompts, answers, ttft, out_tokens, prompt_tokens = {}, {s: [] for s in range(len(sessions))}, [], 0, 0
@@ -150,6 +154,7 @@ def drive(llm: LLM, args, systems, sessions, params) -> dict:
     row["host_hit_share"] = row["host_hit_tokens"] / hit if hit else 0.0
     if "host_cache_bytes" in end:
         row.update(host_tier_stats(llm, end, delta, args.block_size))
+        row["host_loaded_share"] = row["host_loaded_tokens"] / hit if hit else 0.0
     return {"row": row, "answers": answers}
 
 
@@ -181,6 +186,10 @@ def host_tier_stats(llm: LLM, end: dict, delta: dict, block_size: int) -> dict:
         "host_load_us_per_page": 1e6 * load_s / loaded if loaded else 0.0,
         "host_load_ms_per_load": 1e3 * load_s / loads if loads else 0.0,
         "host_load_gb_s": loaded * per_page / load_s / 1e9 if load_s else 0.0,
+        # the pages copied back, as tokens of whole blocks: comparable across the flag, unlike
+        # prefix_cache_host_hit_tokens_total, which counts a hit's tokens from its first block the pool
+        # lacks any page of (head-wise: one missing page counts the whole rest of the hit)
+        "host_loaded_tokens": loaded * block_size / slots,
     }
 
 
@@ -252,6 +261,7 @@ def main(argv=None) -> int:
 
     cols = [("flag", "head_wise", "d"), ("arm", "arm", ""), ("pool MiB", lambda r: r["kv_cache_memory"] / 2**20, ".0f"),
             ("hit rate", "hit_rate", ".1%"), ("host share", "host_hit_share", ".1%"),
+            ("loaded share", lambda r: r.get("host_loaded_share", 0.0), ".1%"),
             ("TTFT p50 ms", "ttft_p50_ms", ".0f"), ("p99 ms", "ttft_p99_ms", ".0f"),
             ("out tok/s", "output_tok_s", ".1f"), ("req/s", "requests_s", ".2f"), ("evict", "evictions", "d"),
             ("wall s", "wall_s", ".0f")]

@@ -127,3 +127,17 @@ def test_bench_disaggregation_moves_fewer_bytes_with_the_flag_on(tmp_path):
     for row in (off, on):  # the bytes a read moved are the page-need arithmetic's, exactly
         assert row["bytes_moved"] == row["arithmetic_bytes"] > 0 and row["read_gbps"] > 0
     assert on["ratio_to_flag_off"] < 1
+
+
+def test_bench_prefix_tiers_runs_every_arm_and_keeps_tokens(tmp_path):
+    """A pool too small for two sessions' histories: the host arm serves hits from its tier, tokens equal."""
+    out = tmp_path / "tiers.json"
+    run("bench_prefix_tiers.py", "--sessions", "3", "--turns", "2", "--system-tokens", "200", "--max-tokens", "4",
+        "--head-wise", "1", "--concurrency", "1", "--kv-cache-memory", str(24 << 20), "--swap-space", "0.1",
+        "--copy-mib", "16", "--json", str(out), timeout=600)
+    result = json.loads(out.read_text())
+    assert {r["arm"] for r in result["rows"]} == {"none", "host", "ceiling"}
+    assert all(c["differ"] == 0 for c in result["identical_tokens"])
+    host = next(r for r in result["rows"] if r["arm"] == "host")
+    none = next(r for r in result["rows"] if r["arm"] == "none")
+    assert host["hit_rate"] > none["hit_rate"]
