@@ -50,6 +50,11 @@ class CacheConfig:
     # GiB of host memory for the prefix cache's second tier (upstream's --swap-space; cache_manager/host_tier.py);
     # None or 0: no tier.
     swap_space: Optional[float] = None
+    # The disk tier below the host tier (upstream's --kvcache-storage-backend; cache_manager/disk_tier.py):
+    # "file" or None; its directory and the GiB of page files it may hold.
+    kvcache_storage_backend: Optional[str] = None
+    kvcache_storage_path: Optional[str] = None
+    kvcache_storage_space: float = 16.0
     num_gpu_blocks: int = 0  # resolved by FDConfig
 
     @property
@@ -183,6 +188,7 @@ class FDConfig:
             raise ValueError("FD_HEAD_WISE_SWA_RECYCLE=0 has no effect without FD_HEAD_WISE_KV_CACHE=1")
         self._resolve_prefix_caching()
         self._check_swap_space()
+        self._check_storage()
         self._check_device()
         self._check_kv_transfer()
         if self.kv_events_config is not None and not self.cache_config.enable_prefix_caching:
@@ -289,6 +295,23 @@ class FDConfig:
         if self.device != "cpu":
             raise ValueError("--swap-space: the host tier copies pages of KV tensors in host memory; pages in GPU "
                              "memory (pinned host copies) are not built here")
+
+    def _check_storage(self) -> None:
+        """The disk tier takes what the host tier lets go: it needs the host tier and a directory."""
+        cache = self.cache_config
+        backend = cache.kvcache_storage_backend
+        if backend is None:
+            return
+        if backend != "file":
+            raise ValueError(f"--kvcache-storage-backend: {backend!r} is not built here (choices: file)")
+        if not cache.swap_space_bytes:
+            raise ValueError("--kvcache-storage-backend file: the disk tier holds what the host tier lets go; "
+                             "give the host tier memory with --swap-space")
+        if not cache.kvcache_storage_path:
+            raise ValueError("--kvcache-storage-backend file needs --kvcache-storage-path DIR")
+        space = cache.kvcache_storage_space
+        if isinstance(space, bool) or not isinstance(space, (int, float)) or not space > 0:
+            raise ValueError(f"--kvcache-storage-space must be a positive number of GiB, got {space!r}")
 
     def _resolve_num_blocks(self) -> None:
         cache = self.cache_config

@@ -19,10 +19,15 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import logging
 import time
 from typing import Optional
 
 import numpy as np
+
+from fastdeploy.cache_manager.disk_tier import PageFiles, chain_digest
+
+logger = logging.getLogger("fastdeploy.cache")
 
 
 def pool_views(kv_tensors: list, num_entries: int) -> list:
@@ -61,6 +66,16 @@ class HostTier:
         self.load_seconds_total = 0.0
         self.store_seconds_total = 0.0
         self.loads_total = 0         # prefix hits that loaded pages from here
+        # The disk tier (attach_disk): handle -> file path and -> (node, slot); its own LRU and pinned set.
+        self.files: Optional[PageFiles] = None
+        self.disk_capacity = 0
+        self._disk_path: dict = {}
+        self._disk_holder: dict = {}
+        self._disk_lru: collections.OrderedDict = collections.OrderedDict()
+        self._disk_pinned: set = set()
+        self._next_handle = num_entries
+        self.disk_stored_total = self.disk_evicted_total = self.disk_loaded_total = self.disk_restored_total = 0
+        self.disk_load_seconds_total = self.disk_store_seconds_total = 0.0
 
     @classmethod
     def for_bytes(cls, swap_space_bytes: int, kv_tensors: list, num_pool_entries: int) -> "HostTier":
@@ -83,7 +98,8 @@ class HostTier:
             old_node, old_slot = self._holder[entry]
             self._holder[entry] = None
             self.evicted_total += 1
-            self.cache.drop_below(old_node, old_slot)
+            if not self._to_disk(self.data[entry], old_node, old_slot):
+                self.cache.drop_below(old_node, old_slot)
         else:
             return -1
         t0 = time.perf_counter()
@@ -97,47 +113,181 @@ class HostTier:
         return entry
 
     def discard(self, entry: int) -> None:
-        """The pool holds the entry's page again: the entry is free."""
-        node, slot = self._holder[entry]
+        """The pool holds the entry's page again: the entry is free (a file: deleted)."""
+        node, slot = self.holder(entry)
         self._release(entry)
         self.cache.drop_below(node, slot)
 
     def holder(self, entry: int):
-        return self._holder[entry]
+        return self._holder[entry] if entry < self.num_entries else self._disk_holder.get(entry)
 
     # -- loads ---------------------------------------------------------------------------------
     def pin(self, entries: list) -> None:
         """Keep these entries while pool pages are found for them (allocation may store others here)."""
         for entry in entries:
-            del self._lru[entry]
-            self._pinned.add(entry)
+            lru, pinned = self._lists(entry)
+            del lru[entry]
+            pinned.add(entry)
 
     def unpin(self, entries: list) -> None:
         for entry in entries:
-            self._pinned.discard(entry)
-            self._lru[entry] = None
-            self._lru.move_to_end(entry, last=False)  # a load that fell through: first to go again
+            lru, pinned = self._lists(entry)
+            if entry in pinned:  # not a file fetch dropped
+                pinned.discard(entry)
+                lru[entry] = None
+                lru.move_to_end(entry, last=False)  # a load that fell through: first to go again
 
-    def load(self, entries: list, pages: list) -> None:
-        """Copy pinned entries into pool pages (rank 0); the trie adopting the pages frees the entries."""
+    def fetch(self, entries: list) -> Optional[dict]:
+        """Read the pinned entries that are files: {handle: bytes}; None when a file turned out truncated or
+        corrupt (it is deleted and leaves the trie; the caller falls back to recomputing)."""
+        rows, bad = {}, []
         t0 = time.perf_counter()
-        rows = self.data[np.asarray(entries, np.int64)]
+        for entry in entries:
+            if entry >= self.num_entries:
+                row = self.files.read(self._disk_path[entry])
+                if row is None:
+                    bad.append(entry)
+                else:
+                    rows[entry] = row
+        self.disk_load_seconds_total += time.perf_counter() - t0
+        for entry in bad:
+            self.discard(entry)
+        return None if bad else rows
+
+    def load(self, entries: list, pages: list, fetched: Optional[dict] = None) -> None:
+        """Copy pinned entries into pool pages (rank 0); the trie adopting the pages frees the entries.
+        Entries that are files come from `fetched` (fetch)."""
+        t0 = time.perf_counter()
+        rows = np.stack([self.data[e] if e < self.num_entries else fetched[e] for e in entries])
         index = np.asarray(pages, np.int64)
         for view, off, unit in zip(self.views, self.offsets, self.units):
             view[index] = rows[:, off:off + unit]
         self.load_seconds_total += time.perf_counter() - t0
         self.loaded_total += len(entries)
+        self.disk_loaded_total += sum(e >= self.num_entries for e in entries)
         self.loads_total += 1
 
     def clear(self) -> None:
-        for entry in list(self._lru):
+        """Let every entry go (files deleted)."""
+        for entry in list(self._lru) + list(self._disk_lru):
             self.discard(entry)
 
+    def _lists(self, entry: int) -> tuple:
+        return (self._lru, self._pinned) if entry < self.num_entries else (self._disk_lru, self._disk_pinned)
+
     def _release(self, entry: int) -> None:
+        if entry >= self.num_entries:
+            self.files.remove(self._disk_path.pop(entry))
+            del self._disk_holder[entry]
+            self._disk_pinned.discard(entry)
+            self._disk_lru.pop(entry, None)
+            return
         self._holder[entry] = None
         self._pinned.discard(entry)
         self._lru.pop(entry, None)
         self._free.append(entry)
+
+    # -- the disk tier -------------------------------------------------------------------------
+    def attach_disk(self, files: PageFiles, capacity_bytes: int) -> None:
+        """Write what the LRU lets go to `files` (up to `capacity_bytes` of pages) instead of dropping it."""
+        if files.entry_bytes != self.entry_bytes:
+            raise ValueError(f"disk tier: files of {files.entry_bytes}-byte entries under a {self.entry_bytes}-byte tier")
+        self.files = files
+        self.disk_capacity = int(capacity_bytes) // self.entry_bytes
+        if self.disk_capacity < 1:
+            raise ValueError(f"--kvcache-storage-space: {capacity_bytes} bytes hold no page of {self.entry_bytes} bytes")
+
+    def _to_disk(self, row: np.ndarray, node, slot: int) -> bool:
+        """Write the (node, slot) entry's bytes to a file and make the trie name it; False without a disk
+        tier, when every file is being read, or when the write fails (the page is then dropped)."""
+        if self.files is None:
+            return False
+        while len(self._disk_holder) >= self.disk_capacity:
+            if not self._disk_lru:
+                return False
+            oldest = next(iter(self._disk_lru))
+            self.disk_evicted_total += 1
+            self.discard(oldest)
+        t0 = time.perf_counter()
+        try:
+            path = self.files.write(self._digest(node), self._digest(node.parent), node.key, slot, row)
+        except OSError as exc:
+            self.files.write_errors_total += 1
+            if self.files.write_errors_total == 1:
+                logger.warning("disk tier: writing a page failed (%s); pages the host tier lets go are dropped "
+                               "until writes succeed", exc)
+            return False
+        self.disk_store_seconds_total += time.perf_counter() - t0
+        handle = self._adopt_file(path, node, slot)
+        self.cache.move_below(node, slot, handle)
+        self.disk_stored_total += 1
+        return True
+
+    def _adopt_file(self, path: str, node, slot: int) -> int:
+        handle, self._next_handle = self._next_handle, self._next_handle + 1
+        self._disk_path[handle] = path
+        self._disk_holder[handle] = (node, slot)
+        self._disk_lru[handle] = None
+        return handle
+
+    def _digest(self, node) -> str:
+        """The chain digest of a trie node (the root's: the cache identity), memoised on the node."""
+        todo = []
+        while node.depth >= 0 and node.digest is None:
+            todo.append(node)
+            node = node.parent
+        digest = self.files.identity if node.depth < 0 else node.digest
+        for n in reversed(todo):
+            n.digest = digest = chain_digest(digest, n.key)
+        return digest
+
+    def persist(self) -> int:
+        """Write every entry held in memory to disk, oldest first (a clean shutdown); returns how many."""
+        written = 0
+        for entry in list(self._lru):
+            node, slot = self._holder[entry]
+            if self._to_disk(self.data[entry], node, slot):
+                self._holder[entry] = None
+                self._lru.pop(entry)
+                self._free.append(entry)
+                written += 1
+        return written
+
+    def restore(self) -> int:
+        """Rebuild the trie's nodes from the files (pages on disk only), oldest first; files whose chain does
+        not reach the root (a parent's files are gone) and files beyond the capacity are deleted. Returns
+        the pages restored."""
+        found = list(self.files.scan())
+        excess = len(found) - self.disk_capacity
+        for path, *_ in found[:max(0, excess)]:
+            self.files.remove(path)
+        found = found[max(0, excess):]
+        parents = {chain_digest(parent, key): (parent, key) for _, parent, key, _, _ in found}
+        nodes = {self.files.identity: self.cache.root}
+
+        def node_of(digest):
+            chain = []
+            while digest not in nodes:
+                if digest not in parents:
+                    return None
+                chain.append(digest)
+                digest = parents[digest][0]
+            for d in reversed(chain):
+                nodes[d] = self.cache.graft(nodes[parents[d][0]], parents[d][1])
+                nodes[d].digest = d
+            return nodes[chain[0]] if chain else nodes[digest]
+
+        restored = 0
+        for path, parent, key, slot, _ in found:
+            node = node_of(chain_digest(parent, key))
+            if node is None or not 0 <= slot < self.cache.num_slots or (node.host is not None and node.host[slot] >= 0):
+                self.files.remove(path)
+                continue
+            self.cache.hold_below(node, slot, self._adopt_file(path, node, slot))
+            restored += 1
+        self.cache.prune_empty()
+        self.disk_restored_total = restored
+        return restored
 
     # -- observability -------------------------------------------------------------------------
     @property
@@ -152,7 +302,19 @@ class HostTier:
                 "host_cache_loaded_pages_total": self.loaded_total,
                 "host_cache_loads_total": self.loads_total,
                 "host_cache_load_seconds_total": self.load_seconds_total,
-                "host_cache_store_seconds_total": self.store_seconds_total}
+                "host_cache_store_seconds_total": self.store_seconds_total,
+                **(self._disk_stats() if self.files is not None else {})}
+
+    def _disk_stats(self) -> dict:
+        return {"disk_cache_pages": len(self._disk_holder), "disk_cache_pages_total": self.disk_capacity,
+                "disk_cache_bytes": len(self._disk_holder) * self.entry_bytes,
+                "disk_cache_stored_pages_total": self.disk_stored_total,
+                "disk_cache_evicted_pages_total": self.disk_evicted_total,
+                "disk_cache_loaded_pages_total": self.disk_loaded_total,
+                "disk_cache_restored_pages": self.disk_restored_total,
+                "disk_cache_corrupt_files_total": self.files.corrupt_total,
+                "disk_cache_load_seconds_total": self.disk_load_seconds_total,
+                "disk_cache_store_seconds_total": self.disk_store_seconds_total}
 
     def check(self, named_by_trie: int) -> None:
         """Raise AssertionError unless every entry is free or held once (LRU or pinned), and the trie names
@@ -162,5 +324,10 @@ class HostTier:
             raise AssertionError(f"host tier: {len(held)} held + {len(self._free)} free != {self.num_entries}")
         if set(held) != set(self._lru) | self._pinned or set(self._lru) & self._pinned:
             raise AssertionError("host tier: held entries differ from the LRU and the pinned ones")
-        if named_by_trie != len(held):
-            raise AssertionError(f"host tier: {len(held)} entries held, the trie names {named_by_trie}")
+        files = set(self._disk_holder)
+        if files != set(self._disk_lru) | self._disk_pinned or set(self._disk_lru) & self._disk_pinned or \
+                files != set(self._disk_path) or len(self._disk_holder) > max(self.disk_capacity, 0):
+            raise AssertionError("disk tier: held files differ from the LRU and the pinned ones, or exceed the capacity")
+        if named_by_trie != len(held) + len(files):
+            raise AssertionError(f"host tier: {len(held)} entries and {len(files)} files held, the trie names "
+                                 f"{named_by_trie}")

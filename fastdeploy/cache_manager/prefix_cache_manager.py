@@ -325,6 +325,8 @@ class PrefixCacheManager:
         if self.tensor_parallel_size != 1:
             raise ValueError("the host tier serves tensor_parallel_size 1")
         tier.cache, self.prefix_cache.lower = self.prefix_cache, tier
+        if tier.files is not None:
+            tier.restore()  # the disk tier's pages from an earlier run become the trie's nodes again
 
     @property
     def host_tier(self):
@@ -343,23 +345,37 @@ class PrefixCacheManager:
         entries = [node.host[s] for node, s in needs]
         pinned = cache.reference(path, owner)
         tier.pin(entries)
+        fetched = tier.fetch(entries)  # the pages in files, read; None if one was corrupt (it is gone)
         counts = [0] * self.num_slots
         for _, s in needs:
             counts[s] += 1
-        rows = self.allocate(counts, owner)  # may evict, and store what it evicts in the tier
+        rows = self.allocate(counts, owner) if fetched is not None else None  # may evict into the tier
         if rows is None:
             tier.unpin(entries)
             for rank, pages in enumerate(pinned):
                 cache.unref(rank, pages, owner)
             return path[:cache.pool_depth(path)]
         pages = [rows[s].pop() for _, s in needs]
-        tier.load(entries, pages)
+        tier.load(entries, pages, fetched)
         for (node, s), page in zip(needs, pages):
             cache.adopt(node, s, page, owner)
             pinned[self.slot_rank[s]].append(page)
         for rank, pages in enumerate(pinned):
             cache.unref(rank, pages, owner)  # now cached and unreferenced, until the hit takes them
         return path
+
+    def persist_prefix_cache(self) -> int:
+        """A clean shutdown with a disk tier: every cached page a hit can read and no request holds goes to
+        disk (the pool's through the host tier), so the next start finds it; returns the files written."""
+        cache = self.prefix_cache
+        tier = cache.lower if cache is not None else None
+        if tier is None or tier.files is None:
+            return 0
+        before = tier.disk_stored_total
+        for rank in range(len(cache.pools)):
+            cache.evict(rank, cache.num_evictable[rank])
+        tier.persist()
+        return tier.disk_stored_total - before
 
     def acquire_prefix(self, path: list, req_id: Hashable) -> list:
         """Reference a matched path; per slot (KV head, or the one 1-D slot) its page ids, -1 where dead."""
@@ -385,7 +401,9 @@ class PrefixCacheManager:
                  "prefix_cache_cached_blocks": cache.num_nodes}
         if cache.lower is not None:
             counts = ("host_cache_pages", "host_cache_pages_total", "host_cache_stored_pages_total",
-                      "host_cache_evicted_pages_total", "host_cache_loaded_pages_total")
+                      "host_cache_evicted_pages_total", "host_cache_loaded_pages_total", "disk_cache_pages",
+                      "disk_cache_pages_total", "disk_cache_stored_pages_total", "disk_cache_evicted_pages_total",
+                      "disk_cache_loaded_pages_total", "disk_cache_restored_pages")
             stats.update({k: v * scale if k in counts else v for k, v in cache.lower.stats().items()})
         return stats
 

@@ -77,7 +77,7 @@ class BlockNode:
     """One cached full block: its pages per slot and the bookkeeping the eviction policy needs."""
 
     __slots__ = ("parent", "key", "depth", "children", "pages", "gaps", "num_referenced", "protects", "anchor",
-                 "children_created", "host", "hosted")
+                 "children_created", "host", "hosted", "digest")
 
     def __init__(self, parent: Optional["BlockNode"], key: Optional[tuple], depth: int, num_slots: int,
                  num_types: int = 1, column_sizes: tuple = ()):
@@ -97,6 +97,7 @@ class BlockNode:
         # per column how many; None while the node has none. A slot's page is in the pool or the tier, never both.
         self.host: Optional[list] = None
         self.hosted: Optional[list] = None
+        self.digest: Optional[str] = None  # the disk tier's name of this block's chain (host_tier._digest)
 
     @property
     def protect(self) -> int:
@@ -316,6 +317,35 @@ class PrefixCache:
         node.host[slot] = entry
         node.hosted[self.column_of_slot[slot]] += 1
         self.version += 1
+
+    def move_below(self, node: BlockNode, slot: int, entry: int) -> None:
+        """The lower tier moved the node's page of `slot` to another of its entries (memory to a file)."""
+        node.host[slot] = entry
+
+    def graft(self, parent: BlockNode, key: tuple) -> BlockNode:
+        """The node of `key` under `parent`, created without pages if absent (the disk tier's restart fills
+        its slots with hold_below; prune_empty removes what stays empty)."""
+        node = parent.children.get(key)
+        if node is None:
+            node = BlockNode(parent, key, parent.depth + 1, self.num_slots, self.num_types, self.column_sizes)
+            parent.children[key] = node
+            parent.children_created += 1
+            self.num_nodes += 1
+            self._children_changed(parent)
+            self._update_anchor(node)
+            self.version += 1
+        return node
+
+    def prune_empty(self) -> None:
+        """Remove every leaf left with no page anywhere (and the chains above it that end up so)."""
+        stack, leaves = [self.root], []
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node is not self.root and not node.children and node.empty:
+                leaves.append(node)
+        for leaf in leaves:
+            self._remove_empty_leaves(leaf)
 
     def drop_below(self, node: BlockNode, slot: int) -> None:
         """The lower tier let the node's page of `slot` go; a node left with no page anywhere leaves the trie."""

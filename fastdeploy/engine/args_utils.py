@@ -28,6 +28,9 @@ class EngineArgs:
     cache_dtype: Optional[str] = None  # None: float32 on the CPU, the compute dtype on the GPU
     kv_cache_quant_type: Optional[str] = None  # None: the checkpoint's quantization_config, else none
     swap_space: Optional[float] = None  # GiB of host memory for the prefix cache's host tier
+    kvcache_storage_backend: Optional[str] = None  # "file": a disk tier below the host tier
+    kvcache_storage_path: Optional[str] = None
+    kvcache_storage_space: float = 16.0  # GiB of page files
     max_num_batched_tokens: Optional[int] = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: Optional[bool] = None  # None: on, unless FD_ATTENTION_BACKEND=NATIVE_ATTN
@@ -61,6 +64,9 @@ class EngineArgs:
                 kv_cache_quant_type=self.kv_cache_quant_type,
                 enable_prefix_caching=self.enable_prefix_caching,
                 swap_space=self.swap_space,
+                kvcache_storage_backend=self.kvcache_storage_backend,
+                kvcache_storage_path=self.kvcache_storage_path,
+                kvcache_storage_space=self.kvcache_storage_space,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -121,6 +127,14 @@ class EngineArgs:
                        help="GiB of host memory for a second tier of the prefix cache: cached pages the KV cache "
                             "evicts are copied there (not stale sliding-window pages) and copied back on a hit "
                             "(default: none)")
+        g.add_argument("--kvcache-storage-backend", choices=["file"], default=d.kvcache_storage_backend,
+                       help="a disk tier below --swap-space's host tier: pages it lets go are written to files in "
+                            "--kvcache-storage-path, and at a clean shutdown every cached page is; the next start "
+                            "with the same model and cache layout hits on them (default: none)")
+        g.add_argument("--kvcache-storage-path", type=str, default=d.kvcache_storage_path,
+                       help="directory of the disk tier's page files (one subdirectory per model and cache layout)")
+        g.add_argument("--kvcache-storage-space", type=float, default=d.kvcache_storage_space,
+                       help="GiB of page files the disk tier may hold; the oldest go first (default: 16)")
         g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                        help="ranks the model is split over: one worker process per rank (paddle.distributed), "
                             "each holding 1/N of the KV heads and their page pool")

@@ -51,13 +51,14 @@ class LLMEngine:
 
             self.connector = NixlConnector(fd_config.kv_transfer_config, fd_config, self.scheduler.kv_cache_manager,
                                            self.runner.kv_tensors())
-        # The prefix cache's host tier (--swap-space): evicted pages a hit can read are copied there.
+        # The prefix cache's host tier (--swap-space): evicted pages a hit can read are copied there; below it
+        # the disk tier (--kvcache-storage-backend file), whose files outlive the process.
         if fd_config.cache_config.swap_space_bytes:
-            from fastdeploy.cache_manager.host_tier import HostTier
-
-            kv = self.scheduler.kv_cache_manager
-            self.scheduler.cache_manager.attach_host_tier(HostTier.for_bytes(
-                fd_config.cache_config.swap_space_bytes, self.runner.kv_tensors(), kv.pages_per_rank // kv.pages_per_entry))
+            tier = self._lower_tiers()
+            self.scheduler.cache_manager.attach_host_tier(tier)
+            if tier.files is not None:
+                logger.info("disk tier: %d pages of an earlier run restored from %s (at most %d pages of %d bytes)",
+                            tier.disk_restored_total, tier.files.dir, tier.disk_capacity, tier.entry_bytes)
         # KV-cache events (--kv-events-config): where prefix hits are valid here, for KV-aware routers.
         self.kv_events = self.kv_event_publisher = None
         if fd_config.kv_events_config is not None:
@@ -70,9 +71,31 @@ class LLMEngine:
         for level, message in fd_config.startup_log(self.scheduler.cache_manager.num_total_pages):
             logger.log(level, message)
 
+    def _lower_tiers(self):
+        from fastdeploy.cache_manager.disk_tier import PageFiles, cache_identity, model_fingerprint
+        from fastdeploy.cache_manager.host_tier import HostTier
+
+        cache, kv = self.fd_config.cache_config, self.scheduler.kv_cache_manager
+        tier = HostTier.for_bytes(cache.swap_space_bytes, self.runner.kv_tensors(),
+                                  kv.pages_per_rank // kv.pages_per_entry)
+        if cache.kvcache_storage_backend == "file":
+            mc = self.model_config
+            identity = cache_identity(model=model_fingerprint(mc.model), seed=mc.seed, preset=mc.preset,
+                                      architectures=mc.architectures, head_wise_swa=mc.head_wise_swa,
+                                      kv_head_orders=mc.kv_head_orders, layout=kv.layout, dtype=cache.cache_dtype,
+                                      quant=cache.kv_cache_quant_type, units=tier.units)
+            tier.attach_disk(PageFiles(cache.kvcache_storage_path, identity, tier.entry_bytes),
+                             int(cache.kvcache_storage_space * (1 << 30)))
+        return tier
+
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes (a no-op with one rank) and the transfer engine's
-        side channel; idempotent."""
+        """Write the prefix cache's pages to the disk tier (with one), stop the tensor-parallel worker
+        processes (a no-op with one rank) and the transfer engine's side channel; idempotent."""
+        if not getattr(self, "_persisted", False):
+            self._persisted = True
+            written = self.scheduler.cache_manager.persist_prefix_cache()
+            if written:
+                logger.info("disk tier: %d pages written for the next start", written)
         if self.connector is not None:
             self.connector.close()
         if self.kv_event_publisher is not None:

@@ -33,13 +33,13 @@ def rounds(llm):
     return outs
 
 
-def engine(monkeypatch, mode, swap_space=None, caching=True, quant=None):
+def engine(monkeypatch, mode, swap_space=None, caching=True, quant=None, **flags):
     head_wise, recycle = MODES[mode]
     monkeypatch.setenv("FD_ATTENTION_BACKEND", "APPEND_ATTN")
     monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", head_wise)
     monkeypatch.setenv("FD_HEAD_WISE_SWA_RECYCLE", recycle)
     return LLM(block_size=16, max_model_len=1024, max_num_seqs=4, enable_prefix_caching=caching,
-               num_gpu_blocks_override=48, swap_space=swap_space, kv_cache_quant_type=quant)
+               num_gpu_blocks_override=48, swap_space=swap_space, kv_cache_quant_type=quant, **flags)
 
 
 @pytest.mark.parametrize("quant", [None, "int8"])
@@ -63,3 +63,33 @@ def test_without_the_tier_the_same_workload_recomputes_what_the_pool_evicted(mon
     llm = engine(monkeypatch, "head_wise_recycle_on")
     rounds(llm)
     assert llm.engine.get_stats()["prefix_cache_hit_tokens_total"] < 4 * 288
+
+
+def next_turns(llm):
+    """One new conversation per system prompt of `rounds`' first round."""
+    return [llm.generate([system + text(20, 900 + k)], GREEDY, use_tqdm=False)[0].outputs.token_ids
+            for k, system in enumerate(SYSTEMS)]
+
+
+@pytest.mark.parametrize("mode,quant", [("1d", None), ("head_wise_recycle_off", None), ("head_wise_recycle_on", None),
+                                        ("head_wise_recycle_on", "int8")])
+def test_after_a_restart_the_first_turns_hit_on_the_disk_tier_and_give_the_tokens_of_a_recompute(
+        monkeypatch, tmp_path, mode, quant):
+    recompute = engine(monkeypatch, mode, caching=False, quant=quant)
+    want = next_turns(recompute)
+    recompute.engine.close()
+    disk = {"kvcache_storage_backend": "file", "kvcache_storage_path": str(tmp_path)}
+    first = engine(monkeypatch, mode, swap_space=0.0005, quant=quant, **disk)  # a host tier of a few blocks
+    rounds(first)
+    assert first.engine.get_stats()["disk_cache_stored_pages_total"] > 0  # the host tier overflowed to disk
+    first.engine.close()  # a clean shutdown writes the rest
+
+    second = engine(monkeypatch, mode, swap_space=0.0005, quant=quant, **disk)
+    stats = second.engine.get_stats()
+    assert stats["disk_cache_restored_pages"] > 0 and stats["prefix_cache_cached_pages"] == 0
+    assert next_turns(second) == want
+    stats = second.engine.get_stats()
+    # Every system prompt (18 full blocks) is found whole, from disk: the new process computed none of it.
+    assert stats["prefix_cache_hit_tokens_total"] == stats["prefix_cache_host_hit_tokens_total"] == 4 * 288
+    assert stats["disk_cache_loaded_pages_total"] > 0
+    second.engine.scheduler.check_integrity()
