@@ -141,3 +141,16 @@ def test_bench_prefix_tiers_runs_every_arm_and_keeps_tokens(tmp_path):
     host = next(r for r in result["rows"] if r["arm"] == "host")
     none = next(r for r in result["rows"] if r["arm"] == "none")
     assert host["hit_rate"] > none["hit_rate"]
+
+
+def test_bench_tier_restart_hits_after_the_restart_with_the_tokens_of_a_cold_start(tmp_path):
+    """Two sessions, one turn before a clean shutdown into the disk tier: the turn after the restart hits, the
+    cold start does not, and both give the same greedy tokens."""
+    out = tmp_path / "restart.json"
+    run("bench_tier_restart.py", "--sessions", "2", "--turns", "2", "--system-tokens", "200", "--max-tokens", "4",
+        "--head-wise", "1", "--concurrency", "2", "--swap-space", "0.01", "--json", str(out), timeout=600)
+    result = json.loads(out.read_text())
+    rows = {r["arm"]: r for r in result["rows"]}
+    assert rows["cold"]["hit_rate"] == 0 and rows["disk"]["hit_rate"] > 0.5
+    assert rows["disk"]["disk_loaded_pages"] > 0 and rows["disk"]["files"] > 0
+    assert all(c["differ"] == 0 for c in result["identical_tokens"])
