@@ -50,6 +50,9 @@ class CacheConfig:
     # GiB of host memory for the prefix cache's second tier (upstream's --swap-space; cache_manager/host_tier.py);
     # None or 0: no tier.
     swap_space: Optional[float] = None
+    # int8 / int4: the host and disk tiers keep pages as codes with a scale per token and head (tier_codec.py);
+    # None: as the pool holds them.
+    swap_space_dtype: Optional[str] = None
     # The disk tier below the host tier (upstream's --kvcache-storage-backend; cache_manager/disk_tier.py):
     # "file" or None; its directory and the GiB of page files it may hold.
     kvcache_storage_backend: Optional[str] = None
@@ -188,6 +191,7 @@ class FDConfig:
             raise ValueError("FD_HEAD_WISE_SWA_RECYCLE=0 has no effect without FD_HEAD_WISE_KV_CACHE=1")
         self._resolve_prefix_caching()
         self._check_swap_space()
+        self._check_swap_space_dtype()
         self._check_storage()
         self._check_device()
         self._check_kv_transfer()
@@ -295,6 +299,19 @@ class FDConfig:
         if self.device != "cpu":
             raise ValueError("--swap-space: the host tier copies pages of KV tensors in host memory; pages in GPU "
                              "memory (pinned host copies) are not built here")
+
+    def _check_swap_space_dtype(self) -> None:
+        cache = self.cache_config
+        dtype = cache.swap_space_dtype
+        if dtype is None:
+            return
+        if dtype not in ("int8", "int4"):
+            raise ValueError(f"--swap-space-dtype: {dtype!r} is not one of int8, int4")
+        if not cache.swap_space_bytes:
+            raise ValueError("--swap-space-dtype compresses the host tier's pages; give it memory with --swap-space")
+        if cache.kv_cache_quant_type != "none" or cache.cache_dtype != "float32":
+            raise ValueError(f"--swap-space-dtype: the pool's pages are already {cache.kv_cache_quant_type} / "
+                             f"{cache.cache_dtype}; the tier compresses float32 pages only")
 
     def _check_storage(self) -> None:
         """The disk tier takes what the host tier lets go: it needs the host tier and a directory."""

@@ -43,8 +43,9 @@ def pool_views(kv_tensors: list, num_entries: int) -> list:
 class HostTier:
     """Entries of page bytes in host memory, their LRU and what each holds (a trie node's slot)."""
 
-    def __init__(self, num_entries: int, views: list, keep_alive: Optional[list] = None):
-        """`views`: per KV tensor, [pool ids, bytes] arrays the pool's pages live in (pool_views)."""
+    def __init__(self, num_entries: int, views: list, keep_alive: Optional[list] = None, codec=None):
+        """`views`: per KV tensor, [pool ids, bytes] arrays the pool's pages live in (pool_views); `codec`
+        (tier_codec.PageCodec): entries are stored compressed (--swap-space-dtype), else as the pool's bytes."""
         if num_entries < 1:
             raise ValueError(f"the host tier holds no page: {num_entries} entries")
         self.views = views
@@ -52,7 +53,9 @@ class HostTier:
         units = [v.shape[1] for v in views]
         self.offsets = np.cumsum([0] + units[:-1]).tolist()
         self.units = units
-        self.entry_bytes = sum(units)
+        self.codec = codec
+        self.pool_entry_bytes = sum(units)  # one pool id's bytes in every KV tensor
+        self.entry_bytes = codec.stored_bytes if codec is not None else self.pool_entry_bytes  # as stored here
         self.num_entries = num_entries
         self.data = np.empty((num_entries, self.entry_bytes), np.uint8)  # pages are touched when first stored
         self.cache = None  # the PrefixCache whose trie names the entries (PrefixCacheManager.attach_host_tier)
@@ -78,13 +81,21 @@ class HostTier:
         self.disk_load_seconds_total = self.disk_store_seconds_total = 0.0
 
     @classmethod
-    def for_bytes(cls, swap_space_bytes: int, kv_tensors: list, num_pool_entries: int) -> "HostTier":
+    def for_bytes(cls, swap_space_bytes: int, kv_tensors: list, num_pool_entries: int, dtype: Optional[str] = None,
+                  head_dim: int = 0) -> "HostTier":
+        """A tier of `swap_space_bytes` over these KV tensors; `dtype` int8/int4: compressed entries (float32
+        pool pages only; the first half of the tensors hold keys, as the attention backend lists them)."""
         views = pool_views(kv_tensors, num_pool_entries)
-        entry_bytes = sum(v.shape[1] for v in views)
+        codec = None
+        if dtype is not None:
+            from fastdeploy.cache_manager.tier_codec import PageCodec
+
+            codec = PageCodec(dtype, [v.shape[1] for v in views], head_dim, num_key_views=len(views) // 2)
+        entry_bytes = codec.stored_bytes if codec is not None else sum(v.shape[1] for v in views)
         entries = int(swap_space_bytes) // entry_bytes
         if entries < 1:
             raise ValueError(f"--swap-space: {swap_space_bytes} bytes hold no page of {entry_bytes} bytes")
-        return cls(entries, views, keep_alive=list(kv_tensors))
+        return cls(entries, views, keep_alive=list(kv_tensors), codec=codec)
 
     # -- what the prefix tree asks -------------------------------------------------------------
     def store(self, rank: int, page: int, node, slot: int) -> int:
@@ -104,8 +115,11 @@ class HostTier:
             return -1
         t0 = time.perf_counter()
         row = self.data[entry]
-        for view, off, unit in zip(self.views, self.offsets, self.units):
-            row[off:off + unit] = view[page]
+        if self.codec is not None:
+            self.codec.encode(self.views, page, row)
+        else:
+            for view, off, unit in zip(self.views, self.offsets, self.units):
+                row[off:off + unit] = view[page]
         self.store_seconds_total += time.perf_counter() - t0
         self._holder[entry] = (node, slot)
         self._lru[entry] = None
@@ -160,8 +174,11 @@ class HostTier:
         t0 = time.perf_counter()
         rows = np.stack([self.data[e] if e < self.num_entries else fetched[e] for e in entries])
         index = np.asarray(pages, np.int64)
-        for view, off, unit in zip(self.views, self.offsets, self.units):
-            view[index] = rows[:, off:off + unit]
+        if self.codec is not None:
+            self.codec.decode(rows, self.views, index)
+        else:
+            for view, off, unit in zip(self.views, self.offsets, self.units):
+                view[index] = rows[:, off:off + unit]
         self.load_seconds_total += time.perf_counter() - t0
         self.loaded_total += len(entries)
         self.disk_loaded_total += sum(e >= self.num_entries for e in entries)

@@ -77,13 +77,15 @@ class LLMEngine:
 
         cache, kv = self.fd_config.cache_config, self.scheduler.kv_cache_manager
         tier = HostTier.for_bytes(cache.swap_space_bytes, self.runner.kv_tensors(),
-                                  kv.pages_per_rank // kv.pages_per_entry)
+                                  kv.pages_per_rank // kv.pages_per_entry, dtype=cache.swap_space_dtype,
+                                  head_dim=self.model_config.head_dim)
         if cache.kvcache_storage_backend == "file":
             mc = self.model_config
             identity = cache_identity(model=model_fingerprint(mc.model), seed=mc.seed, preset=mc.preset,
                                       architectures=mc.architectures, head_wise_swa=mc.head_wise_swa,
                                       kv_head_orders=mc.kv_head_orders, layout=kv.layout, dtype=cache.cache_dtype,
-                                      quant=cache.kv_cache_quant_type, units=tier.units)
+                                      quant=cache.kv_cache_quant_type, units=tier.units,
+                                      tier_dtype=cache.swap_space_dtype)
             tier.attach_disk(PageFiles(cache.kvcache_storage_path, identity, tier.entry_bytes),
                              int(cache.kvcache_storage_space * (1 << 30)))
         return tier

@@ -93,3 +93,23 @@ def test_after_a_restart_the_first_turns_hit_on_the_disk_tier_and_give_the_token
     assert stats["prefix_cache_hit_tokens_total"] == stats["prefix_cache_host_hit_tokens_total"] == 4 * 288
     assert stats["disk_cache_loaded_pages_total"] > 0
     second.engine.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize("dtype,code_bytes", [("int8", 1.0), ("int4", 0.5)])
+def test_a_compressed_tier_holds_more_pages_and_serves_the_same_hits(monkeypatch, dtype, code_bytes):
+    """--swap-space-dtype: the same memory holds 4 x head_dim / (head_dim x code bytes + 4) times the pages
+    (tiny preset, head_dim 32: 3.56x int8, 6.4x int4), the
+    hits are the float32 tier's, and pages decoded back into the pool still give the recompute's answers
+    for most turns (the rest is the cost of pages quantized on their way through the tier)."""
+    recompute = rounds(engine(monkeypatch, "head_wise_recycle_on", caching=False))
+    plain = engine(monkeypatch, "head_wise_recycle_on", swap_space=0.02)
+    rounds(plain)
+    llm = engine(monkeypatch, "head_wise_recycle_on", swap_space=0.02, swap_space_dtype=dtype)
+    answers = rounds(llm)
+    stats, plain_stats = llm.engine.get_stats(), plain.engine.get_stats()
+    head_dim = llm.engine.model_config.head_dim
+    ratio = 4 * head_dim / (head_dim * code_bytes + 4)
+    assert stats["host_cache_pages_total"] / plain_stats["host_cache_pages_total"] == pytest.approx(ratio, rel=0.01)
+    assert stats["prefix_cache_host_hit_tokens_total"] == plain_stats["prefix_cache_host_hit_tokens_total"] >= 8 * 288
+    assert sum(a == b for a, b in zip(answers, recompute)) >= len(recompute) * 3 // 4
+    llm.engine.scheduler.check_integrity()
