@@ -17,6 +17,9 @@ stored. What a block being stored means here is one of two things (`stored_block
   that leaves the cached path at a valid end is credited exactly its hit; one that leaves it between two
   valid ends is credited more than the replica serves (the hit ends at the last valid end before).
 
+With a host or disk tier (--swap-space), a page a tier holds counts as held: the lookup serves a hit on it
+(copying it back first), so a block leaves the stored set only when its pages leave every tier.
+
 With no recycling sliding heads (1-D mode, FD_HEAD_WISE_KV_CACHE=0, or no sliding heads) every valid
 end's ancestors are valid ends and the two are the same: vLLM's meaning, a block is stored while cached.
 
@@ -221,6 +224,8 @@ class HitEndEvents:
         held, the deepest block one of its heads lost)."""
         full_ok, sink_ok, missing = state
         gaps, d, cache = node.gaps, node.depth, self.cache
+        if node.hosted is not None:  # a page the lower tier holds serves a hit (it is loaded back first)
+            gaps = [g - h for g, h in zip(gaps, node.hosted)]
         full_ok = full_ok and not gaps[0]
         types = range(len(cache.types))
         sink_ok = tuple(sink_ok[k] and (not gaps[1 + k] or d >= cache.type_sink_blocks[k]) for k in types)

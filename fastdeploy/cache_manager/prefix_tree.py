@@ -317,6 +317,8 @@ class PrefixCache:
         node.host[slot] = entry
         node.hosted[self.column_of_slot[slot]] += 1
         self.version += 1
+        if self.changed is not None:
+            self.changed.add(node)
 
     def move_below(self, node: BlockNode, slot: int, entry: int) -> None:
         """The lower tier moved the node's page of `slot` to another of its entries (memory to a file)."""
@@ -334,6 +336,8 @@ class PrefixCache:
             self._children_changed(parent)
             self._update_anchor(node)
             self.version += 1
+            if self.changed is not None:
+                self.changed.add(node)
         return node
 
     def prune_empty(self) -> None:

@@ -16,10 +16,7 @@ from fastdeploy.cache_manager.host_tier import HostTier
 from fastdeploy.engine.request import Request, SamplingParams
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 
-SWA = {"sliding_window": 13, "sink_size": 3, "swa_kv_heads": [0, 3]}
-BS = 8
-PROMPT = [11 + (i * 7) % 50 for i in range(80)]  # ten blocks
-NEXT_TURN = PROMPT + [9] + [4] * 8  # the next turn: the prompt, its answer (9) and a new message
+from test_host_tier import BS, NEXT_TURN, PROMPT, SWA, keys, run
 
 
 def scheduler(make_config, directory, mode="head_wise_recycle_on", entries=6, identity="model-a", capacity=None):
@@ -31,18 +28,6 @@ def scheduler(make_config, directory, mode="head_wise_recycle_on", entries=6, id
     tier.attach_disk(PageFiles(str(directory), identity, tier.entry_bytes), capacity or (1 << 30))
     rm.cache_manager.attach_host_tier(tier)
     return rm, pool, tier
-
-
-def run(rm, rid, prompt):
-    rm.add_request(Request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True), eos_token_id=2))
-    while rm.has_unfinished_requests():
-        batch = rm.schedule()
-        rm.update_from_output(batch, [9 if s.samples else None for s in batch.requests])
-    rm.check_integrity()
-
-
-def keys(prompt):
-    return [tuple(prompt[i * BS:(i + 1) * BS]) for i in range((len(prompt) - 1) // BS)]
 
 
 def block_bytes(cache, pool):

@@ -3,8 +3,10 @@ this replica's own prefix lookup would serve a hit (driven through the real sche
 chat that overflows the cache, head-wise with and without recycling and 1-D), and the hashes it reads are
 vLLM's chained block hashes of the tokens it was sent."""
 
+import numpy as np
 import pytest
 
+from fastdeploy.cache_manager.host_tier import HostTier
 from fastdeploy.cache_manager.kv_events import HitEndEvents, chain_hashes
 from fastdeploy.engine.request import Request, SamplingParams
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
@@ -48,24 +50,31 @@ class Consumer:
 
 def hit_ends_by_lookup(cache, paths: bool = False) -> set:
     """The event hash of every cached block at which the engine's own lookup serves a hit ending there
-    (`paths`: and of every block on the way to one)."""
+    (`paths`: and of every block on the way to one); with a host tier, a hit may end on its pages."""
     ends, stack = set(), [(child, []) for child in cache.root.children.values()]
     while stack:
         node, keys = stack.pop()
         keys = keys + [node.key]
-        if len(cache.match(keys)) == len(keys):
+        if len(cache.match(keys, tiers=True)) == len(keys):
             hashes = chain_hashes([t for k in keys for t in k], BS)
             ends.update(hashes if paths else hashes[-1:])
         stack += [(child, keys) for child in node.children.values()]
     return ends
 
 
+@pytest.mark.parametrize("host_tier", [False, True])
 @pytest.mark.parametrize("stored_blocks", ["hit_ends", "hit_paths"])
 @pytest.mark.parametrize("mode", ["head_wise_recycle_on", "head_wise_recycle_off", "1d"])
-def test_replayed_events_are_exactly_the_blocks_a_hit_may_end_at_or_pass(make_config, mode, stored_blocks):
+def test_replayed_events_are_exactly_the_blocks_a_hit_may_end_at_or_pass(make_config, mode, stored_blocks, host_tier):
     rm = ResourceManagerV1(make_config(mode, block_size=BS, max_num_batched_tokens=32, head_wise_swa_config=SWA,
                                        num_gpu_blocks_override=40))
     cache = rm.kv_cache_manager.pages.prefix_cache
+    tier = None
+    if host_tier:  # a tier too small for the overflow: pages go down, come back, and are let go
+        kv = rm.kv_cache_manager
+        pool = np.zeros((kv.pages_per_rank // kv.pages_per_entry, 1), np.int64)
+        tier = HostTier(12 * kv.layout.num_slots // kv.pages_per_entry, [pool.view(np.uint8)])
+        rm.cache_manager.attach_host_tier(tier)
     events, consumer = HitEndEvents(cache, stored_blocks), Consumer()
     paths = stored_blocks == "hit_paths"
     system = [3 + (i * 5) % 97 for i in range(37)]
@@ -88,6 +97,8 @@ def test_replayed_events_are_exactly_the_blocks_a_hit_may_end_at_or_pass(make_co
         for s in history:
             history[s] += [9] * 10
     assert checked > 30 and removed > 0  # the cache overflowed: hit ends were withdrawn
+    if tier is not None:  # ... and with the tier, pages went down, came back and were let go
+        assert tier.stored_total > 0 and tier.loaded_total > 0 and tier.evicted_total > 0
     # Only recycling makes valid ends other than a run from the first block, where the two modes differ.
     assert (wider > 0) == (paths and mode == "head_wise_recycle_on")
     for h in consumer.stored:  # what the consumer reads is vLLM's chain hash of the tokens it rebuilt
