@@ -17,6 +17,7 @@ are renamed into place, so a crash leaves a whole file or none.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -70,12 +71,25 @@ class PageFiles:
             os.remove(probe)
         except OSError as exc:
             raise ValueError(f"--kvcache-storage-path {directory!r}: cannot write there ({exc.strerror})") from None
+        # One engine per directory and identity: a second would delete and overwrite the first's files.
+        self._lock = open(os.path.join(self.dir, ".lock"), "wb")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise ValueError(f"--kvcache-storage-path {directory!r}: another engine serving the same model and "
+                             f"cache layout uses it; give each its own directory") from None
         others = [d for d in os.listdir(self.root) if d != identity and os.path.isdir(os.path.join(self.root, d))]
         if others:
             logger.warning("disk tier: %s holds pages of %d other model(s) or cache layout(s) (%s); they are "
                            "ignored", self.root, len(others), ", ".join(sorted(others)[:3]))
         self.corrupt_total = 0  # files found truncated or corrupt, and deleted
         self.write_errors_total = 0  # writes that failed (a full disk): those pages were dropped
+
+    def close(self) -> None:
+        """Let another engine use the directory (the files stay)."""
+        if not self._lock.closed:
+            self._lock.close()
 
     def name(self, digest: str, slot: int) -> str:
         return os.path.join(self.dir, f"{digest}-{slot}{SUFFIX}")

@@ -98,6 +98,9 @@ class LLMEngine:
             written = self.scheduler.cache_manager.persist_prefix_cache()
             if written:
                 logger.info("disk tier: %d pages written for the next start", written)
+            tier = self.scheduler.cache_manager.host_tier
+            if tier is not None and tier.files is not None:
+                tier.files.close()
         if self.connector is not None:
             self.connector.close()
         if self.kv_event_publisher is not None:

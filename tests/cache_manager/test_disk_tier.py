@@ -68,6 +68,7 @@ def test_a_restart_finds_the_last_runs_pages_and_its_next_turn_hits_on_them(make
     run(rm, "a", PROMPT)
     before = block_bytes(rm.cache_manager.prefix_cache, pool)
     written = rm.cache_manager.persist_prefix_cache()  # a clean shutdown: memory and pool pages to files
+    tier.files.close()
     # Stale sliding pages are not written: blocks 1-7 of heads 0 and 3, past the sink block (0) and before
     # the window in front of the leaf (blocks 8 and 9).
     stale = {(d, s) for d in range(1, 8) for s in SWA["swa_kv_heads"]}
@@ -103,6 +104,7 @@ def test_a_corrupt_file_is_dropped_at_its_load_and_the_hit_is_recomputed(make_co
     rm, pool, tier = scheduler(make_config, tmp_path)
     run(rm, "a", PROMPT)
     rm.cache_manager.persist_prefix_cache()
+    tier.files.close()
     rm2, _, tier2 = scheduler(make_config, tmp_path)
     victim = os.path.join(tier2.files.dir, files_of(tier2)[0])
     with open(victim, "r+b") as f:  # flip one payload byte: the header is intact, the CRC is not
@@ -121,6 +123,7 @@ def test_a_truncated_file_or_an_interrupted_write_is_deleted_at_start_up(make_co
     rm, _, tier = scheduler(make_config, tmp_path)
     run(rm, "a", PROMPT)
     written = rm.cache_manager.persist_prefix_cache()
+    tier.files.close()
     names = files_of(tier)
     with open(os.path.join(tier.files.dir, names[-1]), "r+b") as f:
         f.truncate(40)
@@ -173,3 +176,12 @@ def test_a_directory_it_cannot_write_is_refused_by_name(tmp_path):
     blocker.write_text("")
     with pytest.raises(ValueError, match="--kvcache-storage-path .*cannot write there"):
         PageFiles(str(blocker / "cache"), "model-a", 80)
+
+
+def test_a_second_engine_on_the_same_directory_is_refused_until_the_first_closes(tmp_path):
+    first = PageFiles(str(tmp_path), "model-a", 80)
+    with pytest.raises(ValueError, match="another engine serving the same model and cache layout uses it"):
+        PageFiles(str(tmp_path), "model-a", 80)
+    PageFiles(str(tmp_path), "model-b", 80).close()  # another model's directory is its own
+    first.close()
+    PageFiles(str(tmp_path), "model-a", 80).close()
