@@ -238,12 +238,18 @@ def differing(a: dict, b: dict) -> int:
     return sum(a[s] != b[s] for s in a)
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def model_and_pool(args) -> str:
+    """The named model (installed, or a ValueError that says how to install it); fills in the default pool."""
     model = MODELS.get(args.model, args.model)
-    resolve(model)  # not installed: a ValueError that says how to install it
+    resolve(model)
     if args.kv_cache_memory is None:
         args.kv_cache_memory = DEFAULT_POOL.get(model, 128 << 20)
+    return model
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    model = model_and_pool(args)
     systems, sessions = workload(args)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     gbs = copy_speed(args.copy_mib)

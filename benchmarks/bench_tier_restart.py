@@ -30,11 +30,11 @@ import tempfile
 import time
 
 from ab_harness import log, print_table, write_json
-from bench_prefix_tiers import DEFAULT_POOL, MODELS, Chat, run_turn
+from bench_prefix_tiers import MODELS, Chat, model_and_pool, run_turn
 from bench_replicas import workload
 
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.model_executor.models.named_models import NAMED_MODELS, resolve
+from fastdeploy.model_executor.models.named_models import NAMED_MODELS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,10 +96,7 @@ def close(llm: LLM) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    model = MODELS.get(args.model, args.model)
-    resolve(model)  # not installed: a ValueError that says how to install it
-    if args.kv_cache_memory is None:
-        args.kv_cache_memory = DEFAULT_POOL.get(model, 128 << 20)
+    model = model_and_pool(args)
     if args.turns < 2:
         raise SystemExit("--turns must be at least 2 (turns before the restart, and one after)")
     systems, sessions = workload(args)
