@@ -30,7 +30,7 @@ class PageTable:
     """
 
     __slots__ = ("rows", "tokens", "num_computed", "recycled_upto", "next_recycle_at", "cache_parent",
-                 "num_registered", "updates")
+                 "num_registered", "cache_path", "updates")
 
     def __init__(self, num_rows: int, recycled_upto: list, cache_parent):
         self.rows: list = [[] for _ in range(num_rows)]
@@ -40,6 +40,7 @@ class PageTable:
         self.next_recycle_at = _NEVER         # processed tokens at which the next block of any type dies
         self.cache_parent = cache_parent      # trie node of the last block registered or matched
         self.num_registered = 0               # leading blocks registered in the prefix cache
+        self.cache_path: list = []            # trie node of each leading block matched or registered
         self.updates: list = []
 
     @property
@@ -81,7 +82,7 @@ class KVCacheManager:
             rows = self.pages.acquire_prefix(hit, request_id)
             cached = len(hit) * self.block_size
             table.rows, table.tokens, table.num_computed = rows, cached, cached
-            table.cache_parent, table.num_registered = hit[-1], len(hit)
+            table.cache_parent, table.num_registered, table.cache_path = hit[-1], len(hit), list(hit)
             table.recycled_upto = [self.layout.first_live_block(k, cached) for k in range(len(self._groups))]
             table.updates.append((None, 0, len(hit), [list(row) for row in rows]))  # rows grow in place later
         self._schedule_recycling(table)
@@ -177,6 +178,7 @@ class KVCacheManager:
         table = self._tables.pop(request_id, None)
         if table is None:
             return
+        self._fill_cached_gaps(request_id, table, range(self.num_rows), 0, len(table.cache_path))
         rows = [[p for p in row if p != -1] for row in table.rows] if self._groups else table.rows
         if any(rows):
             self.pages.free(rows, request_id)
@@ -201,6 +203,7 @@ class KVCacheManager:
             start, end = ups[k], first_window_block(n, kind.window, bs)
             if end <= start:
                 continue
+            self._fill_cached_gaps(request_id, table, slots, start, end)
             self.pages.free([rows[s][start:end] for s in slots], request_id, slots)
             hole = [-1] * (end - start)
             for s in slots:
@@ -318,7 +321,26 @@ class KVCacheManager:
                 break  # the chain above left the cache: nothing deeper can be found by a lookup
             key = tuple(request.token_ids(i * bs, (i + 1) * bs))
             parent = self.pages.register_block(parent, key, [row[i] for row in table.rows], request.request_id)
+            if parent is not None:
+                table.cache_path.append(parent)
         table.cache_parent, table.num_registered = parent, full
+
+    def _fill_cached_gaps(self, request_id, table: PageTable, slots, start: int, end: int) -> None:
+        """Before the request lets go of its pages of blocks [start, end) in `slots`: where the cached copy of
+        one of its blocks has lost a slot's page while the request held a private duplicate (registration
+        keeps the first copy), the duplicate fills the gap (PrefixCache.fill says when that matters)."""
+        path, rows = table.cache_path, table.rows
+        for i in range(start, min(end, len(path))):
+            node = path[i]
+            if not any(node.gaps):
+                continue
+            pages, fills = [-1] * self.num_rows, False
+            for s in slots:
+                p = rows[s][i]
+                if p >= 0 and node.pages[s] < 0:  # a tombstone next to a page it holds: the page is private
+                    pages[s], fills = p, True
+            if fills:
+                self.pages.fill_block(node, pages, request_id)
 
     # -- observability -------------------------------------------------------------------------
     def stats(self) -> dict:

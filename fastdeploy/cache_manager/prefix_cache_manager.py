@@ -385,6 +385,11 @@ class PrefixCacheManager:
         """Cache a fully computed block (pages per slot) under `parent`; returns the next parent or None."""
         return self.prefix_cache.register(parent, key, pages, req_id)
 
+    def fill_block(self, node: BlockNode, pages: list, req_id: Hashable) -> None:
+        """A request's private copies of a cached block's pages (per slot, -1 where none) fill the slots the
+        cached copy has lost (PrefixCache.fill); the request keeps its reference to them until it frees them."""
+        self.prefix_cache.fill(node, pages, req_id)
+
     def clear_prefix_cache(self) -> int:
         """Evict every unreferenced cached page into the free lists; returns the number evicted."""
         return self.prefix_cache.clear() if self.prefix_cache else 0

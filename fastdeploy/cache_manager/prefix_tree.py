@@ -290,6 +290,15 @@ class PrefixCache:
             self._repush(node)  # its other pages are no longer part of a whole unreferenced leaf
         return node
 
+    def fill(self, node: BlockNode, pages: list, owner: Hashable) -> None:
+        """A request lets go of its private copies of a block it registered (`pages` per slot, -1 where none):
+        they fill the slots whose cached copy was evicted meanwhile. Two requests that compute one prefix at
+        the same time keep one copy of it; the other is private. When the cached copy loses the window pages
+        in front of the prefix's end *before* that end becomes a branch point (they were stale for its first
+        user then), the duplicate is what keeps the branch point a valid hit for every later user."""
+        if not node.detached:
+            self.register(node.parent, node.key, pages, owner)
+
     def adopt(self, node: BlockNode, slot: int, page: int, owner: Hashable) -> None:
         """Make the owner's private page the node's page of `slot` (a tombstone there), referenced by the
         owner; a copy the lower tier held of it is dropped (the pool's copy is the one read)."""

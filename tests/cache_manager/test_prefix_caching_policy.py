@@ -275,3 +275,28 @@ def test_check_integrity_catches_broken_refcounts_anchors_and_tombstones(make_co
     corrupt(rm.cache_manager, node.pages[2], node)
     with pytest.raises(AssertionError, match=message):
         rm.check_integrity()
+
+
+@pytest.mark.parametrize("donate", [True, False], ids=["recycled", "finished"])
+def test_a_duplicate_copy_fills_the_window_pages_the_first_copy_lost_before_the_branch_existed(make_config, donate):
+    # Two users of one system prompt compute it at the same time (neither can hit the other's blocks yet).
+    # The first one's pages are the cached copy; its window pages of the prompt's tail fall out of *its*
+    # window and are evicted as stale before the second user's first own block makes the prompt's end a
+    # branch point. The second user's private copies of those pages must then fill the tombstones when it
+    # lets them go (recycled, or freed when it finishes), or no later user could ever hit the prompt.
+    rm = manager(make_config, "head_wise_recycle_on", blocks=120, max_model_len=640, max_num_batched_tokens=512)
+    system = tokens(200)  # 12 full blocks + 8 tokens; the users diverge inside block 12
+    u0 = request("u0", system + tokens(160, seed=10), max_tokens=1)
+    u1 = request("u1", system + tokens(160 if donate else 8, seed=11), max_tokens=1)
+    rm.add_request(u0)
+    rm.add_request(u1)
+    step(rm)  # u0: its whole prompt (22 blocks cached); u1: 152 tokens (blocks 0..8, private copies)
+    rm.kv_cache_manager.recycle()  # u0's head-0 blocks 1..13 leave its window: stale, no branch yet
+    cache = rm.cache_manager.prefix_cache
+    cache.evict(0, sum(1 for n in _nodes(cache) if n.pages[0] >= 0 and n.depth >= 1 and n.protect == 0))
+    while rm.has_unfinished_requests():
+        step(rm)
+    branch = cached_path(rm, system + tokens(40, seed=99))  # a third user
+    assert len(branch) == 12, "the system prompt's window pages were lost: no user can hit it again"
+    assert all(branch[i].pages[0] >= 0 for i in range(first_window_block(12 * BS, WINDOW, BS), 12))
+    rm.check_integrity()
