@@ -22,6 +22,9 @@ COLUMN_HEADS_Q = ("self_attn.q_proj.weight", "self_attn.q_proj.bias")
 COLUMN_HEADS_KV = ("self_attn.k_proj.weight", "self_attn.v_proj.weight",
                    "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 ROW_HEADS = ("self_attn.o_proj.weight",)  # an o_proj bias is per hidden unit: neither moved nor split
+# q/k norm weights: one head_dim vector shared by every head (Qwen3, Gemma 3: unmoved), or one value per
+# row over all heads (OLMo: moved with the heads' rows; such a model runs on one rank, decoder.CausalLM).
+QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 COLUMN_FFN = ("gate_proj.weight", "up_proj.weight")
 ROW_FFN = ("down_proj.weight",)
 VOCAB = ("embed_tokens.weight", "lm_head.weight")
@@ -85,9 +88,9 @@ def _permute_one(name: str, w, cfg, order):
     if order is None or list(order) == list(range(cfg.num_key_value_heads)):
         return w
     group = cfg.num_attention_heads // cfg.num_key_value_heads * cfg.head_dim  # query rows per KV head
-    if name.endswith(COLUMN_HEADS_Q):  # [rows, in] or a bias [rows]
+    if name.endswith(COLUMN_HEADS_Q) or (name.endswith(QK_NORMS[0]) and w.shape[0] > cfg.head_dim):  # [rows, in], [rows]
         return _take(w, _head_index(order, group), 0)
-    if name.endswith(COLUMN_HEADS_KV):
+    if name.endswith(COLUMN_HEADS_KV) or (name.endswith(QK_NORMS[1]) and w.shape[0] > cfg.head_dim):
         return _take(w, _head_index(order, cfg.head_dim), 0)
     if name.endswith(ROW_HEADS):
         return _take(w, _head_index(order, group), 1)

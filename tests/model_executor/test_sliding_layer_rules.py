@@ -40,3 +40,13 @@ def test_qwen2_always_has_qkv_biases_and_qwen3_only_with_attention_bias(tmp_path
     assert not model_config(tmp_path, "Qwen3ForCausalLM").qkv_bias
     assert model_config(tmp_path, "Qwen3ForCausalLM", attention_bias=True).qkv_bias
     assert model_config(tmp_path, "Qwen3ForCausalLM").arch.qk_norm
+
+
+def test_olmo3_slides_three_layers_of_four_by_default_and_its_layer_types_win(tmp_path):
+    # transformers' Olmo3Config: layer i slides unless (i + 1) % 4 == 0, when the config lists no layer_types
+    assert model_config(tmp_path, "Olmo3ForCausalLM", sliding_window=64).layer_sliding_window == (64, 64, 64, None)
+    types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    assert model_config(tmp_path, "Olmo3ForCausalLM", sliding_window=64,
+                        layer_types=types).layer_sliding_window == (None, 64, None, 64)
+    with pytest.raises(ValueError, match="sliding_window must be an integer"):
+        model_config(tmp_path, "Olmo3ForCausalLM", sliding_window=0)

@@ -1,11 +1,12 @@
-"""Mistral, Qwen2 and Qwen3 from Hugging Face directories (config.json + safetensors, as transformers'
+"""Mistral, Qwen2, Qwen3 and OLMo 3 from Hugging Face directories (config.json + safetensors, as transformers'
 save_pretrained writes them), on small random weights whose sliding windows (32 tokens) are shorter than
 the prompts: the engine's prompt log-probs agree with transformers' within float32 tolerance and its greedy
 tokens are equal, with the flag off and on (FD_HEAD_WISE_KV_CACHE=1 recycles the trained sliding layers'
 pages); with int8 pages (flag on) the log-probs stay close (mean KL, top-1 agreement). Each family says
 in its own config which layers slide: Mistral's `sliding_window` on every layer, Qwen's
-`use_sliding_window` from `max_window_layers` up. Qwen2's q/k/v biases and Qwen3's q/k norms get
-random values (transformers initialises them to zeros and ones, which would test nothing)."""
+`use_sliding_window` from `max_window_layers` up, OLMo 3's `layer_types`. Qwen2's q/k/v biases and the
+q/k norms of Qwen3 (per head) and OLMo 3 (over all heads), and OLMo 3's post-sublayer norms, get random values
+(transformers initialises them to zeros and ones, which would test nothing)."""
 
 import numpy as np
 import pytest
@@ -28,6 +29,9 @@ FAMILIES = {
                                             max_window_layers=1), (1, 2)),
     "Qwen3ForCausalLM": ("Qwen3Config", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
                                             max_window_layers=1), (1, 2)),
+    # OLMo 3: layer_types (three sliding to one full, its config's default), norms after each sublayer only,
+    # q/k norms over all heads
+    "Olmo3ForCausalLM": ("Olmo3Config", dict(num_hidden_layers=4, sliding_window=WINDOW), (0, 1, 2)),
 }
 
 
@@ -46,7 +50,8 @@ def random_model(name: str, seed: int, **fields):
         for module_name, param in model.named_parameters():
             if module_name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
                 param.normal_(0.0, 0.5)
-            elif module_name.endswith(("q_norm.weight", "k_norm.weight")):
+            elif module_name.endswith(("q_norm.weight", "k_norm.weight", "post_attention_layernorm.weight",
+                                       "post_feedforward_layernorm.weight")):
                 param.normal_(1.0, 0.3)
     return model
 

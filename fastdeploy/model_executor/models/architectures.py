@@ -33,6 +33,8 @@ class Architecture:
     norm_offset: float = 0.0      # RMSNorm scales by (norm_offset + weight): Gemma stores weight - 1
     qk_norm: bool = False         # RMSNorm over head_dim on every q and k head before RoPE
     sandwich_norms: bool = False  # norms after attention and around the MLP (Gemma 3's four per layer)
+    post_norms: bool = False      # norms after attention and after the MLP only, none on a layer's input (OLMo)
+    qk_norm_over_heads: bool = False  # the q (k) RMSNorm spans every head at once, not each head (OLMo)
     embed_scale: bool = False     # embeddings times sqrt(hidden_size)
     rope_layout: str = INTERLEAVED                 # of a Hugging Face directory's q/k rows
     gguf_rope_layout: Optional[str] = None         # of llama.cpp's GGUF q/k rows (None: no GGUF)
@@ -96,7 +98,19 @@ QWEN3 = Architecture("Qwen3ForCausalLM", "qwen3", rope_layout=ROTATE_HALF, qk_no
                      gguf_rope_layout=ROTATE_HALF, gguf_arch="qwen3",
                      sliding_layers=ABOVE_MAX_WINDOW_LAYERS, defaults=dict(_QWEN_DEFAULTS, head_dim=128))
 
-ARCHITECTURES = {a.name: a for a in (ERNIE4_5, ERNIE4_5_MOE, LLAMA, GEMMA3, MISTRAL, QWEN2, QWEN3)}
+# OLMo 3: each sublayer's output is RMS-normed before it joins the residual (no norm on a layer's input); the q
+# and k projections are RMS-normed over all their heads at once, before RoPE; three sliding layers to one full
+# (the config's layer_types; the rule below where it has none).
+OLMO3 = Architecture(
+    "Olmo3ForCausalLM", "olmo3", rope_layout=ROTATE_HALF, qk_norm=True, qk_norm_over_heads=True, post_norms=True,
+    sliding_layers=EVERY_NTH_GLOBAL,
+    defaults=dict(vocab_size=50304, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=None, head_dim=None, hidden_act="silu",
+                  max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=500000.0,
+                  attention_bias=False, sliding_window=4096, sliding_window_pattern=4, pad_token_id=1,
+                  bos_token_id=None, eos_token_id=50279))
+
+ARCHITECTURES = {a.name: a for a in (ERNIE4_5, ERNIE4_5_MOE, LLAMA, GEMMA3, MISTRAL, QWEN2, QWEN3, OLMO3)}
 ARCHITECTURES["Ernie4_5_ForCausalLM"] = ERNIE4_5  # the spelling upstream also uses for the dense model
 GGUF_ARCHITECTURES = {a.gguf_arch: a for a in ARCHITECTURES.values() if a.gguf_arch}
 # Activation names of config.json -> the decoder's.

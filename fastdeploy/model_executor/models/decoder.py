@@ -63,18 +63,24 @@ def checkpoint_shapes(cfg) -> dict:
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     for i in range(cfg.num_hidden_layers):
         n = _layer_names(i)
+        if not arch.post_norms:
+            shapes[n["input_norm"]] = (h,)
         shapes.update({
-            n["input_norm"]: (h,), n["post_norm"]: (h,),
+            n["post_norm"]: (h,),
             n["q"]: (cfg.num_attention_heads * d, h), n["k"]: (cfg.num_key_value_heads * d, h),
             n["v"]: (cfg.num_key_value_heads * d, h), n["o"]: (h, cfg.num_attention_heads * d),
         })
         if cfg.qkv_bias:
             shapes.update({n["q_bias"]: (cfg.num_attention_heads * d,), n["k_bias"]: (cfg.num_key_value_heads * d,),
                            n["v_bias"]: (cfg.num_key_value_heads * d,)})
-        if arch.qk_norm:
+        if arch.qk_norm_over_heads:
+            shapes.update({n["q_norm"]: (cfg.num_attention_heads * d,), n["k_norm"]: (cfg.num_key_value_heads * d,)})
+        elif arch.qk_norm:
             shapes.update({n["q_norm"]: (d,), n["k_norm"]: (d,)})
         if arch.sandwich_norms:
             shapes.update({n["pre_ffn_norm"]: (h,), n["post_ffn_norm"]: (h,)})
+        if arch.post_norms:
+            shapes[n["post_ffn_norm"]] = (h,)
         if is_moe_layer(cfg, i):
             shapes.update(moe_shapes(cfg, i))
         else:
@@ -127,6 +133,9 @@ class CausalLM:
         # the sampled rows are picked: how a tool reads prompt logits off the real path (lm_logits).
         self.hidden_observer = None
         self.arch = cfg.arch
+        if self.arch.qk_norm_over_heads and tp_size > 1:
+            raise ValueError(f"{self.arch.name}: tensor parallelism is not supported (its q/k norm spans the heads "
+                             f"every rank would split); serve it with --tensor-parallel-size 1")
         self.local_heads = cfg.num_attention_heads // tp_size
         self.local_kv_heads = cfg.num_key_value_heads // tp_size
         # Gemma: embeddings scaled by sqrt(hidden), rounded to the weights' dtype as the reference does.
@@ -138,7 +147,7 @@ class CausalLM:
         self.down = {i: fuse_named(weights, [n["down"]]) for i, n in enumerate(names) if i not in self.moe}
         self.lm_head = fuse_named(weights, [self.lm_head_name])  # tied: the embedding reads its rows
         # Per layer, the norm weights the forward pass reads, looked up once.
-        self.layer_norms = [(weights[n["input_norm"]], weights[n["post_norm"]]) for n in names]
+        self.layer_norms = [(weights.get(n["input_norm"]), weights[n["post_norm"]]) for n in names]  # OLMo: no input norm
         self.plain_qkv = not (cfg.qkv_bias or self.arch.qk_norm or cfg.attn_scale_ratio != 1.0)
         self._bind_cpu_float32_ops()
         logging.getLogger("fastdeploy.model").info("dense layers: %s", self.dense_layer_storage())
@@ -238,7 +247,7 @@ class CausalLM:
         # the levels in one engine sets this attribute between steps.
         self.fused_layers_level = envs.FD_CPU_FUSED_LAYERS
         if (self.fused_layers_level == 0 or act is None or self.tp_size > 1 or self.moe or not self.plain_qkv
-                or self.arch.sandwich_norms):
+                or self.arch.sandwich_norms or self.arch.post_norms):
             return
         operands = [(self.qkv[i].block_operand, self.o[i].block_operand, self.gate_up[i].block_operand,
                      self.down[i].block_operand) for i in range(self.config.num_hidden_layers)]
@@ -304,7 +313,9 @@ class CausalLM:
         q, k, v = fused.split(qkv)
         if self.config.qkv_bias:
             q, k, v = q + w[n["q_bias"]], k + w[n["k_bias"]], v + w[n["v_bias"]]
-        if self.arch.qk_norm:
+        if self.arch.qk_norm_over_heads:
+            q, k = self._rms_norm(q, w[n["q_norm"]]), self._rms_norm(k, w[n["k_norm"]])
+        elif self.arch.qk_norm:
             rows = q.shape[0]
             q = self._rms_norm(q.reshape([rows, self.local_heads, d]), w[n["q_norm"]]).reshape([rows, -1])
             k = self._rms_norm(k.reshape([rows, self.local_kv_heads, d]), w[n["k_norm"]]).reshape([rows, -1])
@@ -323,6 +334,7 @@ class CausalLM:
         # output is added after the loop, the final norm runs on the sampled rows only.
         pending = None
         tp, sandwich, attention = self.tp_size, self.arch.sandwich_norms, meta.attn_backend.forward
+        post = self.arch.post_norms
         stack = self._decoder_stack(meta.attn_backend) if self.fused_layers is not None else None
         if stack is not None:  # every layer in one op call (and the LM head on the sampled rows), same bits
             hidden, logits = stack(hidden, meta, with_head=self.hidden_observer is None)
@@ -336,15 +348,20 @@ class CausalLM:
             for layer_id in range(self.config.num_hidden_layers):
                 n = self.layer_names[layer_id]
                 input_norm, post_norm = self.layer_norms[layer_id]
-                hidden, x = self._add_norm(hidden, pending, input_norm)
+                if post:  # OLMo: a layer reads the residual stream itself
+                    hidden = x = hidden if pending is None else hidden + pending
+                else:
+                    hidden, x = self._add_norm(hidden, pending, input_norm)
                 attn = tp_.all_reduce(self.o[layer_id](attention(layer_id, self._qkv(x, layer_id, n), meta)), tp)
                 if sandwich:  # Gemma: norm the attention output, then norm again before the MLP
                     hidden, x = self._add_norm(hidden, self._rms_norm(attn, post_norm), w[n["pre_ffn_norm"]])
+                elif post:
+                    hidden = x = hidden + self._rms_norm(attn, post_norm)
                 else:
                     hidden, x = self._add_norm(hidden, attn, post_norm)
                 moe = self.moe.get(layer_id)
                 ffn = tp_.all_reduce(moe(x, num_tokens) if moe is not None else self._dense_mlp(x, layer_id), tp)
-                pending = self._rms_norm(ffn, w[n["post_ffn_norm"]]) if sandwich else ffn
+                pending = self._rms_norm(ffn, w[n["post_ffn_norm"]]) if sandwich or post else ffn
         if pending is not None:
             hidden = hidden + pending
         if self.hidden_observer is not None:
