@@ -295,7 +295,8 @@ class ModelConfig:
     # Sliding *layers* (a model trained with them, Gemma 3): the window of each layer, None for a global
     # one; None for a model without. The model's own semantics: they apply in every memory mode.
     layer_sliding_window: Optional[tuple] = None
-    layer_rope_theta: Optional[tuple] = None  # per layer, where layers differ (Gemma 3's local base)
+    layer_rope_theta: Optional[tuple] = None  # per layer, where layers differ (Gemma 3's local base; None: no RoPE)
+    logit_scale: float = 1.0  # the LM head's logits times this (Cohere's logit_scale)
     # RoPE scaling as one divisor per frequency (Llama 3's rope_scaling, or a GGUF's rope_freqs); None: plain.
     rope_freq_divisors: Optional[tuple] = None
     gguf_file: Optional[str] = None  # the GGUF file the weights, tokenizer and template come from
@@ -405,7 +406,8 @@ class ModelConfig:
             attn_scale_ratio=float(head_dim / raw["query_pre_attn_scalar"]) ** 0.5
             if raw.get("query_pre_attn_scalar") else 1.0,
             layer_sliding_window=layer_windows,
-            layer_rope_theta=_layer_rope_thetas(raw, layer_windows),
+            layer_rope_theta=_layer_rope_thetas(raw, layer_windows, arch.nope_full_layers),
+            logit_scale=_positive_float(raw, "logit_scale", 1.0),
             rope_freq_divisors=frequency_divisors(raw, int(head_dim), model or preset),
             gguf_file=gguf_file,
             head_wise_swa_source=source if swa is not None else "none",
@@ -508,11 +510,20 @@ def _rule_layer_types(rule: str, raw: dict, layers: int) -> Optional[list]:
     return None
 
 
-def _layer_rope_thetas(raw: dict, layer_windows: Optional[tuple]) -> Optional[tuple]:
+def _layer_rope_thetas(raw: dict, layer_windows: Optional[tuple], nope_full: bool = False) -> Optional[tuple]:
+    """Per layer, its RoPE base (None: no RoPE, the full layers of an architecture with nope_full_layers)."""
     if layer_windows is None:
-        return None
+        return (None,) * int(raw["num_hidden_layers"]) if nope_full else None
     local = float(raw.get("rope_local_base_freq", raw["rope_theta"]))
-    return tuple(local if w is not None else float(raw["rope_theta"]) for w in layer_windows)
+    full = None if nope_full else float(raw["rope_theta"])
+    return tuple(local if w is not None else full for w in layer_windows)
+
+
+def _positive_float(raw: dict, key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"model config: {key} must be a positive number, got {value!r}")
+    return float(value)
 
 
 def _is_gguf_path(model: str) -> bool:

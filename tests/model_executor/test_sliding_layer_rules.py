@@ -50,3 +50,12 @@ def test_olmo3_slides_three_layers_of_four_by_default_and_its_layer_types_win(tm
                         layer_types=types).layer_sliding_window == (None, 64, None, 64)
     with pytest.raises(ValueError, match="sliding_window must be an integer"):
         model_config(tmp_path, "Olmo3ForCausalLM", sliding_window=0)
+
+
+def test_cohere2_slides_three_of_four_rotates_only_sliding_layers_and_scales_logits(tmp_path):
+    config = model_config(tmp_path, "Cohere2ForCausalLM", sliding_window=64, logit_scale=0.25)
+    assert config.layer_sliding_window == (64, 64, 64, None)
+    assert config.layer_rope_theta[:3] == (10000.0,) * 3 and config.layer_rope_theta[3] is None  # no RoPE: full
+    assert config.logit_scale == 0.25 and config.rms_norm_eps == 1e-5  # layer_norm_eps's default
+    with pytest.raises(ValueError, match="logit_scale must be a positive number"):
+        model_config(tmp_path, "Cohere2ForCausalLM", logit_scale="big")

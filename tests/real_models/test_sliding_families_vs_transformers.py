@@ -1,10 +1,10 @@
-"""Mistral, Qwen2, Qwen3 and OLMo 3 from Hugging Face directories (config.json + safetensors, as transformers'
+"""Mistral, Qwen2, Qwen3, OLMo 3 and Cohere2 from Hugging Face directories (config.json + safetensors, as transformers'
 save_pretrained writes them), on small random weights whose sliding windows (32 tokens) are shorter than
 the prompts: the engine's prompt log-probs agree with transformers' within float32 tolerance and its greedy
 tokens are equal, with the flag off and on (FD_HEAD_WISE_KV_CACHE=1 recycles the trained sliding layers'
 pages); with int8 pages (flag on) the log-probs stay close (mean KL, top-1 agreement). Each family says
 in its own config which layers slide: Mistral's `sliding_window` on every layer, Qwen's
-`use_sliding_window` from `max_window_layers` up, OLMo 3's `layer_types`. Qwen2's q/k/v biases and the
+`use_sliding_window` from `max_window_layers` up, OLMo 3's and Cohere2's `layer_types`. Qwen2's q/k/v biases and the
 q/k norms of Qwen3 (per head) and OLMo 3 (over all heads), and OLMo 3's post-sublayer norms, get random values
 (transformers initialises them to zeros and ones, which would test nothing)."""
 
@@ -32,6 +32,10 @@ FAMILIES = {
     # OLMo 3: layer_types (three sliding to one full, its config's default), norms after each sublayer only,
     # q/k norms over all heads
     "Olmo3ForCausalLM": ("Olmo3Config", dict(num_hidden_layers=4, sliding_window=WINDOW), (0, 1, 2)),
+    # Cohere2: layer_types (three sliding to one full), one LayerNorm feeding attention and MLP side by side,
+    # no RoPE on the full layer, logits scaled
+    "Cohere2ForCausalLM": ("Cohere2Config", dict(num_hidden_layers=4, sliding_window=WINDOW, logit_scale=0.5,
+                                                tie_word_embeddings=True), (0, 1, 2)),
 }
 
 
@@ -41,7 +45,7 @@ def random_model(name: str, seed: int, **fields):
     import torch
     import transformers
 
-    config = getattr(transformers, FAMILIES[name][0])(**SMALL, **fields)
+    config = getattr(transformers, FAMILIES[name][0])(**{**SMALL, **fields})
     config.architectures = [name]
     torch.manual_seed(seed)
     model = getattr(transformers, name)(config).eval()
@@ -51,7 +55,8 @@ def random_model(name: str, seed: int, **fields):
             if module_name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
                 param.normal_(0.0, 0.5)
             elif module_name.endswith(("q_norm.weight", "k_norm.weight", "post_attention_layernorm.weight",
-                                       "post_feedforward_layernorm.weight")):
+                                       "post_feedforward_layernorm.weight")) or "layernorm" in module_name \
+                    or module_name == "model.norm.weight":
                 param.normal_(1.0, 0.3)
     return model
 

@@ -8,9 +8,13 @@ import paddle
 from fastdeploy.model_executor.layers.rope_scaling import inverse_frequencies
 
 
-def rope_tables(head_dim: int, max_position: int, theta: float, divisors=None) -> tuple:
+def rope_tables(head_dim: int, max_position: int, theta, divisors=None) -> tuple:
     """cos and sin, float32 [max_position, head_dim // 2]; computed in float64 so every backend shares them.
-    `divisors`: one per frequency (RoPE scaling, layers/rope_scaling.py)."""
+    `divisors`: one per frequency (RoPE scaling, layers/rope_scaling.py). `theta` None: no rotation (a layer
+    without positional encoding, Cohere2's full ones): cos 1 and sin 0 leave q and k exactly as they are."""
+    if theta is None:
+        return (paddle.ones([max_position, head_dim // 2], dtype="float32"),
+                paddle.zeros([max_position, head_dim // 2], dtype="float32"))
     inv_freq = inverse_frequencies(head_dim, theta)
     if divisors is not None:
         inv_freq = inv_freq / np.asarray(divisors, np.float64)
@@ -20,7 +24,8 @@ def rope_tables(head_dim: int, max_position: int, theta: float, divisors=None) -
 
 
 def layer_rope_tables(model_config) -> list:
-    """(cos, sin) per layer, one table per distinct base (Gemma 3's sliding layers use a local base)."""
+    """(cos, sin) per layer, one table per distinct base (Gemma 3's sliding layers use a local base; None:
+    a layer without RoPE)."""
     thetas = model_config.layer_rope_theta or (model_config.rope_theta,) * model_config.num_hidden_layers
     tables = {t: rope_tables(model_config.head_dim, model_config.max_model_len, t, model_config.rope_freq_divisors)
               for t in set(thetas)}

@@ -35,6 +35,10 @@ class Architecture:
     sandwich_norms: bool = False  # norms after attention and around the MLP (Gemma 3's four per layer)
     post_norms: bool = False      # norms after attention and after the MLP only, none on a layer's input (OLMo)
     qk_norm_over_heads: bool = False  # the q (k) RMSNorm spans every head at once, not each head (OLMo)
+    layer_norm: bool = False      # LayerNorm (mean removed, weight, no bias) where the others RMS-norm (Cohere)
+    parallel_block: bool = False  # attention and MLP both read the layer's one normed input, both join the
+                                  # residual (Cohere: no second norm)
+    nope_full_layers: bool = False  # full-attention layers apply no RoPE, sliding ones do (Cohere2)
     embed_scale: bool = False     # embeddings times sqrt(hidden_size)
     rope_layout: str = INTERLEAVED                 # of a Hugging Face directory's q/k rows
     gguf_rope_layout: Optional[str] = None         # of llama.cpp's GGUF q/k rows (None: no GGUF)
@@ -110,7 +114,19 @@ OLMO3 = Architecture(
                   attention_bias=False, sliding_window=4096, sliding_window_pattern=4, pad_token_id=1,
                   bos_token_id=None, eos_token_id=50279))
 
-ARCHITECTURES = {a.name: a for a in (ERNIE4_5, ERNIE4_5_MOE, LLAMA, GEMMA3, MISTRAL, QWEN2, QWEN3, OLMO3)}
+# Cohere2 (Command R7B): one LayerNorm per layer, read by attention and MLP side by side; RoPE (interleaved
+# pairs, as this engine's op rotates) on the sliding layers only; logits times logit_scale; three sliding
+# layers to one full.
+COHERE2 = Architecture(
+    "Cohere2ForCausalLM", "cohere2", layer_norm=True, parallel_block=True, nope_full_layers=True,
+    sliding_layers=EVERY_NTH_GLOBAL, config_aliases={"layer_norm_eps": "rms_norm_eps"},
+    defaults=dict(vocab_size=256000, hidden_size=8192, intermediate_size=22528, num_hidden_layers=40,
+                  num_attention_heads=64, num_key_value_heads=None, head_dim=None, hidden_act="silu",
+                  max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=10000.0,
+                  attention_bias=False, sliding_window=4096, sliding_window_pattern=4, logit_scale=0.0625,
+                  pad_token_id=0, bos_token_id=5, eos_token_id=255001))
+
+ARCHITECTURES = {a.name: a for a in (ERNIE4_5, ERNIE4_5_MOE, LLAMA, GEMMA3, MISTRAL, QWEN2, QWEN3, OLMO3, COHERE2)}
 ARCHITECTURES["Ernie4_5_ForCausalLM"] = ERNIE4_5  # the spelling upstream also uses for the dense model
 GGUF_ARCHITECTURES = {a.gguf_arch: a for a in ARCHITECTURES.values() if a.gguf_arch}
 # Activation names of config.json -> the decoder's.

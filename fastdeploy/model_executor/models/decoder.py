@@ -65,8 +65,9 @@ def checkpoint_shapes(cfg) -> dict:
         n = _layer_names(i)
         if not arch.post_norms:
             shapes[n["input_norm"]] = (h,)
+        if not arch.parallel_block:
+            shapes[n["post_norm"]] = (h,)
         shapes.update({
-            n["post_norm"]: (h,),
             n["q"]: (cfg.num_attention_heads * d, h), n["k"]: (cfg.num_key_value_heads * d, h),
             n["v"]: (cfg.num_key_value_heads * d, h), n["o"]: (h, cfg.num_attention_heads * d),
         })
@@ -147,9 +148,11 @@ class CausalLM:
         self.down = {i: fuse_named(weights, [n["down"]]) for i, n in enumerate(names) if i not in self.moe}
         self.lm_head = fuse_named(weights, [self.lm_head_name])  # tied: the embedding reads its rows
         # Per layer, the norm weights the forward pass reads, looked up once.
-        self.layer_norms = [(weights.get(n["input_norm"]), weights[n["post_norm"]]) for n in names]  # OLMo: no input norm
+        # (OLMo has no input norm, Cohere no post-attention norm)
+        self.layer_norms = [(weights.get(n["input_norm"]), weights.get(n["post_norm"])) for n in names]
         self.plain_qkv = not (cfg.qkv_bias or self.arch.qk_norm or cfg.attn_scale_ratio != 1.0)
         self._bind_cpu_float32_ops()
+        self._norm = self._layer_norm if self.arch.layer_norm else self._rms_norm  # a layer's norms, the final one
         logging.getLogger("fastdeploy.model").info("dense layers: %s", self.dense_layer_storage())
 
     def dense_layers(self) -> list:
@@ -247,7 +250,8 @@ class CausalLM:
         # the levels in one engine sets this attribute between steps.
         self.fused_layers_level = envs.FD_CPU_FUSED_LAYERS
         if (self.fused_layers_level == 0 or act is None or self.tp_size > 1 or self.moe or not self.plain_qkv
-                or self.arch.sandwich_norms or self.arch.post_norms):
+                or self.arch.sandwich_norms or self.arch.post_norms or self.arch.layer_norm
+                or self.arch.parallel_block):
             return
         operands = [(self.qkv[i].block_operand, self.o[i].block_operand, self.gate_up[i].block_operand,
                      self.down[i].block_operand) for i in range(self.config.num_hidden_layers)]
@@ -289,14 +293,26 @@ class CausalLM:
     def _add_norm_rows(self, hidden: paddle.Tensor, delta: paddle.Tensor, weight: paddle.Tensor) -> tuple:
         return add_rms_norm(hidden, delta, weight, self.config.rms_norm_eps)
 
+    def _layer_norm(self, x: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
+        """Cohere's LayerNorm: mean and variance over the last axis, times the weight, no bias."""
+        return F.layer_norm(x, x.shape[-1:], weight=weight, epsilon=self.config.rms_norm_eps)
+
     def _gated(self, gate_up: paddle.Tensor) -> paddle.Tensor:
         return gated_activation(gate_up, self.arch.activation)
 
     def _add_norm(self, hidden: paddle.Tensor, delta, weight: paddle.Tensor) -> tuple:
-        """(hidden + delta, its RMSNorm); delta None: (hidden, its RMSNorm)."""
+        """(hidden + delta, its norm); delta None: (hidden, its norm). RMSNorm's add is fused with it."""
         if delta is None:
-            return hidden, self._rms_norm(hidden, weight)
+            return hidden, self._norm(hidden, weight)
+        if self.arch.layer_norm:
+            hidden = hidden + delta
+            return hidden, self._norm(hidden, weight)
         return self._add_norm_rows(hidden, delta, weight)
+
+    def _ffn(self, x: paddle.Tensor, layer_id: int, num_tokens: int) -> paddle.Tensor:
+        """The layer's MoE block or dense MLP, all-reduced over the ranks."""
+        moe = self.moe.get(layer_id)
+        return tp_.all_reduce(moe(x, num_tokens) if moe is not None else self._dense_mlp(x, layer_id), self.tp_size)
 
     def _dense_mlp(self, x: paddle.Tensor, layer_id: int) -> paddle.Tensor:
         # The fused weight is [gate; up] with equal halves, as gated_activation reads it.
@@ -334,7 +350,7 @@ class CausalLM:
         # output is added after the loop, the final norm runs on the sampled rows only.
         pending = None
         tp, sandwich, attention = self.tp_size, self.arch.sandwich_norms, meta.attn_backend.forward
-        post = self.arch.post_norms
+        post, parallel = self.arch.post_norms, self.arch.parallel_block
         stack = self._decoder_stack(meta.attn_backend) if self.fused_layers is not None else None
         if stack is not None:  # every layer in one op call (and the LM head on the sampled rows), same bits
             hidden, logits = stack(hidden, meta, with_head=self.hidden_observer is None)
@@ -353,15 +369,17 @@ class CausalLM:
                 else:
                     hidden, x = self._add_norm(hidden, pending, input_norm)
                 attn = tp_.all_reduce(self.o[layer_id](attention(layer_id, self._qkv(x, layer_id, n), meta)), tp)
+                if parallel:  # Cohere: the MLP reads the attention's input; both outputs join the residual
+                    pending = attn + self._ffn(x, layer_id, num_tokens)
+                    continue
                 if sandwich:  # Gemma: norm the attention output, then norm again before the MLP
-                    hidden, x = self._add_norm(hidden, self._rms_norm(attn, post_norm), w[n["pre_ffn_norm"]])
+                    hidden, x = self._add_norm(hidden, self._norm(attn, post_norm), w[n["pre_ffn_norm"]])
                 elif post:
-                    hidden = x = hidden + self._rms_norm(attn, post_norm)
+                    hidden = x = hidden + self._norm(attn, post_norm)
                 else:
                     hidden, x = self._add_norm(hidden, attn, post_norm)
-                moe = self.moe.get(layer_id)
-                ffn = tp_.all_reduce(moe(x, num_tokens) if moe is not None else self._dense_mlp(x, layer_id), tp)
-                pending = self._rms_norm(ffn, w[n["post_ffn_norm"]]) if sandwich or post else ffn
+                ffn = self._ffn(x, layer_id, num_tokens)
+                pending = self._norm(ffn, w[n["post_ffn_norm"]]) if sandwich or post else ffn
         if pending is not None:
             hidden = hidden + pending
         if self.hidden_observer is not None:
@@ -374,7 +392,9 @@ class CausalLM:
 
     def lm_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """float32 logits [rows, vocab] of final hidden states."""
-        logits = self.lm_head(self._rms_norm(hidden, self.weights["model.norm.weight"]))
+        logits = self.lm_head(self._norm(hidden, self.weights["model.norm.weight"]))
+        if self.config.logit_scale != 1.0:  # Cohere
+            logits = logits * self.config.logit_scale
         logits = tp_.all_gather_last_axis(logits, self.tp_size)
         if logits.shape[-1] != self.config.vocab_size:  # vocab-parallel shards are padded
             logits = logits[:, :self.config.vocab_size]
