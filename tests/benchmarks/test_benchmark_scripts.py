@@ -154,3 +154,15 @@ def test_bench_tier_restart_hits_after_the_restart_with_the_tokens_of_a_cold_sta
     assert rows["cold"]["hit_rate"] == 0 and rows["disk"]["hit_rate"] > 0.5
     assert rows["disk"]["disk_loaded_pages"] > 0 and rows["disk"]["files"] > 0
     assert all(c["differ"] == 0 for c in result["identical_tokens"])
+
+
+def test_page_arithmetic_counts_the_pages_the_retention_rule_keeps_per_published_config(tmp_path):
+    out = tmp_path / "pages.json"
+    run("page_arithmetic.py", "--tokens", "4096", "--json", str(out))
+    rows = {r["model"]: r for r in json.loads(out.read_text())["rows"]}
+    # gpt-oss-20b by hand: 256 blocks; 12 full layers x 8 KV heads keep all, 12 sliding layers keep the blocks
+    # from (4096 - 128 + 1) // 16 = 248 on: 8 each
+    assert rows["gpt-oss-20b"]["pages_off"] == 24 * 8 * 256
+    assert rows["gpt-oss-20b"]["pages_on"] == 12 * 8 * 256 + 12 * 8 * 8
+    # a window as long as the request recycles nothing
+    assert rows["Mistral-7B-v0.1"]["pages_on"] == rows["Mistral-7B-v0.1"]["pages_off"] == 32 * 8 * 256
