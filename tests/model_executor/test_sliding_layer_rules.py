@@ -59,3 +59,12 @@ def test_cohere2_slides_three_of_four_rotates_only_sliding_layers_and_scales_log
     assert config.logit_scale == 0.25 and config.rms_norm_eps == 1e-5  # layer_norm_eps's default
     with pytest.raises(ValueError, match="logit_scale must be a positive number"):
         model_config(tmp_path, "Cohere2ForCausalLM", logit_scale="big")
+
+
+def test_olmo3_refuses_tensor_parallelism_by_name(tmp_path):
+    # its q/k RMSNorm spans every head, which ranks would split: refused, never computed per shard
+    from fastdeploy.model_executor.models.decoder import CausalLM
+
+    config = model_config(tmp_path, "Olmo3ForCausalLM", sliding_window=64)
+    with pytest.raises(ValueError, match="Olmo3ForCausalLM: tensor parallelism is not supported"):
+        CausalLM(config, {}, tp_rank=0, tp_size=2)
