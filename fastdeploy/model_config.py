@@ -297,6 +297,9 @@ class ModelConfig:
     layer_sliding_window: Optional[tuple] = None
     layer_rope_theta: Optional[tuple] = None  # per layer, where layers differ (Gemma 3's local base; None: no RoPE)
     logit_scale: float = 1.0  # the LM head's logits times this (Cohere's logit_scale)
+    # Soft-capping (Gemma 2): attention scores and final logits become cap * tanh(x / cap); 0: none.
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
     # RoPE scaling as one divisor per frequency (Llama 3's rope_scaling, or a GGUF's rope_freqs); None: plain.
     rope_freq_divisors: Optional[tuple] = None
     gguf_file: Optional[str] = None  # the GGUF file the weights, tokenizer and template come from
@@ -337,8 +340,8 @@ class ModelConfig:
             raise ValueError(f"model config: hidden_act={raw.get('hidden_act')!r} is not supported for "
                              f"{arch.name} (expected {arch.activation})")
         for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-            if raw.get(key) is not None:
-                raise ValueError(f"model config: {key}={raw[key]!r} is not supported by this engine")
+            if raw.get(key) is not None and not arch.logit_softcapping:
+                raise ValueError(f"model config: {key}={raw[key]!r} is not supported for {arch.name}")
         heads = raw["num_attention_heads"]
         kv_heads = raw.get("num_key_value_heads") or heads
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
@@ -408,6 +411,8 @@ class ModelConfig:
             layer_sliding_window=layer_windows,
             layer_rope_theta=_layer_rope_thetas(raw, layer_windows, arch.nope_full_layers),
             logit_scale=_positive_float(raw, "logit_scale", 1.0),
+            attn_logit_softcapping=_softcap(raw, "attn_logit_softcapping"),
+            final_logit_softcapping=_softcap(raw, "final_logit_softcapping"),
             rope_freq_divisors=frequency_divisors(raw, int(head_dim), model or preset),
             gguf_file=gguf_file,
             head_wise_swa_source=source if swa is not None else "none",
@@ -524,6 +529,11 @@ def _positive_float(raw: dict, key: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"model config: {key} must be a positive number, got {value!r}")
     return float(value)
+
+
+def _softcap(raw: dict, key: str) -> float:
+    """A soft-capping value: null (or absent) is none (0.0), anything else a positive number."""
+    return 0.0 if raw.get(key) is None else _positive_float(raw, key, 0.0)
 
 
 def _is_gguf_path(model: str) -> bool:

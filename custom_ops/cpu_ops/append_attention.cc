@@ -34,11 +34,13 @@ std::vector<paddle::Tensor> AppendAttentionCpu(
     const paddle::Tensor& rotary_cos, const paddle::Tensor& rotary_sin,
     const paddle::Tensor& head_windows, const paddle::Tensor& kv_head_slots,
     const paddle::Tensor& key_cache_scales, const paddle::Tensor& value_cache_scales,
-    int num_heads, int kv_num_heads, int head_dim, bool visit_all_pages) {
+    const paddle::Tensor& attention_sinks, int num_heads, int kv_num_heads, int head_dim, bool visit_all_pages,
+    float softcap) {
+  const fd_attn::ScoreMods mods = fd_attn::check_score_mods(fd_attn::cpu_rules(), attention_sinks, softcap, num_heads);
   return {fd_cpu::append_attention_step(qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder,
                                         seq_lens_this_time, cu_seqlens_q, block_tables, rotary_cos, rotary_sin,
                                         head_windows, kv_head_slots, key_cache_scales, value_cache_scales,
-                                        num_heads, kv_num_heads, head_dim, visit_all_pages)};
+                                        num_heads, kv_num_heads, head_dim, visit_all_pages, mods)};
 }
 
 std::vector<std::vector<int64_t>> AppendAttentionCpuInferShape(
@@ -48,8 +50,8 @@ std::vector<std::vector<int64_t>> AppendAttentionCpuInferShape(
     const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, const std::vector<int64_t>&, int num_heads, int,
-    int head_dim, bool) {
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&, int num_heads, int,
+    int head_dim, bool, float) {
   return {{qkv_shape[0], int64_t(num_heads) * head_dim}};
 }
 
@@ -58,7 +60,7 @@ std::vector<paddle::DataType> AppendAttentionCpuInferDtype(
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
-    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
   return {qkv_dtype};
 }
 
@@ -66,14 +68,14 @@ PD_BUILD_OP(append_attention_cpu)
     .Inputs({"qkv", "key_cache", "value_cache", "seq_lens_encoder",
              "seq_lens_decoder", "seq_lens_this_time", "cu_seqlens_q",
              "block_tables", "rotary_cos", "rotary_sin", "head_windows",
-             "kv_head_slots", "key_cache_scales", "value_cache_scales"})
+             "kv_head_slots", "key_cache_scales", "value_cache_scales", "attention_sinks"})
     .Outputs({"out", "key_cache_out", "value_cache_out", "key_cache_scales_out",
               "value_cache_scales_out"})
     .SetInplaceMap({{"key_cache", "key_cache_out"},
                     {"value_cache", "value_cache_out"},
                     {"key_cache_scales", "key_cache_scales_out"},
                     {"value_cache_scales", "value_cache_scales_out"}})
-    .Attrs({"num_heads: int", "kv_num_heads: int", "head_dim: int", "visit_all_pages: bool"})
+    .Attrs({"num_heads: int", "kv_num_heads: int", "head_dim: int", "visit_all_pages: bool", "softcap: float"})
     .SetKernelFn(PD_KERNEL(AppendAttentionCpu))
     .SetInferShapeFn(PD_INFER_SHAPE(AppendAttentionCpuInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(AppendAttentionCpuInferDtype));
@@ -90,14 +92,15 @@ std::vector<paddle::Tensor> AppendAttentionValidate(
     const paddle::Tensor& rotary_cos, const paddle::Tensor& rotary_sin,
     const paddle::Tensor& head_windows, const paddle::Tensor& kv_head_slots,
     const paddle::Tensor& key_cache_scales, const paddle::Tensor& value_cache_scales,
-    int num_heads, int kv_num_heads, int head_dim, bool visit_all_pages, bool gpu_rules,
-    bool check_place) {
+    const paddle::Tensor& attention_sinks, int num_heads, int kv_num_heads, int head_dim, bool visit_all_pages,
+    float softcap, bool gpu_rules, bool check_place) {
   fd_attn::DeviceRules rules = gpu_rules ? fd_attn::gpu_rules() : fd_attn::cpu_rules();
   rules.check_place = check_place;
   const fd_attn::CheckedStep step = fd_attn::check_step(
       rules, qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time, cu_seqlens_q,
       block_tables, rotary_cos, rotary_sin, head_windows, kv_head_slots, key_cache_scales, value_cache_scales,
       num_heads, kv_num_heads, head_dim, visit_all_pages);
+  fd_attn::check_score_mods(rules, attention_sinks, softcap, num_heads);
   paddle::Tensor rows = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
   rows.data<int64_t>()[0] = step.g.token_num;
   return {rows};
@@ -110,8 +113,8 @@ std::vector<std::vector<int64_t>> AppendAttentionValidateInferShape(
     const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, const std::vector<int64_t>&, int, int, int, bool, bool,
-    bool) {
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&, int, int, int, bool,
+    float, bool, bool) {
   return {{1}};
 }
 
@@ -120,7 +123,7 @@ std::vector<paddle::DataType> AppendAttentionValidateInferDtype(
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
-    const paddle::DataType&, const paddle::DataType&) {
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
   return {paddle::DataType::INT64};
 }
 
@@ -128,10 +131,10 @@ PD_BUILD_OP(append_attention_validate)
     .Inputs({"qkv", "key_cache", "value_cache", "seq_lens_encoder",
              "seq_lens_decoder", "seq_lens_this_time", "cu_seqlens_q",
              "block_tables", "rotary_cos", "rotary_sin", "head_windows",
-             "kv_head_slots", "key_cache_scales", "value_cache_scales"})
+             "kv_head_slots", "key_cache_scales", "value_cache_scales", "attention_sinks"})
     .Outputs({"token_num"})
     .Attrs({"num_heads: int", "kv_num_heads: int", "head_dim: int", "visit_all_pages: bool",
-            "gpu_rules: bool", "check_place: bool"})
+            "softcap: float", "gpu_rules: bool", "check_place: bool"})
     .SetKernelFn(PD_KERNEL(AppendAttentionValidate))
     .SetInferShapeFn(PD_INFER_SHAPE(AppendAttentionValidateInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(AppendAttentionValidateInferDtype));

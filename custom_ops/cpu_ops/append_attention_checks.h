@@ -27,7 +27,9 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -478,6 +480,40 @@ struct CheckedStep {
   Geometry g;
   HostBatch host;
 };
+
+// What a step does to the scores besides the window (docs/op_contract.md): a learned sink logit per
+// query head that joins each softmax's denominator (gpt-oss), and soft-capping, each scaled score
+// becoming softcap * tanh(score / softcap) (Gemma 2). The op's `attention_sinks` is float32
+// [num_heads], or empty ([0]) for none; `softcap` 0 is none.
+struct ScoreMods {
+  const float* sinks = nullptr;  // [num_heads] on the op's device, or nullptr
+  float softcap = 0.f;
+  float sink(int q_head) const {
+    return sinks == nullptr ? -std::numeric_limits<float>::infinity() : sinks[q_head];
+  }
+};
+
+inline ScoreMods check_score_mods(const DeviceRules& rules, const paddle::Tensor& attention_sinks, double softcap,
+                                  int num_heads) {
+  const bool none = attention_sinks.numel() == 0;  // an empty tensor holds no allocation, hence no place
+  PD_CHECK(none || attention_sinks.initialized(), rules.op, ": attention_sinks is not initialized");
+  if (rules.check_place && !none) {
+    PD_CHECK(rules.gpu ? attention_sinks.is_gpu() : attention_sinks.is_cpu(), rules.op,
+             ": every input must be a ", rules.device, " tensor, but attention_sinks is on ",
+             attention_sinks.place().DebugString());
+  }
+  PD_CHECK(attention_sinks.dtype() == paddle::DataType::FLOAT32, rules.op, ": attention_sinks must be float32");
+  const auto& s = attention_sinks.shape();
+  PD_CHECK(s.size() == 1 && (s[0] == 0 || s[0] == num_heads), rules.op,
+           ": attention_sinks must be [num_heads] = [", num_heads, "] (one logit per query head) or empty [0] "
+           "(no sinks), got ", s.size() == 1 ? std::to_string(s[0]) : std::string("rank ") + std::to_string(s.size()));
+  PD_CHECK(std::isfinite(softcap) && softcap >= 0.0, rules.op, ": softcap must be >= 0 (0 = no soft-capping), got ",
+           softcap);
+  ScoreMods mods;
+  mods.sinks = none ? nullptr : attention_sinks.data<float>();
+  mods.softcap = float(softcap);
+  return mods;
+}
 
 inline CheckedStep check_step(const DeviceRules& rules, const paddle::Tensor& qkv, const paddle::Tensor& key_cache,
                               const paddle::Tensor& value_cache, const paddle::Tensor& seq_lens_encoder,

@@ -23,6 +23,7 @@ using fd_attn::Batch;
 using fd_attn::Geometry;
 using fd_attn::KeyRuns;
 using fd_attn::page_of;
+using fd_attn::ScoreMods;
 using fd_attn::visible_runs;
 
 // Where the work of a step goes: a row of qkv and the request it belongs to.
@@ -177,7 +178,7 @@ struct PageReader {
 // results depend neither on the thread count nor on the tiling.
 template <typename OutT, typename KeyT, typename ValueT>
 void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& tokens,
-            const float* q_rot, const KvPages<KeyT, ValueT>& kv, OutT* out) {
+            const float* q_rot, const KvPages<KeyT, ValueT>& kv, const ScoreMods& mods, OutT* out) {
   const int d = g.head_dim;
   const int64_t key_width = row_elements<KeyT>(d);  // cache elements per row of each lane
   const int64_t value_width = row_elements<ValueT>(d);
@@ -300,7 +301,8 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
           const int qi = rd.query;
           mask.query_pos = tile.pos + rd.token;
           rd.live[piece] = softmax_step(sc.scores.data() + int64_t(r) * g.block_size + (pc.lo[piece] - lo),
-                                        int(pc.hi[piece] - pc.lo[piece]), d, pc.lo[piece], mask, sc.max[qi],
+                                        int(pc.hi[piece] - pc.lo[piece]), d, pc.lo[piece], mask, mods.softcap,
+                                        sc.max[qi],
                                         sc.denom[qi], sc.acc.data() + int64_t(qi) * d);
         }
         // Weighted values: readers with the same keys (a token's query heads always; a prefill
@@ -337,7 +339,7 @@ void attend(const Geometry& g, const Batch& b, const std::vector<TokenRef>& toke
       OutT* o = out + ((tile.row + t) * g.num_heads + int64_t(h) * g.group) * d;
       for (int j = 0; j < g.group; ++j) {
         const int qi = t * g.group + j;
-        const float inv = 1.f / sc.denom[qi];
+        const float inv = softmax_norm(sc.denom[qi], sc.max[qi], mods.sink(h * g.group + j));
         if (unrotate_values) {
           for (int i = 0; i < d; ++i) sc.out_row[i] = sc.acc[int64_t(qi) * d + i] * inv;
           rotate_row(sc.out_row.data(), d);
@@ -355,7 +357,7 @@ void run_step(const Geometry& g, const Batch& b, const paddle::Tensor& qkv,
               const paddle::Tensor& cos, const paddle::Tensor& sin,
               const paddle::Tensor& key_cache, const paddle::Tensor& value_cache,
               const paddle::Tensor& key_scales, const paddle::Tensor& value_scales,
-              paddle::Tensor* out) {
+              const ScoreMods& mods, paddle::Tensor* out) {
   const int64_t token_num = qkv.shape()[0];
   const std::vector<TokenRef> tokens = list_tokens(b);
   // Cache writes are the op's contract (in-place outputs), hence const_cast.
@@ -371,7 +373,7 @@ void run_step(const Geometry& g, const Batch& b, const paddle::Tensor& qkv,
 
   std::vector<float> q_rot(size_t(token_num) * g.num_heads * g.head_dim);
   rope_and_write(g, b, tokens, x, cos.data<float>(), sin.data<float>(), kv, q_rot.data());
-  attend(g, b, tokens, q_rot.data(), kv, o);
+  attend(g, b, tokens, q_rot.data(), kv, mods, o);
   // Padding rows past cu_seqlens_q[bsz] carry no token; zero them so every
   // element of the output is defined.
   const int64_t used = b.cu_seqlens_q[b.bsz];
@@ -386,27 +388,27 @@ void run_step_for_cache(const Geometry& g, const Batch& b, const paddle::Tensor&
                         const paddle::Tensor& cos, const paddle::Tensor& sin,
                         const paddle::Tensor& key_cache, const paddle::Tensor& value_cache,
                         const paddle::Tensor& key_scales, const paddle::Tensor& value_scales,
-                        paddle::Tensor* out) {
+                        const ScoreMods& mods, paddle::Tensor* out) {
   if (g.page_format() == fd_kvq::kK8V4) {
     return run_step<QkvT, int8_t, Int4Pair>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales, value_scales,
-                                            out);
+                                            mods, out);
   }
   switch (key_cache.dtype()) {  // the value lane has the key lane's dtype
     case paddle::DataType::BFLOAT16:
       return run_step<QkvT, bf16_bits, bf16_bits>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales,
-                                                  value_scales, out);
+                                                  value_scales, mods, out);
     case paddle::DataType::INT8:
       return run_step<QkvT, int8_t, int8_t>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales, value_scales,
-                                            out);
+                                            mods, out);
     case paddle::DataType::FLOAT8_E4M3FN:
       return run_step<QkvT, fd_kvq::e4m3, fd_kvq::e4m3>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales,
-                                                        value_scales, out);
+                                                        value_scales, mods, out);
     case paddle::DataType::UINT8:
       return run_step<QkvT, Int4Pair, Int4Pair>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales,
-                                                value_scales, out);
+                                                value_scales, mods, out);
     default:
       return run_step<QkvT, float, float>(g, b, qkv, cos, sin, key_cache, value_cache, key_scales, value_scales,
-                                          out);
+                                          mods, out);
   }
 }
 
@@ -418,7 +420,8 @@ paddle::Tensor append_attention_step(
     const paddle::Tensor& seq_lens_this_time, const paddle::Tensor& cu_seqlens_q, const paddle::Tensor& block_tables,
     const paddle::Tensor& rotary_cos, const paddle::Tensor& rotary_sin, const paddle::Tensor& head_windows,
     const paddle::Tensor& kv_head_slots, const paddle::Tensor& key_cache_scales,
-    const paddle::Tensor& value_cache_scales, int num_heads, int kv_num_heads, int head_dim, bool visit_all_pages) {
+    const paddle::Tensor& value_cache_scales, int num_heads, int kv_num_heads, int head_dim, bool visit_all_pages,
+    const ScoreMods& mods = ScoreMods()) {
   const fd_attn::CheckedStep step = fd_attn::check_step(
       fd_attn::cpu_rules(), qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
       cu_seqlens_q, block_tables, rotary_cos, rotary_sin, head_windows, kv_head_slots, key_cache_scales,
@@ -431,10 +434,10 @@ paddle::Tensor append_attention_step(
       paddle::empty({qs[0], int64_t(num_heads) * head_dim}, qkv.dtype(), qkv.place());
   if (qkv.dtype() == paddle::DataType::BFLOAT16) {
     run_step_for_cache<bf16_bits>(g, b, qkv, rotary_cos, rotary_sin, key_cache, value_cache, key_cache_scales,
-                                  value_cache_scales, &out);
+                                  value_cache_scales, mods, &out);
   } else {
     run_step_for_cache<float>(g, b, qkv, rotary_cos, rotary_sin, key_cache, value_cache, key_cache_scales,
-                              value_cache_scales, &out);
+                              value_cache_scales, mods, &out);
   }
   return out;
 }

@@ -161,15 +161,24 @@ struct RowMask {
   }
 };
 
+// Gemma 2's attention soft-capping: each scaled score becomes cap * tanh(score / cap) before the
+// softmax (cap 0: scores unchanged). Divided, not multiplied by 1 / cap, as the reference does.
+inline void soft_cap(float* s, int n, float cap) {
+  if (cap <= 0.f) return;
+  for (int r = 0; r < n; ++r) s[r] = cap * std::tanh(s[r] / cap);
+}
+
 // The softmax half of folding n consecutive keys into ONE query's running
-// state (max, denom, acc[d]): `s` holds the scaled scores and becomes the
-// weights exp(score - max); acc is rescaled to the new max. The caller then
+// state (max, denom, acc[d]): `s` holds the scaled scores (soft-capped here
+// when `softcap` > 0) and becomes the weights exp(score - max); acc is rescaled
+// to the new max. The caller then
 // adds weighted_values(s, v, n, d, acc). Returns false (nothing to add) when
 // every key is masked. A query's keys arrive in position order, a page (or a
 // sink / window run's part of a page) at a time, whoever shares its tile.
-inline bool softmax_step(float* s, int n, int d, int64_t first_pos, const RowMask& mask, float& max,
-                         float& denom, float* acc) {
+inline bool softmax_step(float* s, int n, int d, int64_t first_pos, const RowMask& mask, float softcap,
+                         float& max, float& denom, float* acc) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  soft_cap(s, n, softcap);
   if (mask.active) {  // the visit_all_pages baseline only
     for (int r = 0; r < n; ++r) s[r] = mask.visible(first_pos + r) ? s[r] : kNegInf;
   }
@@ -185,6 +194,14 @@ inline bool softmax_step(float* s, int n, int d, int64_t first_pos, const RowMas
   }
   denom += exp_and_sum(s, n, new_max);
   return true;
+}
+
+// 1 / the softmax's denominator at the end of a query's keys: its running sum, plus exp(sink - max)
+// where the head has a learned sink logit (gpt-oss: a key-less logit that only takes probability
+// mass; `sink` is -inf without one). exp may overflow to inf for a sink far above every score: the
+// output is then 0, the limit.
+inline float softmax_norm(float denom, float max, float sink) {
+  return 1.f / (sink == -std::numeric_limits<float>::infinity() ? denom : denom + std::exp(sink - max));
 }
 
 }  // namespace fd_cpu

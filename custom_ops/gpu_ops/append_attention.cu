@@ -32,13 +32,14 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
     const paddle::Tensor& block_tables, const paddle::Tensor& rotary_cos,
     const paddle::Tensor& rotary_sin, const paddle::Tensor& head_windows,
     const paddle::Tensor& kv_head_slots, paddle::Tensor& key_cache_scales,
-    paddle::Tensor& value_cache_scales, paddle::Tensor& error_info, int num_heads, int kv_num_heads, int head_dim,
-    bool visit_all_pages, bool dual_pass) {
+    paddle::Tensor& value_cache_scales, const paddle::Tensor& attention_sinks, paddle::Tensor& error_info,
+    int num_heads, int kv_num_heads, int head_dim, bool visit_all_pages, float softcap, bool dual_pass) {
   // The CPU op's metadata checks (one header); the value checks run on the device (error_info).
   const fd_attn::Geometry g = fd_attn::check_inputs(
       fd_attn::gpu_rules(), qkv, key_cache, value_cache, seq_lens_encoder, seq_lens_decoder, seq_lens_this_time,
       cu_seqlens_q, block_tables, rotary_cos, rotary_sin, head_windows, kv_head_slots, key_cache_scales,
       value_cache_scales, num_heads, kv_num_heads, head_dim, visit_all_pages);
+  const fd_attn::ScoreMods mods = fd_attn::check_score_mods(fd_attn::gpu_rules(), attention_sinks, softcap, num_heads);
   PD_CHECK(error_info.is_gpu() && error_info.dtype() == paddle::DataType::INT32 &&
                error_info.numel() == 4,
            "append_attention_gpu: error_info must be 4 int32 on the GPU");
@@ -61,6 +62,7 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
   p.visit_all_pages = visit_all_pages;
   p.dual_pass = dual_pass ? 1 : 0;
   p.cache_quant = g.page_format();  // the (key, value) lane pair the checks accepted, as AppendAttnCacheQuant
+  p.softcap = mods.softcap;
   const bool quantized = p.cache_quant != APPEND_ATTN_CACHE_FLOAT;
 
   auto out = paddle::empty({p.token_num, num_heads * head_dim}, qkv.dtype(), qkv.place());
@@ -79,6 +81,7 @@ std::vector<paddle::Tensor> AppendAttentionGpu(
   b.kv_head_slots = kv_head_slots.data<int>();
   b.key_cache_scales = quantized ? key_cache_scales.data<float>() : nullptr;
   b.value_cache_scales = quantized ? value_cache_scales.data<float>() : nullptr;
+  b.attention_sinks = mods.sinks;
   b.out = out.data();
 
   const size_t ws_bytes = append_attention_workspace_bytes(&p);
@@ -97,7 +100,8 @@ std::vector<std::vector<int64_t>> AppendAttentionGpuInferShape(
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, int num_heads, int kv_num_heads, int head_dim, bool, bool) {
+    const std::vector<int64_t>&, const std::vector<int64_t>&, int num_heads, int kv_num_heads, int head_dim, bool,
+    float, bool) {
   return {{qkv_shape[0], static_cast<int64_t>(num_heads) * head_dim}};
 }
 
@@ -106,7 +110,7 @@ std::vector<paddle::DataType> AppendAttentionGpuInferDtype(
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
-    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
   return {qkv_dtype};
 }
 
@@ -114,7 +118,7 @@ PD_BUILD_OP(append_attention_gpu)
     .Inputs({"qkv", "key_cache", "value_cache", "seq_lens_encoder", "seq_lens_decoder",
              "seq_lens_this_time", "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin",
              "head_windows", "kv_head_slots", "key_cache_scales", "value_cache_scales",
-             "error_info"})
+             "attention_sinks", "error_info"})
     .Outputs({"out", "key_cache_out", "value_cache_out", "key_cache_scales_out",
               "value_cache_scales_out", "error_info_out"})
     .SetInplaceMap({{"key_cache", "key_cache_out"},
@@ -123,7 +127,7 @@ PD_BUILD_OP(append_attention_gpu)
                     {"value_cache_scales", "value_cache_scales_out"},
                     {"error_info", "error_info_out"}})
     .Attrs({"num_heads: int", "kv_num_heads: int", "head_dim: int", "visit_all_pages: bool",
-            "dual_pass: bool"})
+            "softcap: float", "dual_pass: bool"})
     .SetKernelFn(PD_KERNEL(AppendAttentionGpu))
     .SetInferShapeFn(PD_INFER_SHAPE(AppendAttentionGpuInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(AppendAttentionGpuInferDtype));

@@ -37,7 +37,8 @@ class ModelRunner:
         self.tp_size = fd_config.parallel_config.tensor_parallel_size
         self.kv_heads = local_kv_heads(model.num_key_value_heads, tp_rank, self.tp_size)
         self.model = CausalLM.load(model, tp_rank, self.tp_size)
-        self.attn_backend = get_attention_backend(fd_config, layer_rope_tables(model), tp_rank)
+        self.attn_backend = get_attention_backend(fd_config, layer_rope_tables(model), tp_rank,
+                                                 self.model.attention_sinks())
         # The persistent block table's rows on this rank: 1 in 1-D mode, its KV slots head-wise (slots.py).
         self.buffers = StepBuffers(StepBufferLayout.from_config(fd_config, fd_config.table_rows_per_rank))
 

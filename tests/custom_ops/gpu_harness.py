@@ -285,6 +285,7 @@ class Case:
     # and these float32 [num_blocks, kv_slots, block_size] their rows' scales.
     key_cache_scales: np.ndarray | None = None
     value_cache_scales: np.ndarray | None = None
+    attention_sinks: np.ndarray | None = None  # float32 [num_heads] learned sink logits (gpt-oss), or none
 
     def with_params(self, **changes) -> "Case":
         return dataclasses.replace(self, params={**self.params, **changes})
@@ -382,6 +383,7 @@ class Harness:
             kv_head_slots=ptr(case.kv_head_slots, np.int32),
             key_cache_scales=ptr(ks, np.float32),
             value_cache_scales=ptr(vs, np.float32),
+            attention_sinks=ptr(case.attention_sinks, np.float32),
         )
         avg_ms = ctypes.c_float(0.0)
         info = (ctypes.c_int * 4)()

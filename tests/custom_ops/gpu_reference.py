@@ -96,6 +96,8 @@ def reference(case: Case):
     out = np.zeros((qkv.shape[0], nh, d))
     scale = 1.0 / np.sqrt(d)
     windows = head_window_pairs(case.head_windows)
+    softcap = float(p.get("softcap", 0.0))  # Gemma 2: scores soft-capped before the mask
+    sinks = case.attention_sinks  # gpt-oss: a logit per q head in the denominator only
     for r in range(bsz):
         n = int(case.seq_lens_this_time[r])
         if n == 0:
@@ -116,9 +118,13 @@ def reference(case: Case):
             for g in range(group):
                 qh = h * group + g
                 s = q_rot[tok0 : tok0 + n, qh] @ keys.T * scale
+                if softcap:
+                    s = softcap * np.tanh(s / softcap)
                 s = np.where(vis, s, -np.inf)
-                w = np.exp(s - s.max(axis=1, keepdims=True))
-                w /= w.sum(axis=1, keepdims=True)
+                sink = -np.inf if sinks is None else float(sinks[qh])
+                top = np.maximum(s.max(axis=1, keepdims=True), sink)
+                w = np.exp(s - top)
+                w /= w.sum(axis=1, keepdims=True) + np.exp(sink - top)
                 out[tok0 : tok0 + n, qh] = w @ vals
     return out, kc, vc
 

@@ -63,7 +63,7 @@ def page_id(table: np.ndarray, r: int, h: int, i: int, kv_heads: int) -> int:
 def reference_append_attention(
     qkv, key_cache, value_cache, seq_lens_decoder, seq_lens_this_time, cu_seqlens_q,
     block_tables, rotary_cos, rotary_sin, head_windows, *, num_heads, kv_num_heads,
-    head_dim, cache_is_bf16=False, caches_hold_new_rows=False,
+    head_dim, cache_is_bf16=False, caches_hold_new_rows=False, attention_sinks=None, softcap=0.0,
 ):
     """Returns (out float64 [T, num_heads*D], expected key cache, expected value cache).
 
@@ -71,6 +71,8 @@ def reference_append_attention(
     as their exact float32 values); the expected caches have the same dtype.
     ``caches_hold_new_rows``: the caches already hold the step's K/V rows (e.g. the
     dequantized rows an op wrote into quantized pages), so pass 1 writes nothing.
+    ``attention_sinks`` ([num_heads] or None): a logit per query head in each softmax's denominator and
+    nowhere else; ``softcap`` > 0: every scaled score s becomes softcap * tanh(s / softcap) first.
     """
     d, kvh = head_dim, kv_num_heads
     group = num_heads // kvh
@@ -122,6 +124,10 @@ def reference_append_attention(
                     w_h, s_h = windows[h]
                     sel = keys[visible(int(t), keys, w_h > 0, w_h, s_h)]
                     s = k_all[sel] @ q[j] * scale
-                    w = np.exp(s - s.max())
-                    out[row0 + j, qh * d:(qh + 1) * d] = (w / w.sum()) @ v_all[sel]
+                    if softcap:
+                        s = softcap * np.tanh(s / softcap)
+                    sink = -np.inf if attention_sinks is None else float(attention_sinks[qh])
+                    top = max(s.max(), sink)
+                    w = np.exp(s - top)
+                    out[row0 + j, qh * d:(qh + 1) * d] = (w / (w.sum() + np.exp(sink - top))) @ v_all[sel]
     return out, k_pages.reshape(key_cache.shape), v_pages.reshape(value_cache.shape)

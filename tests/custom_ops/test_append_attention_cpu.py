@@ -10,6 +10,7 @@ call, so an unwritten element cannot pass either.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +45,8 @@ class Case:
     poison_invisible_rows: bool = True  # NaN in rows no query of the step may see
     # One (window, sink) per KV head (window 0 = full), instead of window / sink for the heads swa_heads.
     head_windows: tuple = None
+    sinks: bool = False  # a learned sink logit per query head (gpt-oss), drawn per case
+    softcap: float = 0.0  # attention soft-capping (Gemma 2), 0 = off
 
     @property
     def num_heads(self):
@@ -129,12 +132,23 @@ def build_inputs(case: Case):
     max_pos = int((decoder + this_time).max()) + 3
     inv_freq = 10000.0 ** (-np.arange(0, D, 2) / D)
     angle = np.arange(max_pos)[:, None] * inv_freq[None, :]
-    return dict(
+    arrays = dict(
         qkv=qkv, key_cache=kc, value_cache=vc, seq_lens_encoder=encoder, seq_lens_decoder=decoder,
         seq_lens_this_time=this_time, cu_seqlens_q=cu, block_tables=table,
         rotary_cos=np.cos(angle).astype(np.float32), rotary_sin=np.sin(angle).astype(np.float32),
         head_windows=windows,
     )
+    if case.sinks:  # their own stream, so the other inputs stay those of the case without sinks
+        arrays["attention_sinks"] = sink_logits(case.seed, case.num_heads)
+    return arrays
+
+
+def sink_logits(seed: int, num_heads: int) -> np.ndarray:
+    """Per query head a sink logit around the scores' scale; the first one far above every score (its
+    softmax then gives the keys almost nothing: exp(sink - max) must not turn the output into NaN)."""
+    logits = np.random.default_rng(seed + 1000).normal(0.0, 2.0, num_heads).astype(np.float32)
+    logits[0] = 60.0
+    return logits
 
 
 def to_paddle(arrays, case: Case):
@@ -156,7 +170,7 @@ def run_op(case: Case, arrays, visit_all_pages=False):
     del poison
     out = append_attention(
         **t, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
-        visit_all_pages=visit_all_pages,
+        visit_all_pages=visit_all_pages, softcap=case.softcap,
     )
     f32 = lambda x: x.astype("float32").numpy()  # noqa: E731
     return f32(out), f32(t["key_cache"]), f32(t["value_cache"])
@@ -167,7 +181,7 @@ def reference(case: Case, arrays):
     a.pop("seq_lens_encoder")
     return reference_append_attention(
         **a, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
-        cache_is_bf16=case.cache_dtype == "bfloat16",
+        cache_is_bf16=case.cache_dtype == "bfloat16", softcap=case.softcap,
     )
 
 
@@ -220,6 +234,40 @@ def test_matches_float64_reference_and_writes_cache(name, table):
     case = Case(**{**base.__dict__, "table": "headwise" if table.startswith("headwise") else "1d",
                    "dead": "nan_page" if table == "headwise_nan_dead_pages" else "minus1"})
     check_against_reference(f"{name}/{table}", case)
+
+
+SCORE_MOD_CASES = ("mixed_gqa5_sink_gt_bs", "chunked_prefill_from_cache", "block64_long_decode_dead_pages",
+                   "decode_gqa4_unaligned_window_sink_lt_bs")
+
+
+@pytest.mark.parametrize("table", ["1d", "headwise"])
+@pytest.mark.parametrize("mods", ["sinks", "softcap", "sinks+softcap"])
+@pytest.mark.parametrize("name", SCORE_MOD_CASES)
+def test_learned_sinks_and_soft_capping_match_the_reference(name, mods, table):
+    """gpt-oss's sink logits and Gemma 2's soft-capping, on sliding and full heads with recycled pages: the
+    float64 reference; without them the output differs (the test would catch an op that ignored them)."""
+    base = ACCURACY_CASES[name]
+    case = Case(**{**base.__dict__, "table": table, "sinks": "sinks" in mods,
+                   "softcap": 0.5 if "softcap" in mods else 0.0})  # 0.5: the cap bends most scores here
+    out = check_against_reference(f"{name}/{mods}/{table}", case)
+    plain = check_against_reference(f"{name}/plain/{table}", Case(**{**case.__dict__, "sinks": False, "softcap": 0.0}))
+    assert rel_err(out, plain) > 1e-2
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(attention_sinks=np.zeros(3, np.float32)), "attention_sinks must be [num_heads]"),
+    (dict(attention_sinks=np.zeros(8, np.int32)), "attention_sinks must be float32"),
+    (dict(softcap=-1.0), "softcap must be >= 0"),
+    (dict(softcap=float("nan")), "softcap must be >= 0"),
+])
+def test_bad_sinks_or_softcap_are_refused_by_name(change, message):
+    case = Case(21, MIXED, kv_heads=2, group=4)
+    t = to_paddle(build_inputs(case), case)
+    softcap = change.pop("softcap", 0.0)
+    t.update({k: paddle.to_tensor(v) for k, v in change.items()})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        append_attention(**t, num_heads=case.num_heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
+                         softcap=softcap)
 
 
 @pytest.mark.parametrize("table", ["1d", "headwise"])

@@ -185,6 +185,39 @@ def test_gqa_groups_one_to_eight(harness, rng, num_heads, kv_num_heads):
     check(harness, case, rng)
 
 
+# (learned sinks, softcap): gpt-oss's per-head sink logits, Gemma 2's soft-capping, both.
+SCORE_MODS = {"sinks": (True, 0.0), "softcap": (False, 0.5), "sinks_and_softcap": (True, 0.5)}
+
+
+@pytest.mark.parametrize("mods", list(SCORE_MODS))
+@pytest.mark.parametrize("requests, head_dim, block_size", [
+    ([(0, 90), (1000, 1), (77, 0), (200, 33), (129, 1)], 64, 16),  # prefill tiles, a split-KV decode
+    ([(0, 40), (700, 1), (130, 9)], 128, 64),
+], ids=["hd64_bs16", "hd128_bs64"])
+def test_learned_sinks_and_soft_capping_match_reference(harness, rng, mods, requests, head_dim, block_size):
+    """Both attention kernels and the split-KV merge: a sink logit per q head joins the denominator (the
+    first far above every score: exp must not overflow into NaN), scores soft-capped before the mask;
+    the sliding head's dead pages are -1 (never read). Without the mods the output differs."""
+    with_sinks, softcap = SCORE_MODS[mods]
+    case = build_case(rng, requests, num_heads=8, kv_num_heads=2, head_dim=head_dim, block_size=block_size,
+                      window=48, sink=4, swa_heads=(0,))
+    sinks = rng.normal(0.0, 2.0, 8).astype(np.float32)
+    sinks[0] = 60.0
+    case = dataclasses.replace(case, attention_sinks=sinks if with_sinks else None).with_params(softcap=softcap)
+    result = check(harness, case, rng)
+    plain, _, _ = reference(dataclasses.replace(case, attention_sinks=None).with_params(softcap=0.0))
+    got = from_storage(result.out, BF16).reshape(plain.shape)
+    assert np.linalg.norm(got - plain) / np.linalg.norm(plain) > 5e-2, f"seed {rng.seed_value}: mods ignored"
+
+
+@pytest.mark.parametrize("softcap", [-1.0, float("nan"), float("inf")])
+def test_a_negative_or_non_finite_softcap_is_refused(harness, rng, softcap):
+    case = build_case(rng, [(0, 20), (40, 1)], num_heads=4, kv_num_heads=2).with_params(softcap=softcap)
+    result = harness.run(case)
+    assert result.status == 1, result.message  # refused before any launch
+    assert "softcap" in harness.lib.append_attention_last_error().decode()
+
+
 @pytest.mark.parametrize("dual_pass", [0, 1], ids=["masked_single_pass", "dual_pass"])
 def test_baseline_arms_on_a_1d_table_match_reference(harness, rng, dual_pass):
     case = build_case(

@@ -44,7 +44,7 @@ def _c_type(decl: str):
              "AppendAttnBuffers *": ctypes.POINTER(gpu_harness._Buffers),
              "float *": ctypes.POINTER(ctypes.c_float), "int *": ctypes.c_void_p, "char *": ctypes.c_char_p,
              "void *": ctypes.c_void_p, "cudaStream_t": ctypes.c_void_p,  # an opaque pointer
-             "int": ctypes.c_int, "size_t": ctypes.c_size_t, "double": ctypes.c_double}
+             "int": ctypes.c_int, "float": ctypes.c_float, "size_t": ctypes.c_size_t, "double": ctypes.c_double}
     return named[t]
 
 

@@ -1,10 +1,11 @@
-"""Mistral, Qwen2, Qwen3, OLMo 3 and Cohere2 from Hugging Face directories (config.json + safetensors, as transformers'
+"""Mistral, Qwen2, Qwen3, OLMo 3, Cohere2 and Gemma 2 from Hugging Face directories (config.json + safetensors, as transformers'
 save_pretrained writes them), on small random weights whose sliding windows (32 tokens) are shorter than
 the prompts: the engine's prompt log-probs agree with transformers' within float32 tolerance and its greedy
 tokens are equal, with the flag off and on (FD_HEAD_WISE_KV_CACHE=1 recycles the trained sliding layers'
 pages); with int8 pages (flag on) the log-probs stay close (mean KL, top-1 agreement). Each family says
 in its own config which layers slide: Mistral's `sliding_window` on every layer, Qwen's
-`use_sliding_window` from `max_window_layers` up, OLMo 3's and Cohere2's `layer_types`. Qwen2's q/k/v biases and the
+`use_sliding_window` from `max_window_layers` up, OLMo 3's, Cohere2's and Gemma 2's `layer_types`; Gemma 2
+soft-caps attention scores (in the attention kernels) and final logits. Qwen2's q/k/v biases and the
 q/k norms of Qwen3 (per head) and OLMo 3 (over all heads), and OLMo 3's post-sublayer norms, get random values
 (transformers initialises them to zeros and ones, which would test nothing)."""
 
@@ -36,6 +37,11 @@ FAMILIES = {
     # no RoPE on the full layer, logits scaled
     "Cohere2ForCausalLM": ("Cohere2Config", dict(num_hidden_layers=4, sliding_window=WINDOW, logit_scale=0.5,
                                                 tie_word_embeddings=True), (0, 1, 2)),
+    # Gemma 2: layer_types (sliding and full alternating), attention scores and final logits soft-capped (caps
+    # low enough to bend these random models' scores and logits), the query scaled by query_pre_attn_scalar
+    "Gemma2ForCausalLM": ("Gemma2Config", dict(num_hidden_layers=4, sliding_window=WINDOW, attn_logit_softcapping=1.5,
+                                              final_logit_softcapping=12.0, query_pre_attn_scalar=24,
+                                              tie_word_embeddings=True), (0, 2)),
 }
 
 

@@ -214,7 +214,7 @@ def _small_inputs(head_wise: bool, d: int = 8, bs: int = 4):
                    block_tables=paddle.to_tensor(table), rotary_cos=cos, rotary_sin=sin,
                    head_windows=paddle.to_tensor(np.array([[2, 0], [0, 0]], np.int32)),
                    kv_head_slots=ints(0, 1), key_cache_scales=op_module.no_scales(qkv.place),
-                   value_cache_scales=op_module.no_scales(qkv.place))
+                   value_cache_scales=op_module.no_scales(qkv.place), attention_sinks=op_module.no_sinks(qkv.place))
     attrs = dict(num_heads=nh, kv_num_heads=kvh, head_dim=d)
     # one 3-token prompt; KV head 0 slides (window 2)
     return tensors, attrs
@@ -224,7 +224,7 @@ def test_op_arguments_are_the_ops_order_and_both_ops_share_them():
     tensors, attrs = _small_inputs(head_wise=True)
     ordered, values = op_module.op_arguments(tensors, **attrs)
     assert [id(t) for t in ordered] == [id(tensors[n]) for n in op_module.TENSOR_ARGS]
-    assert values == (4, 2, 8, False, False)  # the ATTR_ARGS order
+    assert values == (4, 2, 8, False, 0.0, False)  # the ATTR_ARGS order
     # The CPU op takes all attributes but dual_pass: calling it through the entry gives what calling
     # it directly with the shared arguments gives.
     direct = op_module.load_cpu_ops().append_attention_cpu(*ordered, *values[:-1])[0].numpy()

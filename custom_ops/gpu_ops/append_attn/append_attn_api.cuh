@@ -72,6 +72,8 @@ typedef struct AppendAttnParams {
   int kv_slots;            // dim 1 of the caches and of a head-wise table (a lane's G slots,
                            // >= kv_num_heads); 0 means kv_num_heads
   int cache_quant;         // AppendAttnCacheQuant of the caches
+  float softcap;           // > 0: every scaled score s becomes softcap * tanh(s / softcap) before the
+                           // softmax (Gemma 2's attention soft-capping); 0: off
 } AppendAttnParams;
 
 typedef struct AppendAttnBuffers {
@@ -93,10 +95,13 @@ typedef struct AppendAttnBuffers {
                                   // distinct, < kv_slots; NULL means head h in slot h
   float* key_cache_scales;        // quantized caches: [num_blocks, kv_slots, block_size], updated;
   float* value_cache_scales;      // same; both NULL for float caches
+  const float* attention_sinks;   // [num_heads] float32: a learned logit per q head that joins the
+                                  // softmax's denominator (gpt-oss), or NULL for none
 } AppendAttnBuffers;
 
 // Bytes of device workspace append_attention_launch needs for these parameters (on the current
-// device: the decode split count depends on its SM count).
+// device: the decode split count depends on its SM count); 0 for parameters the launch would refuse,
+// with the reason in append_attention_last_error().
 size_t append_attention_workspace_bytes(const AppendAttnParams* params);
 
 // The kernels a step launches, for append_attention_dynamic_smem_bytes.

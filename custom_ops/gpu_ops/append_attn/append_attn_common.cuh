@@ -60,7 +60,20 @@ struct Args {
   int visit_all_pages;
   int decode_max_splits, decode_pages_per_split;
   int cache_quant;  // AppendAttnCacheQuant
+  const float* sinks;  // [num_heads] learned sink logits, or NULL (AppendAttnBuffers::attention_sinks)
+  float softcap;       // 0: off (AppendAttnParams::softcap)
 };
+
+// Gemma 2's soft-capping of a scaled score (cap 0: unchanged); tanhf, not a fast approximation, so the
+// kernels agree with the CPU op's std::tanh to float32 rounding.
+__device__ __forceinline__ float soft_cap(float s, float cap) { return cap > 0.f ? cap * tanhf(s / cap) : s; }
+
+// The softmax's denominator of q head `qh` at the end of its keys: the running sum l at max m, plus
+// exp(sink - m) where the head has a learned sink (gpt-oss). m is -inf only where no key was visible
+// (recorded errors): then there is nothing to normalise.
+__device__ __forceinline__ float softmax_denominator(const float* sinks, int qh, float l, float m) {
+  return sinks == nullptr || m == -INFINITY ? l : l + __expf(sinks[qh] - m);
+}
 
 // swa_override for the attention kernels: kUseMask reads head_windows; the dual-pass baseline
 // forces every head to one kind per pass.

@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(Args a, i
             qk_key < n_valid && key_visible(pos, blk * BS + qk_key, swa, window, sink);
 #pragma unroll
         for (int g = 0; g < kMaxGroup; ++g) {
-          if (g < group) p_s[g][qk_key] = visible ? dot[g] : -INFINITY;
+          if (g < group) p_s[g][qk_key] = visible ? soft_cap(dot[g], a.softcap) : -INFINITY;
         }
       }
     }
@@ -272,7 +272,8 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(Args a, int swa_overr
   }
   if (d < D) {
     const long long token = a.cu_seqlens_q[req];
-    out[(token * a.num_heads + qh) * D + d] = Num<T>::from_float(l_sum > 0.f ? o / l_sum : 0.f);
+    const float denom = softmax_denominator(a.sinks, qh, l_sum, m_max);
+    out[(token * a.num_heads + qh) * D + d] = Num<T>::from_float(l_sum > 0.f ? o / denom : 0.f);
   }
 }
 

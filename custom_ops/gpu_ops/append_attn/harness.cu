@@ -170,7 +170,7 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   const size_t scale_elems = quantized ? cache_elems / p->head_dim : 0;
 
   DeviceBuffer qkv, kc, vc, ks, vs, enc, dec, this_time, cu, tables, cos_t, sin_t, windows, head_slots, out,
-      ws, err;
+      ws, err, sinks;
   HARNESS_CUDA(qkv.alloc(qkv_elems * elt));
   HARNESS_CUDA(kc.alloc(key_bytes));
   HARNESS_CUDA(vc.alloc(value_bytes));
@@ -187,6 +187,7 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   HARNESS_CUDA(head_slots.alloc(sizeof(int) * p->kv_num_heads));
   HARNESS_CUDA(out.alloc(out_elems * elt));
   HARNESS_CUDA(err.alloc(4 * sizeof(int)));
+  HARNESS_CUDA(sinks.alloc(host->attention_sinks != nullptr ? sizeof(float) * p->num_heads : 0));
   const size_t ws_bytes = append_attention_workspace_bytes(p);
   if (ws_bytes == 0) return report(msg, msg_len, 1, "invalid parameters (workspace size 0)");
   HARNESS_CUDA(ws.alloc(ws_bytes));
@@ -228,6 +229,7 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   HARNESS_CUDA(sin_t.upload(host->rotary_sin));
   HARNESS_CUDA(windows.upload(host->head_windows));
   if (host->kv_head_slots != nullptr) HARNESS_CUDA(head_slots.upload(host->kv_head_slots));
+  HARNESS_CUDA(sinks.upload(host->attention_sinks));  // none: nothing to copy
 
   AppendAttnBuffers d;
   d.qkv = qkv.get();
@@ -244,6 +246,7 @@ int aa_run(const AppendAttnParams* p, const AppendAttnBuffers* host, int fill_on
   d.kv_head_slots = host->kv_head_slots != nullptr ? head_slots.as<const int>() : nullptr;
   d.key_cache_scales = quantized ? ks.as<float>() : nullptr;
   d.value_cache_scales = quantized ? vs.as<float>() : nullptr;
+  d.attention_sinks = host->attention_sinks != nullptr ? sinks.as<const float>() : nullptr;
   d.out = out.get();
 
   const cudaStream_t stream = 0;

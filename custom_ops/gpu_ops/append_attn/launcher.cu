@@ -94,6 +94,10 @@ std::string validate(const AppendAttnParams& p) {
     snprintf(buf, sizeof(buf), "dual_pass %d must be 0 or 1", p.dual_pass);
     return buf;
   }
+  if (!(p.softcap >= 0.f) || p.softcap > 3.0e38f) {  // NaN fails the first test
+    snprintf(buf, sizeof(buf), "softcap %g must be >= 0 and finite (0 = no soft-capping)", p.softcap);
+    return buf;
+  }
   if (p.cache_quant < APPEND_ATTN_CACHE_FLOAT || p.cache_quant > APPEND_ATTN_CACHE_K8V4) {
     snprintf(buf, sizeof(buf), "cache_quant %d unknown (0 float, 1 int8, 2 e4m3, 3 int4, 4 k8v4)", p.cache_quant);
     return buf;
@@ -161,7 +165,12 @@ using namespace append_attn;
   } while (0)
 
 extern "C" size_t append_attention_workspace_bytes(const AppendAttnParams* params) {
-  if (params == nullptr || !validate(*params).empty()) return 0;
+  if (params == nullptr) return 0;
+  const std::string why = validate(*params);
+  if (!why.empty()) {
+    g_last_error = why;  // what the caller reports (append_attention_last_error)
+    return 0;
+  }
   return make_layout(*params).total;
 }
 
@@ -226,6 +235,8 @@ extern "C" int append_attention_launch(const AppendAttnParams* params,
   a.key_scales = p.cache_quant != APPEND_ATTN_CACHE_FLOAT ? b.key_cache_scales : nullptr;
   a.value_scales = p.cache_quant != APPEND_ATTN_CACHE_FLOAT ? b.value_cache_scales : nullptr;
   a.cache_quant = p.cache_quant;
+  a.sinks = b.attention_sinks;
+  a.softcap = p.softcap;
   a.q_rot = reinterpret_cast<float*>(ws + layout.q_rot);
   a.tile_prefix = reinterpret_cast<int*>(ws + layout.tile_prefix);
   a.partial = reinterpret_cast<float*>(ws + layout.partial);

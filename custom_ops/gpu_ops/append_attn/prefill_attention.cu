@@ -286,6 +286,7 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
       float chunk_max = -INFINITY;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
+        s[i][j] = soft_cap(s[i][j], a.softcap);
         if (!key_visible(q_pos[i], key_pos_s[tk + 8 * j], head_window_s[0] != 0, head_window_s[1],
                          head_window_s[2])) {
           s[i][j] = -INFINITY;
@@ -338,8 +339,9 @@ __global__ void __launch_bounds__(kThreads, D == 256 ? 1 : 0)
   for (int i = 0; i < 2; ++i) {
     const int row = tr + 32 * i;
     if (row >= n_rows) continue;
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    const long long o_row = (row0 + row / group) * a.num_heads + head * group + row % group;
+    const int qh = head * group + row % group;
+    const float inv = l[i] > 0.f ? 1.f / softmax_denominator(a.sinks, qh, l[i], m[i]) : 0.f;
+    const long long o_row = (row0 + row / group) * a.num_heads + qh;
     T* o = out + o_row * D;
 #pragma unroll
     for (int j = 0; j < kDimPairsPerThread; ++j) {

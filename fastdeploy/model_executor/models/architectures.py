@@ -39,6 +39,8 @@ class Architecture:
     parallel_block: bool = False  # attention and MLP both read the layer's one normed input, both join the
                                   # residual (Cohere: no second norm)
     nope_full_layers: bool = False  # full-attention layers apply no RoPE, sliding ones do (Cohere2)
+    logit_softcapping: bool = False  # attn_logit_softcapping / final_logit_softcapping are read (Gemma 2, 3)
+    attention_sinks: bool = False  # a learned sink logit per query head joins each softmax (gpt-oss: `sinks`)
     embed_scale: bool = False     # embeddings times sqrt(hidden_size)
     rope_layout: str = INTERLEAVED                 # of a Hugging Face directory's q/k rows
     gguf_rope_layout: Optional[str] = None         # of llama.cpp's GGUF q/k rows (None: no GGUF)
@@ -69,7 +71,7 @@ LLAMA = Architecture(
                   attention_bias=False, mlp_bias=False, pad_token_id=None, bos_token_id=1, eos_token_id=2))
 GEMMA3 = Architecture(
     "Gemma3ForCausalLM", "gemma3_text", activation="gelu_tanh", norm_offset=1.0, qk_norm=True, sandwich_norms=True,
-    embed_scale=True, rope_layout=ROTATE_HALF, gguf_rope_layout=ROTATE_HALF, gguf_arch="gemma3",
+    embed_scale=True, logit_softcapping=True, rope_layout=ROTATE_HALF, gguf_rope_layout=ROTATE_HALF, gguf_arch="gemma3",
     sliding_layers=EVERY_NTH_GLOBAL,
     config_aliases={"hidden_activation": "hidden_act"},
     defaults=dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
@@ -78,6 +80,19 @@ GEMMA3 = Architecture(
                   rope_local_base_freq=10000.0, attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
                   sliding_window_pattern=6, final_logit_softcapping=None, attn_logit_softcapping=None,
                   pad_token_id=0, bos_token_id=2, eos_token_id=1))
+
+# Gemma 2: Gemma 3's layer without the q/k norms, one RoPE base, sliding and full layers alternating (the
+# config's layer_types; every second layer full by the rule below), attention scores and final logits soft-capped.
+GEMMA2 = Architecture(
+    "Gemma2ForCausalLM", "gemma2", activation="gelu_tanh", norm_offset=1.0, sandwich_norms=True, embed_scale=True,
+    logit_softcapping=True, rope_layout=ROTATE_HALF, sliding_layers=EVERY_NTH_GLOBAL,
+    config_aliases={"hidden_activation": "hidden_act"},
+    defaults=dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_act="gelu_pytorch_tanh",
+                  max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=10000.0,
+                  attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=2,
+                  final_logit_softcapping=30.0, attn_logit_softcapping=50.0, pad_token_id=0, bos_token_id=2,
+                  eos_token_id=1))
 
 # Mistral / Ministral: Llama's layer with a sliding window on every layer.
 MISTRAL = Architecture(
@@ -126,7 +141,8 @@ COHERE2 = Architecture(
                   attention_bias=False, sliding_window=4096, sliding_window_pattern=4, logit_scale=0.0625,
                   pad_token_id=0, bos_token_id=5, eos_token_id=255001))
 
-ARCHITECTURES = {a.name: a for a in (ERNIE4_5, ERNIE4_5_MOE, LLAMA, GEMMA3, MISTRAL, QWEN2, QWEN3, OLMO3, COHERE2)}
+ARCHITECTURES = {a.name: a for a in (ERNIE4_5, ERNIE4_5_MOE, LLAMA, GEMMA2, GEMMA3, MISTRAL, QWEN2, QWEN3, OLMO3,
+                                      COHERE2)}
 ARCHITECTURES["Ernie4_5_ForCausalLM"] = ERNIE4_5  # the spelling upstream also uses for the dense model
 GGUF_ARCHITECTURES = {a.gguf_arch: a for a in ARCHITECTURES.values() if a.gguf_arch}
 # Activation names of config.json -> the decoder's.

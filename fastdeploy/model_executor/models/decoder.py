@@ -46,6 +46,7 @@ def _layer_names(i: int) -> dict:
         "q_bias": p + "self_attn.q_proj.bias",
         "k_bias": p + "self_attn.k_proj.bias",
         "v_bias": p + "self_attn.v_proj.bias",
+        "sinks": p + "self_attn.sinks",
         "q_norm": p + "self_attn.q_norm.weight",
         "k_norm": p + "self_attn.k_norm.weight",
         "pre_ffn_norm": p + "pre_feedforward_layernorm.weight",
@@ -114,7 +115,7 @@ def random_checkpoint(cfg) -> dict:
 
 class CausalLM:
     # Kept float32 whatever the compute dtype (PaddleFormers' `_keep_in_fp32_modules`): the router.
-    KEEP_FLOAT32 = ("mlp.gate.weight", "e_score_correction_bias")
+    KEEP_FLOAT32 = ("mlp.gate.weight", "e_score_correction_bias", "self_attn.sinks")
 
     def __init__(self, model_config, weights: dict, tp_rank: int = 0, tp_size: int = 1):
         """`weights`: checkpoint name -> Paddle tensor, already checked against `checkpoint_shapes`.
@@ -154,6 +155,13 @@ class CausalLM:
         self._bind_cpu_float32_ops()
         self._norm = self._layer_norm if self.arch.layer_norm else self._rms_norm  # a layer's norms, the final one
         logging.getLogger("fastdeploy.model").info("dense layers: %s", self.dense_layer_storage())
+
+    def attention_sinks(self):
+        """Per layer the learned sink logits of this rank's query heads, float32 [heads] (gpt-oss), or None for
+        a model without them: what the attention backend adds to each softmax's denominator."""
+        if not self.arch.attention_sinks:
+            return None
+        return [self.weights[n["sinks"]].astype("float32") for n in self.layer_names]
 
     def dense_layers(self) -> list:
         return [*self.qkv, *self.o, *self.gate_up.values(), *self.down.values(), self.lm_head]
@@ -251,7 +259,8 @@ class CausalLM:
         self.fused_layers_level = envs.FD_CPU_FUSED_LAYERS
         if (self.fused_layers_level == 0 or act is None or self.tp_size > 1 or self.moe or not self.plain_qkv
                 or self.arch.sandwich_norms or self.arch.post_norms or self.arch.layer_norm
-                or self.arch.parallel_block):
+                or self.arch.parallel_block or self.arch.attention_sinks or self.config.attn_logit_softcapping
+                or self.config.final_logit_softcapping):
             return
         operands = [(self.qkv[i].block_operand, self.o[i].block_operand, self.gate_up[i].block_operand,
                      self.down[i].block_operand) for i in range(self.config.num_hidden_layers)]
@@ -395,6 +404,9 @@ class CausalLM:
         logits = self.lm_head(self._norm(hidden, self.weights["model.norm.weight"]))
         if self.config.logit_scale != 1.0:  # Cohere
             logits = logits * self.config.logit_scale
+        cap = self.config.final_logit_softcapping
+        if cap:  # Gemma 2
+            logits = paddle.tanh(logits / cap) * cap
         logits = tp_.all_gather_last_axis(logits, self.tp_size)
         if logits.shape[-1] != self.config.vocab_size:  # vocab-parallel shards are padded
             logits = logits[:, :self.config.vocab_size]

@@ -37,7 +37,9 @@ class DecoderStack:
             tensors += [none if t is None else t for t in (input_norm, *qkv[:3], *o[:3], post_norm, *gu[:3], *down[:3])]
             tensors += [att["key_cache"], att["value_cache"], att["key_cache_scales"], att["value_cache_scales"],
                         att["rotary_cos"], att["rotary_sin"], att["head_windows"], att["kv_head_slots"]]
-            num_heads, kv_heads, head_dim, visit_all = backend.cpu_attrs[layer_id]
+            num_heads, kv_heads, head_dim, visit_all, softcap = backend.cpu_attrs[layer_id]
+            if softcap or att["attention_sinks"].shape[0]:  # the plain layers the stack binds have neither
+                raise ValueError("DecoderStack: a layer with attention sinks or soft-capping is not a plain layer")
             ints += [qkv[3], qkv[4], qkv[5], o[4], o[5], gu[3], gu[4], gu[5], down[4], down[5],
                      num_heads, kv_heads, head_dim, int(visit_all)]
         head_tensors, head_ints = [none] * 4, []

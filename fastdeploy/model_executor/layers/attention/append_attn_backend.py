@@ -22,7 +22,7 @@ import paddle
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.ops import append_attention
 from fastdeploy.model_executor.layers.attention.ops.append_attention import _call, check_device_errors, \
-    cpu_op_arguments, cpu_op_attrs, dual_pass_window, new_error_info, no_scales
+    cpu_op_arguments, cpu_op_attrs, dual_pass_window, new_error_info, no_scales, no_sinks
 from fastdeploy.model_executor.layers.attention.ops.cpu_op_loader import load_cpu_ops
 from fastdeploy.model_executor.layers.attention.swa_spec import attention_type_table, row_attention_args
 from fastdeploy.model_executor.tensor_parallel import local_kv_heads
@@ -32,7 +32,9 @@ class AppendAttentionBackend:
     """Owns one rank's paged KV cache: per lane, K and V of shape `[num_blocks, G, block_size, head_dim]`
     (int4 values: `head_dim / 2` bytes)."""
 
-    def __init__(self, fd_config, rotary: list, tp_rank: int = 0):
+    def __init__(self, fd_config, rotary: list, tp_rank: int = 0, attention_sinks=None):
+        """`rotary`: (cos, sin) per layer; `attention_sinks`: per layer the learned sink logits of this rank's
+        query heads (float32 [heads], gpt-oss) or None (no sinks, every layer when the list is None)."""
         model, cache = fd_config.model_config, fd_config.cache_config
         tp = fd_config.parallel_config.tensor_parallel_size
         self.num_heads, self.kv_num_heads = model.num_attention_heads // tp, model.num_key_value_heads // tp
@@ -59,6 +61,11 @@ class AppendAttentionBackend:
         self.key_scales = [self.lane_key_scales[lane] for lane in slots.lane_of_layer]
         self.value_scales = [self.lane_value_scales[lane] for lane in slots.lane_of_layer]
         self.rotary = rotary  # (cos, sin) per layer
+        # What the scores go through besides the windows: the layer's sinks, the model's soft-cap (0: none).
+        place = self.key_caches[0].place
+        self.layer_sinks = [no_sinks(place) if s is None else s
+                            for s in (attention_sinks or [None] * model.num_hidden_layers)]
+        self.softcap = float(model.attn_logit_softcapping)
         heads = local_kv_heads(model.num_key_value_heads, tp_rank, tp)
         types = attention_type_table(model)
         # FD_HEAD_WISE_ATTN=dual_pass: upstream's two passes over the 1-D table (config checks it is
@@ -91,7 +98,8 @@ class AppendAttentionBackend:
         # per-call checks and place dispatch cost ~30 us a layer, ~1 ms of a 30 ms decode step.
         self.cpu_op = None if self.on_gpu else self._bind_cpu_op()
         self.cpu_attrs = [cpu_op_attrs(dict(num_heads=self.num_heads, kv_num_heads=self.kv_num_heads,
-                                            head_dim=self.head_dim, visit_all_pages=self.dual_pass))
+                                            head_dim=self.head_dim, visit_all_pages=self.dual_pass,
+                                            softcap=self.softcap))
                           for _ in self.layer_args]
         self._layer_operands = [self._operands_of(layer) for layer in range(len(self.layer_args))]
 
@@ -134,7 +142,8 @@ class AppendAttentionBackend:
         cos, sin = self.rotary[layer_id]
         return dict(key_cache=self.key_caches[layer_id], value_cache=self.value_caches[layer_id],
                     rotary_cos=cos, rotary_sin=sin, head_windows=head_windows, kv_head_slots=head_slots,
-                    key_cache_scales=self.key_scales[layer_id], value_cache_scales=self.value_scales[layer_id])
+                    key_cache_scales=self.key_scales[layer_id], value_cache_scales=self.value_scales[layer_id],
+                    attention_sinks=self.layer_sinks[layer_id])
 
     def runs_cpu_op(self) -> bool:
         """True where forward is the CPU op's call (not the CUDA op, not a subclass's own kernels, not a
@@ -156,8 +165,9 @@ class AppendAttentionBackend:
             qkv, self.key_caches[layer_id], self.value_caches[layer_id], meta.seq_lens_encoder,
             meta.seq_lens_decoder, meta.seq_lens_this_time, meta.cu_seqlens_q, table, cos, sin,
             head_windows, head_slots, self.key_scales[layer_id], self.value_scales[layer_id],
-            num_heads=self.num_heads, kv_num_heads=self.kv_num_heads, head_dim=self.head_dim,
-            visit_all_pages=self.dual_pass, dual_pass=self.dual_pass, error_info=self.error_info)
+            self.layer_sinks[layer_id], num_heads=self.num_heads, kv_num_heads=self.kv_num_heads,
+            head_dim=self.head_dim, visit_all_pages=self.dual_pass, softcap=self.softcap, dual_pass=self.dual_pass,
+            error_info=self.error_info)
 
     def end_step(self) -> None:
         """After the step's last layer: surface a device-side error the CUDA kernels recorded (the

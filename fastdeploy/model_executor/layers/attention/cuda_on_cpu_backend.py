@@ -47,6 +47,7 @@ class CudaOnCpuAttentionBackend(AppendAttentionBackend):
         float32 = {}
         self.rotary32 = [tuple(float32.setdefault(id(t), t.astype("float32").contiguous()) for t in pair)
                          for pair in rotary]
+        self._sinks = [None if s.shape[0] == 0 else s.astype("float32").contiguous() for s in self.layer_sinks]
         self._workspace = np.zeros(0, np.uint8)
         self._error_info = np.zeros(4, np.int32)
         self._step_meta, self._step_ints = None, None  # the step's int32 lengths and table, for every layer
@@ -74,14 +75,14 @@ class CudaOnCpuAttentionBackend(AppendAttentionBackend):
             num_blocks=int(key_cache.shape[0]), max_blocks_per_seq=int(table32.shape[-1]),
             head_wise_table=int(len(table32.shape) == 3), max_position=int(cos32.shape[0]),
             visit_all_pages=0, dual_pass=0, kv_slots=int(key_cache.shape[1]),
-            cache_quant=_CACHE_QUANT[key_cache.dtype, value_cache.dtype])
+            cache_quant=_CACHE_QUANT[key_cache.dtype, value_cache.dtype], softcap=self.softcap)
         scales = (self.key_scales[layer_id], self.value_scales[layer_id]) if self.quantized else (None, None)
         buffers = AppendAttnBuffers(
             qkv=_ptr(q16), key_cache=_ptr(key_cache), value_cache=_ptr(value_cache), seq_lens_encoder=_ptr(enc),
             seq_lens_decoder=_ptr(dec), seq_lens_this_time=_ptr(this_time), cu_seqlens_q=_ptr(cu),
             block_tables=_ptr(table32), rotary_cos=_ptr(cos32), rotary_sin=_ptr(sin32), head_windows=_ptr(head_windows),
             out=_ptr(out), kv_head_slots=_ptr(slots), key_cache_scales=_ptr(scales[0]),
-            value_cache_scales=_ptr(scales[1]))
+            value_cache_scales=_ptr(scales[1]), attention_sinks=_ptr(self._sinks[layer_id]))
         need = self.lib.append_attention_workspace_bytes(ctypes.byref(params))
         if need == 0:
             raise ValueError(f"CUDA_ON_CPU: {self.lib.append_attention_last_error().decode()}")

@@ -4,7 +4,8 @@ Under tensor parallelism it holds one rank's heads, like the paged backend.
 Each running request keeps its rotated K and its V in a dense per-slot buffer
 `[max_num_seqs, max_model_len, H, head_dim]`; every query scores every key of its request and the
 SWA rule of docs/retention_rule.md is applied as a mask, each query head with its KV head's own window
-and sink. Slow on purpose: nothing here is clever.
+and sink; soft-capping (Gemma 2) is a tanh on the scores, a learned sink logit (gpt-oss) one more
+column of the softmax that no value row follows. Slow on purpose: nothing here is clever.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def query_head_windows(windows, sinks, group: int) -> tuple:
 
 
 class NativeAttentionBackend:
-    def __init__(self, fd_config, rotary: list, tp_rank: int = 0):
+    def __init__(self, fd_config, rotary: list, tp_rank: int = 0, attention_sinks=None):
         model = fd_config.model_config
         tp = fd_config.parallel_config.tensor_parallel_size
         shape = [fd_config.scheduler_config.max_num_seqs, model.max_model_len, model.num_key_value_heads // tp,
@@ -37,6 +38,8 @@ class NativeAttentionBackend:
         self.keys = [paddle.zeros(shape, dtype="float32") for _ in range(model.num_hidden_layers)]
         self.values = [paddle.zeros(shape, dtype="float32") for _ in range(model.num_hidden_layers)]
         self.rotary = rotary
+        self.softcap = float(model.attn_logit_softcapping)
+        self.layer_sinks = attention_sinks or [None] * model.num_hidden_layers
         self.num_heads, self.kv_num_heads, self.head_dim = (model.num_attention_heads // tp,
                                                             model.num_key_value_heads // tp, model.head_dim)
         group = self.num_heads // self.kv_num_heads
@@ -81,9 +84,16 @@ class NativeAttentionBackend:
             keys = self.keys[layer_id][slot, :start + n].repeat_interleave(group, axis=1)    # [L, nh, d]
             values = self.values[layer_id][slot, :start + n].repeat_interleave(group, axis=1)
             scores = paddle.matmul(q.transpose([1, 0, 2]), keys.transpose([1, 2, 0])) / math.sqrt(d)
+            if self.softcap:
+                scores = paddle.tanh(scores / self.softcap) * self.softcap
             visible = self.visibility(start, n, layer_id)
             scores = paddle.where(visible, scores, paddle.full_like(scores, float("-inf")))
-            probs = F.softmax(scores, axis=-1)                                              # [nh, n, L]
+            sinks = self.layer_sinks[layer_id]
+            if sinks is None:
+                probs = F.softmax(scores, axis=-1)                                          # [nh, n, L]
+            else:  # the sink's column takes its share of each row's mass, then is dropped
+                column = sinks.astype("float32").reshape([nh, 1, 1]).expand([nh, n, 1])
+                probs = F.softmax(paddle.concat([scores, column], axis=-1), axis=-1)[:, :, :-1]
             out = paddle.matmul(probs, values.transpose([1, 0, 2]))                         # [nh, n, d]
             outs.append(out.transpose([1, 0, 2]).reshape([n, nh * d]))
         out = paddle.concat(outs, axis=0)

@@ -14,7 +14,10 @@ pairs ``[num_blocks, G, block_size, head_dim / 2]``; k8v4: an int8 key cache bes
 cache, the one pair of caches that differ) carry
 ``key_cache_scales``/``value_cache_scales``, float32 ``[num_blocks, G, block_size]`` (one scale
 per token row of every page, written with the row); float caches take a 1-element placeholder
-there (None = made here). Returns ``[token_num, num_heads * head_dim]`` in the dtype of ``qkv``.
+there (None = made here). ``attention_sinks`` (float32 ``[num_heads]``, None = an empty ``[0]``
+placeholder: no sinks) is a learned logit per query head that joins each softmax's denominator
+(gpt-oss); the attribute ``softcap`` (0 = off) soft-caps every scaled score to
+``softcap * tanh(score / softcap)`` (Gemma 2). Returns ``[token_num, num_heads * head_dim]`` in the dtype of ``qkv``.
 
 One entry for both devices (docs/architecture.md): the place of ``qkv`` picks the CPU op
 (custom_ops/cpu_ops) or the CUDA op (custom_ops/gpu_ops); both receive the tensors
@@ -33,31 +36,34 @@ from .cpu_op_loader import load_cpu_ops
 
 TENSOR_ARGS = ("qkv", "key_cache", "value_cache", "seq_lens_encoder", "seq_lens_decoder", "seq_lens_this_time",
                "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin", "head_windows", "kv_head_slots",
-               "key_cache_scales", "value_cache_scales")
+               "key_cache_scales", "value_cache_scales", "attention_sinks")
 SCALE_ARGS = ("key_cache_scales", "value_cache_scales")
 # Cache dtypes that hold quantized pages (the scales' dtype is float32).
 QUANTIZED_CACHE_DTYPES = (paddle.int8, paddle.float8_e4m3fn, paddle.uint8)
 # The attributes of both ops, in order; the CPU op takes all but the last (it has one pass only).
-ATTR_ARGS = ("num_heads", "kv_num_heads", "head_dim", "visit_all_pages", "dual_pass")
+ATTR_ARGS = ("num_heads", "kv_num_heads", "head_dim", "visit_all_pages", "softcap", "dual_pass")
 
 
 def op_arguments(tensors: dict, *, num_heads: int, kv_num_heads: int, head_dim: int,
-                 visit_all_pages: bool = False, dual_pass: bool = False) -> tuple:
+                 visit_all_pages: bool = False, softcap: float = 0.0, dual_pass: bool = False) -> tuple:
     """(tensors in op order, attributes in op order): the argument contract of both ops. Without
-    ``kv_head_slots`` head h uses slot h (the per-head layout); float caches without scales get the
-    placeholder."""
+    ``kv_head_slots`` head h uses slot h (the per-head layout); float caches without scales, and calls
+    without ``attention_sinks``, get the placeholders."""
     if tensors.get("kv_head_slots") is None and tensors.get("qkv") is not None:
         tensors = {**tensors, "kv_head_slots": identity_head_slots(int(kv_num_heads), tensors["qkv"].place)}
     cache = tensors.get("key_cache")
     if cache is not None and cache.dtype not in QUANTIZED_CACHE_DTYPES:
         tensors = {**tensors, **{name: no_scales(cache.place) for name in SCALE_ARGS if tensors.get(name) is None}}
+    if tensors.get("attention_sinks") is None and tensors.get("qkv") is not None:
+        tensors = {**tensors, "attention_sinks": no_sinks(tensors["qkv"].place)}
     missing = [name for name in TENSOR_ARGS if tensors.get(name) is None]
     if missing:
         raise ValueError(f"append_attention: missing tensor argument(s) {', '.join(missing)}")
     if dual_pass and (not visit_all_pages or len(tensors["block_tables"].shape) != 2):
         raise ValueError("append_attention: dual_pass is upstream's 1-D baseline; it needs a 1-D block table "
                          "[bsz, max_blocks] and visit_all_pages=True")
-    attrs = (int(num_heads), int(kv_num_heads), int(head_dim), bool(visit_all_pages), bool(dual_pass))
+    attrs = (int(num_heads), int(kv_num_heads), int(head_dim), bool(visit_all_pages), float(softcap),
+             bool(dual_pass))
     return tuple(tensors[name] for name in TENSOR_ARGS), attrs
 
 
@@ -132,6 +138,11 @@ def no_scales(place) -> paddle.Tensor:
     return paddle.to_tensor(np.zeros(1, np.float32), place=place)
 
 
+def no_sinks(place) -> paddle.Tensor:
+    """The attention_sinks argument of a model without learned sinks: an empty float32 ``[0]``."""
+    return paddle.to_tensor(np.zeros(0, np.float32), place=place)
+
+
 def identity_head_slots(kv_num_heads: int, place) -> paddle.Tensor:
     """kv_head_slots of the per-head layout: KV head h in slot (table row) h."""
     return paddle.to_tensor(np.arange(kv_num_heads, dtype=np.int32), place=place)
@@ -165,11 +176,13 @@ def append_attention(
     kv_head_slots: Optional[paddle.Tensor] = None,
     key_cache_scales: Optional[paddle.Tensor] = None,
     value_cache_scales: Optional[paddle.Tensor] = None,
+    attention_sinks: Optional[paddle.Tensor] = None,
     *,
     num_heads: int,
     kv_num_heads: int,
     head_dim: int,
     visit_all_pages: bool = False,
+    softcap: float = 0.0,
     dual_pass: bool = False,
     error_info: Optional[paddle.Tensor] = None,
 ) -> paddle.Tensor:
@@ -193,9 +206,10 @@ def append_attention(
         dict(qkv=qkv, key_cache=key_cache, value_cache=value_cache, seq_lens_encoder=seq_lens_encoder,
              seq_lens_decoder=seq_lens_decoder, seq_lens_this_time=seq_lens_this_time, cu_seqlens_q=cu_seqlens_q,
              block_tables=block_tables, rotary_cos=rotary_cos, rotary_sin=rotary_sin, head_windows=head_windows,
-             kv_head_slots=kv_head_slots, key_cache_scales=key_cache_scales, value_cache_scales=value_cache_scales),
+             kv_head_slots=kv_head_slots, key_cache_scales=key_cache_scales, value_cache_scales=value_cache_scales,
+             attention_sinks=attention_sinks),
         num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim, visit_all_pages=visit_all_pages,
-        dual_pass=dual_pass)
+        softcap=softcap, dual_pass=dual_pass)
     op, on_gpu = select_op(qkv.place, dual_pass)
     check_now = on_gpu and error_info is None
     if check_now:
@@ -208,20 +222,21 @@ def append_attention(
 
 def validate_append_attention_inputs(*tensors: paddle.Tensor, rules: str, check_place: bool = True,
                                      num_heads: int, kv_num_heads: int, head_dim: int,
-                                     visit_all_pages: bool = False) -> None:
+                                     visit_all_pages: bool = False, softcap: float = 0.0) -> None:
     """Runs only the input checks shared by the CPU op and the CUDA wrapper
     (custom_ops/cpu_ops/append_attention_checks.h) on CPU tensors, with the
     ``rules`` of the ``"cpu"`` op or the ``"gpu"`` wrapper (its dtypes; its place
     rule too unless ``check_place=False``). Raises ``ValueError`` like the op. ``tensors`` may stop
-    before ``kv_head_slots`` or before the scales (the defaults of op_arguments)."""
-    if len(tensors) < len(TENSOR_ARGS) - len(SCALE_ARGS) - 1:
-        raise ValueError(f"validate_append_attention_inputs: expected at least {len(TENSOR_ARGS) - 3} tensors")
+    before ``kv_head_slots``, the scales or ``attention_sinks`` (the defaults of op_arguments)."""
+    least = TENSOR_ARGS.index("kv_head_slots")
+    if len(tensors) < least:
+        raise ValueError(f"validate_append_attention_inputs: expected at least {least} tensors")
     named = dict(zip(TENSOR_ARGS, tensors))
     tensors, _ = op_arguments(named, num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim)
     if rules not in ("cpu", "gpu"):
         raise ValueError(f"rules must be 'cpu' or 'gpu', got {rules!r}")
-    attrs = (int(num_heads), int(kv_num_heads), int(head_dim), bool(visit_all_pages), rules == "gpu",
-             bool(check_place))
+    attrs = (int(num_heads), int(kv_num_heads), int(head_dim), bool(visit_all_pages), float(softcap),
+             rules == "gpu", bool(check_place))
     _call(load_cpu_ops().append_attention_validate, *tensors, *attrs)
 
 

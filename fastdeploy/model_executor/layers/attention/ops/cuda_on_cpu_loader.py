@@ -41,13 +41,14 @@ CPU_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-fno-strict-aliasing", "-Wall", "-Wn
 PARAM_FIELDS = ("dtype", "token_num", "bsz", "num_heads", "kv_num_heads", "head_dim", "block_size", "num_blocks",
                 "max_blocks_per_seq", "head_wise_table", "max_position", "visit_all_pages", "dual_pass", "kv_slots",
                 "cache_quant")
+FLOAT_PARAM_FIELDS = ("softcap",)  # after the ints
 BUFFER_FIELDS = ("qkv", "key_cache", "value_cache", "seq_lens_encoder", "seq_lens_decoder", "seq_lens_this_time",
                  "cu_seqlens_q", "block_tables", "rotary_cos", "rotary_sin", "head_windows", "out",
-                 "kv_head_slots", "key_cache_scales", "value_cache_scales")
+                 "kv_head_slots", "key_cache_scales", "value_cache_scales", "attention_sinks")
 
 
 class AppendAttnParams(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int) for name in PARAM_FIELDS]
+    _fields_ = [(name, ctypes.c_int) for name in PARAM_FIELDS] + [(name, ctypes.c_float) for name in FLOAT_PARAM_FIELDS]
 
 
 class AppendAttnBuffers(ctypes.Structure):
