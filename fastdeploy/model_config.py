@@ -18,6 +18,7 @@ from fastdeploy.json_flag import json_object
 from fastdeploy.model_executor.models.architectures import (ABOVE_MAX_WINDOW_LAYERS, ACTIVATIONS, ALL_LAYERS, ERNIE4_5,
                                                            EVERY_NTH_GLOBAL, Architecture, architecture)
 from fastdeploy.model_executor.layers.rope_scaling import SUPPORTED as ROPE_SCALINGS
+from fastdeploy.model_executor.layers.rope_scaling import rope_attention_factor
 from fastdeploy.model_executor.layers.rope_scaling import frequency_divisors
 from fastdeploy.model_executor.models.named_models import NAMED_MODELS
 from fastdeploy.model_executor.models.tiny_preset import PRESETS, TINY_PRESET_NAME, default_preset
@@ -228,6 +229,25 @@ class MoEConfig:
     layer_interval: int
     norm_min: float
     use_correction_bias: bool
+    style: str = "ernie4_5"  # or "gpt_oss": top-k of biased router logits, clamped SwiGLU experts (gpt_oss_moe.py)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    @classmethod
+    def gpt_oss(cls, raw: dict) -> "MoEConfig":
+        """gpt-oss: every layer MoE, `num_local_experts` experts of `intermediate_size`, `num_experts_per_tok`
+        a token, no shared experts."""
+        experts, k = raw.get("num_local_experts"), raw.get("num_experts_per_tok")
+        for name, value in (("num_local_experts", experts), ("num_experts_per_tok", k)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
+        if k > experts:
+            raise ValueError(f"model config: num_experts_per_tok={k} exceeds num_local_experts={experts}")
+        return cls(num_experts=experts, top_k=k, intermediate_size=int(raw["intermediate_size"]),
+                   num_shared_experts=0, layer_start_index=0, layer_end_index=int(raw["num_hidden_layers"]) - 1,
+                   layer_interval=1, norm_min=0.0, use_correction_bias=False, style="gpt_oss",
+                   swiglu_alpha=_positive_float(raw, "swiglu_alpha", 1.702),
+                   swiglu_limit=_positive_float(raw, "swiglu_limit", 7.0))
 
     @classmethod
     def from_raw(cls, raw: dict) -> "MoEConfig":
@@ -300,6 +320,8 @@ class ModelConfig:
     # Soft-capping (Gemma 2): attention scores and final logits become cap * tanh(x / cap); 0: none.
     attn_logit_softcapping: float = 0.0
     final_logit_softcapping: float = 0.0
+    o_bias: bool = False  # o_proj carries a bias (gpt-oss: attention_bias covers o_proj too)
+    rope_attention_factor: float = 1.0  # cos and sin scaled by it (YaRN)
     # RoPE scaling as one divisor per frequency (Llama 3's rope_scaling, or a GGUF's rope_freqs); None: plain.
     rope_freq_divisors: Optional[tuple] = None
     gguf_file: Optional[str] = None  # the GGUF file the weights, tokenizer and template come from
@@ -339,6 +361,10 @@ class ModelConfig:
         if hidden_act is None or (arch.activation != hidden_act):
             raise ValueError(f"model config: hidden_act={raw.get('hidden_act')!r} is not supported for "
                              f"{arch.name} (expected {arch.activation})")
+        quant = raw.get("quantization_config")
+        if isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":
+            raise ValueError("model config: quantization_config quant_method 'mxfp4' (gpt-oss's MXFP4 expert blocks) "
+                             "is not supported: serve a checkpoint whose experts are bfloat16/float32 weights")
         for key in ("final_logit_softcapping", "attn_logit_softcapping"):
             if raw.get(key) is not None and not arch.logit_softcapping:
                 raise ValueError(f"model config: {key}={raw[key]!r} is not supported for {arch.name}")
@@ -398,7 +424,7 @@ class ModelConfig:
             served_model_name=name,
             raw=raw,
             model_type=arch.model_type,
-            moe=MoEConfig.from_raw(raw) if arch.moe else None,
+            moe=(MoEConfig.gpt_oss(raw) if arch.attention_sinks else MoEConfig.from_raw(raw)) if arch.moe else None,
             dtype=_resolve_dtype(dtype, None if gguf_file else model, raw.get("torch_dtype"), device),
             eos_token_ids=eos_ids,
             preset=preset,
@@ -413,6 +439,8 @@ class ModelConfig:
             logit_scale=_positive_float(raw, "logit_scale", 1.0),
             attn_logit_softcapping=_softcap(raw, "attn_logit_softcapping"),
             final_logit_softcapping=_softcap(raw, "final_logit_softcapping"),
+            o_bias=arch.o_bias and bool(raw.get("attention_bias", False)),
+            rope_attention_factor=rope_attention_factor(raw),
             rope_freq_divisors=frequency_divisors(raw, int(head_dim), model or preset),
             gguf_file=gguf_file,
             head_wise_swa_source=source if swa is not None else "none",

@@ -25,6 +25,7 @@ ROW_HEADS = ("self_attn.o_proj.weight",)  # an o_proj bias is per hidden unit: n
 # q/k norm weights: one head_dim vector shared by every head (Qwen3, Gemma 3: unmoved), or one value per
 # row over all heads (OLMo: moved with the heads' rows; such a model runs on one rank, decoder.CausalLM).
 QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+SINKS = "self_attn.sinks"  # one logit per query head (gpt-oss): moved with the heads (such a model runs on one rank)
 COLUMN_FFN = ("gate_proj.weight", "up_proj.weight")
 ROW_FFN = ("down_proj.weight",)
 VOCAB = ("embed_tokens.weight", "lm_head.weight")
@@ -94,6 +95,8 @@ def _permute_one(name: str, w, cfg, order):
         return _take(w, _head_index(order, cfg.head_dim), 0)
     if name.endswith(ROW_HEADS):
         return _take(w, _head_index(order, group), 1)
+    if name.endswith(SINKS):
+        return _take(w, _head_index(order, cfg.num_attention_heads // cfg.num_key_value_heads), 0)
     return w
 
 

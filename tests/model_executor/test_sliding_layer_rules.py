@@ -68,3 +68,42 @@ def test_olmo3_refuses_tensor_parallelism_by_name(tmp_path):
     config = model_config(tmp_path, "Olmo3ForCausalLM", sliding_window=64)
     with pytest.raises(ValueError, match="Olmo3ForCausalLM: tensor parallelism is not supported"):
         CausalLM(config, {}, tp_rank=0, tp_size=2)
+
+
+def test_gemma2_alternates_sliding_layers_and_reads_both_softcaps(tmp_path):
+    config = model_config(tmp_path, "Gemma2ForCausalLM", sliding_window=64, query_pre_attn_scalar=8)
+    assert config.layer_sliding_window == (64, None, 64, None)  # transformers: layer i slides iff (i + 1) % 2
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)  # its defaults
+    assert config.attn_scale_ratio == pytest.approx(2 ** 0.5)  # (head_dim 16 / query_pre_attn_scalar 8) ** 0.5
+    off = model_config(tmp_path, "Gemma2ForCausalLM", attn_logit_softcapping=None, final_logit_softcapping=None)
+    assert (off.attn_logit_softcapping, off.final_logit_softcapping) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="attn_logit_softcapping must be a positive number"):
+        model_config(tmp_path, "Gemma2ForCausalLM", attn_logit_softcapping=-5)
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0 is not supported for LlamaForCausalLM"):
+        model_config(tmp_path, "LlamaForCausalLM", final_logit_softcapping=30.0)
+
+
+def test_gpt_oss_reads_its_moe_yarn_and_bias_fields(tmp_path):
+    config = model_config(tmp_path, "GptOssForCausalLM", sliding_window=32, num_local_experts=4, num_experts_per_tok=2,
+                          rope_scaling=dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096,
+                                            beta_fast=32.0, beta_slow=1.0, truncate=False))
+    assert config.layer_sliding_window == (32, None, 32, None)
+    assert config.qkv_bias and config.o_bias  # attention_bias (default true) covers o_proj too
+    assert (config.moe.style, config.moe.num_experts, config.moe.top_k) == ("gpt_oss", 4, 2)
+    assert (config.moe.swiglu_alpha, config.moe.swiglu_limit) == (1.702, 7.0)
+    assert config.rope_attention_factor == pytest.approx(0.1 * 3.4657359 + 1.0)  # 0.1 ln(32) + 1
+    divisors = config.rope_freq_divisors
+    assert divisors[0] == pytest.approx(1.0) and divisors[-1] == pytest.approx(32.0)  # fast kept, slow slowed 32x
+    with pytest.raises(ValueError, match="num_experts_per_tok=5 exceeds num_local_experts=4"):
+        model_config(tmp_path, "GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=5)
+
+
+def test_gpt_oss_mxfp4_experts_and_tensor_parallelism_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="quant_method 'mxfp4'"):
+        model_config(tmp_path, "GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=2,
+                     quantization_config=dict(quant_method="mxfp4"))
+    from fastdeploy.model_executor.models.decoder import CausalLM
+
+    config = model_config(tmp_path, "GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="GptOssForCausalLM: tensor parallelism is not supported"):
+        CausalLM(config, {}, tp_rank=0, tp_size=2)

@@ -61,6 +61,10 @@ def engine_memory(model: str, with_weights: bool) -> None:
             def weight_bytes() -> int:
                 return 0
 
+            @staticmethod
+            def attention_sinks():
+                return None
+
         decoder.CausalLM.load = classmethod(lambda cls, cfg, *tp_rank_size: NoWeights())
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **ENGINE))
     print(json.dumps({"rss": resident_bytes(), "weight_bytes": engine.runner.model.weight_bytes(),

@@ -1,11 +1,12 @@
-"""Mistral, Qwen2, Qwen3, OLMo 3, Cohere2 and Gemma 2 from Hugging Face directories (config.json + safetensors, as transformers'
+"""Mistral, Qwen2, Qwen3, OLMo 3, Cohere2, Gemma 2 and gpt-oss from Hugging Face directories (config.json + safetensors, as transformers'
 save_pretrained writes them), on small random weights whose sliding windows (32 tokens) are shorter than
 the prompts: the engine's prompt log-probs agree with transformers' within float32 tolerance and its greedy
 tokens are equal, with the flag off and on (FD_HEAD_WISE_KV_CACHE=1 recycles the trained sliding layers'
 pages); with int8 pages (flag on) the log-probs stay close (mean KL, top-1 agreement). Each family says
 in its own config which layers slide: Mistral's `sliding_window` on every layer, Qwen's
 `use_sliding_window` from `max_window_layers` up, OLMo 3's, Cohere2's and Gemma 2's `layer_types`; Gemma 2
-soft-caps attention scores (in the attention kernels) and final logits. Qwen2's q/k/v biases and the
+soft-caps attention scores (in the attention kernels) and final logits; gpt-oss's learned sinks join each softmax
+in the kernels, its MoE routes with a router bias to clamped-SwiGLU experts, its RoPE is YaRN. Qwen2's q/k/v biases and the
 q/k norms of Qwen3 (per head) and OLMo 3 (over all heads), and OLMo 3's post-sublayer norms, get random values
 (transformers initialises them to zeros and ones, which would test nothing)."""
 
@@ -42,6 +43,17 @@ FAMILIES = {
     "Gemma2ForCausalLM": ("Gemma2Config", dict(num_hidden_layers=4, sliding_window=WINDOW, attn_logit_softcapping=1.5,
                                               final_logit_softcapping=12.0, query_pre_attn_scalar=24,
                                               tie_word_embeddings=True), (0, 2)),
+    # gpt-oss: layer_types (sliding and full alternating), a learned sink logit per query head, biases on q/k/v/o,
+    # every MLP an MoE block (router bias, clamped-SwiGLU experts with biases), YaRN RoPE (factor 4 over a 256-token
+    # original context, so the ramp bends some frequencies and the attention factor is 1.14). Every token takes all 4
+    # experts here: with top-2 a random model's near-tied router logits flip under int8 pages' rounding and move the
+    # log-probs by up to 30 nats (KL 0.16; top-4: 1.3e-3), which says nothing about the pages; top-2 routing is
+    # checked in float32 below (test_gpt_oss_top_k_routing_equals_transformers).
+    "GptOssForCausalLM": ("GptOssConfig", dict(num_hidden_layers=4, sliding_window=WINDOW, num_local_experts=4,
+                                              num_experts_per_tok=4, intermediate_size=96, rope_parameters=dict(
+                                                  rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0,
+                                                  beta_slow=1.0, truncate=False,
+                                                  original_max_position_embeddings=256)), (0, 2)),
 }
 
 
@@ -58,8 +70,11 @@ def random_model(name: str, seed: int, **fields):
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
         for module_name, param in model.named_parameters():
-            if module_name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+            if module_name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias", "router.bias",
+                                     "gate_up_proj_bias", "down_proj_bias")):
                 param.normal_(0.0, 0.5)
+            elif module_name.endswith("self_attn.sinks"):  # gpt-oss: around the scores' scale, so they matter
+                param.normal_(0.0, 1.5)
             elif module_name.endswith(("q_norm.weight", "k_norm.weight", "post_attention_layernorm.weight",
                                        "post_feedforward_layernorm.weight")) or "layernorm" in module_name \
                     or module_name == "model.norm.weight":
@@ -122,5 +137,23 @@ def test_qwen_gguf_logprobs_and_greedy_tokens_equal_transformers(tmp_path, smoll
     prompts = _prompts()
     diff = logprob_diff(llm, model, prompts[-1])[0]
     print(f"{name} from a GGUF: max |log-prob diff| {diff:.2e}")
+    assert diff < 1e-3
+    assert_greedy_equal(llm, model, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("flag", [0, 1])
+def test_gpt_oss_top_k_routing_equals_transformers(tmp_path, smollm2_reference, flag):
+    """gpt-oss with each token on 2 of 4 experts (the top-k of the biased router logits, softmaxed over those k):
+    log-probs within float32 tolerance and greedy tokens equal, flag off and on."""
+    name = "GptOssForCausalLM"
+    model = random_model(name, 2, **{**FAMILIES[name][1], "num_experts_per_tok": 2})
+    model.save_pretrained(tmp_path)
+    smollm2_reference[0].save_pretrained(tmp_path)
+    with envs.override(FD_HEAD_WISE_KV_CACHE=flag, FD_HEAD_WISE_SWA_RECYCLE=1):
+        llm = LLM(model=str(tmp_path), max_model_len=512, block_size=16, enable_prefix_caching=False)
+    assert llm.engine.model_config.moe.top_k == 2
+    prompts = _prompts()
+    diff = logprob_diff(llm, model, prompts[-1])[0]
+    print(f"gpt-oss top-2 of 4 experts, flag {flag}: max |log-prob diff| {diff:.2e}")
     assert diff < 1e-3
     assert_greedy_equal(llm, model, prompts, MAX_TOKENS)

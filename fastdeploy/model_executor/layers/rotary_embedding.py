@@ -8,10 +8,11 @@ import paddle
 from fastdeploy.model_executor.layers.rope_scaling import inverse_frequencies
 
 
-def rope_tables(head_dim: int, max_position: int, theta, divisors=None) -> tuple:
+def rope_tables(head_dim: int, max_position: int, theta, divisors=None, attention_factor: float = 1.0) -> tuple:
     """cos and sin, float32 [max_position, head_dim // 2]; computed in float64 so every backend shares them.
     `divisors`: one per frequency (RoPE scaling, layers/rope_scaling.py). `theta` None: no rotation (a layer
-    without positional encoding, Cohere2's full ones): cos 1 and sin 0 leave q and k exactly as they are."""
+    without positional encoding, Cohere2's full ones): cos 1 and sin 0 leave q and k exactly as they are.
+    `attention_factor` scales cos and sin (YaRN's: q and k both grow by it, scores by its square)."""
     if theta is None:
         return (paddle.ones([max_position, head_dim // 2], dtype="float32"),
                 paddle.zeros([max_position, head_dim // 2], dtype="float32"))
@@ -19,15 +20,16 @@ def rope_tables(head_dim: int, max_position: int, theta, divisors=None) -> tuple
     if divisors is not None:
         inv_freq = inv_freq / np.asarray(divisors, np.float64)
     angles = np.outer(np.arange(max_position, dtype=np.float64), inv_freq)
-    return (paddle.to_tensor(np.cos(angles).astype(np.float32)),
-            paddle.to_tensor(np.sin(angles).astype(np.float32)))
+    return (paddle.to_tensor((np.cos(angles) * attention_factor).astype(np.float32)),
+            paddle.to_tensor((np.sin(angles) * attention_factor).astype(np.float32)))
 
 
 def layer_rope_tables(model_config) -> list:
     """(cos, sin) per layer, one table per distinct base (Gemma 3's sliding layers use a local base; None:
     a layer without RoPE)."""
     thetas = model_config.layer_rope_theta or (model_config.rope_theta,) * model_config.num_hidden_layers
-    tables = {t: rope_tables(model_config.head_dim, model_config.max_model_len, t, model_config.rope_freq_divisors)
+    tables = {t: rope_tables(model_config.head_dim, model_config.max_model_len, t, model_config.rope_freq_divisors,
+                             model_config.rope_attention_factor)
               for t in set(thetas)}
     return [tables[t] for t in thetas]
 

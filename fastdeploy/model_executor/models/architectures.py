@@ -41,6 +41,7 @@ class Architecture:
     nope_full_layers: bool = False  # full-attention layers apply no RoPE, sliding ones do (Cohere2)
     logit_softcapping: bool = False  # attn_logit_softcapping / final_logit_softcapping are read (Gemma 2, 3)
     attention_sinks: bool = False  # a learned sink logit per query head joins each softmax (gpt-oss: `sinks`)
+    o_bias: bool = False          # o_proj carries a bias where the config's attention_bias says (gpt-oss)
     embed_scale: bool = False     # embeddings times sqrt(hidden_size)
     rope_layout: str = INTERLEAVED                 # of a Hugging Face directory's q/k rows
     gguf_rope_layout: Optional[str] = None         # of llama.cpp's GGUF q/k rows (None: no GGUF)
@@ -94,6 +95,19 @@ GEMMA2 = Architecture(
                   final_logit_softcapping=30.0, attn_logit_softcapping=50.0, pad_token_id=0, bos_token_id=2,
                   eos_token_id=1))
 
+# gpt-oss: Llama's layer with biases on q, k, v and o (attention_bias), a learned sink logit per query head in
+# every softmax, sliding (128) and full layers alternating (layer_types), YaRN RoPE over rotate-half rows, and
+# every layer's MLP an MoE block (gpt_oss_moe.py).
+GPT_OSS = Architecture(
+    "GptOssForCausalLM", "gpt_oss", rope_layout=ROTATE_HALF, attention_sinks=True, o_bias=True, moe=True,
+    sliding_layers=EVERY_NTH_GLOBAL,
+    defaults=dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+                  num_attention_heads=64, num_key_value_heads=8, head_dim=64, hidden_act="silu",
+                  max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=150000.0,
+                  attention_bias=True, sliding_window=128, sliding_window_pattern=2, num_local_experts=128,
+                  num_experts_per_tok=4, swiglu_alpha=1.702, swiglu_limit=7.0, pad_token_id=None,
+                  bos_token_id=None, eos_token_id=None))
+
 # Mistral / Ministral: Llama's layer with a sliding window on every layer.
 MISTRAL = Architecture(
     "MistralForCausalLM", "mistral", rope_layout=ROTATE_HALF, sliding_layers=ALL_LAYERS,
@@ -141,8 +155,8 @@ COHERE2 = Architecture(
                   attention_bias=False, sliding_window=4096, sliding_window_pattern=4, logit_scale=0.0625,
                   pad_token_id=0, bos_token_id=5, eos_token_id=255001))
 
-ARCHITECTURES = {a.name: a for a in (ERNIE4_5, ERNIE4_5_MOE, LLAMA, GEMMA2, GEMMA3, MISTRAL, QWEN2, QWEN3, OLMO3,
-                                      COHERE2)}
+ARCHITECTURES = {a.name: a for a in (ERNIE4_5, ERNIE4_5_MOE, LLAMA, GEMMA2, GEMMA3, GPT_OSS, MISTRAL, QWEN2, QWEN3,
+                                      OLMO3, COHERE2)}
 ARCHITECTURES["Ernie4_5_ForCausalLM"] = ERNIE4_5  # the spelling upstream also uses for the dense model
 GGUF_ARCHITECTURES = {a.gguf_arch: a for a in ARCHITECTURES.values() if a.gguf_arch}
 # Activation names of config.json -> the decoder's.

@@ -30,6 +30,7 @@ from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.activation import gated_activation
 from fastdeploy.model_executor.layers.rms_norm import add_rms_norm, rms_norm
 from fastdeploy.model_executor.models.ernie4_5_moe import MoEBlock, is_moe_layer, moe_shapes
+from fastdeploy.model_executor.models.gpt_oss_moe import GptOssMoEBlock, gpt_oss_moe_shapes
 from fastdeploy.model_executor.layers.linear import fuse_named
 
 WEIGHTS_FILE = "model.safetensors"
@@ -47,6 +48,7 @@ def _layer_names(i: int) -> dict:
         "k_bias": p + "self_attn.k_proj.bias",
         "v_bias": p + "self_attn.v_proj.bias",
         "sinks": p + "self_attn.sinks",
+        "o_bias": p + "self_attn.o_proj.bias",
         "q_norm": p + "self_attn.q_norm.weight",
         "k_norm": p + "self_attn.k_norm.weight",
         "pre_ffn_norm": p + "pre_feedforward_layernorm.weight",
@@ -75,6 +77,10 @@ def checkpoint_shapes(cfg) -> dict:
         if cfg.qkv_bias:
             shapes.update({n["q_bias"]: (cfg.num_attention_heads * d,), n["k_bias"]: (cfg.num_key_value_heads * d,),
                            n["v_bias"]: (cfg.num_key_value_heads * d,)})
+        if cfg.o_bias:
+            shapes[n["o_bias"]] = (h,)
+        if arch.attention_sinks:
+            shapes[n["sinks"]] = (cfg.num_attention_heads,)
         if arch.qk_norm_over_heads:
             shapes.update({n["q_norm"]: (cfg.num_attention_heads * d,), n["k_norm"]: (cfg.num_key_value_heads * d,)})
         elif arch.qk_norm:
@@ -84,7 +90,7 @@ def checkpoint_shapes(cfg) -> dict:
         if arch.post_norms:
             shapes[n["post_ffn_norm"]] = (h,)
         if is_moe_layer(cfg, i):
-            shapes.update(moe_shapes(cfg, i))
+            shapes.update(gpt_oss_moe_shapes(cfg, i) if cfg.moe.style == "gpt_oss" else moe_shapes(cfg, i))
         else:
             shapes.update({n["gate"]: (inter, h), n["up"]: (inter, h), n["down"]: (h, inter)})
     if not cfg.tie_word_embeddings:
@@ -125,19 +131,22 @@ class CausalLM:
         (tensor_parallel.py); the row-parallel outputs (o_proj, the MLP or MoE block) are
         all-reduced in forward."""
         self.config = cfg = model_config
+        if (cfg.arch.qk_norm_over_heads or cfg.arch.attention_sinks) and tp_size > 1:
+            why = "its q/k norm spans the heads every rank would split" if cfg.arch.qk_norm_over_heads else \
+                "its sinks, o_proj bias and stacked experts are not split across ranks"
+            raise ValueError(f"{cfg.arch.name}: tensor parallelism is not supported ({why}); serve it with "
+                             f"--tensor-parallel-size 1")
         self.dtype = cfg.dtype
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.weights = weights
         self.vocab_start = tp_.vocab_slice(cfg.vocab_size, tp_rank, tp_size)[0] if tp_size > 1 else 0
         self.lm_head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        self.moe = {i: MoEBlock(cfg, i, weights) for i in range(cfg.num_hidden_layers) if is_moe_layer(cfg, i)}
+        block = GptOssMoEBlock if cfg.moe is not None and cfg.moe.style == "gpt_oss" else MoEBlock
+        self.moe = {i: block(cfg, i, weights) for i in range(cfg.num_hidden_layers) if is_moe_layer(cfg, i)}
         # Called as observer(meta, hidden) with the final hidden states of every row of a step, before
         # the sampled rows are picked: how a tool reads prompt logits off the real path (lm_logits).
         self.hidden_observer = None
         self.arch = cfg.arch
-        if self.arch.qk_norm_over_heads and tp_size > 1:
-            raise ValueError(f"{self.arch.name}: tensor parallelism is not supported (its q/k norm spans the heads "
-                             f"every rank would split); serve it with --tensor-parallel-size 1")
         self.local_heads = cfg.num_attention_heads // tp_size
         self.local_kv_heads = cfg.num_key_value_heads // tp_size
         # Gemma: embeddings scaled by sqrt(hidden), rounded to the weights' dtype as the reference does.
@@ -378,6 +387,8 @@ class CausalLM:
                 else:
                     hidden, x = self._add_norm(hidden, pending, input_norm)
                 attn = tp_.all_reduce(self.o[layer_id](attention(layer_id, self._qkv(x, layer_id, n), meta)), tp)
+                if self.config.o_bias:  # gpt-oss (one rank)
+                    attn = attn + w[n["o_bias"]]
                 if parallel:  # Cohere: the MLP reads the attention's input; both outputs join the residual
                     pending = attn + self._ffn(x, layer_id, num_tokens)
                     continue
