@@ -14,11 +14,15 @@ A second table compares 1 vs 2 threads (FD_CPU_ATTN_NUM_THREADS). With --page-fo
 table times the full-attention decode step over pages of each format (float32, bfloat16, int8,
 float8_e4m3fn, int4, k8v4: the quantized pages of --kv-cache-quant-type int8 / block_wise_fp8 /
 block_wise_int4 / k8v4, int4 as codes two per uint8, k8v4 int8 keys beside int4 values), interleaved,
-against the first format.
+against the first format. With --score-mods, a table times the full decode step with learned sinks
+(gpt-oss: a logit per q head in every softmax's denominator), soft-capping (Gemma 2: tanh on every score) and
+both, interleaved, against neither.
 
     python benchmarks/bench_append_attention_cpu.py [--contexts 4096 16384 65536] [--json out.json]
     python benchmarks/bench_append_attention_cpu.py --batch 32 --contexts 2048 --num-heads 9 --kv-heads 3 \
         --head-dim 64 --page-formats float32 bfloat16 int8 int4 k8v4 --skip-arms --prefill-lens 4096  # SmolLM2's
+    python benchmarks/bench_append_attention_cpu.py --batch 32 --contexts 2048 --num-heads 9 --kv-heads 3 \
+        --head-dim 64 --score-mods --skip-arms --prefill-lens 2048  # the sink and soft-cap terms at SmolLM2's shapes
 """
 
 from __future__ import annotations
@@ -113,8 +117,8 @@ class DecodeStep:
         table[:, head_windows[0] > 0, dead.start:dead.stop] = -1
         return np.ascontiguousarray(table)
 
-    def arm(self, swa_heads: int, mode: str):
-        """A zero-argument callable running one step of this arm."""
+    def arm(self, swa_heads: int, mode: str, mods: str = "none"):
+        """A zero-argument callable running one step of this arm (with the score mods SCORE_MODS[mods])."""
         a = self.args
         windows = head_windows(a.kv_heads, swa_heads, a.window, a.sink)
         table = self.head_wise_table(windows) if mode == "headwise" else self.table_1d
@@ -124,8 +128,19 @@ class DecodeStep:
             head_windows=paddle.to_tensor(windows), **self.scales,
         )
         attrs = dict(num_heads=a.num_heads, kv_num_heads=a.kv_heads, head_dim=a.head_dim,
-                     visit_all_pages=mode == "1d-mask")
+                     visit_all_pages=mode == "1d-mask", **score_mods(a.num_heads, mods))
         return lambda: append_attention(**tensors, **attrs)
+
+
+# Score mods: (learned sink logits, softcap). 50: Gemma 2's attention cap.
+SCORE_MODS = {"none": (False, 0.0), "sinks": (True, 0.0), "softcap": (False, 50.0), "sinks+softcap": (True, 50.0)}
+
+
+def score_mods(num_heads: int, mods: str) -> dict:
+    """The op's attention_sinks / softcap arguments of SCORE_MODS[mods]."""
+    sinks, softcap = SCORE_MODS[mods]
+    logits = paddle.to_tensor(np.random.default_rng(3).normal(0, 1, num_heads).astype(np.float32)) if sinks else None
+    return dict(attention_sinks=logits, softcap=softcap)
 
 
 def head_windows(kv_heads: int, swa_heads: int, window: int, sink: int) -> np.ndarray:
@@ -136,7 +151,7 @@ def head_windows(kv_heads: int, swa_heads: int, window: int, sink: int) -> np.nd
     return rows
 
 
-def prefill_step(args, tokens: int, swa_heads: int, page_dtype: str = None):
+def prefill_step(args, tokens: int, swa_heads: int, page_dtype: str = None, mods: str = "none"):
     """A zero-argument callable: one request prefilling `tokens` tokens in one step (the tiled path),
     its first `swa_heads` KV heads sliding; and the step's attention FLOPs (scores + weighted values
     over the keys each query sees)."""
@@ -158,7 +173,8 @@ def prefill_step(args, tokens: int, swa_heads: int, page_dtype: str = None):
         rotary_cos=paddle.to_tensor(np.cos(angle).astype(np.float32)),
         rotary_sin=paddle.to_tensor(np.sin(angle).astype(np.float32)),
         head_windows=paddle.to_tensor(head_windows(H, swa_heads, args.window, args.sink)))
-    attrs = dict(num_heads=args.num_heads, kv_num_heads=H, head_dim=D, visit_all_pages=False)
+    attrs = dict(num_heads=args.num_heads, kv_num_heads=H, head_dim=D, visit_all_pages=False,
+                 **score_mods(args.num_heads, mods))
     seen = np.arange(1, tokens + 1)
     keys = sum(np.minimum(seen, args.window + args.sink).sum() if h < swa_heads else seen.sum() for h in range(H))
     flops = 4.0 * keys * (args.num_heads // H) * D
@@ -189,12 +205,20 @@ def page_format_rows(args, ctx: int) -> list:
     return rows
 
 
+def score_mod_rows(args, ctx: int) -> list:
+    """The full decode step (1-D table) with each of SCORE_MODS, timed interleaved, against none."""
+    step = DecodeStep(args, ctx)
+    times = time_arms({mods: step.arm(0, "1d", mods) for mods in SCORE_MODS}, args.reps)
+    return [dict(context=ctx, mods=mods, ms=ms, best_ms=best, vs_none=ms / times["none"][0])
+            for mods, (ms, best) in times.items()]
+
+
 def prefill_rows(args, arms_: dict) -> list:
     """One request prefilling each of --prefill-lens tokens in one step, per arm (name -> (swa_heads, page
-    format)), interleaved; time against the first arm and attention GFLOP/s."""
+    format[, score mods])), interleaved; time against the first arm and attention GFLOP/s."""
     rows = []
     for tokens in args.prefill_lens:
-        steps = {name: prefill_step(args, tokens, k, fmt) for name, (k, fmt) in arms_.items()}
+        steps = {name: prefill_step(args, tokens, *spec) for name, spec in arms_.items()}
         times = time_arms({name: fn for name, (fn, _) in steps.items()}, args.reps)
         first = next(iter(times.values()))[0]
         rows += [dict(tokens=tokens, arm=name, ms=times[name][0], vs_first=times[name][0] / first,
@@ -247,7 +271,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--page-formats", nargs="*", default=[],
                    choices=["float32", "bfloat16", "int8", "float8_e4m3fn", "int4", "k8v4"],
                    help="also time the full decode step over pages of each format (vs the first one)")
-    p.add_argument("--skip-arms", action="store_true", help="only the --page-formats table (and prefill)")
+    p.add_argument("--score-mods", action="store_true",
+                   help="also time the full decode step with learned sinks, soft-capping and both (vs neither)")
+    p.add_argument("--skip-arms", action="store_true", help="only the --page-formats / --score-mods tables (and prefill)")
     p.add_argument("--json", metavar="PATH")
     return p.parse_args(argv)
 
@@ -269,6 +295,15 @@ def main(argv=None) -> None:
         print_table(out["prefill_page_formats"], [("tokens", "tokens", ""), ("pages", "arm", ""),
                                                   ("ms/step", "ms", ".2f"), (f"x {args.page_formats[0]}", "vs_first", ".3f")],
                     title="one request prefilling in one step over each page format (full attention, tiled path)")
+    if args.score_mods:
+        out["score_mods"] = [r for ctx in args.contexts for r in score_mod_rows(args, ctx)]
+        print_table(out["score_mods"], [("context", "context", ""), ("score mods", "mods", ""), ("ms/step", "ms", ".3f"),
+                                        ("best", "best_ms", ".3f"), ("x none", "vs_none", ".3f")],
+                    title=f"decode step with learned sinks / soft-capping (cap 50), full attention: {shape}")
+        out["prefill_score_mods"] = prefill_rows(args, {mods: (0, None, mods) for mods in SCORE_MODS})
+        print_table(out["prefill_score_mods"], [("tokens", "tokens", ""), ("score mods", "arm", ""),
+                                                ("ms/step", "ms", ".2f"), ("x none", "vs_first", ".3f")],
+                    title="one request prefilling in one step with each score mod (full attention, tiled path)")
     if not args.skip_arms:
         got = [decode_rows(args, ctx) for ctx in args.contexts]
         out["steps"], out["threads"] = [r for rows, _ in got for r in rows], [r for _, rows in got for r in rows]

@@ -53,6 +53,17 @@ def test_bench_append_attention_cpu_times_every_arm_and_page_format(tmp_path):
     assert [r["arm"] for r in result["prefill"]] == ["full", "2 SWA"] and len(result["threads"]) == 2
 
 
+def test_bench_append_attention_cpu_times_the_sink_and_soft_cap_terms(tmp_path):
+    out = tmp_path / "mods.json"
+    run("bench_append_attention_cpu.py", "--contexts", "128", "--batch", "2", "--num-heads", "4", "--kv-heads", "2",
+        "--head-dim", "32", "--block-size", "16", "--reps", "2", "--prefill-lens", "64", "--score-mods", "--skip-arms",
+        "--json", str(out))
+    result = json.loads(out.read_text())
+    assert [r["mods"] for r in result["score_mods"]] == ["none", "sinks", "softcap", "sinks+softcap"]
+    assert result["score_mods"][0]["vs_none"] == 1.0 and all(r["ms"] > 0 for r in result["score_mods"])
+    assert [r["arm"] for r in result["prefill_score_mods"]] == ["none", "sinks", "softcap", "sinks+softcap"]
+
+
 def test_bench_linear_cpu_prints_every_gemm_next_to_the_peak(tmp_path):
     out = tmp_path / "gemm.json"
     text = run("bench_linear_cpu.py", "--rows", "1", "3", "--shapes", "qkv fused", "--seconds", "0.01",

@@ -157,3 +157,35 @@ def test_gpt_oss_top_k_routing_equals_transformers(tmp_path, smollm2_reference, 
     print(f"gpt-oss top-2 of 4 experts, flag {flag}: max |log-prob diff| {diff:.2e}")
     assert diff < 1e-3
     assert_greedy_equal(llm, model, prompts, MAX_TOKENS)
+
+
+# Held-out configurations: other sizes (hidden 96, 6 query heads on 3 KV heads of 16 dims), another window (24) and
+# another seed than the configurations above, flag off and on.
+HELD_OUT = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=16, sliding_window=24)
+_held_out_dirs = {}
+
+
+def _held_out(name: str, tmp_path_factory, smollm2_reference):
+    if name not in _held_out_dirs:
+        _, fields, sliding = FAMILIES[name]
+        model = random_model(name, 7, **{**fields, **HELD_OUT})
+        path = tmp_path_factory.mktemp(f"held_out_{name}")
+        model.save_pretrained(path)
+        smollm2_reference[0].save_pretrained(path)
+        _held_out_dirs[name] = (str(path), model, sliding)
+    return _held_out_dirs[name]
+
+
+@pytest.mark.parametrize("flag", [0, 1])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_held_out_configurations_equal_transformers(tmp_path_factory, smollm2_reference, name, flag):
+    path, model, sliding = _held_out(name, tmp_path_factory, smollm2_reference)
+    with envs.override(FD_HEAD_WISE_KV_CACHE=flag, FD_HEAD_WISE_SWA_RECYCLE=1):
+        llm = LLM(model=path, max_model_len=512, block_size=16, enable_prefix_caching=False)
+    windows = llm.engine.model_config.layer_sliding_window
+    assert [i for i, w in enumerate(windows) if w is not None] == list(sliding) and 24 in windows
+    prompts = _prompts()
+    diff = logprob_diff(llm, model, prompts[-1])[0]
+    print(f"held out {name} flag {flag}: max |log-prob diff| {diff:.2e}")
+    assert diff < 1e-3
+    assert_greedy_equal(llm, model, prompts, MAX_TOKENS)
