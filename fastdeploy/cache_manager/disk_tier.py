@@ -11,7 +11,7 @@ layout, each KV tensor's bytes per entry). Another model or layout never reads t
 finds directories of other identities says so once and leaves them alone.
 
 A file carries its payload's length and CRC-32: a truncated or corrupt file is deleted when it is found
-(its header at start-up, its payload at a load), never served. Writes go to a temporary name first and
+(its header at start-up, its payload when a load reads it), never served. Writes go to a temporary name first and
 are renamed into place, so a crash leaves a whole file or none.
 """
 
@@ -106,8 +106,9 @@ class PageFiles:
         os.replace(tmp, path)
         return path
 
-    def read(self, path: str) -> Optional[np.ndarray]:
-        """The entry's bytes, or None (and the file deleted) when it is missing, truncated or corrupt."""
+    def read_checked(self, path: str) -> Optional[np.ndarray]:
+        """The entry's bytes, or None when it is missing, truncated or corrupt; changes nothing (the tier
+        loader's thread reads with it, and the engine loop deletes a bad file when the load ends)."""
         try:
             with open(path, "rb") as f:
                 head = self._header(f)
@@ -115,7 +116,6 @@ class PageFiles:
         except OSError:
             head, data = None, b""
         if head is None or len(data) != head[1] or zlib.crc32(data) != head[2] or len(data) != self.entry_bytes:
-            self.drop_corrupt(path)
             return None
         return np.frombuffer(data, np.uint8)
 

@@ -4,15 +4,16 @@ When the pool evicts a cached page that a hit can still read, the page's bytes a
 of being lost (prefix_tree.PrefixCache._evict_page); a stale sliding page, one no anchor's window sees,
 is never stored, so with FD_HEAD_WISE_KV_CACHE=1 the tier holds only each head's pages a hit needs. The
 tier is indexed by the prefix tree itself: a trie node keeps, per slot, its page in the pool or its
-entry here (`BlockNode.host`). A lookup may end on pages held here; before the request starts, they are
-copied back into pool pages and become cached pool pages again (PrefixCacheManager.load_prefix), so the
-scheduler's page arithmetic never sees the tier.
+entry here (`BlockNode.host`). A lookup may end on pages held here; at admission they get pool pages that
+become cached pool pages at once (PrefixCacheManager.load_prefix), so the scheduler's page arithmetic never
+sees the tier, and the bytes are copied into them off the engine loop (tier_loader.py: `copy_in` runs on
+the loader's thread) while the request waits in the loading state.
 
 An entry holds one pool id's bytes of every KV tensor (K and V of each lane, scales of quantized pages):
 a page head-wise, a block of every head in 1-D mode. Entries leave least-recently-stored first; the
-entries a load is reading are pinned. Copies run in the engine process on the in-process rank's tensors
-(tensor_parallel_size 1, pages in host memory: the CPU device), between two steps, so no step is writing
-the pages copied.
+entries a load is reading are pinned, then held by the load (no longer named by the trie) until it ends.
+Stores run in the engine process between two steps on the in-process rank's tensors (tensor_parallel_size
+1, pages in host memory: the CPU device); a load writes only pool pages no step reads or writes.
 """
 
 from __future__ import annotations
@@ -63,12 +64,14 @@ class HostTier:
         self._free = list(range(num_entries - 1, -1, -1))
         self._lru: collections.OrderedDict = collections.OrderedDict()  # held, unpinned entries, oldest first
         self._pinned: set = set()
+        self._loading: set = set()   # entries a load is copying into the pool (no longer named by the trie)
         self.stored_total = 0        # pages copied in
         self.evicted_total = 0       # pages dropped to make room
         self.loaded_total = 0        # pages copied back into the pool
         self.load_seconds_total = 0.0
         self.store_seconds_total = 0.0
         self.loads_total = 0         # prefix hits that loaded pages from here
+        self.load_failures_total = 0  # loads that could not write every page (a corrupt file): recomputed
         # The disk tier (attach_disk): handle -> file path and -> (node, slot); its own LRU and pinned set.
         self.files: Optional[PageFiles] = None
         self.disk_capacity = 0
@@ -76,6 +79,7 @@ class HostTier:
         self._disk_holder: dict = {}
         self._disk_lru: collections.OrderedDict = collections.OrderedDict()
         self._disk_pinned: set = set()
+        self._disk_loading: set = set()
         self._next_handle = num_entries
         self.disk_stored_total = self.disk_evicted_total = self.disk_loaded_total = self.disk_restored_total = 0
         self.disk_load_seconds_total = self.disk_store_seconds_total = 0.0
@@ -151,38 +155,74 @@ class HostTier:
                 lru[entry] = None
                 lru.move_to_end(entry, last=False)  # a load that fell through: first to go again
 
-    def fetch(self, entries: list) -> Optional[dict]:
-        """Read the pinned entries that are files: {handle: bytes}; None when a file turned out truncated or
-        corrupt (it is deleted and leaves the trie; the caller falls back to recomputing)."""
-        rows, bad = {}, []
-        t0 = time.perf_counter()
-        for entry in entries:
-            if entry >= self.num_entries:
-                row = self.files.read(self._disk_path[entry])
-                if row is None:
-                    bad.append(entry)
-                else:
-                    rows[entry] = row
-        self.disk_load_seconds_total += time.perf_counter() - t0
-        for entry in bad:
-            self.discard(entry)
-        return None if bad else rows
+    def claim(self, entry: int) -> Optional[str]:
+        """A pinned entry leaves the trie: a load holds it until it ends (end_load). Returns its file, or None
+        for an entry in memory. The caller gives the trie's slot a pool page at once (PrefixCache.adopt)."""
+        node, slot = self.holder(entry)
+        self.cache.drop_below(node, slot, prune=False)
+        if entry < self.num_entries:
+            self._pinned.remove(entry)
+            self._holder[entry] = None
+            self._loading.add(entry)
+            return None
+        self._disk_pinned.remove(entry)
+        del self._disk_holder[entry]
+        self._disk_loading.add(entry)
+        return self._disk_path[entry]
 
-    def load(self, entries: list, pages: list, fetched: Optional[dict] = None) -> None:
-        """Copy pinned entries into pool pages (rank 0); the trie adopting the pages frees the entries.
-        Entries that are files come from `fetched` (fetch)."""
+    def copy_in(self, load) -> None:
+        """The loader's thread: read the load's files, copy every entry it could read into its pool page (rank
+        0). Reads the load's own entries and writes its own pages only; records what failed on the load."""
         t0 = time.perf_counter()
-        rows = np.stack([self.data[e] if e < self.num_entries else fetched[e] for e in entries])
-        index = np.asarray(pages, np.int64)
-        if self.codec is not None:
-            self.codec.decode(rows, self.views, index)
+        rows, good = [], []
+        for i, (entry, path) in enumerate(zip(load.entries, load.paths)):
+            row = self.data[entry] if path is None else self.files.read_checked(path)
+            if row is None:
+                load.bad.append(i)  # truncated or corrupt: its page is not written (end_load drops it)
+            else:
+                rows.append(row)
+                good.append(load.pages[i])
+        t1 = time.perf_counter()
+        load.read_seconds = t1 - t0 if any(p is not None for p in load.paths) else 0.0
+        if rows:
+            rows = np.stack(rows)
+            index = np.asarray(good, np.int64)
+            if self.codec is not None:
+                self.codec.decode(rows, self.views, index)
+            else:
+                for view, off, unit in zip(self.views, self.offsets, self.units):
+                    view[index] = rows[:, off:off + unit]
+        load.copy_seconds = time.perf_counter() - t1
+
+    def end_load(self, load) -> None:
+        """The engine loop, once the worker is done: the load's entries are let go (the pool holds their pages
+        now; a corrupt file is deleted and counted), and its times and pages counted."""
+        unwritten = set(load.unwritten())
+        for i, entry in enumerate(load.entries):
+            if entry < self.num_entries:
+                self._loading.remove(entry)
+                self._free.append(entry)
+                continue
+            self._disk_loading.remove(entry)
+            path = self._disk_path.pop(entry)
+            if i in load.bad:
+                self.files.drop_corrupt(path)
+            else:
+                self.files.remove(path)
+        written = [e for i, e in enumerate(load.entries) if i not in unwritten]
+        self.disk_load_seconds_total += load.read_seconds
+        self.load_seconds_total += load.copy_seconds
+        self.loaded_total += len(written)
+        self.disk_loaded_total += sum(e >= self.num_entries for e in written)
+        if unwritten:
+            self.load_failures_total += 1
         else:
-            for view, off, unit in zip(self.views, self.offsets, self.units):
-                view[index] = rows[:, off:off + unit]
-        self.load_seconds_total += time.perf_counter() - t0
-        self.loaded_total += len(entries)
-        self.disk_loaded_total += sum(e >= self.num_entries for e in entries)
-        self.loads_total += 1
+            self.loads_total += 1
+
+    @property
+    def num_loading(self) -> int:
+        """Entries held by loads in flight."""
+        return len(self._loading) + len(self._disk_loading)
 
     def clear(self) -> None:
         """Let every entry go (files deleted)."""
@@ -219,7 +259,7 @@ class HostTier:
         tier, when every file is being read, or when the write fails (the page is then dropped)."""
         if self.files is None:
             return False
-        while len(self._disk_holder) >= self.disk_capacity:
+        while len(self._disk_path) >= self.disk_capacity:  # files being loaded still take room
             if not self._disk_lru:
                 return False
             oldest = next(iter(self._disk_lru))
@@ -318,13 +358,15 @@ class HostTier:
                 "host_cache_evicted_pages_total": self.evicted_total,
                 "host_cache_loaded_pages_total": self.loaded_total,
                 "host_cache_loads_total": self.loads_total,
+                "host_cache_load_failures_total": self.load_failures_total,
+                "host_cache_loading_pages": self.num_loading,
                 "host_cache_load_seconds_total": self.load_seconds_total,
                 "host_cache_store_seconds_total": self.store_seconds_total,
                 **(self._disk_stats() if self.files is not None else {})}
 
     def _disk_stats(self) -> dict:
-        return {"disk_cache_pages": len(self._disk_holder), "disk_cache_pages_total": self.disk_capacity,
-                "disk_cache_bytes": len(self._disk_holder) * self.entry_bytes,
+        return {"disk_cache_pages": len(self._disk_path), "disk_cache_pages_total": self.disk_capacity,
+                "disk_cache_bytes": len(self._disk_path) * self.entry_bytes,
                 "disk_cache_stored_pages_total": self.disk_stored_total,
                 "disk_cache_evicted_pages_total": self.disk_evicted_total,
                 "disk_cache_loaded_pages_total": self.disk_loaded_total,
@@ -334,16 +376,19 @@ class HostTier:
                 "disk_cache_store_seconds_total": self.disk_store_seconds_total}
 
     def check(self, named_by_trie: int) -> None:
-        """Raise AssertionError unless every entry is free or held once (LRU or pinned), and the trie names
-        exactly the held ones (`named_by_trie`: the entries its nodes name)."""
+        """Raise AssertionError unless every entry is free, held once (LRU or pinned) or being loaded, and the
+        trie names exactly the held ones (`named_by_trie`: the entries its nodes name)."""
         held = [e for e, h in enumerate(self._holder) if h is not None]
-        if len(held) + len(self._free) != self.num_entries or len(set(self._free)) != len(self._free):
-            raise AssertionError(f"host tier: {len(held)} held + {len(self._free)} free != {self.num_entries}")
+        if len(held) + len(self._loading) + len(self._free) != self.num_entries or \
+                len(set(self._free) | set(held) | self._loading) != self.num_entries:
+            raise AssertionError(f"host tier: {len(held)} held + {len(self._loading)} loading + {len(self._free)} "
+                                 f"free != {self.num_entries}")
         if set(held) != set(self._lru) | self._pinned or set(self._lru) & self._pinned:
             raise AssertionError("host tier: held entries differ from the LRU and the pinned ones")
         files = set(self._disk_holder)
         if files != set(self._disk_lru) | self._disk_pinned or set(self._disk_lru) & self._disk_pinned or \
-                files != set(self._disk_path) or len(self._disk_holder) > max(self.disk_capacity, 0):
+                files & self._disk_loading or files | self._disk_loading != set(self._disk_path) or \
+                len(self._disk_path) > max(self.disk_capacity, 0):
             raise AssertionError("disk tier: held files differ from the LRU and the pinned ones, or exceed the capacity")
         if named_by_trie != len(held) + len(files):
             raise AssertionError(f"host tier: {len(held)} entries and {len(files)} files held, the trie names "

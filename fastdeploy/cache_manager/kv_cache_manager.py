@@ -300,17 +300,34 @@ class KVCacheManager:
         return memo[3]
 
     def load_prefix(self, request, hit: list) -> tuple:
-        """(the hit with all its pages in the pool, how many of its tokens came from the host tier): pages of
-        a matched prefix that only the host tier holds are copied back into the pool (see
-        PrefixCacheManager.load_prefix); the hit is shorter if the pool has no room for them."""
+        """(the hit with all its pages in the pool, how many of its tokens come from the lower tiers, the load
+        copying them or None): pages of a matched prefix that only the host or disk tier holds get pool pages
+        now and are copied in off the engine loop (PrefixCacheManager.load_prefix); the request may read its
+        hit once the load has ended (finished_loads, end_load). The hit is shorter if the pool has no room for
+        them, and None while it reads pages another load is still writing (the request must wait)."""
         cache = self.pages.prefix_cache
         if not hit or cache is None or cache.lower is None:
-            return hit, 0
+            return hit, 0, None
         in_pool = cache.pool_depth(hit)
-        if in_pool == len(hit):
-            return hit, 0
-        hit = self.pages.load_prefix(hit, request.request_id)
-        return hit, max(0, len(hit) - in_pool) * self.block_size
+        hit, load = self.pages.load_prefix(hit)
+        if hit is None:
+            return None, 0, None
+        return hit, max(0, len(hit) - in_pool) * self.block_size, load
+
+    def finished_loads(self, wait: float = 0.0) -> list:
+        """Loads from the lower tiers whose copies are done, to be ended (end_load); see PrefixCacheManager."""
+        return self.pages.finished_loads(wait)
+
+    @property
+    def loads_pending(self) -> bool:
+        """Loads submitted and not yet handed back by finished_loads."""
+        return bool(self.pages.loads_in_flight)
+
+    def end_load(self, load) -> None:
+        self.pages.end_load(load)
+
+    def close_loads(self) -> list:
+        return self.pages.close_loads()
 
     def _register_blocks(self, request, table: PageTable) -> None:
         """Cache every block the request has fully computed since the last call."""
@@ -368,6 +385,9 @@ class KVCacheManager:
                 raise AssertionError(f"{rid}: holds a page table but is neither running nor parked")
             if rid in self._parked and rid in running_ids:
                 raise AssertionError(f"{rid}: parked but still running")
+        for load in pages.loads_in_flight:  # a load from the lower tiers references the pages it writes
+            for p in load.pages:
+                _claim(expected[0], p, load)
         for rid in self._parked:  # its pages are held as they were when it finished
             for s, row in enumerate(self._tables[rid].rows):
                 for p in row:

@@ -22,6 +22,7 @@ from typing import Hashable, Iterable, Optional, Sequence
 
 from fastdeploy.cache_manager.head_wise import PageLayout
 from fastdeploy.cache_manager.prefix_tree import CACHED, BlockNode, PrefixCache
+from fastdeploy.cache_manager.tier_loader import TierLoad, TierLoader
 
 _ANONYMOUS = "<no request>"
 
@@ -150,6 +151,8 @@ class PrefixCacheManager:
             self.slot_rank = [0]
             table_layout = PageLayout(self.layout.block_size, 1, 1)
         self.prefix_cache: Optional[PrefixCache] = None
+        self.loader: Optional[TierLoader] = None  # copies from the lower tiers, off the engine loop
+        self._loads: list = []  # loads begun (load_prefix) and not yet ended (end_load), oldest first
         if fd_config.cache_config.enable_prefix_caching:
             self.prefix_cache = PrefixCache(self._pools, self.slot_rank, table_layout)
 
@@ -325,6 +328,7 @@ class PrefixCacheManager:
         if self.tensor_parallel_size != 1:
             raise ValueError("the host tier serves tensor_parallel_size 1")
         tier.cache, self.prefix_cache.lower = self.prefix_cache, tier
+        self.loader = TierLoader(tier)
         if tier.files is not None:
             tier.restore()  # the disk tier's pages from an earlier run become the trie's nodes again
 
@@ -332,37 +336,75 @@ class PrefixCacheManager:
     def host_tier(self):
         return self.prefix_cache.lower if self.prefix_cache is not None else None
 
-    def load_prefix(self, path: list, req_id: Hashable) -> list:
-        """Make a matched path a hit whose pages are all in the pool: the pages only the host tier holds are
-        copied into new pool pages, which join the prefix cache (cached, unreferenced, like any other hit's
-        pages). The path's own pages are pinned meanwhile. If the pool cannot take them, the part of the
-        path the pool holds alone is the hit (the rest is recomputed)."""
+    def load_prefix(self, path: list) -> tuple:
+        """Start making a matched path a hit whose pages are all in the pool; returns (hit, load).
+
+        The pages only the lower tiers hold get new pool pages, which join the prefix cache at once (cached,
+        referenced by the load until it ends, so never evicted); their bytes are copied in by the loader's
+        thread (`load`, None when nothing is to be copied) and the hit may be read once end_load ran. The
+        path's own pool pages are pinned meanwhile. If the pool cannot take them, the part of the path the
+        pool holds alone is the hit (the rest is recomputed). The hit is None while the path reads a page
+        another load is still writing: the request waits for that load (it is not read before the copy)."""
         cache = self.prefix_cache
-        needs = cache.load_needs(path) if cache is not None and cache.lower is not None else ()
+        if cache is None or cache.lower is None:
+            return path, None
+        if cache.reads_loading(path):
+            return None, None
+        needs = cache.load_needs(path)
         if not needs:
-            return path
-        owner, tier = _owner(req_id), cache.lower
+            return path, None
+        tier = cache.lower
         entries = [node.host[s] for node, s in needs]
-        pinned = cache.reference(path, owner)
+        load = TierLoad(entries, [None] * len(entries))
+        pinned = cache.reference(path, load)
         tier.pin(entries)
-        fetched = tier.fetch(entries)  # the pages in files, read; None if one was corrupt (it is gone)
         counts = [0] * self.num_slots
         for _, s in needs:
             counts[s] += 1
-        rows = self.allocate(counts, owner) if fetched is not None else None  # may evict into the tier
+        rows = self.allocate(counts, load)  # may evict into the tier (never a pinned entry)
         if rows is None:
             tier.unpin(entries)
             for rank, pages in enumerate(pinned):
-                cache.unref(rank, pages, owner)
-            return path[:cache.pool_depth(path)]
-        pages = [rows[s].pop() for _, s in needs]
-        tier.load(entries, pages, fetched)
-        for (node, s), page in zip(needs, pages):
-            cache.adopt(node, s, page, owner)
-            pinned[self.slot_rank[s]].append(page)
+                cache.unref(rank, pages, load)
+            return path[:cache.pool_depth(path)], None
+        for k, ((node, s), entry) in enumerate(zip(needs, entries)):
+            page = rows[s].pop()
+            load.paths[k] = tier.claim(entry)  # the entry leaves the trie; the load holds it until it ends
+            cache.adopt(node, s, page, load)   # the slot's page is the pool's now, referenced by the load
+            cache.loading[page] = load
+            load.pages.append(page)
         for rank, pages in enumerate(pinned):
-            cache.unref(rank, pages, owner)  # now cached and unreferenced, until the hit takes them
-        return path
+            cache.unref(rank, pages, load)
+        self._loads.append(load)
+        self.loader.submit(load)
+        return path, load
+
+    def finished_loads(self, wait: float = 0.0) -> list:
+        """Loads the loader's thread has finished (each once, oldest first), to be ended by end_load; `wait`:
+        seconds to wait for the oldest one in flight first."""
+        return self.loader.finished(wait) if self.loader is not None else []
+
+    @property
+    def loads_in_flight(self) -> list:
+        """Loads begun and not yet ended: their pages are referenced by them and read by nobody."""
+        return list(self._loads)
+
+    def end_load(self, load: TierLoad) -> None:
+        """A finished load's pages become plain cached pages (the load's references go); pages it could not
+        write (a corrupt file) leave the prefix cache, so nothing reads them. Every request that referenced
+        them must have let go first (the scheduler releases the request that waited for a failed load)."""
+        cache = self.prefix_cache
+        self._loads.remove(load)
+        cache.lower.end_load(load)
+        for page in load.pages:
+            del cache.loading[page]
+        cache.unref(0, load.pages, load)
+        for i in load.unwritten():
+            cache.forget(0, load.pages[i])
+
+    def close_loads(self) -> list:
+        """Let the loads in flight finish and stop the loader's thread; returns the loads to be ended."""
+        return self.loader.close() if self.loader is not None else []
 
     def persist_prefix_cache(self) -> int:
         """A clean shutdown with a disk tier: every cached page a hit can read and no request holds goes to
@@ -405,9 +447,10 @@ class PrefixCacheManager:
                  "prefix_cache_evictions_total": cache.evictions_total * scale,
                  "prefix_cache_cached_blocks": cache.num_nodes}
         if cache.lower is not None:
-            counts = ("host_cache_pages", "host_cache_pages_total", "host_cache_stored_pages_total",
-                      "host_cache_evicted_pages_total", "host_cache_loaded_pages_total", "disk_cache_pages",
-                      "disk_cache_pages_total", "disk_cache_stored_pages_total", "disk_cache_evicted_pages_total",
+            counts = ("host_cache_pages", "host_cache_pages_total", "host_cache_loading_pages",
+                      "host_cache_stored_pages_total", "host_cache_evicted_pages_total",
+                      "host_cache_loaded_pages_total", "disk_cache_pages", "disk_cache_pages_total",
+                      "disk_cache_stored_pages_total", "disk_cache_evicted_pages_total",
                       "disk_cache_loaded_pages_total", "disk_cache_restored_pages")
             stats.update({k: v * scale if k in counts else v for k, v in cache.lower.stats().items()})
         return stats

@@ -159,6 +159,9 @@ class PrefixCache:
         self.clock = 0
         # The tier below the pool (host_tier.HostTier) or None: evicted pages a hit can still read go there.
         self.lower = None
+        # Pool pages (rank 0) a load from the lower tier is still writing -> that load (tier_loader.TierLoad).
+        # They are cached and referenced by the load (never evicted); no hit may read them (reads_loading).
+        self.loading: dict = {}
         for pool in pools:
             pool.holders = {}
 
@@ -217,6 +220,12 @@ class PrefixCache:
                 k = kinds[s]
                 if k is None or not dead[k][0] <= i < dead[k][1]:
                     yield i, node, s
+
+    def reads_loading(self, path: list) -> bool:
+        """Whether a hit on `path` reads a page a load is still writing (the hit must wait for that load)."""
+        loading = self.loading
+        return bool(loading) and any(node.pages[s] in loading for _, node, s in self.read_slots(path)
+                                     if self.slot_rank[s] == 0)
 
     def load_needs(self, path: list) -> list:
         """(node, slot) of every page a hit on `path` reads that only the lower tier holds."""
@@ -360,8 +369,9 @@ class PrefixCache:
         for leaf in leaves:
             self._remove_empty_leaves(leaf)
 
-    def drop_below(self, node: BlockNode, slot: int) -> None:
-        """The lower tier let the node's page of `slot` go; a node left with no page anywhere leaves the trie."""
+    def drop_below(self, node: BlockNode, slot: int, prune: bool = True) -> None:
+        """The lower tier let the node's page of `slot` go; a node left with no page anywhere leaves the trie
+        (`prune` False: the caller gives the slot a pool page next, a load's adopt)."""
         node.host[slot] = -1
         node.hosted[self.column_of_slot[slot]] -= 1
         if not any(node.hosted):
@@ -369,7 +379,8 @@ class PrefixCache:
         self.version += 1
         if self.changed is not None:
             self.changed.add(node)
-        self._remove_empty_leaves(node)
+        if prune:
+            self._remove_empty_leaves(node)
 
     # -- release and eviction ------------------------------------------------------------------
     def unref(self, rank: int, pages: Iterable[int], owner: Hashable) -> None:
@@ -411,6 +422,15 @@ class PrefixCache:
             count -= 1
         self._compact_if_bloated(rank)
         return True
+
+    def forget(self, rank: int, page: int) -> None:
+        """Take an unreferenced cached page out of the cache without storing it below: a load could not write
+        it (its file was corrupt), so nothing may read it. A node left with no page anywhere leaves the trie."""
+        node, slot = self.where[rank][page]
+        if self.pools[rank].holders[page]:
+            raise AssertionError(f"page {page} (rank {rank}) of {node!r} is forgotten while referenced by "
+                                 f"{set(self.pools[rank].holders[page])}")
+        self._evict_page(rank, page, node, slot, spill=False)
 
     def clear(self) -> int:
         """Evict every unreferenced cached page and empty the lower tier; returns the pool pages evicted."""
@@ -484,11 +504,11 @@ class PrefixCache:
         heapq.heapify(heap)
         self.heaps[rank] = heap
 
-    def _evict_page(self, rank: int, page: int, node: BlockNode, slot: int) -> None:
+    def _evict_page(self, rank: int, page: int, node: BlockNode, slot: int, spill: bool = True) -> None:
         pool = self.pools[rank]
         # A page a hit can still read goes down a tier (copied before anyone can write it: allocation
         # only hands it out, the next step writes); a stale sliding page no anchor sees is dropped.
-        spill = self.lower is not None and self._key(rank, node, slot, page)[0] != STALE_SWA
+        spill = spill and self.lower is not None and self._key(rank, node, slot, page)[0] != STALE_SWA
         entry = self.lower.store(rank, page, node, slot) if spill else -1
         node.pages[slot] = -1
         node.gaps[self.column_of_slot[slot]] += 1
@@ -615,6 +635,9 @@ class PrefixCache:
                             a = a.parent
         if self.lower is not None:
             self.lower.check(below)
+        for page, load in self.loading.items():  # being written: cached, and kept from eviction by its load
+            if page not in self.where[0] or load not in self.pools[0].holders[page]:
+                raise AssertionError(f"page {page} being loaded by {load!r} is not a cached page it references")
         for node in nodes:
             if self.rec_slots and protect[id(node)] != node.protects:
                 raise AssertionError(f"{node!r}: protect {node.protects}, expected {protect[id(node)]}")

@@ -21,6 +21,8 @@ from fastdeploy.model_executor.layers.sampler import min_tokens_bans
 
 logger = logging.getLogger("fastdeploy.engine")
 
+TIER_LOAD_WAIT_S = 0.05  # a step with nothing to run waits this long at most for a load from the lower tiers
+
 
 class LLMEngine:
     """Single-threaded engine: one caller drives add_request / abort_request / step."""
@@ -95,6 +97,7 @@ class LLMEngine:
         processes (a no-op with one rank) and the transfer engine's side channel; idempotent."""
         if not getattr(self, "_persisted", False):
             self._persisted = True
+            self.scheduler.close_tier_loads()  # loads in flight finish first: their pages are then plain cached pages
             written = self.scheduler.cache_manager.persist_prefix_cache()
             if written:
                 logger.info("disk tier: %d pages written for the next start", written)
@@ -172,7 +175,8 @@ class LLMEngine:
         """Stop a request and free its KV pages now (a decode request whose prompt KV is being read: when
         the read ends, never while it writes them); unknown or finished ids are ignored."""
         request = self.scheduler.requests.get(request_id)
-        reading = request is not None and request.kv_loading and self.connector.forget(request_id)
+        reading = request is not None and request.remote_kv is not None and request.kv_loading \
+            and self.connector.forget(request_id)
         if self.scheduler.abort_request(request_id, keep_pages=reading) is not None:
             self.runner.release(request_id)
 
@@ -185,8 +189,9 @@ class LLMEngine:
 
     @property
     def transfers_pending(self) -> bool:
-        """KV transfers or parked pages to watch: the caller steps (which polls them) often."""
-        return self.connector is not None and self.connector.busy
+        """KV transfers, parked pages or loads from the lower tiers to watch: the caller steps (which polls
+        them) often."""
+        return self.connector is not None and self.connector.busy or self.scheduler.tier_loads_pending
 
     def _transfers(self) -> list:
         """Advance the KV transfers: decode requests whose prompt KV arrived run from the next schedule;
@@ -198,9 +203,9 @@ class LLMEngine:
             if self.scheduler.requests.get(request.request_id) is not request:  # aborted while it was read
                 self.scheduler.kv_cache_manager.free(request.request_id)
             elif outcome.error is None:
-                self.scheduler.remote_kv_loaded(request)
+                self.scheduler.kv_loaded(request)
             else:
-                self.scheduler.remote_kv_failed(request, recompute)
+                self.scheduler.kv_load_failed(request, recompute)
                 if not recompute:
                     out = self._output(request, "")
                     out.error = f"loading the prompt's KV from the prefill server failed: {outcome.error}"
@@ -220,8 +225,11 @@ class LLMEngine:
         for request in batch.preempted:
             self.runner.release(request.request_id)
         for request in batch.loading:
-            self.connector.start_load(request)
+            if request.remote_kv is not None:  # a tier hit's load is already running (tier_loader.py)
+                self.connector.start_load(request)
         if not batch.requests:
+            if self.scheduler.tier_loads_pending:  # only loads can make progress: wait for one, do not spin
+                self.scheduler.wait_for_tier_loads(TIER_LOAD_WAIT_S)
             return outputs
         self._activity.step_started()
         tokens, logprobs, failures = self.runner.execute(batch)

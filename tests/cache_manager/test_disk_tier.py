@@ -16,7 +16,7 @@ from fastdeploy.cache_manager.host_tier import HostTier
 from fastdeploy.engine.request import Request, SamplingParams
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 
-from test_host_tier import BS, NEXT_TURN, PROMPT, SWA, keys, run
+from test_host_tier import BS, NEXT_TURN, PROMPT, SWA, keys, load_and_end, run
 
 
 def scheduler(make_config, directory, mode="head_wise_recycle_on", entries=6, identity="model-a", capacity=None):
@@ -37,8 +37,7 @@ def block_bytes(cache, pool):
 
 def load_next_turn(rm):
     cache = rm.cache_manager.prefix_cache
-    return rm.kv_cache_manager.load_prefix(Request("b", NEXT_TURN, SamplingParams(max_tokens=1)),
-                                           cache.match(keys(NEXT_TURN), tiers=True))
+    return load_and_end(rm, cache.match(keys(NEXT_TURN), tiers=True))
 
 
 def files_of(tier):
@@ -112,10 +111,13 @@ def test_a_corrupt_file_is_dropped_at_its_load_and_the_hit_is_recomputed(make_co
         byte = f.read(1)
         f.seek(-1, os.SEEK_END)
         f.write(bytes([byte[0] ^ 0xFF]))
-    hit, from_tiers = load_next_turn(rm2)
-    assert hit == [] and from_tiers == 0  # nothing in the pool: the whole prompt is computed
+    cache2 = rm2.cache_manager.prefix_cache
+    hit, from_tiers = load_next_turn(rm2)  # the load finds the corrupt file on its thread, and ends failed
+    assert len(hit) == 10 and tier2.load_failures_total == 1 and tier2.loads_total == 0
     assert tier2.files.corrupt_total == 1 and not os.path.exists(victim)
     rm2.check_integrity()
+    # The page it could not write left the prefix cache: a lookup now stops before its block, never reads it.
+    assert len(cache2.match(keys(NEXT_TURN), tiers=True)) < 10 and not cache2.loading
     run(rm2, "b", NEXT_TURN)
 
 

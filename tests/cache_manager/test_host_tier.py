@@ -37,6 +37,16 @@ def keys(prompt):
     return [tuple(prompt[i * BS:(i + 1) * BS]) for i in range((len(prompt) - 1) // BS)]
 
 
+def load_and_end(rm, hit):
+    """A hit's load, run to its end as the scheduler would: wait for the loader's thread, then end it."""
+    hit, from_tiers, load = rm.kv_cache_manager.load_prefix(Request("b", NEXT_TURN, SamplingParams(max_tokens=1)),
+                                                            hit)
+    if load is not None:
+        assert rm.kv_cache_manager.finished_loads(wait=30) == [load]
+        rm.kv_cache_manager.end_load(load)
+    return hit, from_tiers
+
+
 PROMPT = [11 + (i * 7) % 50 for i in range(80)]  # ten blocks
 NEXT_TURN = PROMPT + [9] + [4] * 8  # the next turn: the prompt, its answer (9) and a new message
 
@@ -70,8 +80,7 @@ def test_a_hit_on_stored_pages_copies_them_back_into_the_pool(make_config):
     before = {(node.depth, s): int(pool[p, 0]) for p, (node, s) in cache.where[0].items()}
     cache.evict(0, cache.num_evictable[0])
     pool[:] = -1  # the pages are reused: their old KV is gone from the pool
-    hit = rm.kv_cache_manager.load_prefix(Request("b", NEXT_TURN, SamplingParams(max_tokens=1)),
-                                          cache.match(keys(NEXT_TURN), tiers=True))
+    hit = load_and_end(rm, cache.match(keys(NEXT_TURN), tiers=True))
     assert hit == (cache.match(keys(NEXT_TURN)), 10 * BS)  # now a hit in the pool alone
     rm.check_integrity()
     assert tier.loaded_total == tier.stored_total and tier.num_held == 0 and tier.loads_total == 1
@@ -101,8 +110,8 @@ def test_a_load_the_pool_cannot_take_leaves_the_hit_to_the_pools_own_pages(make_
     assert len(path) == 10 and cache.pool_depth(path) == 5
     held = rm.cache_manager.allocate([7], "hog")  # all but the five cached pages in the pool
     assert rm.cache_manager.num_free_blocks == 5
-    hit = rm.cache_manager.load_prefix(path, "b")  # five pages to load, and only the path's own five left
-    assert len(hit) == 5 and tier.num_held == 5 and tier.loaded_total == 0
+    hit, load = rm.cache_manager.load_prefix(path)  # five pages to load, and only the path's own five left
+    assert len(hit) == 5 and load is None and tier.num_held == 5 and tier.loaded_total == 0
     rm.cache_manager.check_integrity()
     rm.cache_manager.free(held, "hog")
 

@@ -43,7 +43,7 @@ def test_a_remote_prompt_takes_only_the_pages_a_later_query_reads(make_config, n
             dead = s in sliding and 1 <= i < first_window_block(n - 1, 20, BS)  # sink 5 keeps block 0
             assert (page == -1) == dead, (s, i)
     assert sum(len(row) for row in kv.live_pages("d", n - 1)) == sum(rm.layout.pages_per_rank(n - 1, 0))
-    rm.remote_kv_loaded(r)
+    rm.kv_loaded(r)
     assert rm.schedule().requests[0].num_tokens == 1  # the last prompt token, computed here
 
 

@@ -5,6 +5,8 @@ The pool is too small to keep the system prompts of the first round, so the seco
 the host tier only; its tokens must equal those of an engine that recomputes every prompt.
 """
 
+import os
+
 import pytest
 
 from fastdeploy import LLM, SamplingParams
@@ -55,6 +57,9 @@ def test_hits_on_pages_the_pool_evicted_give_the_tokens_of_a_recompute(monkeypat
     assert stats["prefix_cache_host_hit_tokens_total"] >= 8 * 288
     assert stats["prefix_cache_hit_tokens_total"] >= 8 * 288 + 2 * 128
     assert stats["host_cache_loaded_pages_total"] > 0
+    # Those pages were loaded off the step: their requests waited in the loading state, and no load failed.
+    assert stats["host_cache_loads_total"] > 0 and stats["host_cache_load_failures_total"] == 0
+    assert stats["host_cache_load_wait_seconds_total"] > 0 and stats["host_cache_loading_requests"] == 0
     llm.engine.scheduler.check_integrity()
 
 
@@ -93,6 +98,36 @@ def test_after_a_restart_the_first_turns_hit_on_the_disk_tier_and_give_the_token
     assert stats["prefix_cache_hit_tokens_total"] == stats["prefix_cache_host_hit_tokens_total"] == 4 * 288
     assert stats["disk_cache_loaded_pages_total"] > 0
     second.engine.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize("mode", ["1d", "head_wise_recycle_on"])
+def test_a_load_that_finds_corrupt_files_falls_back_to_recomputing_and_gives_the_tokens_of_a_recompute(
+        monkeypatch, tmp_path, mode):
+    recompute = engine(monkeypatch, mode, caching=False)
+    want = next_turns(recompute)
+    recompute.engine.close()
+    disk = {"kvcache_storage_backend": "file", "kvcache_storage_path": str(tmp_path)}
+    first = engine(monkeypatch, mode, swap_space=0.0005, **disk)
+    rounds(first)
+    first.engine.close()
+    files = sorted(os.path.join(d, f) for d, _, names in os.walk(tmp_path) for f in names if f.endswith(".kv"))
+    for path in files[::7]:  # flip the last payload byte of every seventh file: headers intact, CRCs not
+        with open(path, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+    second = engine(monkeypatch, mode, swap_space=0.0005, **disk)
+    assert next_turns(second) == want
+    stats = second.engine.get_stats()
+    # Loads found the corrupt files on the loader's thread; their requests went back to the queue and computed
+    # what the failed loads could not bring (each hit counted once, the one it ran with).
+    assert stats["host_cache_load_failures_total"] >= 1 and stats["disk_cache_corrupt_files_total"] >= 1
+    assert stats["prefix_cache_hit_tokens_total"] < 4 * 288
+    assert stats["prefix_cache_query_requests_total"] == 4
+    second.engine.scheduler.check_integrity()
+    second.engine.close()
 
 
 @pytest.mark.parametrize("dtype,code_bytes", [("int8", 1.0), ("int4", 0.5)])

@@ -6,7 +6,9 @@ block, a signature of the block's whole token prefix and the page's slot, as the
 block's K/V. Pages the pool evicts go to a real HostTier over that array, and come back by its copies; so a
 page that came back from the wrong entry, or was overwritten while cached, or was read while a sliding slot
 dropped it, shows up as a wrong signature. check_integrity() (trie, references, tier entries) holds after
-every step, and at the end every page and entry is obtainable again.
+every step, and at the end every page and entry is obtainable again. Loads from the tier run on the loader's
+thread while the request waits in the loading state; the test waits for each after the step that began it,
+so a run is deterministic (hypothesis replays it) and the load ends at the next step.
 """
 
 import itertools
@@ -82,6 +84,8 @@ def test_pages_read_after_hits_across_tiers_hold_their_blocks_kv(make_config, mo
                     rm.abort_request(rid)
             batch = rm.schedule()
             rm.check_integrity()
+            for load in rm.cache_manager.loads_in_flight:  # deterministic: each load is done by the next step
+                load.done.wait()
             for scheduled in batch.requests:  # the step's attention reads the blocks before its chunk...
                 request, table = scheduled.request, kv.table(scheduled.request.request_id)
                 for i, s, page in pages_of_blocks(table, range(scheduled.start // bs)):
@@ -91,8 +95,8 @@ def test_pages_read_after_hits_across_tiers_hold_their_blocks_kv(make_config, mo
                 for i, s, page in pages_of_blocks(table, range(scheduled.start // bs, end // bs)):
                     pool[page, 0] = signature(request, i, s, bs)
             rm.update_from_output(batch, [3 + t % 4 if s.samples else None for s in batch.requests])
-            if not pending and not rm.has_unfinished_requests():
-                break
+            if not pending and not rm.has_unfinished_requests() and not rm.tier_loads_pending:
+                break  # (a load whose request was aborted ends at a later step, as the engine's loop steps for it)
             assert t < 3000, "no progress"
         stats = rm.stats()
         seen["host_hits"] += stats["prefix_cache_host_hit_tokens_total"]

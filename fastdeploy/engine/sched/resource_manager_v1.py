@@ -16,12 +16,16 @@ admit is the admission policy's (sched/admission.py); the scheduler asks both an
 Prefix caching (on by default): a waiting request first looks up its longest valid cached prefix,
 references those pages and starts its first chunk there. Every block a request finishes computing is
 registered right after the step (update_from_output); releasing a request (finish, abort, preemption)
-only drops its references, so a preempted request finds its own blocks again.
+only drops its references, so a preempted request finds its own blocks again. Pages of a hit that only the
+host or disk tier holds are loaded off the step (cache_manager/tier_loader.py): the request is admitted in
+the loading state (`kv_loading`, like a decode server's remote prefill) and runs once its load has ended; a
+failed load sends it back to the front of the queue, to compute what the load could not bring.
 """
 
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -56,7 +60,7 @@ class ScheduledRequest:
 class ScheduledBatch:
     requests: list = field(default_factory=list)
     preempted: list = field(default_factory=list)
-    loading: list = field(default_factory=list)  # admitted with pages for a remote prefill's KV, to be read
+    loading: list = field(default_factory=list)  # admitted in the loading state (a remote prefill's KV or a tier hit)
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +95,10 @@ class ResourceManagerV1:
         self.prefix_cache_query_requests_total = 0  # admissions looked up / with a hit (upstream's hit_req_rate)
         self.prefix_cache_hit_requests_total = 0
         self.prefix_cache_host_hit_tokens_total = 0  # of the hit tokens, those loaded from the host tier
+        # Requests admitted in the loading state for a load from the lower tiers: request id -> (the load, the
+        # prefix-cache counts its admission added, when it started waiting).
+        self._tier_loads: dict = {}
+        self.host_cache_load_wait_seconds_total = 0.0  # time requests spent in that state
         # Speculative decoding (spec_decode/): `proposer.propose(request, k)` drafts tokens; tests may
         # pass their own proposer to force acceptance patterns through the real scheduler.
         self.speculative_config = getattr(fd_config, "speculative_config", None)
@@ -135,6 +143,7 @@ class ResourceManagerV1:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self._tier_loads.pop(request_id, None)  # its load goes on and ends alone (it holds its own pages)
         if request in self.running:
             self.running.remove(request)
             if keep_pages:
@@ -163,13 +172,14 @@ class ResourceManagerV1:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
-    # -- disaggregation: a decode server's remote prefills -------------------------------------
-    def remote_kv_loaded(self, request: Request) -> None:
-        """The transfer wrote the KV of the request's first `remote_kv.num_tokens` tokens: it runs."""
+    # -- the loading state: a decode server's remote prefills, hits on the lower tiers -----------
+    def kv_loaded(self, request: Request) -> None:
+        """The load wrote the KV the request was admitted with (a remote prefill's first
+        `remote_kv.num_tokens` tokens, or its prefix hit's pages from a lower tier): it runs."""
         request.kv_loading, request.remote_kv = False, None
 
-    def remote_kv_failed(self, request: Request, recompute: bool) -> None:
-        """The transfer failed: the pages go back and the request computes its prompt here (recompute,
+    def kv_load_failed(self, request: Request, recompute: bool) -> None:
+        """The load failed: the pages go back and the request computes its prompt here (recompute,
         first in line) or leaves the scheduler (the caller fails it)."""
         request.kv_loading, request.remote_kv = False, None
         self.running.remove(request)
@@ -182,6 +192,48 @@ class ResourceManagerV1:
             request.status = RequestStatus.FINISHED
             request.finish_reason = "abort"
 
+    def _end_tier_loads(self, wait: float = 0.0, loads: Optional[list] = None) -> None:
+        """End the loads from the lower tiers the loader's thread has finished: a request that waited for one
+        runs from its hit, or, if a page could not be loaded (a corrupt file), is released first -- so the
+        pages the load never wrote leave the prefix cache with nobody holding them -- and goes back to the
+        front of the queue: it looks its prefix up again and computes what is no longer cached."""
+        kv = self.kv_cache_manager
+        for load in kv.finished_loads(wait) if loads is None else loads:
+            waiting = self._tier_loads.get(load.request_id)
+            request = self.requests.get(load.request_id) if waiting and waiting[0] is load else None
+            if request is not None:
+                del self._tier_loads[load.request_id]
+                self.host_cache_load_wait_seconds_total += time.perf_counter() - waiting[2]
+                if not load.ok:
+                    self._uncount_hit(*waiting[1])  # its next admission counts the hit it really gets
+                    self.kv_load_failed(request, recompute=True)
+            kv.end_load(load)
+            if request is not None and load.ok:
+                self.kv_loaded(request)
+
+    def _uncount_hit(self, query_tokens: int, hit_tokens: int, from_host: int) -> None:
+        self.prefix_cache_query_tokens_total -= query_tokens
+        self.prefix_cache_hit_tokens_total -= hit_tokens
+        self.prefix_cache_query_requests_total -= 1
+        self.prefix_cache_hit_requests_total -= hit_tokens > 0
+        self.prefix_cache_host_hit_tokens_total -= from_host
+
+    @property
+    def tier_loads_pending(self) -> bool:
+        """Loads from the lower tiers not yet ended: a step (which ends them) should come soon."""
+        return self.kv_cache_manager.loads_pending
+
+    def wait_for_tier_loads(self, timeout: float) -> None:
+        """Nothing could run this step: wait (at most `timeout` seconds) for the oldest load to finish, and end
+        what finished, instead of spinning."""
+        if self.kv_cache_manager.loads_pending:
+            self._end_tier_loads(wait=timeout)
+
+    def close_tier_loads(self) -> None:
+        """Shutdown: let the loads in flight finish, stop the loader's thread and end them (their pages stay
+        cached, or leave the cache if they could not be written)."""
+        self._end_tier_loads(loads=self.kv_cache_manager.close_loads())
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -192,6 +244,8 @@ class ResourceManagerV1:
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         kv, policy = self.kv_cache_manager, self.admission
+        if kv.loads_pending:  # hits whose pages finished loading run this step; failed ones queue again
+            self._end_tier_loads()
         kv.recycle()  # processed-token basis, before any allocation
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
@@ -262,7 +316,10 @@ class ResourceManagerV1:
         remote = request.remote_kv
         queried = kv.prefix_caching and request.sampling_params.prompt_logprobs is None and remote is None
         hit = kv.match_prefix(request) if queried else ()
-        hit, from_host = kv.load_prefix(request, hit)  # pages of the hit the host tier holds, into the pool
+        # Pages of the hit only a lower tier holds get pool pages now; `load` copies them in off the step.
+        hit, from_host, load = kv.load_prefix(request, hit)
+        if hit is None:  # the hit reads pages another request's load is still writing: wait for it
+            return None
         start = remote.num_tokens if remote is not None else len(hit) * self.block_size
         claim = policy.admit(request, start, self.max_chunk)
         if claim is None:
@@ -288,7 +345,11 @@ class ResourceManagerV1:
             self.prefix_cache_host_hit_tokens_total += from_host
             request.num_cached_tokens = start
         policy.admitted(request, self.max_chunk)
-        request.kv_loading = remote is not None
+        request.kv_loading = remote is not None or load is not None
+        if load is not None:  # it waits in the loading state until the load ends (_end_tier_loads)
+            load.request_id = request.request_id
+            counted = (request.num_tokens, start, from_host)  # a load comes only with a looked-up hit
+            self._tier_loads[request.request_id] = (load, counted, time.perf_counter())
         return num_new
 
     # -- speculative decoding ------------------------------------------------------------------
@@ -423,6 +484,9 @@ class ResourceManagerV1:
             "prefix_cache_hit_requests_total": self.prefix_cache_hit_requests_total,
             "prefix_cache_query_requests_total": self.prefix_cache_query_requests_total,
             "prefix_cache_host_hit_tokens_total": self.prefix_cache_host_hit_tokens_total,
+            **({"host_cache_load_wait_seconds_total": self.host_cache_load_wait_seconds_total,
+                "host_cache_loading_requests": len(self._tier_loads)}
+               if self.cache_manager.host_tier is not None else {}),
             **self._spec_decode_stats(),
         }
 

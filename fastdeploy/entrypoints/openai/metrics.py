@@ -88,7 +88,17 @@ ENGINE_METRICS = (
     ("host_cache_loads_total", "host_cache_loads_total", "counter",
      "Prefix hits that loaded pages from the host tier.", None),
     ("host_cache_load_seconds_total", "host_cache_load_seconds_total", "counter",
-     "Seconds spent copying pages from the host tier into the pool.", None),
+     "Seconds spent copying pages from the host tier into the pool (on the loader's thread).", None),
+    ("host_cache_load_wait_seconds_total", "host_cache_load_wait_seconds_total", "counter",
+     "Seconds requests spent admitted in the loading state, waiting for their prefix hit's pages to be loaded "
+     "from the host or disk tier (summed over requests).", None),
+    ("host_cache_loading_requests", "host_cache_loading_requests", "gauge",
+     "Requests waiting in the loading state for pages from the host or disk tier.", None),
+    ("host_cache_loading_pages", "host_cache_loading_pages", "gauge",
+     "KV pages being copied from the host or disk tier into the pool.", None),
+    ("host_cache_load_failures_total", "host_cache_load_failures_total", "counter",
+     "Loads from the host or disk tier that could not write every page (a corrupt file); their requests "
+     "recomputed those tokens.", None),
     ("host_cache_store_seconds_total", "host_cache_store_seconds_total", "counter",
      "Seconds spent copying evicted pages into the host tier.", None),
     # The disk tier below the host tier (only with --kvcache-storage-backend file): page files that outlive the process.
