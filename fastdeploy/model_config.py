@@ -322,6 +322,9 @@ class ModelConfig:
     final_logit_softcapping: float = 0.0
     o_bias: bool = False  # o_proj carries a bias (gpt-oss: attention_bias covers o_proj too)
     rope_attention_factor: float = 1.0  # cos and sin scaled by it (YaRN)
+    # Per layer, whether the RoPE scaling (rope_freq_divisors, rope_attention_factor) applies; None: every layer.
+    # OLMo 3's rope_parameters scale the full layers only.
+    rope_scaled_layers: Optional[tuple] = None
     # RoPE scaling as one divisor per frequency (Llama 3's rope_scaling, or a GGUF's rope_freqs); None: plain.
     rope_freq_divisors: Optional[tuple] = None
     gguf_file: Optional[str] = None  # the GGUF file the weights, tokenizer and template come from
@@ -441,6 +444,8 @@ class ModelConfig:
             final_logit_softcapping=_softcap(raw, "final_logit_softcapping"),
             o_bias=arch.o_bias and bool(raw.get("attention_bias", False)),
             rope_attention_factor=rope_attention_factor(raw),
+            rope_scaled_layers=tuple(w is None for w in layer_windows)
+            if raw.get("rope_scaling_full_layers_only") and layer_windows is not None else None,
             rope_freq_divisors=frequency_divisors(raw, int(head_dim), model or preset),
             gguf_file=gguf_file,
             head_wise_swa_source=source if swa is not None else "none",
@@ -498,11 +503,13 @@ def _normalise_raw(arch: Architecture, raw: dict, where: str) -> dict:
         per_type = {k: v for k, v in rope.items() if isinstance(v, dict)}
         for kind, params in (per_type or {"full_attention": rope}).items():
             rope_type = params.get("rope_type", "default")
-            if rope_type != "default" and (per_type or rope_type not in ROPE_SCALINGS):
-                raise ValueError(f"model {where!r}: rope_type={rope_type!r} is not supported "
-                                 f"(supported: {', '.join(ROPE_SCALINGS)})")
+            if rope_type != "default" and (rope_type not in ROPE_SCALINGS or kind != "full_attention"):
+                raise ValueError(f"model {where!r}: rope_type={rope_type!r} is not supported"
+                                 + (f" on {kind} layers" if per_type and rope_type in ROPE_SCALINGS else
+                                    f" (supported: {', '.join(ROPE_SCALINGS)})"))
             if rope_type != "default":
                 raw["rope_scaling"] = params
+                raw["rope_scaling_full_layers_only"] = bool(per_type)
             key = "rope_local_base_freq" if kind == "sliding_attention" else "rope_theta"
             if "rope_theta" in params:
                 raw[key] = params["rope_theta"]

@@ -108,8 +108,8 @@ def test_float16_tensors_load(preset_dir, tmp_path):
 
 
 def test_unknown_architecture_names_the_supported_ones(preset_dir, tmp_path):
-    model_dir = clone(preset_dir, tmp_path, config_update={"architectures": ["GptOssForCausalLM"]})
-    with pytest.raises(ValueError, match="GptOssForCausalLM.*not supported; supported: .*Ernie4_5_MoeForCausalLM.*Gemma3ForCausalLM.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
+    model_dir = clone(preset_dir, tmp_path, config_update={"architectures": ["FalconForCausalLM"]})
+    with pytest.raises(ValueError, match="FalconForCausalLM.*not supported; supported: .*Ernie4_5_MoeForCausalLM.*Gemma3ForCausalLM.*GptOssForCausalLM.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
         EngineArgs(model=model_dir, **ENGINE).create_engine_config()
 
 

@@ -29,7 +29,11 @@ def test_llama3_divisors_keep_short_waves_and_slow_long_ones_by_the_factor(tmp_p
 
 
 @pytest.mark.parametrize("fields, named", [
-    (dict(rope_parameters={"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0}), "rope_type='yarn'"),
+    (dict(rope_parameters={"rope_theta": 10000.0, "rope_type": "longrope", "factor": 4.0}), "rope_type='longrope'"),
+    (dict(rope_parameters={"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0}),
+     "original_max_position_embeddings must be a positive number for rope_type 'yarn'"),
+    (dict(rope_parameters={"sliding_attention": {"rope_type": "yarn", "factor": 4.0},
+                           "full_attention": {"rope_type": "default"}}), "rope_type='yarn' is not supported on sliding"),
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_type='linear'"),
     (dict(rope_scaling={**LLAMA3, "factor": 0}), "factor must be a positive number"),
     (dict(rope_scaling={k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}),

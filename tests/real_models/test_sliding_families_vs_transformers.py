@@ -189,3 +189,22 @@ def test_held_out_configurations_equal_transformers(tmp_path_factory, smollm2_re
     print(f"held out {name} flag {flag}: max |log-prob diff| {diff:.2e}")
     assert diff < 1e-3
     assert_greedy_equal(llm, model, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("flag", [0, 1])
+def test_olmo3_yarn_on_its_full_layers_equals_transformers(tmp_path, smollm2_reference, flag):
+    """OLMo 3's rope_scaling applies to its full layers only (rope_parameters per layer type): YaRN there, plain
+    RoPE on the sliding layers."""
+    name = "Olmo3ForCausalLM"
+    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=256, beta_fast=32.0, beta_slow=1.0)
+    model = random_model(name, 3, **{**FAMILIES[name][1], "rope_scaling": yarn})
+    model.save_pretrained(tmp_path)
+    smollm2_reference[0].save_pretrained(tmp_path)
+    with envs.override(FD_HEAD_WISE_KV_CACHE=flag, FD_HEAD_WISE_SWA_RECYCLE=1):
+        llm = LLM(model=str(tmp_path), max_model_len=512, block_size=16, enable_prefix_caching=False)
+    assert llm.engine.model_config.rope_scaled_layers == (False, False, False, True)
+    prompts = _prompts()
+    diff = logprob_diff(llm, model, prompts[-1])[0]
+    print(f"OLMo 3 with YaRN on its full layers, flag {flag}: max |log-prob diff| {diff:.2e}")
+    assert diff < 1e-3
+    assert_greedy_equal(llm, model, prompts, MAX_TOKENS)

@@ -25,13 +25,18 @@ def rope_tables(head_dim: int, max_position: int, theta, divisors=None, attentio
 
 
 def layer_rope_tables(model_config) -> list:
-    """(cos, sin) per layer, one table per distinct base (Gemma 3's sliding layers use a local base; None:
-    a layer without RoPE)."""
-    thetas = model_config.layer_rope_theta or (model_config.rope_theta,) * model_config.num_hidden_layers
-    tables = {t: rope_tables(model_config.head_dim, model_config.max_model_len, t, model_config.rope_freq_divisors,
-                             model_config.rope_attention_factor)
-              for t in set(thetas)}
-    return [tables[t] for t in thetas]
+    """(cos, sin) per layer, one table per distinct base and scaling (Gemma 3's sliding layers use a local base,
+    OLMo 3's RoPE scaling applies to its full layers only; a base None: a layer without RoPE)."""
+    layers = model_config.num_hidden_layers
+    thetas = model_config.layer_rope_theta or (model_config.rope_theta,) * layers
+    scaled = model_config.rope_scaled_layers or (True,) * layers  # the RoPE scaling's layers (OLMo 3: full ones)
+    tables = {}
+    for key in set(zip(thetas, scaled)):
+        theta, with_scaling = key
+        tables[key] = rope_tables(model_config.head_dim, model_config.max_model_len, theta,
+                                  model_config.rope_freq_divisors if with_scaling else None,
+                                  model_config.rope_attention_factor if with_scaling else 1.0)
+    return [tables[key] for key in zip(thetas, scaled)]
 
 
 def apply_rope(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
