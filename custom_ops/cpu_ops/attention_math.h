@@ -164,8 +164,7 @@ struct RowMask {
 // Gemma 2's attention soft-capping: each scaled score becomes cap * tanh(score / cap) before the
 // softmax (cap 0: scores unchanged). Divided, not multiplied by 1 / cap, as the reference does.
 inline void soft_cap(float* s, int n, float cap) {
-  if (cap <= 0.f) return;
-  for (int r = 0; r < n; ++r) s[r] = cap * std::tanh(s[r] / cap);
+  if (cap > 0.f) soft_cap_scores(s, n, cap);
 }
 
 // The softmax half of folding n consecutive keys into ONE query's running

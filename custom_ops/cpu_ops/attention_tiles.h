@@ -197,6 +197,53 @@ __attribute__((target("avx512f"))) inline __m512 exp_avx512(__m512 x) {
   return _mm512_maskz_mul_ps(~underflow, e, _mm512_castsi512_ps(bits));
 }
 
+// tanh for Gemma 2's soft-capping of scores, ~2 ulp: below |x| 0.4 the odd Taylor series to x^13 (its
+// first dropped term is under 1e-7 of the result there), above it (1 - e) / (1 + e) with e = exp(-2|x|) <= 0.45
+// (no cancellation); the sign put back. std::tanh, scalar, cost 3.4x a prefill's attention; soft_caps_avx512
+// is the same operations in the same order, 16 at a time, so both paths give the same bits.
+inline float tanh_score(float x) {
+  const float a = std::fabs(x);
+  float t;
+  if (a < 0.4f) {
+    const float z = a * a;
+    float p = 21844.f / 6081075.f;
+    for (const float c : {-1382.f / 155925.f, 62.f / 2835.f, -17.f / 315.f, 2.f / 15.f, -1.f / 3.f})
+      p = std::fma(p, z, c);
+    t = std::fma(a * z, p, a);
+  } else {
+    const float e = exp_nonpositive(-2.f * a);
+    t = (1.f - e) / (1.f + e);
+  }
+  return std::copysign(t, x);
+}
+
+// s[r] = cap * tanh(s[r] / cap) for r in [0, n).
+inline void soft_caps(float* s, int n, float cap) {
+  for (int r = 0; r < n; ++r) s[r] = cap * tanh_score(s[r] / cap);
+}
+
+__attribute__((target("avx512f"))) inline void soft_caps_avx512(float* s, int n, float cap) {
+  const __m512 c = _mm512_set1_ps(cap);
+  const __m512i sign_bit = _mm512_set1_epi32(int32_t(0x80000000u));
+  for (int r = 0; r < n; r += kLanes) {
+    const __mmask16 live = n - r >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - r)) - 1);
+    const __m512 x = _mm512_div_ps(_mm512_maskz_loadu_ps(live, s + r), c);
+    const __m512 a = _mm512_abs_ps(x);
+    const __m512 z = _mm512_mul_ps(a, a);
+    __m512 p = _mm512_set1_ps(21844.f / 6081075.f);
+    for (const float k : {-1382.f / 155925.f, 62.f / 2835.f, -17.f / 315.f, 2.f / 15.f, -1.f / 3.f})
+      p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(k));
+    const __m512 series = _mm512_fmadd_ps(_mm512_mul_ps(a, z), p, a);
+    const __m512 e = exp_avx512(_mm512_mul_ps(_mm512_set1_ps(-2.f), a));
+    const __m512 one = _mm512_set1_ps(1.f);
+    const __m512 ratio = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __m512 t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.4f), _CMP_LT_OQ), ratio, series);
+    const __m512 signed_t = _mm512_castsi512_ps(  // avx512f has the integer forms of and / or only
+        _mm512_or_si512(_mm512_castps_si512(t), _mm512_and_si512(sign_bit, _mm512_castps_si512(x))));
+    _mm512_mask_storeu_ps(s + r, live, _mm512_mul_ps(c, signed_t));
+  }
+}
+
 // The max of s[0..n) (exact: a max does not round).
 inline float max_of(const float* s, int n) {
   float m = -std::numeric_limits<float>::infinity();
@@ -245,6 +292,11 @@ __attribute__((target("avx512f"))) inline float softmax_weights_avx512(float* s,
 inline float max_score(const float* s, int n) {
   if (attention_uses_avx512()) return max_of_avx512(s, n);
   return max_of(s, n);
+}
+
+inline void soft_cap_scores(float* s, int n, float cap) {
+  if (attention_uses_avx512()) return soft_caps_avx512(s, n, cap);
+  soft_caps(s, n, cap);
 }
 
 inline float exp_and_sum(float* s, int n, float max) {

@@ -30,6 +30,8 @@ TOKENS = 150
 # float pages and the quantized formats (uint8: int4; k8v4: int8 keys, uint8 int4 values)
 PAGE_DTYPES = ["float32", "int8", "float8_e4m3fn", "uint8", "k8v4"]
 LANE_DTYPES = {"k8v4": ("int8", "uint8")}  # (key lane, value lane) where they differ
+# gpt-oss's learned sinks and Gemma 2's soft-capping (a cap that bends these scores: both tanh branches run)
+SINKS, SOFTCAP = np.array([0.5, -1.0, 2.0, 0.0, 1.5, -0.5], np.float32), 1.0
 
 
 def _rotary(max_pos: int, head_dim: int):
@@ -42,8 +44,9 @@ def _rotary(max_pos: int, head_dim: int):
 class Run:
     """Requests prefilled and decoded through a cache of their own, step by step."""
 
-    def __init__(self, qkv_rows: list, head_dim: int = HEAD_DIM, page_dtype: str = "float32"):
+    def __init__(self, qkv_rows: list, head_dim: int = HEAD_DIM, page_dtype: str = "float32", mods: bool = False):
         self.qkv = qkv_rows  # per request: [tokens, width] float32, the rows every step reads from
+        self.mods = dict(attention_sinks=paddle.to_tensor(SINKS), softcap=SOFTCAP) if mods else {}
         self.d = head_dim
         blocks = [math.ceil(len(q) / BLOCK) for q in qkv_rows]
         self.table = np.full((len(qkv_rows), max(blocks)), -1, np.int32)
@@ -72,7 +75,7 @@ class Run:
             cu_seqlens_q=i32(np.concatenate([[0], np.cumsum(counts)])), block_tables=paddle.to_tensor(self.table),
             rotary_cos=self.cos, rotary_sin=self.sin, head_windows=i32([[WINDOW, 0], [SINK, 0]]),
             key_cache_scales=self.scales[0], value_cache_scales=self.scales[1], num_heads=KV_HEADS * GROUP, kv_num_heads=KV_HEADS, head_dim=self.d,
-            visit_all_pages=False,
+            visit_all_pages=False, **self.mods,
         ).numpy()
         at = 0
         for r, c in enumerate(counts):
@@ -94,20 +97,21 @@ def _cut(run: Run, r: int, pieces: list, others: int) -> None:
         run.step([c if i == r else 0 for i in range(others)])
 
 
-def _one_request_cut(pieces: list, head_dim: int = HEAD_DIM, page_dtype: str = "float32") -> np.ndarray:
-    run = Run([_qkv(0, TOKENS, head_dim)], head_dim, page_dtype)
+def _one_request_cut(pieces: list, head_dim: int = HEAD_DIM, page_dtype: str = "float32",
+                     mods: bool = False) -> np.ndarray:
+    run = Run([_qkv(0, TOKENS, head_dim)], head_dim, page_dtype, mods)
     _cut(run, 0, pieces, 1)
     return run.outputs(0)
 
 
-@pytest.mark.parametrize("page_dtype", PAGE_DTYPES)
-def test_one_prefill_step_chunks_and_token_by_token_give_the_same_bits(page_dtype):
-    whole = _one_request_cut([TOKENS], page_dtype=page_dtype)
+@pytest.mark.parametrize("page_dtype, mods", [(p, False) for p in PAGE_DTYPES] + [("float32", True)])
+def test_one_prefill_step_chunks_and_token_by_token_give_the_same_bits(page_dtype, mods):
+    whole = _one_request_cut([TOKENS], page_dtype=page_dtype, mods=mods)
     assert np.isfinite(whole).all()
     # Chunks that split tiles (16 tokens) and pages (16 rows) anywhere, then decode one at a time.
-    chunked = _one_request_cut([5, 16, 1, 30, 33, 7] + [1] * (TOKENS - 92), page_dtype=page_dtype)
+    chunked = _one_request_cut([5, 16, 1, 30, 33, 7] + [1] * (TOKENS - 92), page_dtype=page_dtype, mods=mods)
     assert np.array_equal(whole, chunked)
-    assert np.array_equal(whole, _one_request_cut([1] * TOKENS, page_dtype=page_dtype))
+    assert np.array_equal(whole, _one_request_cut([1] * TOKENS, page_dtype=page_dtype, mods=mods))
 
 
 @pytest.mark.parametrize("page_dtype", PAGE_DTYPES)
@@ -138,7 +142,8 @@ import numpy as np
 sys.path.insert(0, {tests!r})
 from test_attention_bits_do_not_depend_on_tiling import PAGE_DTYPES, _one_request_cut
 pieces = json.loads({pieces!r})
-np.save({path!r}, np.stack([_one_request_cut(pieces, page_dtype=p) for p in PAGE_DTYPES]))
+np.save({path!r}, np.stack([_one_request_cut(pieces, page_dtype=p) for p in PAGE_DTYPES]
+                           + [_one_request_cut(pieces, mods=True)]))
 """
 
 
@@ -152,3 +157,5 @@ def test_portable_kernels_give_the_avx512_bits(tmp_path, avx512_cpu):
     generic = np.load(path)
     for i, page_dtype in enumerate(PAGE_DTYPES):
         assert np.array_equal(generic[i], _one_request_cut(pieces, page_dtype=page_dtype)), page_dtype
+    # learned sinks and soft-capping (its tanh has an AVX-512 path too)
+    assert np.array_equal(generic[-1], _one_request_cut(pieces, mods=True))
