@@ -3,7 +3,8 @@
 The template comes from `chat_template.jinja` or the `chat_template` field of
 `tokenizer_config.json` (a string, or a list of named templates of which `default` serves). It is
 rendered in a sandbox with `trim_blocks` and `lstrip_blocks`, the loop-control extension,
-`raise_exception` and `strftime_now`, with `messages`, `add_generation_prompt` and the tokenizer's
+`{% generation %}` blocks, `raise_exception`, `strftime_now` and transformers' `tojson` (its `indent`,
+`separators`, `sort_keys`), with `messages`, `add_generation_prompt` and the tokenizer's
 special tokens (`bos_token`, `eos_token`, `cls_token`, `sep_token`, ...) as variables. The rendered
 text is then encoded without adding special tokens: the template places them.
 """
@@ -51,6 +52,23 @@ def find_chat_template(model_dir: Optional[str], tokenizer_config: dict) -> Opti
     return template if isinstance(template, str) else None
 
 
+def _generation_blocks():
+    """A Jinja extension for `{% generation %}...{% endgeneration %}`, which transformers offers (it marks the
+    assistant's tokens for training; checkpoints ship templates that use it): rendered as its body."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationBlocks(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return GenerationBlocks
+
+
 class JinjaChatTemplate:
     def __init__(self, source: str, special_tokens: dict):
         try:
@@ -63,9 +81,9 @@ class JinjaChatTemplate:
             raise TemplateError(message)
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-            x, indent=indent, ensure_ascii=ensure_ascii)
+                                            extensions=["jinja2.ext.loopcontrols", _generation_blocks()])
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
+            json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
