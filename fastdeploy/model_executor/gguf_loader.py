@@ -18,7 +18,9 @@ from typing import Iterator
 
 import numpy as np
 
-from fastdeploy.model_executor.models.architectures import (GGUF_ARCHITECTURES, GGUF_CONFIG_KEYS, GGUF_CONFIG_TENSORS,
+from fastdeploy.model_executor.models.architectures import (GGUF_ARCH_CONFIG_KEYS, GGUF_ARCHITECTURES, GGUF_CONFIG_KEYS,
+                                                            GGUF_CONFIG_TENSORS, GGUF_NEUTRAL_VALUES,
+                                                            GGUF_QUERY_SCALE_27B_LAYERS, GGUF_SLIDING_WINDOW_PATTERN,
                                                             GGUF_UNSUPPORTED_KEYS, gguf_tensor_names)
 
 GGUF_MAGIC = b"GGUF"
@@ -79,11 +81,13 @@ def gguf_config(reader, path: str) -> dict:
     """A config.json-style dict from the metadata: what ModelConfig.create validates for a directory."""
     arch = gguf_architecture(reader, path)
     prefix = arch.gguf_arch + "."
+    own_keys = GGUF_ARCH_CONFIG_KEYS.get(arch.gguf_arch, {})
     for key in GGUF_UNSUPPORTED_KEYS:
-        if prefix + key in reader.fields:
+        if prefix + key in reader.fields and key not in own_keys \
+                and field_value(reader, prefix + key) not in GGUF_NEUTRAL_VALUES.get(key, ()):
             raise ValueError(f"model {path!r}: GGUF metadata {prefix + key} is not supported by this engine")
     raw = {"architectures": [arch.name], "model_type": arch.model_type}
-    for key, name in GGUF_CONFIG_KEYS.items():
+    for key, name in {**GGUF_CONFIG_KEYS, **own_keys}.items():
         value = field_value(reader, prefix + key)
         if value is not None:
             raw[name] = value
@@ -110,7 +114,12 @@ def gguf_config(reader, path: str) -> dict:
     if "vocab_size" not in raw:
         raw["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data) \
             if "tokenizer.ggml.tokens" in reader.fields else _tensor_rows(reader, "token_embd.weight")
-    pattern = field_value(reader, prefix + "attention.sliding_window_pattern")
+    if arch.gguf_arch in GGUF_QUERY_SCALE_27B_LAYERS:  # llama.cpp's rule (the file has no key for it)
+        big = raw["num_hidden_layers"] == GGUF_QUERY_SCALE_27B_LAYERS[arch.gguf_arch]
+        raw["query_pre_attn_scalar"] = raw["hidden_size"] // heads if big else head_dim
+    pattern = GGUF_SLIDING_WINDOW_PATTERN.get(arch.gguf_arch)
+    if pattern is None:
+        pattern = field_value(reader, prefix + "attention.sliding_window_pattern")
     if pattern is not None:
         raw["sliding_window_pattern"] = pattern
     for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),

@@ -127,7 +127,7 @@ def test_a_missing_gguf_file_is_a_start_up_error(tmp_path):
 
 def test_an_unsupported_architecture_is_named(tmp_path):
     write_llama_gguf(tmp_path / "m.gguf", arch="mamba")
-    with pytest.raises(ValueError, match="GGUF architecture 'mamba' is not supported; supported: gemma3, llama"):
+    with pytest.raises(ValueError, match="GGUF architecture 'mamba' is not supported; supported: cohere2, gemma2, gemma3, llama, qwen2, qwen3"):
         EngineArgs(model=str(tmp_path / "m.gguf")).create_engine_config()
 
 

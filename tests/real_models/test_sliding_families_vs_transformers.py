@@ -208,3 +208,56 @@ def test_olmo3_yarn_on_its_full_layers_equals_transformers(tmp_path, smollm2_ref
     print(f"OLMo 3 with YaRN on its full layers, flag {flag}: max |log-prob diff| {diff:.2e}")
     assert diff < 1e-3
     assert_greedy_equal(llm, model, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("flag", [0, 1])
+def test_gemma2_gguf_logprobs_and_greedy_tokens_equal_transformers(tmp_path, smollm2_path, flag):
+    """A GGUF of arch gemma2, written with the `gguf` package laid out as llama.cpp's converter (Gemma2Model)
+    lays one out: RMSNorm weights stored as 1 + w, rotate-half q/k rows kept, no LM head (tied), the soft-caps
+    and the window as metadata, no RoPE base and no query scale. llama.cpp scales the query by
+    1/sqrt(head_dim) for every Gemma 2 but the 27B, so the reference's query_pre_attn_scalar is head_dim here;
+    the engine reads the soft-caps and the window from the file and slides every second layer, as llama.cpp."""
+    name = "Gemma2ForCausalLM"
+    model = random_model(name, 4, **{**FAMILIES[name][1], "query_pre_attn_scalar": SMALL["head_dim"]})
+    path = tmp_path / "gemma2.gguf"
+    write_gguf(path, model, "gemma2", smollm2_path, interleave_qk=False)
+    with envs.override(FD_HEAD_WISE_KV_CACHE=flag, FD_HEAD_WISE_SWA_RECYCLE=1):
+        llm = LLM(model=str(path), max_model_len=512, block_size=16, enable_prefix_caching=False)
+    config = llm.engine.model_config
+    assert config.architectures == [name] and config.tie_word_embeddings
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (1.5, 12.0)
+    assert config.layer_sliding_window == (WINDOW, None, WINDOW, None)
+    assert config.attn_scale_ratio == 1.0
+    prompts = _prompts()
+    diff = logprob_diff(llm, model, prompts[-1])[0]
+    print(f"Gemma 2 from a GGUF, flag {flag}: max |log-prob diff| {diff:.2e}")
+    assert diff < 1e-3
+    assert_greedy_equal(llm, model, prompts, MAX_TOKENS)
+    if flag:
+        assert llm.engine.get_stats()["swa_pages_recycled_total"] > 0
+
+
+@pytest.mark.parametrize("flag", [0, 1])
+def test_cohere2_gguf_logprobs_and_greedy_tokens_equal_transformers(tmp_path, smollm2_path, flag):
+    """A GGUF of arch cohere2, written with the `gguf` package laid out as llama.cpp's converter (Cohere2Model)
+    lays one out: q/k rows as the checkpoint holds them (llama.cpp's normal RoPE rotates interleaved pairs, as
+    transformers' Cohere does), no LM head (tied), a LayerNorm epsilon, the logit scale, the window, the rotary
+    dimension count and a rope scaling type of none. llama.cpp slides three layers of four and applies no RoPE
+    on the fourth; the engine reads the scale and the window from the file and does the same."""
+    name = "Cohere2ForCausalLM"
+    model = random_model(name, 5, **{**FAMILIES[name][1], "layer_norm_eps": 2e-5})  # not the default: read
+    path = tmp_path / "cohere2.gguf"
+    write_gguf(path, model, "cohere2", smollm2_path, interleave_qk=False)
+    with envs.override(FD_HEAD_WISE_KV_CACHE=flag, FD_HEAD_WISE_SWA_RECYCLE=1):
+        llm = LLM(model=str(path), max_model_len=512, block_size=16, enable_prefix_caching=False)
+    config = llm.engine.model_config
+    assert config.architectures == [name] and config.tie_word_embeddings and config.logit_scale == 0.5
+    assert config.layer_sliding_window == (WINDOW, WINDOW, WINDOW, None)
+    assert config.layer_rope_theta[3] is None and config.rms_norm_eps == pytest.approx(model.config.layer_norm_eps)
+    prompts = _prompts()
+    diff = logprob_diff(llm, model, prompts[-1])[0]
+    print(f"Cohere2 from a GGUF, flag {flag}: max |log-prob diff| {diff:.2e}")
+    assert diff < 1e-3
+    assert_greedy_equal(llm, model, prompts, MAX_TOKENS)
+    if flag:
+        assert llm.engine.get_stats()["swa_pages_recycled_total"] > 0

@@ -45,8 +45,15 @@ def reference_logits(model, prompt_ids: list):
 
 def write_gguf(path, model, arch: str, tokenizer_gguf: str, interleave_qk: bool, extra_tensors=None) -> None:
     """A GGUF of a transformers model's float32 weights, written with the `gguf` package the way llama.cpp's
-    converter lays out `arch` (`interleave_qk`: q/k rows in interleaved pairs, as for `llama`; Qwen keeps
-    Hugging Face's rotate-half rows), with the tokenizer fields of another GGUF file."""
+    converter (convert_hf_to_gguf.py) lays out `arch`, with the tokenizer fields of another GGUF file.
+
+    Tensor names come from the `gguf` package's own map for `arch` (the converter's), a tied LM head is left
+    out (llama.cpp reads token_embd.weight for it). `interleave_qk`: q/k rows in interleaved pairs, as the
+    converter permutes them for `llama`; Qwen, Gemma 2 and Cohere2 keep the checkpoint's rows. Per architecture,
+    the metadata the converter writes: `gemma2` (Gemma2Model) has RMSNorm weights stored as 1 + w, the two
+    soft-caps and the window, and no RoPE base (llama.cpp's default, 10000, applies); `cohere2` (Cohere2Model)
+    has a LayerNorm epsilon, the logit scale, the window, the rotary dimension count and a rope scaling type of
+    none, and no bias tensors (the converter drops them when zero)."""
     import gguf
     import numpy as np
 
@@ -63,9 +70,22 @@ def write_gguf(path, model, arch: str, tokenizer_gguf: str, interleave_qk: bool,
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
+    if arch != "gemma2":
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        writer.add_vocab_size(config.vocab_size)
+    if arch == "cohere2":
+        writer.add_layer_norm_eps(config.layer_norm_eps)
+        writer.add_logit_scale(config.logit_scale)
+        writer.add_sliding_window(config.sliding_window)
+        rotary_pct = getattr(config, "rotary_pct", 1.0)  # transformers' Cohere2Config has none: all of each head
+        writer.add_rope_dimension_count(int(rotary_pct * (config.hidden_size // heads)))
+        writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    else:
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        writer.add_sliding_window(config.sliding_window)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(bytes(field("tokenizer.ggml.pre").parts[-1]).decode())
     writer.add_token_list([bytes(field("tokenizer.ggml.tokens").parts[i]).decode("utf-8", "replace")
@@ -76,23 +96,23 @@ def write_gguf(path, model, arch: str, tokenizer_gguf: str, interleave_qk: bool,
                              for i in field("tokenizer.ggml.merges").data])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-                 "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-                 "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-                 "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
+                                     config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and (arch == "gemma2" or config.tie_word_embeddings):
+            continue  # Gemma2Model skips it always; a tied head is not in the checkpoint the converter reads
         array = tensor.float().numpy()
-        if name in names:
-            target = names[name]
-        else:
-            parts = name.split(".")
-            layer, module, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
-            target = f"blk.{layer}.{per_layer[module]}.{kind}"
-            if interleave_qk and module in ("self_attn.q_proj", "self_attn.k_proj"):
-                n = heads if module == "self_attn.q_proj" else kv_heads
-                array = array.reshape(n, 2, head_dim // 2, -1).transpose(0, 2, 1, 3).reshape(array.shape)
+        if arch == "cohere2" and name.endswith(".bias"):
+            assert not array.any()  # the converter drops zero biases and refuses others
+            continue
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None:
+            raise ValueError(f"{name} has no GGUF name for {arch}")
+        if arch == "gemma2" and name.endswith("norm.weight"):
+            array = array + 1.0
+        if interleave_qk and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            n = heads if "q_proj" in name else kv_heads
+            array = array.reshape(n, 2, head_dim // 2, -1).transpose(0, 2, 1, 3).reshape(array.shape)
         writer.add_tensor(target, np.ascontiguousarray(array, dtype=np.float32))
     for name, array in (extra_tensors or {}).items():
         writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))

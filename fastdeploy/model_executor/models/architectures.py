@@ -86,7 +86,8 @@ GEMMA3 = Architecture(
 # config's layer_types; every second layer full by the rule below), attention scores and final logits soft-capped.
 GEMMA2 = Architecture(
     "Gemma2ForCausalLM", "gemma2", activation="gelu_tanh", norm_offset=1.0, sandwich_norms=True, embed_scale=True,
-    logit_softcapping=True, rope_layout=ROTATE_HALF, sliding_layers=EVERY_NTH_GLOBAL,
+    logit_softcapping=True, rope_layout=ROTATE_HALF, gguf_rope_layout=ROTATE_HALF, gguf_arch="gemma2",
+    sliding_layers=EVERY_NTH_GLOBAL,
     config_aliases={"hidden_activation": "hidden_act"},
     defaults=dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_act="gelu_pytorch_tanh",
@@ -148,7 +149,8 @@ OLMO3 = Architecture(
 # layers to one full.
 COHERE2 = Architecture(
     "Cohere2ForCausalLM", "cohere2", layer_norm=True, parallel_block=True, nope_full_layers=True,
-    sliding_layers=EVERY_NTH_GLOBAL, config_aliases={"layer_norm_eps": "rms_norm_eps"},
+    gguf_rope_layout=INTERLEAVED, gguf_arch="cohere2", sliding_layers=EVERY_NTH_GLOBAL,
+    config_aliases={"layer_norm_eps": "rms_norm_eps"},
     defaults=dict(vocab_size=256000, hidden_size=8192, intermediate_size=22528, num_hidden_layers=40,
                   num_attention_heads=64, num_key_value_heads=None, head_dim=None, hidden_act="silu",
                   max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=10000.0,
@@ -194,13 +196,13 @@ GGUF_TENSOR_NAMES = {
 }
 # Tensors that are configuration, not weights: read by gguf_config, skipped by the weight iterator.
 GGUF_CONFIG_TENSORS = {"rope_freqs.weight": "rope_freq_factors"}  # Llama 3's RoPE divisors per frequency
-# Gemma 3's GGUF calls the pre-FFN norm ffn_norm and the norm after attention post_attention_norm.
+# Gemma 2's and Gemma 3's GGUF call the pre-FFN norm ffn_norm and the norm after attention post_attention_norm.
 GGUF_TENSOR_NAMES_GEMMA3 = dict(GGUF_TENSOR_NAMES, **{
     "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight"})
 
 
 def gguf_tensor_names(arch: Architecture) -> dict:
-    return GGUF_TENSOR_NAMES_GEMMA3 if arch is GEMMA3 else GGUF_TENSOR_NAMES
+    return GGUF_TENSOR_NAMES_GEMMA3 if arch in (GEMMA2, GEMMA3) else GGUF_TENSOR_NAMES
 
 
 # GGUF metadata key (after "{arch}.") -> config.json field.
@@ -219,6 +221,23 @@ GGUF_CONFIG_KEYS = {
     "vocab_size": "vocab_size",
     "rope.dimension_count": "rope_dimension_count",
 }
-# Keys whose presence changes the math in a way the engine does not implement.
+# Metadata keys (after "{arch}.") only some GGUF architectures carry, as llama.cpp reads them -> config.json
+# fields; for any other architecture they stay in GGUF_UNSUPPORTED_KEYS.
+GGUF_ARCH_CONFIG_KEYS = {
+    "gemma2": {"attn_logit_softcapping": "attn_logit_softcapping",
+               "final_logit_softcapping": "final_logit_softcapping"},
+    "cohere2": {"logit_scale": "logit_scale", "attention.layer_norm_epsilon": "layer_norm_eps"},
+}
+# Keys whose presence changes the math in a way the engine does not implement (for the architecture at hand:
+# GGUF_ARCH_CONFIG_KEYS excepted). A value listed in GGUF_NEUTRAL_VALUES changes nothing and is accepted.
 GGUF_UNSUPPORTED_KEYS = ("rope.scaling.type", "rope.scaling.factor", "attention.logit_softcapping",
-                         "final_logit_softcapping", "expert_count")
+                         "attn_logit_softcapping", "final_logit_softcapping", "logit_scale", "expert_count")
+GGUF_NEUTRAL_VALUES = {"rope.scaling.type": ("none",)}  # Cohere2's converter writes "none"
+# Which layers slide is not in a llama.cpp file of these architectures: llama.cpp fixes it per architecture
+# (every Nth layer global, the others sliding, as the engine's EVERY_NTH_GLOBAL rule reads it) and reads no
+# attention.sliding_window_pattern key for them; neither does the engine.
+GGUF_SLIDING_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6, "cohere2": 4}
+# Gemma's query scale has no metadata key either: llama.cpp scales by 1/sqrt(head_dim), except for the 27B
+# model (known by its layer count), which it scales by 1/sqrt(hidden_size / heads) as its
+# query_pre_attn_scalar says. GGUF architecture -> the 27B model's block count.
+GGUF_QUERY_SCALE_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
