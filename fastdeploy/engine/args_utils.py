@@ -46,6 +46,7 @@ class EngineArgs:
     splitwise_role: str = "mixed"  # prefill/decode disaggregation (upstream's flag); mixed: both in one server
     kv_transfer_config: Union[None, str, dict] = None  # vLLM's --kv-transfer-config JSON (NixlConnector)
     kv_events_config: Union[None, str, dict] = None  # vLLM's --kv-events-config JSON (KV-cache events over ZMQ)
+    reasoning_parser: Optional[str] = None  # upstream's flag; harmony (gpt-oss); read by the API server's engine
 
     def create_engine_config(self) -> FDConfig:
         """Validate every flag (env flags included) and build the config; raises ValueError naming the field."""
@@ -167,6 +168,11 @@ class EngineArgs:
                        help="grammar engine of structured outputs (response_format json_schema / json_object, "
                             "guided_json, guided_regex, guided_choice, guided_grammar): auto and llguidance (guidance "
                             "is vLLM's name for it) use llguidance; off rejects constrained requests")
+        g.add_argument("--reasoning-parser", choices=["harmony"], default=d.reasoning_parser,
+                       help="split chat replies into content and reasoning_content: harmony reads gpt-oss's "
+                            "channels (final: content, analysis: reasoning_content, commentary: neither); on by "
+                            "itself for a GptOssForCausalLM checkpoint whose tokenizer has the harmony tokens "
+                            "(docs/serving.md)")
         g = parser.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
         g.add_argument("--splitwise-role", choices=list(SPLITWISE_ROLES), default=d.splitwise_role,
                        help="prefill: compute prompts and hand their KV to a decode server; decode: read a prompt's "

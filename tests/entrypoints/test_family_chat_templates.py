@@ -128,7 +128,9 @@ FAMILIES = {
         f"<|start|>assistant<|channel|>final<|message|>{ASSISTANT}<|end|>"
         f"<|start|>user<|message|>{USER_2}<|end|><|start|>assistant", False),
 }
-HARMONY_STOPS = ("<|return|>", "<|end|>", "<|call|>")  # gpt-oss's generation_config.json eos_token_id list
+# A checkpoint whose generation_config also stops at <|end|> (gpt-oss's own lists <|return|>, <|endoftext|> and
+# <|call|>: its analysis message ends in <|end|> and the final one follows; test_harmony_parser.py serves that list)
+HARMONY_STOPS = ("<|return|>", "<|end|>", "<|call|>")
 
 
 @pytest.fixture(scope="module")
@@ -241,8 +243,7 @@ def rig_greedy(model, prompt: list, first: int, last: int) -> list:
 @pytest.fixture(scope="module")
 def harmony_mistral(smollm2_tokenizer, tmp_path_factory):
     """A small random Mistral (sliding window 32, shorter than the prompt) served with the gpt-oss (harmony)
-    tokenizer; config.json's eos_token_id is <|return|>, generation_config.json lists all HARMONY_STOPS (as
-    gpt-oss's do). Greedy decoding of MESSAGES gives <|channel|>, two tokens of the model's own, then <|end|>."""
+    tokenizer; config.json's eos_token_id is <|return|>, generation_config.json lists all HARMONY_STOPS. Greedy decoding of MESSAGES gives <|channel|>, two tokens of the model's own, then <|end|>."""
     path = tmp_path_factory.mktemp("harmony_mistral")
     tok = write_tokenizer(smollm2_tokenizer, FAMILIES["gpt_oss"], path)
     config = transformers.MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
@@ -285,3 +286,88 @@ def test_harmony_chat_served_counts_transformers_ids_and_stops_at_end_without_sp
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
         **request, stream=True) if chunk.choices)
     assert streamed == text
+
+
+# ------------------------------------------------------------------ harmony replies: content and reasoning_content
+ANALYSIS, FINAL = "Think", "Hello"  # one word each, as the rigged model writes them
+HARMONY_REPLY = (f"<|channel|>analysis<|message|>{ANALYSIS}<|end|>"
+                 f"<|start|>assistant<|channel|>final<|message|>{FINAL}<|return|>")
+GPT_OSS_STOPS = ("<|return|>", "<|endoftext|>", "<|call|>")  # gpt-oss's published generation_config.json list
+
+
+def rig_sequence(model, prompt: list, wanted: list) -> None:
+    """Rewrite the LM-head rows of the tokens in `wanted` so that greedy decoding of `prompt` gives exactly
+    `wanted` (tokens may repeat, which swapping rows cannot do): the hidden states before each wanted token
+    are fixed by the prompt and the wanted tokens themselves, so the rows are the least-norm solution of a
+    small linear system giving each step's wanted token a logit `margin` above every other token's."""
+    margin = 12.0
+    with torch.no_grad():
+        n = len(prompt)
+        hidden = model.model(torch.tensor([prompt + wanted])).last_hidden_state[0, n - 1:n - 1 + len(wanted)]
+        distinct = sorted(set(wanted))
+        logits = hidden @ model.lm_head.weight.T
+        logits[:, distinct] = -float("inf")
+        top = logits.max(dim=1).values  # the best other token at each step
+        is_wanted = torch.tensor([[w == d for d in distinct] for w in wanted])
+        target = top[:, None] + torch.where(is_wanted, margin, -margin)
+        rows = torch.linalg.pinv(hidden.double()) @ target.double()
+        model.lm_head.weight[distinct] = rows.T.float()
+        out = []
+        for _ in wanted:
+            out.append(int(model(torch.tensor([prompt + out])).logits[0, -1].argmax()))
+    assert out == wanted
+
+
+@pytest.fixture(scope="module")
+def harmony_reply_mistral(smollm2_tokenizer, tmp_path_factory):
+    """A small random Mistral with the harmony tokenizer whose greedy reply to MESSAGES is HARMONY_REPLY:
+    an analysis message, <|end|>, then a final message ended by <|return|>. Its end tokens are gpt-oss's own
+    (config.json: <|return|>; generation_config.json: GPT_OSS_STOPS), so <|end|> does not end the reply."""
+    path = tmp_path_factory.mktemp("harmony_reply_mistral")
+    tok = write_tokenizer(smollm2_tokenizer, FAMILIES["gpt_oss"], path)
+    config = transformers.MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        sliding_window=32, max_position_embeddings=512, tie_word_embeddings=False,
+                                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                        pad_token_id=tok.pad_token_id, initializer_range=0.1)
+    config.architectures = ["MistralForCausalLM"]
+    torch.manual_seed(1)
+    model = transformers.MistralForCausalLM(config).eval()
+    _, prompt = reference_ids(path)
+    wanted = tok.encode(HARMONY_REPLY, add_special_tokens=False)
+    rig_sequence(model, prompt, wanted)
+    model.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": tok.convert_tokens_to_ids(list(GPT_OSS_STOPS))}))
+    return path, tok, prompt, wanted
+
+
+def test_harmony_reply_served_as_content_and_reasoning_content(server_factory, harmony_reply_mistral):
+    """--reasoning-parser harmony (upstream FastDeploy's flag; a GptOssForCausalLM checkpoint gets it without the
+    flag): the final channel is message.content, the analysis channel message.reasoning_content, in one answer
+    and joined from the stream's deltas; <|end|> closes the analysis without ending the reply."""
+    path, tok, prompt, wanted = harmony_reply_mistral
+    server = server_factory("--model", str(path), "--max-model-len", "256", "--reasoning-parser", "harmony")
+    assert "reasoning parser harmony (--reasoning-parser)" in server.log_path.read_text()
+    client = server.openai_client()
+    request = dict(model=server.model_name(), messages=MESSAGES, max_tokens=len(wanted) + 8, temperature=0)
+    reply = client.chat.completions.create(**request)
+    choice = reply.choices[0]
+    assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == len(wanted)
+    assert choice.finish_reason == "stop"  # at <|return|>, not at the <|end|> before it
+    assert choice.message.content == FINAL
+    assert choice.message.reasoning_content == ANALYSIS
+    chunks = [c for c in client.chat.completions.create(**request, stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == FINAL
+    assert "".join(c.choices[0].delta.reasoning_content or "" for c in chunks) == ANALYSIS
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # generation ended by <|end|> (here the request's stop token; a checkpoint listing <|end|> among its end
+    # tokens does the same): the content is the final text written before it, none
+    end = tok.convert_tokens_to_ids("<|end|>")
+    stopped = client.chat.completions.create(**request, extra_body={"stop_token_ids": [end]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == wanted.index(end) + 1
+    assert (stopped.choices[0].message.content, stopped.choices[0].message.reasoning_content) == ("", ANALYSIS)
+    # /v1/completions is raw text, as before: special tokens dropped, channel names left in
+    raw = server.http.post("/v1/completions", json=dict(model=server.model_name(), prompt=prompt,
+                                                          max_tokens=len(wanted), temperature=0)).json()
+    assert raw["choices"][0]["text"] == tok.decode(wanted, skip_special_tokens=True)

@@ -87,14 +87,32 @@ def family_dir(request, tmp_path_factory, smollm2_reference):
     name = request.param
     _, fields, sliding = FAMILIES[name]
     model = random_model(name, 0, **fields)
-    path = tmp_path_factory.mktemp(name)
-    model.save_pretrained(path)
-    smollm2_reference[0].save_pretrained(path)
-    return name, str(path), model, sliding
+    return name, _save(model, tmp_path_factory.mktemp(name), smollm2_reference), model, sliding
 
 
 def _prompts():
     return [[(7 + 131 * i + 17 * n) % (VOCAB - 10) + 5 for i in range(n)] for n in PROMPT_LENGTHS]
+
+
+def _save(model, path, smollm2_reference) -> str:
+    """The model's directory as save_pretrained writes it, SmolLM2's tokenizer beside it."""
+    model.save_pretrained(path)
+    smollm2_reference[0].save_pretrained(path)
+    return str(path)
+
+
+def _serve(path: str, flag: int):
+    with envs.override(FD_HEAD_WISE_KV_CACHE=flag, FD_HEAD_WISE_SWA_RECYCLE=1):
+        return LLM(model=path, max_model_len=512, block_size=16, enable_prefix_caching=False)
+
+
+def _assert_equals_transformers(llm, model, label: str) -> None:
+    """Prompt log-probs of the longest prompt within float32 tolerance, greedy tokens of every prompt equal."""
+    prompts = _prompts()
+    diff = logprob_diff(llm, model, prompts[-1])[0]
+    print(f"{label}: max |log-prob diff| {diff:.2e}")
+    assert diff < 1e-3
+    assert_greedy_equal(llm, model, prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("flag, pages", [(0, "float32"), (1, "float32"), (1, "int8")])
@@ -132,13 +150,9 @@ def test_qwen_gguf_logprobs_and_greedy_tokens_equal_transformers(tmp_path, smoll
     model = random_model(name, 1, num_hidden_layers=2, use_sliding_window=False)
     path = tmp_path / f"{name}.gguf"
     write_gguf(path, model, "qwen2" if name == "Qwen2ForCausalLM" else "qwen3", smollm2_path, interleave_qk=False)
-    llm = LLM(model=str(path), max_model_len=512, block_size=16, enable_prefix_caching=False)
+    llm = _serve(str(path), 0)
     assert llm.engine.model_config.architectures == [name]
-    prompts = _prompts()
-    diff = logprob_diff(llm, model, prompts[-1])[0]
-    print(f"{name} from a GGUF: max |log-prob diff| {diff:.2e}")
-    assert diff < 1e-3
-    assert_greedy_equal(llm, model, prompts, MAX_TOKENS)
+    _assert_equals_transformers(llm, model, f"{name} from a GGUF")
 
 
 @pytest.mark.parametrize("flag", [0, 1])
@@ -147,16 +161,9 @@ def test_gpt_oss_top_k_routing_equals_transformers(tmp_path, smollm2_reference, 
     log-probs within float32 tolerance and greedy tokens equal, flag off and on."""
     name = "GptOssForCausalLM"
     model = random_model(name, 2, **{**FAMILIES[name][1], "num_experts_per_tok": 2})
-    model.save_pretrained(tmp_path)
-    smollm2_reference[0].save_pretrained(tmp_path)
-    with envs.override(FD_HEAD_WISE_KV_CACHE=flag, FD_HEAD_WISE_SWA_RECYCLE=1):
-        llm = LLM(model=str(tmp_path), max_model_len=512, block_size=16, enable_prefix_caching=False)
+    llm = _serve(_save(model, tmp_path, smollm2_reference), flag)
     assert llm.engine.model_config.moe.top_k == 2
-    prompts = _prompts()
-    diff = logprob_diff(llm, model, prompts[-1])[0]
-    print(f"gpt-oss top-2 of 4 experts, flag {flag}: max |log-prob diff| {diff:.2e}")
-    assert diff < 1e-3
-    assert_greedy_equal(llm, model, prompts, MAX_TOKENS)
+    _assert_equals_transformers(llm, model, f"gpt-oss top-2 of 4 experts, flag {flag}")
 
 
 # Held-out configurations: other sizes (hidden 96, 6 query heads on 3 KV heads of 16 dims), another window (24) and
@@ -169,10 +176,8 @@ def _held_out(name: str, tmp_path_factory, smollm2_reference):
     if name not in _held_out_dirs:
         _, fields, sliding = FAMILIES[name]
         model = random_model(name, 7, **{**fields, **HELD_OUT})
-        path = tmp_path_factory.mktemp(f"held_out_{name}")
-        model.save_pretrained(path)
-        smollm2_reference[0].save_pretrained(path)
-        _held_out_dirs[name] = (str(path), model, sliding)
+        path = _save(model, tmp_path_factory.mktemp(f"held_out_{name}"), smollm2_reference)
+        _held_out_dirs[name] = (path, model, sliding)
     return _held_out_dirs[name]
 
 
@@ -180,15 +185,10 @@ def _held_out(name: str, tmp_path_factory, smollm2_reference):
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_held_out_configurations_equal_transformers(tmp_path_factory, smollm2_reference, name, flag):
     path, model, sliding = _held_out(name, tmp_path_factory, smollm2_reference)
-    with envs.override(FD_HEAD_WISE_KV_CACHE=flag, FD_HEAD_WISE_SWA_RECYCLE=1):
-        llm = LLM(model=path, max_model_len=512, block_size=16, enable_prefix_caching=False)
+    llm = _serve(path, flag)
     windows = llm.engine.model_config.layer_sliding_window
     assert [i for i, w in enumerate(windows) if w is not None] == list(sliding) and 24 in windows
-    prompts = _prompts()
-    diff = logprob_diff(llm, model, prompts[-1])[0]
-    print(f"held out {name} flag {flag}: max |log-prob diff| {diff:.2e}")
-    assert diff < 1e-3
-    assert_greedy_equal(llm, model, prompts, MAX_TOKENS)
+    _assert_equals_transformers(llm, model, f"held out {name} flag {flag}")
 
 
 @pytest.mark.parametrize("flag", [0, 1])
@@ -198,16 +198,9 @@ def test_olmo3_yarn_on_its_full_layers_equals_transformers(tmp_path, smollm2_ref
     name = "Olmo3ForCausalLM"
     yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=256, beta_fast=32.0, beta_slow=1.0)
     model = random_model(name, 3, **{**FAMILIES[name][1], "rope_scaling": yarn})
-    model.save_pretrained(tmp_path)
-    smollm2_reference[0].save_pretrained(tmp_path)
-    with envs.override(FD_HEAD_WISE_KV_CACHE=flag, FD_HEAD_WISE_SWA_RECYCLE=1):
-        llm = LLM(model=str(tmp_path), max_model_len=512, block_size=16, enable_prefix_caching=False)
+    llm = _serve(_save(model, tmp_path, smollm2_reference), flag)
     assert llm.engine.model_config.rope_scaled_layers == (False, False, False, True)
-    prompts = _prompts()
-    diff = logprob_diff(llm, model, prompts[-1])[0]
-    print(f"OLMo 3 with YaRN on its full layers, flag {flag}: max |log-prob diff| {diff:.2e}")
-    assert diff < 1e-3
-    assert_greedy_equal(llm, model, prompts, MAX_TOKENS)
+    _assert_equals_transformers(llm, model, f"OLMo 3 with YaRN on its full layers, flag {flag}")
 
 
 @pytest.mark.parametrize("flag", [0, 1])
@@ -221,18 +214,13 @@ def test_gemma2_gguf_logprobs_and_greedy_tokens_equal_transformers(tmp_path, smo
     model = random_model(name, 4, **{**FAMILIES[name][1], "query_pre_attn_scalar": SMALL["head_dim"]})
     path = tmp_path / "gemma2.gguf"
     write_gguf(path, model, "gemma2", smollm2_path, interleave_qk=False)
-    with envs.override(FD_HEAD_WISE_KV_CACHE=flag, FD_HEAD_WISE_SWA_RECYCLE=1):
-        llm = LLM(model=str(path), max_model_len=512, block_size=16, enable_prefix_caching=False)
+    llm = _serve(str(path), flag)
     config = llm.engine.model_config
     assert config.architectures == [name] and config.tie_word_embeddings
     assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (1.5, 12.0)
     assert config.layer_sliding_window == (WINDOW, None, WINDOW, None)
     assert config.attn_scale_ratio == 1.0
-    prompts = _prompts()
-    diff = logprob_diff(llm, model, prompts[-1])[0]
-    print(f"Gemma 2 from a GGUF, flag {flag}: max |log-prob diff| {diff:.2e}")
-    assert diff < 1e-3
-    assert_greedy_equal(llm, model, prompts, MAX_TOKENS)
+    _assert_equals_transformers(llm, model, f"Gemma 2 from a GGUF, flag {flag}")
     if flag:
         assert llm.engine.get_stats()["swa_pages_recycled_total"] > 0
 
@@ -248,16 +236,11 @@ def test_cohere2_gguf_logprobs_and_greedy_tokens_equal_transformers(tmp_path, sm
     model = random_model(name, 5, **{**FAMILIES[name][1], "layer_norm_eps": 2e-5})  # not the default: read
     path = tmp_path / "cohere2.gguf"
     write_gguf(path, model, "cohere2", smollm2_path, interleave_qk=False)
-    with envs.override(FD_HEAD_WISE_KV_CACHE=flag, FD_HEAD_WISE_SWA_RECYCLE=1):
-        llm = LLM(model=str(path), max_model_len=512, block_size=16, enable_prefix_caching=False)
+    llm = _serve(str(path), flag)
     config = llm.engine.model_config
     assert config.architectures == [name] and config.tie_word_embeddings and config.logit_scale == 0.5
     assert config.layer_sliding_window == (WINDOW, WINDOW, WINDOW, None)
     assert config.layer_rope_theta[3] is None and config.rms_norm_eps == pytest.approx(model.config.layer_norm_eps)
-    prompts = _prompts()
-    diff = logprob_diff(llm, model, prompts[-1])[0]
-    print(f"Cohere2 from a GGUF, flag {flag}: max |log-prob diff| {diff:.2e}")
-    assert diff < 1e-3
-    assert_greedy_equal(llm, model, prompts, MAX_TOKENS)
+    _assert_equals_transformers(llm, model, f"Cohere2 from a GGUF, flag {flag}")
     if flag:
         assert llm.engine.get_stats()["swa_pages_recycled_total"] > 0

@@ -107,6 +107,9 @@ class EngineOutput:
     prompt_logprobs: Optional[list] = None
     kv_transfer_params: Optional[dict] = None   # a prefill server's answer for the decode server
     error: Optional[str] = None                 # the request failed (its KV could not be loaded)
+    # A chat reply read by a reasoning parser (--reasoning-parser harmony): `text` is then its content and this
+    # its cumulative reasoning; None for every other request.
+    reasoning_text: Optional[str] = None
 
 
 @dataclass
@@ -131,6 +134,7 @@ def run_engine_process(engine_args, requests_q, outputs_q) -> None:
         mc = engine.fd_config.model_config
         info = EngineInfo(served_model_name=mc.served_model_name, max_model_len=int(mc.max_model_len),
                           vocab_size=int(engine.tokenizer.vocab_size))
+        harmony = _reasoning_parser(engine_args, engine)
     except Exception as exc:  # start-up failure: report it, the server exits with it
         outputs_q.put(("fatal", f"{type(exc).__name__}: {exc}"))
         if not isinstance(exc, ValueError):
@@ -139,7 +143,7 @@ def run_engine_process(engine_args, requests_q, outputs_q) -> None:
     # Paddle's import installs a SIGTERM handler that prints a C++ "traceback" and aborts; a
     # SIGTERM sent to the whole process group (docker stop, systemd) should end us quietly.
     signal.signal(signal.SIGTERM, _exit_quietly)
-    loop = _EngineLoop(engine, info, requests_q, outputs_q)
+    loop = _EngineLoop(engine, info, requests_q, outputs_q, harmony)
     # The first snapshot goes out before "ready" (the queue keeps the order), so /metrics carries the
     # page gauges from the moment /health turns 200, even when the first step is a long prefill.
     loop.publish_stats()
@@ -155,6 +159,24 @@ def run_engine_process(engine_args, requests_q, outputs_q) -> None:
     _flush_and_exit(outputs_q, 0)
 
 
+def _reasoning_parser(engine_args, engine):
+    """The harmony markers chat replies are parsed with (--reasoning-parser harmony, or a gpt-oss checkpoint with
+    a harmony tokenizer), or None."""
+    from fastdeploy.input.harmony_parser import end_stops_replies, harmony_for
+
+    mc = engine.fd_config.model_config
+    try:
+        tokens = harmony_for(getattr(engine_args, "reasoning_parser", None), mc.architectures, engine.tokenizer)
+    except ValueError:
+        engine.close()
+        raise
+    if tokens is not None and end_stops_replies(tokens, mc.eos_token_ids):
+        logger.warning("the model's end tokens (config.json / generation_config.json) include <|end|>, which closes "
+                       "every harmony message: replies stop after their first message, and their content is only "
+                       "the final-channel text written before it")
+    return tokens
+
+
 def _exit_quietly(_signum, _frame) -> None:
     raise SystemExit(0)
 
@@ -166,8 +188,10 @@ def _flush_and_exit(outputs_q, code: int) -> None:
 
 
 class _EngineLoop:
-    def __init__(self, engine, info: EngineInfo, requests_q, outputs_q):
+    def __init__(self, engine, info: EngineInfo, requests_q, outputs_q, harmony=None):
         self.engine = engine
+        self.harmony = harmony  # HarmonyTokens: chat replies are split into content and reasoning
+        self.parsers: dict = {}  # request id -> its HarmonyParser (chat requests, with harmony on)
         self.info = info
         self.requests_q = requests_q
         self.outputs_q = outputs_q
@@ -224,6 +248,7 @@ class _EngineLoop:
         from fastdeploy.engine.request import SamplingParams
         from fastdeploy.input.chat_template import with_turn_stops
 
+        parser = None
         try:
             prompt = payload.prompt
             params = SamplingParams(**payload.sampling)
@@ -231,6 +256,10 @@ class _EngineLoop:
                 tokenizer = self.engine.tokenizer
                 prompt = tokenizer.encode_chat(payload.messages)
                 params = with_turn_stops(params, tokenizer.chat_template)
+                if self.harmony is not None:
+                    from fastdeploy.input.harmony_parser import HarmonyParser
+
+                    parser = HarmonyParser(self.harmony, tokenizer.decode, params.stop)
             # validates prompt, length, params and kv_transfer_params
             self.engine.add_request(request_id, prompt, params, payload.kv_transfer_params)
         except ValueError as exc:
@@ -240,6 +269,8 @@ class _EngineLoop:
             traceback.print_exc()
             self.outputs_q.put(("rejected", request_id, f"internal error: {type(exc).__name__}", False))
             return
+        if parser is not None:
+            self.parsers[request_id] = parser
         if params.logprobs is not None:
             self.wants_logprobs[request_id] = params.logprobs
             self.logprobs_sent[request_id] = 0
@@ -251,6 +282,7 @@ class _EngineLoop:
         self.wants_logprobs.pop(request_id, None)
         self.logprobs_sent.pop(request_id, None)
         self.echo_pending.pop(request_id, None)
+        self.parsers.pop(request_id, None)
 
     def _convert(self, out) -> EngineOutput:
         comp = out.outputs
@@ -262,6 +294,10 @@ class _EngineLoop:
             num_cached_tokens=int(out.metrics.get("num_cached_tokens") or 0),
             kv_transfer_params=out.kv_transfer_params, error=out.error,
         )
+        parser = self.parsers.get(out.request_id)
+        if parser is not None:
+            parser.feed(comp.token_ids)
+            converted.text, converted.reasoning_text = parser.result(comp.text, out.finished)
         if out.request_id in self.wants_logprobs:
             converted.new_logprobs = self._new_logprobs(out.request_id, comp)
         if out.request_id in self.echo_pending:

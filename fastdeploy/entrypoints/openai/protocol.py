@@ -16,7 +16,8 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationError, field_validator,
+                      model_serializer, model_validator)
 
 from fastdeploy.engine.request import (
     MAX_LOGIT_BIAS,
@@ -371,6 +372,16 @@ class ChatLogprobs(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str
+    # The reply's reasoning (vLLM's and upstream FastDeploy's field), set where a reasoning parser read the
+    # reply (--reasoning-parser harmony); otherwise the field is left out, not null.
+    reasoning_content: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_reasoning(self, handler):
+        data = handler(self)
+        if self.reasoning_content is None:
+            data.pop("reasoning_content", None)
+        return data
 
 
 class ChatChoice(BaseModel):

@@ -42,7 +42,8 @@ class OpenAIServingChat(OpenAIServing):
                  entries: list) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=request_id, created=created, model=model,
-            choices=[ChatChoice(index=index, message=ChatMessageOut(content=last.text),
+            choices=[ChatChoice(index=index, message=ChatMessageOut(content=last.text,
+                                                                    reasoning_content=last.reasoning_text),
                                 logprobs=_chat_logprobs(choice_entries) if request.logprobs else None,
                                 finish_reason=last.finish_reason)
                      for index, (last, choice_entries) in enumerate(zip(lasts, entries))],
@@ -55,18 +56,26 @@ class OpenAIServingChat(OpenAIServing):
         """One chunk per generated token, as upstream FastDeploy streams. Each choice opens, when its
         first token arrives, with a role-only chunk (`{"role": "assistant", "content": ""}`, as
         upstream and OpenAI send it; upstream's benchmark therefore reads the first token's server
-        time from the second chunk); the last token's chunk carries the finish reason."""
+        time from the second chunk); the last token's chunk carries the finish reason. A reply read by a
+        reasoning parser (--reasoning-parser harmony) has `reasoning_content` in every delta too: the new
+        reasoning text, as `content` is the new answer text ("" when none)."""
         texts = [IncrementalText() for _ in choices.streams]
+        reasonings = [IncrementalText() for _ in choices.streams]
         started = [False] * len(choices.streams)
         lasts: dict = {}
         async for index, out in choices:
             lasts[index] = out
             if not started[index]:
                 started[index] = True
-                yield chunks.chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                opening = {"role": "assistant", "content": ""}
+                if out.reasoning_text is not None:
+                    opening["reasoning_content"] = ""
+                yield chunks.chunk({"index": index, "delta": opening,
                                     "logprobs": None, "finish_reason": None, "arrival_time": out.arrival_time},
                                    usage=_usage_before_token(lasts, index, request.n))
             delta = {"content": texts[index].delta(out.text, out.finished)}
+            if out.reasoning_text is not None:
+                delta["reasoning_content"] = reasonings[index].delta(out.reasoning_text, out.finished)
             logprobs = _chat_logprobs(out.new_logprobs).model_dump() if request.logprobs and out.new_logprobs else None
             yield chunks.chunk({"index": index, "delta": delta, "logprobs": logprobs,
                                 "finish_reason": out.finish_reason if out.finished else None,
