@@ -13,7 +13,9 @@ for every FD_HEAD_WISE_KV_CACHE value in --head-wise:
 
 - none:    the pool alone;
 - host:    the same pool and a host tier of --swap-space GiB: evicted pages a hit can still read are
-           copied there and copied back on a hit;
+           copied there and copied back on a hit (a copy under FD_TIER_LOAD_INLINE_MS, 10 ms, at admission; a
+           longer one on the loader's thread while the request waits in the loading state);
+- host-wait: the same, every copy on the loader's thread (FD_TIER_LOAD_INLINE_MS=0): what waiting costs;
 - ceiling: no tier, a pool --ceiling-factor times as big (it keeps every session).
 
 Per arm, over the measured run (stats deltas after a warm-up request no session shares): prefix hit
@@ -50,7 +52,7 @@ from fastdeploy import LLM, SamplingParams
 from fastdeploy.model_executor.models.named_models import NAMED_MODELS, resolve
 
 MODELS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma-3-270m"}  # short names; NAMED_MODELS' work too
-ARMS = ("none", "host", "ceiling")
+ARMS = ("none", "host", "host-wait", "ceiling")
 COMPRESSED = ("host-int8", "host-int4")  # the host tier with --swap-space-dtype (not run unless --arms names them)
 
 
@@ -225,12 +227,13 @@ def _timed_copy(dst, src) -> float:
 
 
 def make_llm(args, model: str, head_wise: str, arm: str) -> LLM:
-    os.environ.update(FD_ATTENTION_BACKEND="APPEND_ATTN", FD_HEAD_WISE_KV_CACHE=head_wise, FD_LOG_INTERVAL="0")
+    os.environ.update(FD_ATTENTION_BACKEND="APPEND_ATTN", FD_HEAD_WISE_KV_CACHE=head_wise, FD_LOG_INTERVAL="0",
+                      FD_TIER_LOAD_INLINE_MS="0" if arm == "host-wait" else os.environ.get("FD_TIER_LOAD_INLINE_MS", "10"))
     memory = int(args.kv_cache_memory * (args.ceiling_factor if arm == "ceiling" else 1))
     return LLM(model=model, block_size=args.block_size, max_model_len=args.max_model_len,
                max_num_seqs=args.concurrency, kv_cache_memory=memory, enable_prefix_caching=True,
                swap_space=args.swap_space if arm.startswith("host") else None,
-               swap_space_dtype=arm.split("-")[1] if "-" in arm else None)
+               swap_space_dtype=arm.split("-")[1] if arm in COMPRESSED else None)
 
 
 def differing(a: dict, b: dict) -> int:
@@ -278,7 +281,7 @@ def main(argv=None) -> int:
     checks = []
     for head_wise in args.head_wise:
         # (a compressed tier's pages are quantized on the way through: its count measures that cost)
-        for a, b in (("host", "none"), ("host", "ceiling"), ("none", "ceiling"), ("host-int8", "none"),
+        for a, b in (("host", "none"), ("host", "ceiling"), ("none", "ceiling"), ("host-wait", "none"), ("host-int8", "none"),
                      ("host-int4", "none")):
             if (head_wise, a) in answers and (head_wise, b) in answers:
                 checks.append({"head_wise": int(head_wise), "arms": f"{a} vs {b}", "sessions": len(sessions),
@@ -316,6 +319,8 @@ def main(argv=None) -> int:
         if "host" in by and "none" in by:
             out["ttft_p50_host_over_none"] = by["host"]["ttft_p50_ms"] / by["none"]["ttft_p50_ms"]
             out["output_tok_s_host_over_none"] = by["host"]["output_tok_s"] / by["none"]["output_tok_s"]
+        if "host" in by and "host-wait" in by:  # what waiting in the loading state for every copy costs
+            out["ttft_p50_host_wait_over_host"] = by["host-wait"]["ttft_p50_ms"] / by["host"]["ttft_p50_ms"]
         if "host" in by and "ceiling" in by and by["ceiling"]["hit_rate"]:
             out["hit_rate_host_over_ceiling"] = by["host"]["hit_rate"] / by["ceiling"]["hit_rate"]
         if "none" in by and "ceiling" in by and by["ceiling"]["hit_rate"]:

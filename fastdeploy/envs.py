@@ -78,6 +78,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Head-wise SWA on the GPU: SINGLE_PASS (one kernel pass, each head its own window) or DUAL_PASS
     # (upstream's baseline: an all-SWA and an all-full pass over the 1-D table, stitched per head).
     "FD_HEAD_WISE_ATTN": _choice_flag("FD_HEAD_WISE_ATTN", "SINGLE_PASS", ("SINGLE_PASS", "DUAL_PASS")),
+    # A prefix hit's copy from the host tier estimated (from the copies measured so far) at most this many
+    # milliseconds runs at once in the engine loop; longer ones, and every disk read, run on the loader's thread
+    # while the request waits in the loading state (docs/prefix_tiers.md). 0: every load waits.
+    "FD_TIER_LOAD_INLINE_MS": _int_flag("FD_TIER_LOAD_INLINE_MS", "10"),
     # Seconds between the engine's periodic status log lines (0 disables them).
     "FD_LOG_INTERVAL": _int_flag("FD_LOG_INTERVAL", "10"),
     # Threads of the CPU attention op (read by the C++ op; 0 or unset: every usable core, for large steps).

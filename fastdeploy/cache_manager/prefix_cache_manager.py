@@ -152,6 +152,8 @@ class PrefixCacheManager:
             table_layout = PageLayout(self.layout.block_size, 1, 1)
         self.prefix_cache: Optional[PrefixCache] = None
         self.loader: Optional[TierLoader] = None  # copies from the lower tiers, off the engine loop
+        self.inline_load_seconds = 0.0  # see _copies_here
+        self._seconds_per_page = 0.0  # the host tier's measured copy time per page (0: none measured yet)
         self._loads: list = []  # loads begun (load_prefix) and not yet ended (end_load), oldest first
         if fd_config.cache_config.enable_prefix_caching:
             self.prefix_cache = PrefixCache(self._pools, self.slot_rank, table_layout)
@@ -321,7 +323,7 @@ class PrefixCacheManager:
         host tier holds count (load_prefix brings them into the pool)."""
         return self.prefix_cache.match(block_keys, tiers=True) if self.prefix_cache else []
 
-    def attach_host_tier(self, tier) -> None:
+    def attach_host_tier(self, tier, inline_load_seconds: float = 0.0) -> None:
         """Put a host tier (host_tier.HostTier) below the pool: evicted pages a hit can read go there."""
         if self.prefix_cache is None:
             raise ValueError("a host tier needs the prefix cache (drop --no-enable-prefix-caching)")
@@ -329,6 +331,8 @@ class PrefixCacheManager:
             raise ValueError("the host tier serves tensor_parallel_size 1")
         tier.cache, self.prefix_cache.lower = self.prefix_cache, tier
         self.loader = TierLoader(tier)
+        # Host-memory copies estimated at most this long run at once in the engine loop (0: every load waits).
+        self.inline_load_seconds = float(inline_load_seconds)
         if tier.files is not None:
             tier.restore()  # the disk tier's pages from an earlier run become the trie's nodes again
 
@@ -336,12 +340,22 @@ class PrefixCacheManager:
     def host_tier(self):
         return self.prefix_cache.lower if self.prefix_cache is not None else None
 
+    def _copies_here(self, load: TierLoad) -> bool:
+        """Whether `load` is copied at once in the engine loop, with no loading state: host-memory entries only
+        (a file read may take long or fail), whose copy the tier's measured speed puts under the budget
+        (inline_load_seconds, FD_TIER_LOAD_INLINE_MS). On a CPU a hit's copy takes milliseconds where waiting
+        for it costs the request one whole step (tens to hundreds of milliseconds)."""
+        if self.inline_load_seconds <= 0 or any(path is not None for path in load.paths):
+            return False
+        return len(load.entries) * self._seconds_per_page <= self.inline_load_seconds
+
     def load_prefix(self, path: list) -> tuple:
         """Start making a matched path a hit whose pages are all in the pool; returns (hit, load).
 
         The pages only the lower tiers hold get new pool pages, which join the prefix cache at once (cached,
         referenced by the load until it ends, so never evicted); their bytes are copied in by the loader's
-        thread (`load`, None when nothing is to be copied) and the hit may be read once end_load ran. The
+        thread (`load`, None when nothing is left to copy: nothing was needed, or the copy was short enough to
+        run here, _copies_here) and the hit may be read once end_load ran. The
         path's own pool pages are pinned meanwhile. If the pool cannot take them, the part of the path the
         pool holds alone is the hit (the rest is recomputed). The hit is None while the path reads a page
         another load is still writing: the request waits for that load (it is not read before the copy)."""
@@ -376,6 +390,10 @@ class PrefixCacheManager:
         for rank, pages in enumerate(pinned):
             cache.unref(rank, pages, load)
         self._loads.append(load)
+        if self._copies_here(load):
+            self.loader.copy_here(load)
+            self.end_load(load)  # a page it could not write leaves the cache: the hit ends before it
+            return (path if load.ok else path[:cache.pool_depth(path)]), None
         self.loader.submit(load)
         return path, load
 
@@ -396,6 +414,9 @@ class PrefixCacheManager:
         cache = self.prefix_cache
         self._loads.remove(load)
         cache.lower.end_load(load)
+        if load.ok and all(path is None for path in load.paths):  # the host memory copy's speed, for _copies_here
+            measured = load.copy_seconds / len(load.entries)
+            self._seconds_per_page = measured if not self._seconds_per_page else 0.5 * (self._seconds_per_page + measured)
         for page in load.pages:
             del cache.loading[page]
         cache.unref(0, load.pages, load)

@@ -84,6 +84,11 @@ class TierLoader:
             self._in_flight = [load for load in self._in_flight if not load.done.is_set()]
         return done
 
+    def copy_here(self, load: TierLoad) -> None:
+        """Run `load` in the caller's thread (the engine loop: a copy too short to be worth a wait), as the
+        worker would: failures recorded on the load, never raised."""
+        self._copy(load)
+
     def close(self) -> list:
         """Let every submitted load finish, stop the worker; returns the loads not yet handed back."""
         if self._thread is not None and self._thread.is_alive():
@@ -98,11 +103,14 @@ class TierLoader:
             load = self._queue.get()
             if load is None:
                 return
-            try:
-                self.tier.copy_in(load)
-            except Exception as exc:  # the request recomputes; one bad load never stops the engine
-                load.error = f"{type(exc).__name__}: {exc}"
-                logger.warning("loading %d page(s) from the lower tiers failed (%s); they are recomputed",
-                               len(load.entries), load.error)
-            finally:
-                load.done.set()
+            self._copy(load)
+
+    def _copy(self, load: TierLoad) -> None:
+        try:
+            self.tier.copy_in(load)
+        except Exception as exc:  # the request recomputes; one bad load never stops the engine
+            load.error = f"{type(exc).__name__}: {exc}"
+            logger.warning("loading %d page(s) from the lower tiers failed (%s); they are recomputed",
+                           len(load.entries), load.error)
+        finally:
+            load.done.set()

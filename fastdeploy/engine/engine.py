@@ -57,7 +57,7 @@ class LLMEngine:
         # the disk tier (--kvcache-storage-backend file), whose files outlive the process.
         if fd_config.cache_config.swap_space_bytes:
             tier = self._lower_tiers()
-            self.scheduler.cache_manager.attach_host_tier(tier)
+            self.scheduler.cache_manager.attach_host_tier(tier, fd_config.env.FD_TIER_LOAD_INLINE_MS / 1e3)
             if tier.files is not None:
                 logger.info("disk tier: %d pages of an earlier run restored from %s (at most %d pages of %d bytes)",
                             tier.disk_restored_total, tier.files.dir, tier.disk_capacity, tier.entry_bytes)

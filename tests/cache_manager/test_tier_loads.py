@@ -202,3 +202,31 @@ def test_a_load_that_finds_a_corrupt_file_falls_back_to_recomputing_what_is_no_l
     assert b.output_token_ids == [9, 9] and stats["prefix_cache_host_hit_tokens_total"] == 0
     cm = rm2.cache_manager
     assert cm.num_free_pages == cm.num_total_pages and not cm.prefix_cache.loading
+
+
+def test_a_copy_under_the_inline_budget_runs_at_admission_and_its_request_runs_in_that_step(make_config):
+    """FD_TIER_LOAD_INLINE_MS: a host-memory copy the tier's measured speed puts under the budget is done in the
+    engine loop at admission: no loading state, the request runs from its whole hit in the step that admits it."""
+    rm, pool, tier = scheduler(make_config)
+    rm.cache_manager.inline_load_seconds = 1.0
+    before = evicted_to_tier(rm, pool)
+    b = add(rm, "b", NEXT_TURN)
+    batch = step(rm, pool, before)  # (step() fails if b reads a page not yet written)
+    scheduled = {s.request.request_id: s for s in batch.requests}
+    assert not b.kv_loading and scheduled["b"].start == 10 * BS and not rm.tier_loads_pending
+    finish(rm, pool, before)
+    stats = rm.stats()
+    assert stats["host_cache_loads_total"] == 1 and stats["host_cache_load_wait_seconds_total"] == 0
+    assert rm.cache_manager._seconds_per_page > 0  # measured, for the next estimate
+
+
+def test_a_copy_over_the_inline_budget_still_waits_in_the_loading_state(make_config):
+    rm, pool, tier = scheduler(make_config)
+    rm.cache_manager.inline_load_seconds = 1e-3
+    rm.cache_manager._seconds_per_page = 1.0  # as if a page had taken a second: ten pages are over budget
+    before = evicted_to_tier(rm, pool)
+    b = add(rm, "b", NEXT_TURN)
+    step(rm, pool, before)
+    assert b.kv_loading and rm.tier_loads_pending
+    finish(rm, pool, before)
+    assert rm.stats()["host_cache_load_wait_seconds_total"] > 0

@@ -48,6 +48,7 @@ def engine(monkeypatch, mode, swap_space=None, caching=True, quant=None, **flags
 @pytest.mark.parametrize("mode", MODES)
 def test_hits_on_pages_the_pool_evicted_give_the_tokens_of_a_recompute(monkeypatch, mode, quant):
     recompute = rounds(engine(monkeypatch, mode, caching=False, quant=quant))
+    monkeypatch.setenv("FD_TIER_LOAD_INLINE_MS", "0")  # every load runs on the loader's thread
     llm = engine(monkeypatch, mode, swap_space=0.02, quant=quant)
     assert rounds(llm) == recompute
     stats = llm.engine.get_stats()
@@ -60,6 +61,19 @@ def test_hits_on_pages_the_pool_evicted_give_the_tokens_of_a_recompute(monkeypat
     # Those pages were loaded off the step: their requests waited in the loading state, and no load failed.
     assert stats["host_cache_loads_total"] > 0 and stats["host_cache_load_failures_total"] == 0
     assert stats["host_cache_load_wait_seconds_total"] > 0 and stats["host_cache_loading_requests"] == 0
+    llm.engine.scheduler.check_integrity()
+
+
+def test_short_copies_run_in_the_engine_loop_and_give_the_tokens_of_a_recompute(monkeypatch):
+    """FD_TIER_LOAD_INLINE_MS: copies from host memory estimated under it run at admission, in the engine loop;
+    no request waits in the loading state, and the tokens are a recompute's."""
+    recompute = rounds(engine(monkeypatch, "head_wise_recycle_on", caching=False))
+    monkeypatch.setenv("FD_TIER_LOAD_INLINE_MS", "10000")
+    llm = engine(monkeypatch, "head_wise_recycle_on", swap_space=0.02)
+    assert rounds(llm) == recompute
+    stats = llm.engine.get_stats()
+    assert stats["prefix_cache_host_hit_tokens_total"] >= 8 * 288 and stats["host_cache_loads_total"] > 0
+    assert stats["host_cache_load_wait_seconds_total"] == 0 and not llm.engine.scheduler.tier_loads_pending
     llm.engine.scheduler.check_integrity()
 
 
