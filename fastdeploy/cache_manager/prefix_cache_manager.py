@@ -342,7 +342,7 @@ class PrefixCacheManager:
 
     def _copies_here(self, load: TierLoad) -> bool:
         """Whether `load` is copied at once in the engine loop, with no loading state: host-memory entries only
-        (a file read may take long or fail), whose copy the tier's measured speed puts under the budget
+        (a file read may take long or fail), whose copy the speed of earlier copies made here puts under the budget
         (inline_load_seconds, FD_TIER_LOAD_INLINE_MS). On a CPU a hit's copy takes milliseconds where waiting
         for it costs the request one whole step (tens to hundreds of milliseconds)."""
         if self.inline_load_seconds <= 0 or any(path is not None for path in load.paths):
@@ -392,6 +392,11 @@ class PrefixCacheManager:
         self._loads.append(load)
         if self._copies_here(load):
             self.loader.copy_here(load)
+            if load.ok:  # the copy's speed in the engine loop, for the next estimate (the loader's thread shares
+                # the cores with the steps it overlaps: its copies are slower and would say little about this one)
+                measured = load.copy_seconds / len(load.entries)
+                self._seconds_per_page = 0.5 * (self._seconds_per_page + measured) if self._seconds_per_page \
+                    else measured
             self.end_load(load)  # a page it could not write leaves the cache: the hit ends before it
             return (path if load.ok else path[:cache.pool_depth(path)]), None
         self.loader.submit(load)
@@ -414,9 +419,6 @@ class PrefixCacheManager:
         cache = self.prefix_cache
         self._loads.remove(load)
         cache.lower.end_load(load)
-        if load.ok and all(path is None for path in load.paths):  # the host memory copy's speed, for _copies_here
-            measured = load.copy_seconds / len(load.entries)
-            self._seconds_per_page = measured if not self._seconds_per_page else 0.5 * (self._seconds_per_page + measured)
         for page in load.pages:
             del cache.loading[page]
         cache.unref(0, load.pages, load)
