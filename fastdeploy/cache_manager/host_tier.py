@@ -175,17 +175,20 @@ class HostTier:
         0). Reads the load's own entries and writes its own pages only; records what failed on the load."""
         t0 = time.perf_counter()
         rows, good = [], []
-        for i, (entry, path) in enumerate(zip(load.entries, load.paths)):
-            row = self.data[entry] if path is None else self.files.read_checked(path)
-            if row is None:
-                load.bad.append(i)  # truncated or corrupt: its page is not written (end_load drops it)
-            else:
-                rows.append(row)
-                good.append(load.pages[i])
+        if all(path is None for path in load.paths):  # host memory only: one gather, not a row at a time
+            rows, good = self.data[np.asarray(load.entries, np.int64)], list(load.pages)
+        else:
+            for i, (entry, path) in enumerate(zip(load.entries, load.paths)):
+                row = self.data[entry] if path is None else self.files.read_checked(path)
+                if row is None:
+                    load.bad.append(i)  # truncated or corrupt: its page is not written (end_load drops it)
+                else:
+                    rows.append(row)
+                    good.append(load.pages[i])
         t1 = time.perf_counter()
         load.read_seconds = t1 - t0 if any(p is not None for p in load.paths) else 0.0
-        if rows:
-            rows = np.stack(rows)
+        if len(rows):
+            rows = rows if isinstance(rows, np.ndarray) else np.stack(rows)
             index = np.asarray(good, np.int64)
             if self.codec is not None:
                 self.codec.decode(rows, self.views, index)
