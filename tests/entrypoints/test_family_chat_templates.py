@@ -240,11 +240,9 @@ def rig_greedy(model, prompt: list, first: int, last: int) -> list:
     return out
 
 
-@pytest.fixture(scope="module")
-def harmony_mistral(smollm2_tokenizer, tmp_path_factory):
-    """A small random Mistral (sliding window 32, shorter than the prompt) served with the gpt-oss (harmony)
-    tokenizer; config.json's eos_token_id is <|return|>, generation_config.json lists all HARMONY_STOPS. Greedy decoding of MESSAGES gives <|channel|>, two tokens of the model's own, then <|end|>."""
-    path = tmp_path_factory.mktemp("harmony_mistral")
+def harmony_mistral_model(smollm2_tokenizer, path, seed: int):
+    """(the harmony tokenizer written into `path`, a small random Mistral over its vocabulary: sliding window 32,
+    shorter than the prompt)."""
     tok = write_tokenizer(smollm2_tokenizer, FAMILIES["gpt_oss"], path)
     config = transformers.MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -252,8 +250,18 @@ def harmony_mistral(smollm2_tokenizer, tmp_path_factory):
                                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                         pad_token_id=tok.pad_token_id, initializer_range=0.1)
     config.architectures = ["MistralForCausalLM"]
-    torch.manual_seed(0)
-    model = transformers.MistralForCausalLM(config).eval()
+    torch.manual_seed(seed)
+    return tok, transformers.MistralForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def harmony_mistral(smollm2_tokenizer, tmp_path_factory):
+    """A small random Mistral (sliding window 32, shorter than the prompt) served with the gpt-oss (harmony)
+    tokenizer; config.json's eos_token_id is <|return|>, generation_config.json lists all HARMONY_STOPS. Greedy
+    decoding of MESSAGES gives <|channel|>, two tokens of the model's own, then <|end|>."""
+    path = tmp_path_factory.mktemp("harmony_mistral")
+    tok, model = harmony_mistral_model(smollm2_tokenizer, path, seed=0)
+    config = model.config
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # peaked logits: float32 rounding cannot flip a greedy token
     _, prompt = reference_ids(path)
@@ -324,15 +332,7 @@ def harmony_reply_mistral(smollm2_tokenizer, tmp_path_factory):
     an analysis message, <|end|>, then a final message ended by <|return|>. Its end tokens are gpt-oss's own
     (config.json: <|return|>; generation_config.json: GPT_OSS_STOPS), so <|end|> does not end the reply."""
     path = tmp_path_factory.mktemp("harmony_reply_mistral")
-    tok = write_tokenizer(smollm2_tokenizer, FAMILIES["gpt_oss"], path)
-    config = transformers.MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                        sliding_window=32, max_position_embeddings=512, tie_word_embeddings=False,
-                                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                        pad_token_id=tok.pad_token_id, initializer_range=0.1)
-    config.architectures = ["MistralForCausalLM"]
-    torch.manual_seed(1)
-    model = transformers.MistralForCausalLM(config).eval()
+    tok, model = harmony_mistral_model(smollm2_tokenizer, path, seed=1)
     _, prompt = reference_ids(path)
     wanted = tok.encode(HARMONY_REPLY, add_special_tokens=False)
     rig_sequence(model, prompt, wanted)
