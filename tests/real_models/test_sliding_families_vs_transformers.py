@@ -244,3 +244,34 @@ def test_cohere2_gguf_logprobs_and_greedy_tokens_equal_transformers(tmp_path, sm
     _assert_equals_transformers(llm, model, f"Cohere2 from a GGUF, flag {flag}")
     if flag:
         assert llm.engine.get_stats()["swa_pages_recycled_total"] > 0
+
+
+@pytest.mark.parametrize("name", ["Gemma2ForCausalLM", "GptOssForCausalLM"])
+def test_soft_capping_and_sinks_through_the_cuda_kernels_on_the_cpu_follow_transformers(family_dir_of, name):
+    """The CUDA kernels (executed on the CPU: bfloat16 q/k/v and pages, as on a GPU) with Gemma 2's soft-capping
+    and gpt-oss's sinks, head-wise with recycling: prompt log-probs close to transformers' (mean KL, top-1)."""
+    path, model = family_dir_of(name)
+    with envs.override(FD_ATTENTION_BACKEND="CUDA_ON_CPU"):
+        llm = _serve(path, 1)
+    diff, ours, ref = logprob_diff(llm, model, _prompts()[-1])
+    kl = float((np.exp(ref) * (ref - ours)).sum(-1).mean())
+    top1 = float((ours.argmax(-1) == ref.argmax(-1)).mean())
+    print(f"{name} on the CUDA kernels (CPU executor, bf16): max |log-prob diff| {diff:.2e}, mean KL {kl:.2e}, "
+          f"top-1 {top1:.3f}")
+    assert kl < 1e-2 and top1 >= 0.95  # bfloat16's rounding, as int8 pages' above
+
+
+@pytest.fixture(scope="module")
+def family_dir_of(tmp_path_factory, smollm2_reference):
+    """The family's checkpoint of FAMILIES (seed 0) at head_dim 64 (the CUDA kernels' smallest), saved once per name."""
+    made = {}
+
+    def of(name):
+        if name not in made:
+            fields = {**FAMILIES[name][1], "head_dim": 64}
+            if name == "Gemma2ForCausalLM":
+                fields["query_pre_attn_scalar"] = 48
+            model = random_model(name, 0, **fields)
+            made[name] = (_save(model, tmp_path_factory.mktemp(f"cuda_{name}"), smollm2_reference), model)
+        return made[name]
+    return of

@@ -36,8 +36,8 @@ def _ptr(t):
 
 
 class CudaOnCpuAttentionBackend(AppendAttentionBackend):
-    def __init__(self, fd_config, rotary: list, tp_rank: int = 0):
-        super().__init__(fd_config, rotary, tp_rank)
+    def __init__(self, fd_config, rotary: list, tp_rank: int = 0, attention_sinks=None):
+        super().__init__(fd_config, rotary, tp_rank, attention_sinks)
         self.lib = load_cuda_on_cpu()
         # One order unless asked (CUDA_ON_CPU_ORDERS): the race check (several orders) snapshots only the
         # harness's buffers.
