@@ -427,7 +427,7 @@ class ModelConfig:
             served_model_name=name,
             raw=raw,
             model_type=arch.model_type,
-            moe=(MoEConfig.gpt_oss(raw) if arch.attention_sinks else MoEConfig.from_raw(raw)) if arch.moe else None,
+            moe=(MoEConfig.gpt_oss(raw) if arch.moe_style == "gpt_oss" else MoEConfig.from_raw(raw)) if arch.moe else None,
             dtype=_resolve_dtype(dtype, None if gguf_file else model, raw.get("torch_dtype"), device),
             eos_token_ids=eos_ids,
             preset=preset,

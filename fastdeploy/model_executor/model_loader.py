@@ -170,7 +170,7 @@ def to_engine_layout(name: str, tensor, model_config):
             tensor.gguf_blocks = blocks.take_rows(order)
     if arch.norm_offset and name.endswith("norm.weight"):
         tensor = tensor + arch.norm_offset
-    if arch.attention_sinks:  # gpt-oss's stacked experts, turned into [out, in] GEMM weights
+    if arch.moe_style == "gpt_oss":  # its stacked experts, turned into [out, in] GEMM weights
         from fastdeploy.model_executor.models.gpt_oss_moe import engine_layout
 
         tensor = engine_layout(name, tensor)

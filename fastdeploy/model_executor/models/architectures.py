@@ -47,6 +47,7 @@ class Architecture:
     gguf_rope_layout: Optional[str] = None         # of llama.cpp's GGUF q/k rows (None: no GGUF)
     gguf_arch: Optional[str] = None
     moe: bool = False
+    moe_style: str = "ernie4_5"  # which MoE block: ernie4_5_moe.py, or gpt_oss (gpt_oss_moe.py)
     qkv_bias: Optional[bool] = None  # q/k/v projections carry biases (None: the config's attention_bias says)
     sliding_layers: str = LAYER_SLIDING_WINDOW
     config_aliases: dict = field(default_factory=dict)  # HF field name -> the name used here
@@ -101,6 +102,7 @@ GEMMA2 = Architecture(
 # every layer's MLP an MoE block (gpt_oss_moe.py).
 GPT_OSS = Architecture(
     "GptOssForCausalLM", "gpt_oss", rope_layout=ROTATE_HALF, attention_sinks=True, o_bias=True, moe=True,
+    moe_style="gpt_oss",
     sliding_layers=EVERY_NTH_GLOBAL,
     defaults=dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
                   num_attention_heads=64, num_key_value_heads=8, head_dim=64, hidden_act="silu",
