@@ -45,16 +45,29 @@ def restore_fd_env_flags():
     os.environ.update(saved)
 
 
-@pytest.fixture
-def avx512_cpu():
-    """For tests that check the portable kernels against the AVX-512 ones: skipped on a CPU that
-    runs the portable kernels only (nothing to compare them with)."""
+# The CPU ops' instruction sets, best first (custom_ops/cpu_ops/cpu_isa.h; FD_CPU_LINEAR_ISA caps them).
+CPU_ISAS = ("avx512", "avx2", "generic")
+
+
+def cpu_isa() -> str:
+    """The instruction set the CPU ops' kernels run on this machine when nothing caps them."""
     try:
-        flags = open("/proc/cpuinfo").read()
+        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
     except OSError:
-        flags = ""
-    if " avx512f" not in flags:
-        pytest.skip("this CPU runs the portable kernels only")
+        flags = []
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma", "f16c"} <= set(flags) else "generic"
+
+
+@pytest.fixture(params=["avx2", "generic"])
+def capped_isa(request):
+    """An instruction set below this CPU's best (FD_CPU_LINEAR_ISA's values), for the tests that check its
+    kernels give the best kernels' bits: on an AVX-512 CPU both, on an AVX2 one the portable kernels;
+    skipped where there is nothing below to compare."""
+    if CPU_ISAS.index(request.param) <= CPU_ISAS.index(cpu_isa()):
+        pytest.skip(f"this CPU's best kernels are {cpu_isa()}: {request.param} is not below them")
+    return request.param
 
 
 @pytest.fixture

@@ -13,6 +13,8 @@
 #include "attention_tiles.h"
 #include "kv_quant.h"
 #include "kv_quant_rows.h"
+#include "kv_quant_rows_avx2.h"
+#include "kv_quant_rows_avx512.h"
 
 namespace fd_cpu {
 
@@ -55,8 +57,17 @@ inline const float* rows_as_float(const bf16_bits* rows, const float* /*scales*/
   return scratch;
 }
 
+// Whether the vector kernels of `isa` take rows of d values (d a multiple of their lanes, or of `pair`
+// times that); else the portable loops do (the same bits).
+inline bool vector_rows(Isa isa, int d, int pair = 1) {
+  if (isa == Isa::kAvx512) return d % (pair * kLanes) == 0;
+  return isa == Isa::kAvx2 && d % (pair * kAvx2Width) == 0;
+}
+
 inline const float* rows_as_float(const int8_t* rows, const float* scales, float* scratch, int64_t n, int d) {
-  if (attention_uses_avx512() && d % kLanes == 0) return dequantize_rows_avx512(rows, scales, scratch, n, d);
+  const Isa isa = attention_isa();
+  if (isa == Isa::kAvx512 && vector_rows(isa, d)) return dequantize_rows_avx512(rows, scales, scratch, n, d);
+  if (isa == Isa::kAvx2 && vector_rows(isa, d)) return dequantize_rows_avx2(rows, scales, scratch, n, d);
   for (int64_t r = 0; r < n; ++r)
     for (int i = 0; i < d; ++i) scratch[r * d + i] = fd_kvq::dequantize(rows[r * d + i], scales[r]);
   return scratch;
@@ -64,7 +75,9 @@ inline const float* rows_as_float(const int8_t* rows, const float* scales, float
 
 inline const float* rows_as_float(const fd_kvq::e4m3* rows, const float* scales, float* scratch, int64_t n,
                                   int d) {
-  if (attention_uses_avx512() && d % kLanes == 0) return dequantize_rows_avx512(rows, scales, scratch, n, d);
+  const Isa isa = attention_isa();
+  if (isa == Isa::kAvx512 && vector_rows(isa, d)) return dequantize_rows_avx512(rows, scales, scratch, n, d);
+  if (isa == Isa::kAvx2 && vector_rows(isa, d)) return dequantize_rows_avx2(rows, scales, scratch, n, d);
   static const E4M3Table table;
   for (int64_t r = 0; r < n; ++r)
     for (int i = 0; i < d; ++i) scratch[r * d + i] = table.value[rows[r * d + i].bits] * scales[r];
@@ -73,7 +86,9 @@ inline const float* rows_as_float(const fd_kvq::e4m3* rows, const float* scales,
 
 // int4 rows (d / 2 bytes each): every nibble's exact code value times the row's scale.
 inline const float* rows_as_float(const Int4Pair* rows, const float* scales, float* scratch, int64_t n, int d) {
-  if (attention_uses_avx512() && d % (2 * kLanes) == 0) return dequantize_rows_avx512(rows, scales, scratch, n, d);
+  const Isa isa = attention_isa();
+  if (isa == Isa::kAvx512 && vector_rows(isa, d, 2)) return dequantize_rows_avx512(rows, scales, scratch, n, d);
+  if (isa == Isa::kAvx2 && vector_rows(isa, d)) return dequantize_rows_avx2(rows, scales, scratch, n, d);
   for (int64_t r = 0; r < n; ++r) {
     for (int i = 0; i < d; i += 2) {
       const uint8_t b = rows[r * (d / 2) + i / 2].bits;
@@ -85,7 +100,7 @@ inline const float* rows_as_float(const Int4Pair* rows, const float* scales, flo
 }
 
 // Whether a tile's int4 value rows are read straight from the page (weighted_values_int4_d64) when
-// its readers fit one batch; elsewhere (other head sizes, the portable path) they are dequantized
+// its readers fit one batch; elsewhere (other head sizes, AVX2, the portable path) they are dequantized
 // into the scratch. Either way the same bits.
 inline bool reads_int4_values_in_place(int d) { return attention_uses_avx512() && d == 64; }
 
@@ -108,30 +123,46 @@ inline void store_row(bf16_bits* dst, float* /*scale*/, const float* x, int d) {
   for (int i = 0; i < d; ++i) dst[i] = float_to_bf16(x[i]);
 }
 
+// A quantized row's scale (absmax / the format's largest code) and codes: `codes(isa, scale)` writes them
+// with the vector kernel; a zero row gets zero codes.
+template <typename Codes>
+inline bool store_vector_row(const float* x, int d, fd_kvq::Format f, float* scale, size_t code_bytes, void* dst,
+                             Codes codes) {
+  const Isa isa = attention_isa();
+  if (!vector_rows(isa, d)) return false;
+  *scale = fd_kvq::scale_for(isa == Isa::kAvx512 ? absmax_avx512(x, d) : absmax_avx2(x, d), f);
+  if (*scale > 0.f) codes(isa, *scale);
+  else std::memset(dst, 0, code_bytes);
+  return true;
+}
+
 inline void store_row(int8_t* dst, float* scale, const float* x, int d) {
-  if (!attention_uses_avx512() || d % kLanes != 0) return fd_kvq::quantize_row(x, d, dst, scale);
-  *scale = fd_kvq::scale_for(absmax_avx512(x, d), fd_kvq::kInt8);
-  if (*scale > 0.f) return int8_codes_avx512(x, d, *scale, dst);
-  std::memset(dst, 0, size_t(d));
+  const auto codes = [&](Isa isa, float s) {
+    isa == Isa::kAvx512 ? int8_codes_avx512(x, d, s, dst) : int8_codes_avx2(x, d, s, dst);
+  };
+  if (!store_vector_row(x, d, fd_kvq::kInt8, scale, size_t(d), dst, codes)) fd_kvq::quantize_row(x, d, dst, scale);
 }
 
 inline void store_row(fd_kvq::e4m3* dst, float* scale, const float* x, int d) {
-  if (!attention_uses_avx512() || d % kLanes != 0) return fd_kvq::quantize_row(x, d, dst, scale);
-  *scale = fd_kvq::scale_for(absmax_avx512(x, d), fd_kvq::kE4M3);
-  if (*scale > 0.f) return e4m3_codes_avx512(x, d, *scale, dst);
-  std::memset(dst, 0, size_t(d));
+  const auto codes = [&](Isa isa, float s) {
+    isa == Isa::kAvx512 ? e4m3_codes_avx512(x, d, s, dst) : e4m3_codes_avx2(x, d, s, dst);
+  };
+  if (!store_vector_row(x, d, fd_kvq::kE4M3, scale, size_t(d), dst, codes)) fd_kvq::quantize_row(x, d, dst, scale);
 }
 
 inline void store_row(Int4Pair* dst, float* scale, const float* x, int d) {
-  if (!attention_uses_avx512() || d % kLanes != 0) return fd_kvq::quantize_row_int4(x, d, &dst->bits, scale);
-  *scale = fd_kvq::scale_for(absmax_avx512(x, d), fd_kvq::kInt4);
-  if (*scale > 0.f) return int4_codes_avx512(x, d, *scale, dst);
-  std::memset(dst, 0, size_t(d / 2));
+  const auto codes = [&](Isa isa, float s) {
+    isa == Isa::kAvx512 ? int4_codes_avx512(x, d, s, dst) : int4_codes_avx2(x, d, s, dst);
+  };
+  if (!store_vector_row(x, d, fd_kvq::kInt4, scale, size_t(d / 2), dst, codes))
+    fd_kvq::quantize_row_int4(x, d, &dst->bits, scale);
 }
 
 // x <- H x (int8 / int4 keys and the queries beside them, kv_quant.h).
 inline void rotate_row(float* x, int d) {
-  if (attention_uses_avx512() && d % kLanes == 0) return hadamard_avx512(x, d);
+  const Isa isa = attention_isa();
+  if (isa == Isa::kAvx512 && vector_rows(isa, d)) return hadamard_avx512(x, d);
+  if (isa == Isa::kAvx2 && vector_rows(isa, d)) return hadamard_avx2(x, d);
   fd_kvq::hadamard_in_place(x, d);
 }
 

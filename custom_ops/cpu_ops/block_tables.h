@@ -44,5 +44,13 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 load_table16(con
   return _mm512_loadu_ps(static_cast<const float*>(table) + i);
 }
 
+// 8 entries from i as float32 (float16: vcvtph2ps, exact).
+template <bool HALF>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 load_table8(const void* table, int64_t i) {
+  if constexpr (HALF)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(table) + i)));
+  return _mm256_loadu_ps(static_cast<const float*>(table) + i);
+}
+
 }  // namespace linear
 }  // namespace fd_cpu

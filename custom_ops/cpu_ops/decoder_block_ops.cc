@@ -121,12 +121,11 @@ std::vector<paddle::Tensor> fd_cpu::decoder::MlpBlocks(const paddle::Tensor& att
   product(Weight{o_q, o_scale, o_offset, d, o_group, o_kind}, attn.data<float>(), rows, attn.shape()[1], o_out);
   add_norm(hidden.data<float>(), o_out, norm.data<float>(), rows, d, eps, sum.data<float>(), normed);
   product(Weight{gu_q, gu_scale, gu_offset, gu_n, gu_group, gu_kind}, normed, rows, d, gate_up);
-  const bool avx512 = fd_cpu::cpu_has_avx512f();
   const float* gu = gate_up;
   float* out = gated;
   // gated_activation.cc's rows, items and threshold
   fd_cpu::for_each_row(rows, 16, rows * f > (1 << 16),
-                       [&](int64_t r) { fd_cpu::gated::gated_row(gu + r * gu_n, f, act, out + r * f, avx512); });
+                       [&](int64_t r) { fd_cpu::gated::gated_row(gu + r * gu_n, f, act, out + r * f); });
   product(Weight{down_q, down_scale, down_offset, d, down_group, down_kind}, gated, rows, f,
           ffn.data<float>());
   return {sum, ffn};

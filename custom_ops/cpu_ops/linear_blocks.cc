@@ -23,13 +23,16 @@
 //   offset    the same, u4 only
 // Columns past N have scale = offset = 0 (weight 0).
 //
+// The kernels of each instruction set are in linear_blocks_avx512.h and linear_blocks_avx2.h; the
+// portable ones here. Every one rebuilds a weight with the same operations, so all give the same bits.
+//
 // Why the u4 words: a 16-lane register of them holds 16 columns' nibbles of 8 inputs; vpermps picks
 // each lane's float from the 16 values 0.0 .. 15.0 by the word's low 4 bits, and a shift by 4 moves
 // to the next input. That turns a nibble into its float in one shuffle, with no byte widening, mask
 // or conversion (a decode step's weights are rebuilt ~19% faster than from bytes; the same bits).
 //
-// Up to kFusedRows rows decode each k's 32 weights in registers next to the FMAs (decode steps: the
-// weight read is the cost); a row block of more rows dequantizes a panel into a buffer and runs
+// Up to kFusedRows rows (AVX-512; kFusedRowsAvx2 with AVX2) decode each k's 32 weights in registers next
+// to the FMAs (decode steps: the weight read is the cost); a row block of more rows dequantizes a panel into a buffer and runs
 // linear_tiles.h's fp32 tiles on it; several row blocks (prefill) dequantize the whole weight once first.
 
 #include <cmath>
@@ -40,6 +43,8 @@
 #include "paddle/extension.h"
 #include "block_tables.h"
 #include "linear_blocks.h"
+#include "linear_blocks_avx2.h"
+#include "linear_blocks_avx512.h"
 #include "linear_tiles.h"
 #include "scratch.h"
 #include "work_pool.h"
@@ -50,8 +55,6 @@ using namespace fd_cpu::linear;
 
 constexpr int kFusedRows = 8;
 
-constexpr int kU4Inputs = 8;         // inputs per u4 word
-constexpr int kU4ChunkBytes = 128;   // one panel's 32 words
 // Largest weight dequantized whole for a many-row product (a 2048-row prefill chunk of SmolLM2's
 // gate/up: 7 MB); a larger one (a big LM head) goes a panel at a time.
 constexpr int64_t kMaxDenseBytes = int64_t(64) << 20;
@@ -60,188 +63,33 @@ inline float* align64(float* p) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
 }
 
-struct Blocks {
-  const uint8_t* q = nullptr;  // u4 words or i8 bytes
-  const void* scale = nullptr;   // float32, or float16 bits (half)
-  const void* offset = nullptr;  // u4 only, the same type
-  bool u4 = true;
-  bool half = false;
-  int64_t k_dim = 0;
-  int group = 32;
-
-  int64_t q_stride() const { return k_dim * (u4 ? 16 : 32); }  // bytes per panel
-  int64_t s_stride() const { return (k_dim / group) * kPanel; }  // scales per panel
-};
-
-// The weight of panel column j at k, portable: the same two roundings (multiply, then add) as
-// numpy's dequantize and the AVX-512 decode.
-inline float weight_at(const Blocks& b, int64_t p, int64_t k, int j) {
-  const int64_t s = p * b.s_stride() + (k / b.group) * kPanel + j;
-  if (b.u4) {
-    uint32_t word;
-    std::memcpy(&word, b.q + p * b.q_stride() + (k / kU4Inputs) * kU4ChunkBytes + j * 4, 4);
-    const float q = float((word >> (4 * (k % kU4Inputs))) & 15);
-    const float scaled = table_at(b.scale, b.half, s) * q;
-    return scaled + table_at(b.offset, b.half, s);
-  }
-  const int8_t q = int8_t(b.q[p * b.q_stride() + k * 32 + j]);
-  return table_at(b.scale, b.half, s) * float(q);
-}
-
-// A u4 word register's low nibbles as floats (vpermps reads only the low 4 bits of each index).
-__attribute__((target("avx512f"), always_inline)) inline __m512 nibble_values(__m512i words) {
-  return _mm512_permutexvar_ps(words, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-}
-
-// ONE_ROUNDING: the caller knows every scale * q of these blocks is exact in float32 (Q4_1's f16
-// scale times a 4-bit q has at most 15 significant bits; Q4_K's f16 d times a 6-bit sc times q at
-// most 21), so the multiply's rounding is a no-op and one fused multiply-add gives the very
-// (scale * q) + offset of the two roundings, with one instruction less per 16 weights.
-template <bool ONE_ROUNDING>
-__attribute__((target("avx512f"), always_inline)) inline __m512 u4_weights(__m512i words, __m512 d, __m512 o) {
-  if constexpr (ONE_ROUNDING) return _mm512_fmadd_ps(d, nibble_values(words), o);
-  return _mm512_add_ps(_mm512_mul_ps(d, nibble_values(words)), o);
-}
-
-__attribute__((target("avx512f"), always_inline)) inline __m512 i8_weights(const uint8_t* q16, __m512 d) {
-  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q16)))));
-}
-
-// A one-row product's u4 words are asked for this far ahead of their use (16 chunks of 8 inputs; past a
-// panel's end, the next panel's start, which the next pair reads). The hardware prefetchers alone left
-// the two streams of a pair ~5% slower (one request's decode, in-process A/B, medians of paired
-// rounds: +2.6 to +9% at 512 to 4096 bytes, 2048 best); an i8 weight's (the LM head's) showed nothing.
-constexpr int kPrefetchBytes = 2048;
-
-template <int LINES>
-__attribute__((always_inline)) inline void prefetch_lines(const uint8_t* p) {
-  for (int i = 0; i < LINES; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * i), _MM_HINT_T0);
-}
-
-// The block form as compile-time flags: fn(U4, HALF, ONE_ROUNDING) with std::bool_constant arguments.
-template <typename Fn>
-void with_form(const Blocks& b, bool one_rounding, Fn fn) {
-  using T = std::true_type;
-  using F = std::false_type;
-  if (!b.u4) return b.half ? fn(F{}, T{}, F{}) : fn(F{}, F{}, F{});
-  if (one_rounding) return b.half ? fn(T{}, T{}, T{}) : fn(T{}, F{}, T{});
-  b.half ? fn(T{}, T{}, F{}) : fn(T{}, F{}, F{});
-}
-
-// fn(k, w0, w1) for k = 0..K-1 with panel p's 32 weights at k (columns 0-15 in w0, 16-31 in w1).
-template <bool U4, bool HALF, bool ONE_ROUNDING, typename Fn>
-__attribute__((target("avx512f"), always_inline)) inline void for_each_k(const Blocks& b, int64_t p, Fn fn) {
+// Panel p as float32 [K, 32] in `out`, in plain loops over the 32 columns that the compiler turns into
+// whatever vectors the machine has (the same two roundings as weight_at, so the same floats).
+template <bool U4, bool HALF>
+void dequant_panel_portable(const Blocks& b, int64_t p, float* out) {
   const uint8_t* q = b.q + p * b.q_stride();
   const int64_t s0 = p * b.s_stride();
   for (int64_t g = 0; g < b.k_dim / b.group; ++g) {
-    const __m512 d0 = load_table16<HALF>(b.scale, s0 + g * kPanel);
-    const __m512 d1 = load_table16<HALF>(b.scale, s0 + g * kPanel + 16);
-    if constexpr (U4) {
-      const __m512 o0 = load_table16<HALF>(b.offset, s0 + g * kPanel);
-      const __m512 o1 = load_table16<HALF>(b.offset, s0 + g * kPanel + 16);
-      for (int64_t k = g * b.group; k < (g + 1) * b.group; k += kU4Inputs) {
-        __m512i lo = _mm512_loadu_si512(q + k * 16), hi = _mm512_loadu_si512(q + k * 16 + 64);
-#pragma GCC unroll 8
-        for (int s = 0; s < kU4Inputs; ++s) {
-          fn(k + s, u4_weights<ONE_ROUNDING>(lo, d0, o0), u4_weights<ONE_ROUNDING>(hi, d1, o1));
-          lo = _mm512_srli_epi32(lo, 4);
-          hi = _mm512_srli_epi32(hi, 4);
+    float d[kPanel], o[kPanel];
+    for (int j = 0; j < kPanel; ++j) {
+      d[j] = table_at(b.scale, HALF, s0 + g * kPanel + j);
+      o[j] = U4 ? table_at(b.offset, HALF, s0 + g * kPanel + j) : 0.f;
+    }
+    for (int64_t k = g * b.group; k < (g + 1) * b.group; ++k) {
+      float* row = out + k * kPanel;
+      if constexpr (U4) {
+        uint32_t words[kPanel];
+        std::memcpy(words, q + (k / kU4Inputs) * kU4ChunkBytes, sizeof(words));
+        const int shift = 4 * int(k % kU4Inputs);
+        for (int j = 0; j < kPanel; ++j) {
+          const float scaled = d[j] * float((words[j] >> shift) & 15u);
+          row[j] = scaled + o[j];
         }
+      } else {
+        const int8_t* qk = reinterpret_cast<const int8_t*>(q + k * kPanel);
+        for (int j = 0; j < kPanel; ++j) row[j] = d[j] * float(qk[j]);
       }
-    } else {
-      for (int64_t k = g * b.group; k < (g + 1) * b.group; ++k)
-        fn(k, i8_weights(q + k * 32, d0), i8_weights(q + k * 32 + 16, d1));
     }
-  }
-}
-
-// Panel p as float32 [K, 32] in `out`.
-template <bool U4, bool HALF>
-__attribute__((target("avx512f"))) void dequant_panel_avx512(const Blocks& b, int64_t p, float* out) {
-  for_each_k<U4, HALF, false>(b, p, [&](int64_t k, __m512 w0, __m512 w1) __attribute__((target("avx512f"))) {
-    _mm512_storeu_ps(out + k * kPanel, w0);
-    _mm512_storeu_ps(out + k * kPanel + 16, w1);
-  });
-}
-
-void dequant_panel_scalar(const Blocks& b, int64_t p, float* out) {
-  for (int64_t k = 0; k < b.k_dim; ++k)
-    for (int j = 0; j < kPanel; ++j) out[k * kPanel + j] = weight_at(b, p, k, j);
-}
-
-// R rows x the 32 outputs of panel p, the weights decoded next to the FMAs.
-template <bool U4, bool HALF, bool ONE_ROUNDING, int R>
-__attribute__((target("avx512f"))) void fused_tile(const float* x, const Blocks& b, int64_t p,
-                                                  float* y, int64_t ldy, int cols) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const int64_t k_dim = b.k_dim;
-  for_each_k<U4, HALF, ONE_ROUNDING>(b, p, [&](int64_t k, __m512 w0, __m512 w1) __attribute__((target("avx512f"))) {
-    for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(x[r * k_dim + k]);
-      acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
-    }
-  });
-  store_tile_avx512<R>(acc, y, ldy, cols);
-}
-
-// One row (a decode step's GEMV) x panels p and p + 1 together: four independent accumulator chains
-// instead of two hide the FMA latency a single panel's chain waits on. Each output is still the one
-// chain over k = 0..K-1 from 0.0f, so the bits are the one-panel tile's.
-template <bool U4, bool HALF, bool ONE_ROUNDING>
-__attribute__((target("avx512f"))) void fused_row_two_panels(const float* x, const Blocks& b, int64_t p,
-                                                            float* y, int cols0, int cols1) {
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  const uint8_t* q0 = b.q + p * b.q_stride();
-  const uint8_t* q1 = q0 + b.q_stride();
-  const int64_t s0 = p * b.s_stride(), s1 = s0 + b.s_stride();
-  const auto fma4 = [&](int64_t k, __m512 w00, __m512 w01, __m512 w10, __m512 w11)
-                        __attribute__((target("avx512f"), always_inline)) {
-    const __m512 a = _mm512_set1_ps(x[k]);
-    acc[0] = _mm512_fmadd_ps(a, w00, acc[0]);
-    acc[1] = _mm512_fmadd_ps(a, w01, acc[1]);
-    acc[2] = _mm512_fmadd_ps(a, w10, acc[2]);
-    acc[3] = _mm512_fmadd_ps(a, w11, acc[3]);
-  };
-  for (int64_t g = 0; g < b.k_dim / b.group; ++g) {
-    const int64_t s = g * kPanel;
-    const __m512 d00 = load_table16<HALF>(b.scale, s0 + s), d01 = load_table16<HALF>(b.scale, s0 + s + 16);
-    const __m512 d10 = load_table16<HALF>(b.scale, s1 + s), d11 = load_table16<HALF>(b.scale, s1 + s + 16);
-    if constexpr (U4) {
-      const __m512 o00 = load_table16<HALF>(b.offset, s0 + s), o01 = load_table16<HALF>(b.offset, s0 + s + 16);
-      const __m512 o10 = load_table16<HALF>(b.offset, s1 + s), o11 = load_table16<HALF>(b.offset, s1 + s + 16);
-      for (int64_t k = g * b.group; k < (g + 1) * b.group; k += kU4Inputs) {
-        prefetch_lines<2>(q0 + k * 16 + kPrefetchBytes);
-        prefetch_lines<2>(q1 + k * 16 + kPrefetchBytes);
-        __m512i a0 = _mm512_loadu_si512(q0 + k * 16), a1 = _mm512_loadu_si512(q0 + k * 16 + 64);
-        __m512i b0 = _mm512_loadu_si512(q1 + k * 16), b1 = _mm512_loadu_si512(q1 + k * 16 + 64);
-#pragma GCC unroll 8
-        for (int t = 0; t < kU4Inputs; ++t) {
-          fma4(k + t, u4_weights<ONE_ROUNDING>(a0, d00, o00), u4_weights<ONE_ROUNDING>(a1, d01, o01),
-               u4_weights<ONE_ROUNDING>(b0, d10, o10), u4_weights<ONE_ROUNDING>(b1, d11, o11));
-          a0 = _mm512_srli_epi32(a0, 4);
-          a1 = _mm512_srli_epi32(a1, 4);
-          b0 = _mm512_srli_epi32(b0, 4);
-          b1 = _mm512_srli_epi32(b1, 4);
-        }
-      }
-    } else {
-      for (int64_t k = g * b.group; k < (g + 1) * b.group; ++k)
-        fma4(k, i8_weights(q0 + k * 32, d00), i8_weights(q0 + k * 32 + 16, d01), i8_weights(q1 + k * 32, d10),
-             i8_weights(q1 + k * 32 + 16, d11));
-    }
-  }
-  const __m512 first[1][2] = {{acc[0], acc[1]}}, second[1][2] = {{acc[2], acc[3]}};
-  store_tile_avx512<1>(first, y, 0, cols0);
-  store_tile_avx512<1>(second, y + kPanel, 0, cols1);
-}
-
-template <bool U4, bool HALF, bool ONE_ROUNDING, int R>
-void fused_rows(int rows, const float* x, const Blocks& b, int64_t p, float* y, int64_t ldy, int cols) {
-  if constexpr (R > 0) {
-    if (rows == R) return fused_tile<U4, HALF, ONE_ROUNDING, R>(x, b, p, y, ldy, cols);
-    fused_rows<U4, HALF, ONE_ROUNDING, R - 1>(rows, x, b, p, y, ldy, cols);
   }
 }
 
@@ -275,13 +123,14 @@ Blocks blocks_of(const paddle::Tensor& q, const paddle::Tensor& scale,
   return b;
 }
 
-// y [m, n] = x [m, K] . W^T for one block form (with_form's flags).
+// y [m, n] = x [m, K] . W^T for one block form (with_form's flags), on this process's instruction set.
 template <bool U4, bool HALF, bool ONE_ROUNDING>
 void product_of_form(const Blocks& b, const float* xp, int64_t m, int64_t n, int64_t panels, float* yp) {
-  const Isa isa = tiles_isa();
-  const bool avx512 = isa == Isa::kAvx512;
+  const Isa isa = fd_cpu::kernels_isa();
   const auto dequant_panel = [&](int64_t p, float* out) {
-    avx512 ? dequant_panel_avx512<U4, HALF>(b, p, out) : dequant_panel_scalar(b, p, out);
+    if (isa == Isa::kAvx512) return dequant_panel_avx512<U4, HALF>(b, p, out);
+    if (isa == Isa::kAvx2) return dequant_panel_avx2<U4, HALF>(b, p, out);
+    dequant_panel_portable<U4, HALF>(b, p, out);
   };
   const int64_t dense_floats = panels * b.k_dim * kPanel;
   if (m > kRowBlock && dense_floats * int64_t(sizeof(float)) <= kMaxDenseBytes) {
@@ -298,7 +147,7 @@ void product_of_form(const Blocks& b, const float* xp, int64_t m, int64_t n, int
   // A decode step streams the weight: worth both cores once it is past ~L2 scale.
   const bool parallel = double(m) * double(n) * double(b.k_dim) > double(1 << 18);
   const auto cols_of = [&](int64_t p) { return int(std::min<int64_t>(kPanel, n - p * kPanel)); };
-  if (avx512 && m == 1) {
+  if (isa == Isa::kAvx512 && m == 1) {
     // One row: panels in pairs (fused_row_two_panels), kPanelGroup panels to a work item.
     const int64_t groups = (panels + kPanelGroup - 1) / kPanelGroup;
     fd_cpu::WorkPool::instance().run(groups, parallel ? fd_cpu::usable_cpus() : 1, [&](int64_t g, int) {
@@ -312,12 +161,15 @@ void product_of_form(const Blocks& b, const float* xp, int64_t m, int64_t n, int
   }
   for_each_panel(m, panels, parallel, [&](int64_t r0, int rows, int64_t p) {
     float* yo = yp + r0 * n + p * kPanel;
-    if (avx512 && rows <= kFusedRows)
-      return fused_rows<U4, HALF, ONE_ROUNDING, kFusedRows>(rows, xp + r0 * b.k_dim, b, p, yo, n, cols_of(p));
+    const float* xo = xp + r0 * b.k_dim;
+    if (isa == Isa::kAvx512 && rows <= kFusedRows)
+      return fused_rows<U4, HALF, ONE_ROUNDING, kFusedRows>(rows, xo, b, p, yo, n, cols_of(p));
+    if (isa == Isa::kAvx2 && rows <= kFusedRowsAvx2)
+      return fused_rows_avx2<U4, HALF, ONE_ROUNDING, kFusedRowsAvx2>(rows, xo, b, p, yo, n, cols_of(p));
     thread_local std::vector<float> panel;
     float* buffer = align64(fd_cpu::grown(panel, size_t(b.k_dim) * kPanel + 16));
     dequant_panel(p, buffer);
-    rows_times_panel(isa, xp + r0 * b.k_dim, rows, b.k_dim, buffer, yo, n, cols_of(p));
+    rows_times_panel(isa, xo, rows, b.k_dim, buffer, yo, n, cols_of(p));
   });
 }
 

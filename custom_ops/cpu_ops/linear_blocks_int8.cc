@@ -1,8 +1,8 @@
 // CPU dense layer on GGUF blocks with int8 activations (opt-in: FD_CPU_INT8_ACTIVATIONS=1):
 // y[M, N] ~= x[M, K] . W[N, K]^T, where each row of x is quantized per block of 32 inputs to int8
 // (one float32 scale per block, round to nearest even) and each block's products are integer dot
-// products (AVX-512 VNNI vpdpbusd: 4 products of u8 x s8 summed into an int32 lane), as llama.cpp
-// multiplies Q4/Q8 weights with its Q8 activations.
+// products (AVX-512 VNNI vpdpbusd: 4 products of u8 x s8 summed into an int32 lane; AVX2's vpmaddubsw
+// and vpmaddwd, the same sums), as llama.cpp multiplies Q4/Q8 weights with its Q8 activations.
 //
 // Why: the exact kernel (linear_blocks.cc) rebuilds every float32 weight and runs one FMA per
 // weight: on a small model's decode step that arithmetic, not the ~110 MB read, is the cost. Here
@@ -12,8 +12,9 @@
 //
 // A row's bits never depend on its batch mates: a row is quantized on its own, its integer sums
 // are exact, and its float epilogue is the same sequence of operations whatever the row count or
-// the row's place in a tile; the portable C++ twin (FD_CPU_LINEAR_ISA=generic, or a CPU without
-// VNNI) performs the same float operations in the same order, so it gives the same bits.
+// the row's place in a tile; the AVX2 kernel and the portable C++ twin (FD_CPU_LINEAR_ISA=avx2 / generic,
+// or a CPU without VNNI / AVX2) perform the same float operations in the same order, so they give the
+// same bits.
 //
 // Per block g of 32 inputs of one output column, with the row's int8 activations a_k, their scale
 // dx and their sum sa, and the weight's integers q_k:
@@ -34,6 +35,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "paddle/extension.h"
@@ -210,6 +212,98 @@ void panel_rows_vnni_tail(int rows, const QuantRow* rows_q, const Int8Blocks& b,
   }
 }
 
+// AVX2 has no vpdpbusd: vpmaddubsw multiplies unsigned bytes by signed ones and adds pairs into int16,
+// vpmaddwd adds those pairs into int32, the same exact integer sums. u4: a product is at most 15 x 127,
+// so a block's 8 quads add up in int16 without saturating (8 x 2 x 1905 < 32767) before one vpmaddwd.
+// i8: the stored q + 128 would saturate; the signed q's magnitude times the activation with q's sign
+// does not (2 x 128 x 127 < 32767), a quad at a time. R rows x the 32 columns of panel p.
+template <bool U4, int R, bool HALF>
+__attribute__((target("avx2,fma,f16c"))) void panel_rows_avx2(const QuantRow* rows_q, const Int8Blocks& b,
+                                                             int64_t p, float* y, int64_t ldy, int cols) {
+  const uint8_t* q = b.q + p * b.q_stride();
+  const int64_t s0 = p * b.s_stride();
+  const __m256i low4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi16(1);
+  constexpr int64_t quads_per_group = kGroup / 4;
+  constexpr int64_t quad_bytes = U4 ? 64 : 128;
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < b.k_dim / kGroup; ++g) {
+    __m256i dot[R][4];  // int16 pair sums (u4) or int32 sums (i8) of columns 8v .. 8v + 7
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 4; ++v) dot[r][v] = _mm256_setzero_si256();
+    const uint8_t* qg = q + g * quads_per_group * quad_bytes;
+    for (int64_t i = 0; i < quads_per_group; ++i) {
+      __m256i w[4];  // columns 8v .. 8v + 7, 4 inputs each
+      if constexpr (U4) {
+        const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + i * 64));
+        const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + i * 64 + 32));
+        w[0] = _mm256_and_si256(first, low4);
+        w[1] = _mm256_and_si256(second, low4);
+        w[2] = _mm256_and_si256(_mm256_srli_epi16(first, 4), low4);
+        w[3] = _mm256_and_si256(_mm256_srli_epi16(second, 4), low4);
+      } else {
+        for (int v = 0; v < 4; ++v)  // the signed q
+          w[v] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + i * 128 + 32 * v)), flip);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, rows_q[r].a + g * kGroup + 4 * i, 4);
+        const __m256i a = _mm256_set1_epi32(four);
+        for (int v = 0; v < 4; ++v) {
+          if constexpr (U4) {
+            dot[r][v] = _mm256_add_epi16(dot[r][v], _mm256_maddubs_epi16(w[v], a));
+          } else {
+            const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w[v]), _mm256_sign_epi8(a, w[v]));
+            dot[r][v] = _mm256_add_epi32(dot[r][v], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(rows_q[r].dx[g]);
+      const __m256 sa = _mm256_set1_ps(float(rows_q[r].sa[g]));
+      for (int v = 0; v < 4; ++v) {
+        const int64_t at = s0 + g * kPanel + 8 * v;
+        const __m256 d = load_table8<HALF>(b.scale, at);
+        __m256 t;
+        if constexpr (U4) {
+          const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[r][v], ones));
+          t = _mm256_fmadd_ps(d, sums, _mm256_mul_ps(load_table8<HALF>(b.offset, at), sa));
+        } else {
+          t = _mm256_mul_ps(d, _mm256_cvtepi32_ps(dot[r][v]));
+        }
+        acc[r][v] = _mm256_fmadd_ps(dx, t, acc[r][v]);
+      }
+    }
+  }
+  alignas(32) float out[kPanel];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < 4; ++v) _mm256_store_ps(out + 8 * v, acc[r][v]);
+    std::memcpy(y + r * ldy, out, sizeof(float) * size_t(cols));
+  }
+}
+
+// AVX2 tiles of up to 2 rows (the int16 sums of 4 columns' vectors per row fill the 16 registers).
+constexpr int kAvx2RowTile = 2;
+
+void panel_rows_avx2_tail(int rows, const QuantRow* rows_q, const Int8Blocks& b, int64_t p, float* y, int64_t ldy,
+                          int cols) {
+  const auto tile = [&](auto u4, auto half, auto r) {
+    panel_rows_avx2<decltype(u4)::value, decltype(r)::value, decltype(half)::value>(rows_q, b, p, y, ldy, cols);
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  if (rows == 2) {
+    if (b.u4) return b.half ? tile(T{}, T{}, Two{}) : tile(T{}, F{}, Two{});
+    return b.half ? tile(F{}, T{}, Two{}) : tile(F{}, F{}, Two{});
+  }
+  if (b.u4) return b.half ? tile(T{}, T{}, One{}) : tile(T{}, F{}, One{});
+  b.half ? tile(F{}, T{}, One{}) : tile(F{}, F{}, One{});
+}
+
 }  // namespace
 
 void fd_cpu::linear::int8_blocks_product(const paddle::Tensor& q, const paddle::Tensor& scale,
@@ -253,12 +347,16 @@ void fd_cpu::linear::int8_blocks_product(const paddle::Tensor& q, const paddle::
   for (int64_t r = 0; r < m; ++r)
     quantize_row(xp + r * b.k_dim, b.k_dim, a + r * b.k_dim, dx + r * groups, sa + r * groups);
 
-  const bool vnni = cpu_has_vnni() && tiles_isa() == Isa::kAvx512;
+  const Isa isa = kernels_isa();
+  const bool vnni = cpu_has_vnni() && isa == Isa::kAvx512;
+  // AVX-512 without VNNI (Skylake-X) runs the AVX2 kernel: the same bits, and far faster than portable C++.
+  const bool avx2 = !vnni && isa != Isa::kScalar;
+  const int row_tile = avx2 ? kAvx2RowTile : kRowTile;
   const bool parallel = double(m) * double(n) * double(b.k_dim) > double(1 << 18);
   for_each_panel(m, panels, parallel, [&](int64_t r0, int rows, int64_t p) {
     const int cols = int(std::min<int64_t>(kPanel, n - p * kPanel));
-    for (int r = 0; r < rows; r += kRowTile) {
-      const int tile = std::min(kRowTile, rows - r);
+    for (int r = 0; r < rows; r += row_tile) {
+      const int tile = std::min(row_tile, rows - r);
       QuantRow rows_q[kRowTile];
       for (int t = 0; t < tile; ++t) {
         const int64_t row = r0 + r + t;
@@ -266,6 +364,7 @@ void fd_cpu::linear::int8_blocks_product(const paddle::Tensor& q, const paddle::
       }
       float* yo = yp + (r0 + r) * n + p * kPanel;
       if (vnni) panel_rows_vnni_tail<kRowTile>(tile, rows_q, b, p, yo, n, cols);
+      else if (avx2) panel_rows_avx2_tail(tile, rows_q, b, p, yo, n, cols);
       else panel_rows_portable(rows_q, tile, b, p, yo, n, cols);
     }
   });

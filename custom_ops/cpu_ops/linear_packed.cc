@@ -63,7 +63,7 @@ std::vector<paddle::Tensor> LinearPacked(const paddle::Tensor& x_in,
 // (blas_gemm.blas_info() names it; `any` is only what a Paddle op must take).
 std::vector<paddle::Tensor> LinearTilesIsa(const paddle::Tensor& any) {
   paddle::Tensor out = paddle::empty({1}, paddle::DataType::INT32, any.place());
-  out.data<int32_t>()[0] = int32_t(tiles_isa());
+  out.data<int32_t>()[0] = int32_t(fd_cpu::kernels_isa());
   return {out};
 }
 

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "cpu_isa.h"
 #include "work_pool.h"
 
 namespace fd_cpu {
@@ -96,24 +97,7 @@ void avx512_tail(int rows, const float* x, int64_t k_dim, const float* panel, fl
   }
 }
 
-enum class Isa { kAvx512, kAvx2, kScalar };
-
-// FD_CPU_LINEAR_ISA=avx2 or =generic (cpu_options.h) holds the tiles below the CPU's best: the
-// tests compare all three, which give the same bits.
-inline Isa detect_isa() {
-  const bool generic = fd_cpu::cpu_options().linear_isa == 2;
-  const bool avx2 = fd_cpu::cpu_options().linear_isa == 1;
-  if (fd_cpu::cpu_has_avx512f() && !avx2 && !generic) return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !generic) return Isa::kAvx2;
-  return Isa::kScalar;
-}
-
-// The tiles every dense layer of this process runs (read once: FD_CPU_LINEAR_ISA
-// cannot change under a running product).
-inline Isa tiles_isa() {
-  static const Isa isa = detect_isa();
-  return isa;
-}
+using fd_cpu::Isa;
 
 // rows [0, rows) of x against one panel, in register tiles.
 inline void rows_times_panel(Isa isa, const float* x, int rows, int64_t k_dim,
@@ -152,7 +136,7 @@ void for_each_panel(int64_t m, int64_t panels, bool parallel, PanelFn panel_fn) 
 // layout): the packed kernel's loop, also linear_blocks' on a dequantized weight.
 inline void packed_product(const float* x, int64_t m, int64_t k_dim, const float* w, int64_t panels, float* y,
                            int64_t n, bool parallel) {
-  const Isa isa = tiles_isa();
+  const Isa isa = kernels_isa();
   for_each_panel(m, panels, parallel, [&](int64_t r0, int rows, int64_t p) {
     rows_times_panel(isa, x + r0 * k_dim, rows, k_dim, w + p * k_dim * kPanel, y + r0 * n + p * kPanel, n,
                      int(std::min<int64_t>(kPanel, n - p * kPanel)));

@@ -37,15 +37,6 @@ inline int usable_cpus() {
   return n > 0 ? int(n) : 1;
 }
 
-// AVX-512F on this CPU (the ops' fast kernels; each has a portable twin).
-inline bool cpu_has_avx512f() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return bool(__builtin_cpu_supports("avx512f"));
-  }();
-  return has;
-}
-
 class WorkPool {
  public:
   // fn(item, worker): worker is in [0, workers); 0 is the calling thread.

@@ -136,26 +136,37 @@ def test_other_head_dims_tiles_match_token_by_token(head_dim, page_dtype):
     assert np.array_equal(whole, cut)
 
 
-_GENERIC_RUN = """
+# (head_dim, page format) beyond PAGE_DTYPES at HEAD_DIM: the other fixed-size score kernels, and head sizes
+# only some vector widths take (40 and 24: multiples of 8, not 16; neither is rotated).
+OTHER_SHAPES = [(128, "float32"), (256, "float32"), (256, "uint8"), (40, "int8"), (24, "float32")]
+
+
+def _cuts_to_compare(pieces: list) -> list:
+    """One request's outputs cut into `pieces` for every page format, with sinks and soft-capping, and at
+    the other head sizes: what two instruction sets must agree on."""
+    return ([_one_request_cut(pieces, page_dtype=p) for p in PAGE_DTYPES] + [_one_request_cut(pieces, mods=True)]
+            + [_one_request_cut(pieces, d, p) for d, p in OTHER_SHAPES])
+
+
+_CAPPED_RUN = """
 import json, sys
 import numpy as np
 sys.path.insert(0, {tests!r})
-from test_attention_bits_do_not_depend_on_tiling import PAGE_DTYPES, _one_request_cut
-pieces = json.loads({pieces!r})
-np.save({path!r}, np.stack([_one_request_cut(pieces, page_dtype=p) for p in PAGE_DTYPES]
-                           + [_one_request_cut(pieces, mods=True)]))
+from test_attention_bits_do_not_depend_on_tiling import _cuts_to_compare
+np.savez({path!r}, *_cuts_to_compare(json.loads({pieces!r})))
 """
 
 
-def test_portable_kernels_give_the_avx512_bits(tmp_path, avx512_cpu):
-    # Every page format in one subprocess (the quantized pages' dequantization has AVX-512 paths too).
+def test_every_instruction_set_gives_the_best_kernels_bits(tmp_path, capped_isa):
+    # Every case in one subprocess whose kernels are capped at AVX2 or the portable ones (the quantized
+    # pages' reads and writes, the rotation, sinks and soft-capping have vector paths too).
     pieces = [20, 1, 40] + [1] * (TOKENS - 61)
-    path = str(tmp_path / "generic.npy")
-    script = _GENERIC_RUN.format(tests=os.path.dirname(__file__), path=path, pieces=json.dumps(pieces))
-    env = {**os.environ, "FD_CPU_ATTN_ISA": "generic"}
+    path = str(tmp_path / f"{capped_isa}.npz")
+    script = _CAPPED_RUN.format(tests=os.path.dirname(__file__), path=path, pieces=json.dumps(pieces))
+    env = {**os.environ, "FD_CPU_LINEAR_ISA": capped_isa}
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=600)
-    generic = np.load(path)
-    for i, page_dtype in enumerate(PAGE_DTYPES):
-        assert np.array_equal(generic[i], _one_request_cut(pieces, page_dtype=page_dtype)), page_dtype
-    # learned sinks and soft-capping (its tanh has an AVX-512 path too)
-    assert np.array_equal(generic[-1], _one_request_cut(pieces, mods=True))
+    capped = np.load(path)
+    best = _cuts_to_compare(pieces)
+    names = PAGE_DTYPES + ["sinks and soft-capping"] + [f"head_dim {d} {p}" for d, p in OTHER_SHAPES]
+    for i, name in enumerate(names):
+        assert np.array_equal(capped[f"arr_{i}"], best[i]), name

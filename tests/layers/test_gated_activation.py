@@ -46,3 +46,31 @@ def test_a_row_keeps_its_bits_whatever_its_batch_mates(rows):
 def test_unknown_activation_is_a_clear_error():
     with pytest.raises(ValueError, match="gated activation must be one of"):
         gated_activation(paddle.ones([1, 4]), "relu")
+
+
+_CAPPED_RUN = """
+import sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from test_gated_activation import outputs_of_both_activations
+np.save({path!r}, outputs_of_both_activations())
+"""
+
+
+def outputs_of_both_activations() -> np.ndarray:
+    """SiLU and GELU-tanh of rows that end mid-vector, over the range a model produces: the bits to compare."""
+    x = (np.random.default_rng(7).standard_normal((5, 2 * 203)) * 6).astype(np.float32)
+    x[0, :6] = [-120.0, -90.0, -1e-8, 0.0, 30.0, 120.0]
+    return np.stack([gated_activation(paddle.to_tensor(x), act).numpy() for act in ("silu", "gelu_tanh")])
+
+
+def test_every_instruction_set_gives_the_best_kernels_bits(tmp_path, capped_isa):
+    import os
+    import subprocess
+    import sys
+
+    path = str(tmp_path / f"{capped_isa}.npy")
+    script = _CAPPED_RUN.format(tests=os.path.dirname(__file__), path=path)
+    subprocess.run([sys.executable, "-c", script], env={**os.environ, "FD_CPU_LINEAR_ISA": capped_isa}, check=True,
+                   timeout=600)
+    assert np.array_equal(np.load(path).view(np.int32), outputs_of_both_activations().view(np.int32))
