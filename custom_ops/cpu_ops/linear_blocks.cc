@@ -159,6 +159,18 @@ void product_of_form(const Blocks& b, const float* xp, int64_t m, int64_t n, int
     });
     return;
   }
+  if (isa == Isa::kAvx2 && m == 1) {
+    // One row: every worker gets the same number of contiguous runs of about kAvx2RowPanels panels
+    // (fewer, longer streams than the tiles' groups of kPanelGroup, and no worker left with the tail).
+    const int workers = parallel ? fd_cpu::usable_cpus() : 1;
+    const int64_t items = std::min<int64_t>(panels, workers * ((panels + workers * kAvx2RowPanels - 1) /
+                                                               (workers * kAvx2RowPanels)));
+    fd_cpu::WorkPool::instance().run(items, workers, [&](int64_t item, int) {
+      for (int64_t p = item * panels / items; p < (item + 1) * panels / items; ++p)
+        fused_tile_avx2<U4, HALF, ONE_ROUNDING, 1, 0, 4>(xp, b, p, yp + p * kPanel, n, cols_of(p));
+    });
+    return;
+  }
   for_each_panel(m, panels, parallel, [&](int64_t r0, int rows, int64_t p) {
     float* yo = yp + r0 * n + p * kPanel;
     const float* xo = xp + r0 * b.k_dim;

@@ -22,6 +22,12 @@ namespace linear {
 
 constexpr int kAvx2Lanes = 8;
 
+// A panel's weight bytes are asked for this far ahead of their use by the kernels that take the whole
+// panel (one row: a decode step streams the weights). A decode step's dense work (SmolLM2's 121 products,
+// one row, 2 threads, AMD EPYC with AVX2) ran ~20% faster with it; 512 to 8192 bytes tried, 2048 to 4096
+// best, near the rate at which the same items merely read their bytes.
+constexpr int kAvx2PrefetchBytes = 2048;
+
 // ONE_ROUNDING: every scale * q is exact in float32 (linear_blocks_avx512.h says why one FMA then gives
 // the two roundings' value).
 template <bool ONE_ROUNDING>
@@ -47,6 +53,7 @@ FD_AVX2_INLINE void for_each_k_avx2(const Blocks& b, int64_t p, Fn fn) {
     if constexpr (U4) {
       for (int v = 0; v < V; ++v) o[v] = load_table8<HALF>(b.offset, s0 + g * kPanel + kAvx2Lanes * v);
       for (int64_t k = g * b.group; k < (g + 1) * b.group; k += kU4Inputs) {
+        if constexpr (V == 4) prefetch_lines<2>(q + k * 16 + kAvx2PrefetchBytes);
         __m256i words[V];
         for (int v = 0; v < V; ++v)
           words[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * 16 + 32 * (V0 + v)));
@@ -62,6 +69,8 @@ FD_AVX2_INLINE void for_each_k_avx2(const Blocks& b, int64_t p, Fn fn) {
       }
     } else {
       for (int64_t k = g * b.group; k < (g + 1) * b.group; ++k) {
+        if constexpr (V == 4)
+          if (k % 2 == 0) prefetch_lines<1>(q + k * 32 + kAvx2PrefetchBytes);
         __m256 w[V];
         for (int v = 0; v < V; ++v) w[v] = i8_weights8(q + k * 32 + kAvx2Lanes * (V0 + v), d[v]);
         fn(k, w);
@@ -105,14 +114,23 @@ FD_AVX2 void fused_tile_avx2(const float* x, const Blocks& b, int64_t p, float* 
       store_lanes(y + r * ldy + kAvx2Lanes * (V0 + v), acc[r][v], cols - kAvx2Lanes * (V0 + v));
 }
 
-// Up to kFusedRowsAvx2 rows (a decode step's): one row over the whole panel, more in two halves.
-constexpr int kFusedRowsAvx2 = 6;
+// Panels per work item of a one-row product (a decode step's): each worker streams the same number of
+// contiguous runs. Groups of 4 (kPanelGroup), 8, 12 and 16 measured within this machine's noise of one
+// another (SmolLM2 decode, AMD EPYC with AVX2, 2 threads, interleaved rounds); 8 is the run a product
+// of SmolLM2's smallest shape (18 panels) still splits evenly over two workers.
+constexpr int64_t kAvx2RowPanels = 8;
+
+// Up to kFusedRowsAvx2 rows (a decode step's): one or two rows over the whole panel (4 or 8 accumulator
+// chains), more in two halves of 16 columns. Past 5 rows the accumulators spill and a panel dequantized
+// once into a buffer for linear_tiles.h's tiles is faster (measured on SmolLM2's shapes, 1 to 32 rows).
+constexpr int kFusedRowsAvx2 = 5;
 
 template <bool U4, bool HALF, bool ONE_ROUNDING, int R>
 void fused_rows_avx2(int rows, const float* x, const Blocks& b, int64_t p, float* y, int64_t ldy, int cols) {
-  if constexpr (R == 1) {
-    fused_tile_avx2<U4, HALF, ONE_ROUNDING, 1, 0, 4>(x, b, p, y, ldy, cols);
-  } else if constexpr (R > 1) {
+  if constexpr (R <= 2) {
+    if (R == 2 && rows < 2) return fused_tile_avx2<U4, HALF, ONE_ROUNDING, 1, 0, 4>(x, b, p, y, ldy, cols);
+    fused_tile_avx2<U4, HALF, ONE_ROUNDING, R, 0, 4>(x, b, p, y, ldy, cols);
+  } else {
     if (rows < R) return fused_rows_avx2<U4, HALF, ONE_ROUNDING, R - 1>(rows, x, b, p, y, ldy, cols);
     fused_tile_avx2<U4, HALF, ONE_ROUNDING, R, 0, 2>(x, b, p, y, ldy, cols);
     if (cols > 2 * kAvx2Lanes) fused_tile_avx2<U4, HALF, ONE_ROUNDING, R, 2, 2>(x, b, p, y, ldy, cols);
