@@ -129,7 +129,10 @@ def run(llm, n: int, input_len: int, output_len: int, seed: int) -> dict:
 def generate_by_concurrency(args) -> list:
     """`LLM.generate` tok/s at every --concurrency, one engine per --tensor-parallel-sizes (a worker process per
     rank beyond one), whose tokens must be the first engine's."""
+    from fastdeploy.model_executor.layers import cpu_kernels
+
     results, first = [], {}
+    print(cpu_kernels.describe(), flush=True)
     for tp in args.tensor_parallel_sizes:
         llm = load(args, max(args.concurrency), args.input_len + args.output_len, block_size=16,
                    num_gpu_blocks_override=4096, enable_prefix_caching=None, tensor_parallel_size=tp)
@@ -138,7 +141,8 @@ def generate_by_concurrency(args) -> list:
             r = run(llm, n, args.input_len, args.output_len, seed=n)
             got = r.pop("tokens")
             same = first.setdefault(n, got) == got
-            results.append({**r, "tensor_parallel_size": tp, "same_tokens_as_first_engine": same})
+            results.append({**r, "tensor_parallel_size": tp, "same_tokens_as_first_engine": same,
+                            "kernels": cpu_kernels.kernel_isas()})
             print(f"TP={tp} N={n:<3} {r['output_tokens']} output tokens in {r['seconds']:.1f} s: {r['tok_per_s']:.1f} "
                   f"tok/s, {r['mean_step_ms']:.1f} ms a step; tokens = the first engine's: {same}", flush=True)
         llm.engine.close()
@@ -287,8 +291,34 @@ def head_wise_ab(args) -> list:
     return rows
 
 
+def kv_bytes_read(engine, context: int) -> int:
+    """Bytes of K/V pages one request's decode token reads at `context` (every layer's KV heads, a sliding
+    head its sink + window only; a quantized row with its float32 scale)."""
+    import paddle
+
+    backend = engine.runner.ranks.attn_backend
+    total = 0
+    for layer, (windows, _) in enumerate(backend.layer_args):
+        keys = sum(min(context, w + s) if w else context for w, s in zip(*windows.numpy().tolist()))
+        for lane in (backend.key_caches[layer], backend.value_caches[layer]):
+            quantized = lane.dtype not in (paddle.float32, paddle.bfloat16, paddle.float16)
+            total += keys * (lane.shape[-1] * lane.element_size() + (4 if quantized else 0))
+    return total
+
+
+def decode_roofline(engine, context: int, bandwidth_gbs: float) -> dict:
+    """The one-stream decode bound the memory read bandwidth implies: (bytes of the weights + the K/V one
+    token reads) / bandwidth."""
+    weights, kv = engine.runner.model.dense_layer_bytes(), kv_bytes_read(engine, context)
+    return {"read_bandwidth_gbs": bandwidth_gbs, "weight_bytes": weights, "kv_bytes": kv,
+            "roofline_tok_per_s": bandwidth_gbs * 1e9 / (weights + kv)}
+
+
 def step_breakdown(args) -> dict:
-    """One request's decode step split into host parts, dense products, attention and norms (per op)."""
+    """One request's decode step split into host parts, dense products, attention and norms (per op), next
+    to the decode bound the machine's memory read bandwidth implies."""
+    from fastdeploy.model_executor.layers import cpu_kernels
+
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     args.model = args.model or "smollm2-135m-instruct"
     engine = load(args, 4, args.input_len + args.decode_steps + 48, block_size=64,
@@ -309,9 +339,13 @@ def step_breakdown(args) -> dict:
     ms["host"] = ms["step"] - sum(ops.values())
     flags = {k: os.environ[k] for k in ("FD_CPU_INT8_ACTIVATIONS", "FD_CPU_FUSED_LAYERS", "FD_CPU_GGUF_BLOCKS")
              if k in os.environ}
+    limit = decode_roofline(engine, args.input_len + 5 + len(steps) // 2, cpu_kernels.memory_read_gbs())
     print(f"{args.model}, 1 request, {args.input_len} prompt tokens, {len(steps)} decode steps, clock {args.clock}, "
-          f"flags {flags or 'default'}, load average {os.getloadavg()[0]:.1f}")
-    print(f"step mean {ms['step']:.2f} ms (median {ms['step_median']:.2f} ms, {1e3 / ms['step']:.1f} tok/s)")
+          f"flags {flags or 'default'}, load average {os.getloadavg()[0]:.1f}\n{cpu_kernels.describe()}")
+    print(f"step mean {ms['step']:.2f} ms (median {ms['step_median']:.2f} ms, {1e3 / ms['step']:.1f} tok/s); "
+          f"roofline {limit['roofline_tok_per_s']:.1f} tok/s ({(limit['weight_bytes'] + limit['kv_bytes']) / 1e6:.1f} MB "
+          f"a token at {limit['read_bandwidth_gbs']:.1f} GB/s read): {1e3 / ms['step_median'] / limit['roofline_tok_per_s']:.0%} "
+          "of it (median step)")
     if ms["stack"]:
         print(f"  every layer in one op (dense products, attention, norms) {ms['stack']:6.2f} ms")
     print(f"  dense products (weights) {ms['dense']:6.2f} ms   attention {ms['attention']:6.2f} ms   norms + "
@@ -321,7 +355,9 @@ def step_breakdown(args) -> dict:
           + f"; forward's Python {per['forward'] - sum(ops.values()):.2f}")
     print("  ops per step: " + ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])))
     return {"model": args.model, "clock": args.clock, "flags": flags, "steps": len(steps), "ms": ms,
-            "host_parts_ms": {p: per[p] for p in StepParts.HOST}, "ops_ms": ops}
+            "host_parts_ms": {p: per[p] for p in StepParts.HOST}, "ops_ms": ops, "cpu": cpu_kernels.cpu_name(),
+            "kernels": cpu_kernels.kernel_isas(), **limit,
+            "roofline_fraction": 1e3 / ms["step_median"] / limit["roofline_tok_per_s"]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

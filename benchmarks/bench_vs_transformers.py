@@ -18,8 +18,10 @@ per-round ratio to transformers is printed as a range next to the median one.
 
 The machine's limits, measured before the cases run:
   - GEMM peak: numpy float32 2048 x 2048 x 2048 matmul, GFLOP/s (best of a few);
-  - memory read bandwidth: numpy sum over a 512 MiB float32 array, GB/s (best of a few, one
-    thread per core, each summing its share).
+  - memory read bandwidth: a streaming read of a 1 GiB buffer by every core, each reading its share,
+    GB/s (best of a few; fastdeploy/model_executor/layers/cpu_kernels.py);
+  - the CPU and the kernels the engine's ops chose on it (AVX-512, AVX2 or portable; FD_CPU_LINEAR_ISA
+    caps them, so `FD_CPU_LINEAR_ISA=avx2` measures the AVX2 kernels on an AVX-512 machine).
 Fractions reached:
   - every case: model FLOPs / time / GEMM peak, where model FLOPs = processed tokens x 2 x the
     decoder's matmul parameters + output tokens x 2 x the lm_head's (attention scores excluded);
@@ -44,7 +46,6 @@ import argparse
 import functools
 import os
 import sys
-import threading
 import time
 
 import numpy as np
@@ -100,23 +101,6 @@ def gemm_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
     a @ b  # first call: thread pool start-up and page faults of the output
     best = min(timed(lambda: a @ b) for _ in range(repeats))
     return 2 * n ** 3 / best / 1e9
-
-
-def read_bandwidth_gbs(nbytes: int = 512 * 2 ** 20, repeats: int = 5) -> float:
-    """Read bandwidth: the array summed by one thread per core (numpy's sum releases the GIL)."""
-    data = np.ones(nbytes // 4, dtype=np.float32)
-    parts = np.array_split(data, os.cpu_count() or 1)
-
-    def read_all():
-        threads = [threading.Thread(target=np.sum, args=(part,)) for part in parts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    read_all()
-    best = min(timed(read_all) for _ in range(repeats))
-    return data.nbytes / best / 1e9
 
 
 # ----------------------------------------------------------------------------- the two engines
@@ -314,8 +298,12 @@ def main(argv=None) -> int:
         log(f"warning: load average {load_before:.1f} on {os.cpu_count()} cores: multi-threaded code stalls "
             f"on a busy machine and the comparison means little; run it on a quiet one")
     log("measuring this machine's limits")
-    limits = {"gemm_peak_gflops": gemm_peak_gflops(), "read_bandwidth_gbs": read_bandwidth_gbs()}
-    log(f"GEMM peak {limits['gemm_peak_gflops']:.1f} GFLOP/s, read bandwidth {limits['read_bandwidth_gbs']:.1f} GB/s")
+    from fastdeploy.model_executor.layers import cpu_kernels
+
+    limits = {"gemm_peak_gflops": gemm_peak_gflops(), "read_bandwidth_gbs": cpu_kernels.memory_read_gbs(),
+              "cpu": cpu_kernels.cpu_name(), "kernels": cpu_kernels.kernel_isas()}
+    log(f"GEMM peak {limits['gemm_peak_gflops']:.1f} GFLOP/s, read bandwidth {limits['read_bandwidth_gbs']:.1f} GB/s; "
+        f"{cpu_kernels.describe()}")
 
     log(f"loading transformers' reference from {path}")
     hf = load_transformers(path, args.torch_threads)

@@ -21,6 +21,11 @@ void int8_blocks_product(const paddle::Tensor& q, const paddle::Tensor& scale,
                          const paddle::optional<paddle::Tensor>& offset, int64_t n, const float* x, int64_t m,
                          int64_t k_dim, float* y);
 
+// Which kernel the int8-activation products run here: VNNI's vpdpbusd (AVX-512), AVX2's vpmaddubsw /
+// vpmaddwd, or portable C++ (the same bits; the numbering is cpu_kernel_isas' answer).
+enum class Int8Kernels { kVnni = 0, kAvx2 = 1, kPortable = 2 };
+Int8Kernels int8_kernels();
+
 // A row product's operand and result: x as contiguous CPU float32 rows [m, k] (any leading shape) and
 // an empty float32 output of x's shape with the last axis n. Every weight format's op wrapper takes it.
 struct RowsProduct {

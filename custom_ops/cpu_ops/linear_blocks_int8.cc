@@ -127,14 +127,6 @@ void panel_rows_portable(const QuantRow* rows_q, int rows, const Int8Blocks& b, 
   }
 }
 
-bool cpu_has_vnni() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return bool(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vnni"));
-  }();
-  return has;
-}
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
@@ -306,6 +298,18 @@ void panel_rows_avx2_tail(int rows, const QuantRow* rows_q, const Int8Blocks& b,
 
 }  // namespace
 
+// AVX-512 without VNNI (Skylake-X) runs the AVX2 kernel: the same bits, and far faster than portable C++.
+fd_cpu::linear::Int8Kernels fd_cpu::linear::int8_kernels() {
+  static const bool vnni = [] {
+    __builtin_cpu_init();
+    return bool(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vnni"));
+  }();
+  const Isa isa = kernels_isa();
+  if (vnni && isa == Isa::kAvx512) return Int8Kernels::kVnni;
+  return isa == Isa::kScalar ? Int8Kernels::kPortable : Int8Kernels::kAvx2;
+}
+
 void fd_cpu::linear::int8_blocks_product(const paddle::Tensor& q, const paddle::Tensor& scale,
                                          const paddle::optional<paddle::Tensor>& offset, int64_t n, const float* xp,
                                          int64_t m, int64_t k_dim, float* yp) {
@@ -347,10 +351,9 @@ void fd_cpu::linear::int8_blocks_product(const paddle::Tensor& q, const paddle::
   for (int64_t r = 0; r < m; ++r)
     quantize_row(xp + r * b.k_dim, b.k_dim, a + r * b.k_dim, dx + r * groups, sa + r * groups);
 
-  const Isa isa = kernels_isa();
-  const bool vnni = cpu_has_vnni() && isa == Isa::kAvx512;
-  // AVX-512 without VNNI (Skylake-X) runs the AVX2 kernel: the same bits, and far faster than portable C++.
-  const bool avx2 = !vnni && isa != Isa::kScalar;
+  const Int8Kernels kernels = int8_kernels();
+  const bool vnni = kernels == Int8Kernels::kVnni;
+  const bool avx2 = kernels == Int8Kernels::kAvx2;
   const int row_tile = avx2 ? kAvx2RowTile : kRowTile;
   const bool parallel = double(m) * double(n) * double(b.k_dim) > double(1 << 18);
   for_each_panel(m, panels, parallel, [&](int64_t r0, int rows, int64_t p) {

@@ -49,7 +49,7 @@ def _link() -> tuple:
 
 GEMM_OPS = CpuOpLibrary("fd_cpu_gemm", ("linear_packed.cc", "linear_blocks.cc", "linear_blocks_int8.cc",
                                         "linear_sgemm.cc", "rms_norm.cc", "gated_activation.cc",
-                                        "decoder_block_ops.cc", "decoder_stack.cc"),
+                                        "decoder_block_ops.cc", "decoder_stack.cc", "machine_limits.cc"),
                         "the CPU dense-layer ops (packed GEMM, GGUF-block GEMM exact and with int8 activations, "
                         "OpenBLAS sgemm, RMSNorm, gated activation, a decoder layer's dense work fused, the whole "
                         "decoder stack in one call)",
