@@ -55,7 +55,7 @@ from ab_harness import median, print_table, take_turns, timed, write_json
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
-DENSE_OPS = ("linear_blocks", "linear_blocks_int8", "linear_packed", "linear_sgemm", "norm_qkv_blocks", "mlp_blocks")
+DENSE_OPS = ("linear_blocks", "linear_blocks_int8", "linear_packed", "linear_unpacked", "norm_qkv_blocks", "mlp_blocks")
 NORM_OPS = ("rms_norm_rows", "add_rms_norm_rows", "gated_activation")
 # Every layer in one op (FD_CPU_FUSED_LAYERS=2, the default): its dense products, attention and norms together.
 STACK_OPS = ("decoder_stack_forward",)

@@ -1,16 +1,15 @@
 """GFLOP/s of the model's dense layers on the CPU: Paddle's matmul vs the packed kernel (a
-layers/linear.py `Linear`, what the decoder runs) vs the OpenBLAS sgemm op (`linear()`) vs numpy,
-for SmolLM2-135M's shapes at several row counts, next to this machine's float32 GEMM peak
-(2048^3 through OpenBLAS) measured in the same run.
+layers/linear.py `Linear`, what the decoder runs) vs the same tiles packing the weight per call
+(`linear()`) vs numpy, for SmolLM2-135M's shapes at several row counts, next to this machine's
+float32 GEMM peak (2048^3 through numpy's BLAS) measured in the same run.
 
     python benchmarks/bench_linear_cpu.py [--rows 1 8 32 128 2048] [--seconds 0.3] [--json out.json]
 
-numpy's BLAS is whatever numpy was built with (threadpoolctl names it below); OPENBLAS_CORETYPE,
-if set on this machine, applies to both OpenBLAS copies.
+numpy's BLAS is whatever numpy was built with (named below).
 
 `--clock cpu` divides by the process's CPU time instead of wall time: on a machine shared with
 other jobs it measures how much work each GEMM costs, whoever else runs (compare single-threaded
-runs that way: OPENBLAS_NUM_THREADS=1; a second thread's spin-waits count as CPU time).
+runs that way; a second thread's spin-waits count as CPU time).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import time
 import numpy as np
 import paddle
 
-from fastdeploy.model_executor.layers.blas_gemm import blas_info
+from fastdeploy.model_executor.layers.cpu_kernels import kernel_isas
 from fastdeploy.model_executor.layers.linear import Linear, linear
 from fastdeploy.worker.host_memory import keep_freed_host_memory
 
@@ -81,13 +80,12 @@ def main(argv=None) -> None:
     CLOCK = time.perf_counter if args.clock == "wall" else time.process_time
 
     rng = np.random.default_rng(0)
-    peak_x = paddle.to_tensor(rng.standard_normal((2048, 2048)).astype(np.float32))
-    peak = gflops(lambda: linear(peak_x, peak_x), 2 * 2048 ** 3, max(args.seconds, 1.0))
-    info = blas_info()
-    print(f"op BLAS: {info['config']} (kernels {info['corename']}, {info['threads']} threads; env {info['env']})")
-    print(f"numpy BLAS: {numpy_blas()}")
-    print(f"GEMM peak (2048^3 float32 through OpenBLAS): {peak:.0f} GFLOP/s ({args.clock} clock)\n")
-    print(f"{'shape':<14} {'[M, in] x [in, out]':<24} {'paddle':>8} {'packed':>8} {'sgemm':>8} {'numpy':>8} "
+    peak_x = rng.standard_normal((2048, 2048)).astype(np.float32)
+    peak = gflops(lambda: peak_x @ peak_x, 2 * 2048 ** 3, max(args.seconds, 1.0))
+    tiles = kernel_isas()["dense"]
+    print(f"dense-layer tiles: {tiles}; numpy BLAS: {numpy_blas()}")
+    print(f"GEMM peak (2048^3 float32 through numpy's BLAS): {peak:.0f} GFLOP/s ({args.clock} clock)\n")
+    print(f"{'shape':<14} {'[M, in] x [in, out]':<24} {'paddle':>8} {'packed':>8} {'unpacked':>9} {'numpy':>8} "
           f"{'packed/paddle':>14} {'packed/peak':>12}")
     rows = []
     for name, k, n in SHAPES:
@@ -105,16 +103,16 @@ def main(argv=None) -> None:
                 "shape": name, "m": m, "k": k, "n": n,
                 "paddle": gflops(lambda: paddle.matmul(x_pd, w_pd, transpose_y=True), flops, args.seconds),
                 "packed": gflops(lambda: packed(x_pd), flops, args.seconds),
-                "sgemm": gflops(lambda: linear(x_pd, w_pd), flops, args.seconds),
+                "unpacked": gflops(lambda: linear(x_pd, w_pd), flops, args.seconds),
                 "numpy": gflops(lambda: x @ w_np_t, flops, args.seconds),
             }
             rows.append(cell)
             print(f"{name:<14} {f'[{m}, {k}] x [{k}, {n}]':<24} {cell['paddle']:>8.1f} {cell['packed']:>8.1f} "
-                  f"{cell['sgemm']:>8.1f} {cell['numpy']:>8.1f} {cell['packed'] / cell['paddle']:>13.1f}x "
+                  f"{cell['unpacked']:>9.1f} {cell['numpy']:>8.1f} {cell['packed'] / cell['paddle']:>13.1f}x "
                   f"{cell['packed'] / peak:>11.0%}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"clock": args.clock, "peak_gflops": peak, "blas": info, "numpy_blas": numpy_blas(), "cells": rows}, f, indent=2)
+            json.dump({"clock": args.clock, "peak_gflops": peak, "tiles": tiles, "numpy_blas": numpy_blas(), "cells": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

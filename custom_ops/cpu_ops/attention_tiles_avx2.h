@@ -14,21 +14,21 @@
 
 #include "attention_tiles_portable.h"
 
-#define FD_ATTN_AVX2 __attribute__((target("avx2,fma")))
-#define FD_ATTN_AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) inline
+#define ATTN_AVX2_TARGET __attribute__((target("avx2,fma")))
+#define ATTN_AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) inline
 
 namespace fd_cpu {
 
 constexpr int kAvx2Width = 8;
 
 // Lanes [0, n) set (n clamped to [0, 8]), for maskload / maskstore.
-FD_ATTN_AVX2_INLINE __m256i live_lanes(int n) {
+ATTN_AVX2_INLINE __m256i live_lanes(int n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 // Lane j of the result = the tree sum (l, l + 4), (l, l + 2), (l, l + 1) of v[j]'s 8 lanes (each
 // already lane l + lane l + 8 of a 16-lane sum), for 8 vectors at once.
-FD_ATTN_AVX2_INLINE __m256 sum_lanes_x8(const __m256* v) {
+ATTN_AVX2_INLINE __m256 sum_lanes_x8(const __m256* v) {
   __m256 t[4], u[2];
   for (int m = 0; m < 4; ++m)  // (l, l + 4): 128-bit halves; t[m] = [v[2m]'s 4 | v[2m + 1]'s 4]
     t[m] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * m], v[2 * m + 1], 0x20),
@@ -44,7 +44,7 @@ FD_ATTN_AVX2_INLINE __m256 sum_lanes_x8(const __m256* v) {
 // out[q * ldo + j] = (qs[q] . k[j]) * scale for nq queries and n keys (row stride d = 16 B): 8 keys at a
 // time, kept in L1 while every query uses them.
 template <int B>
-FD_ATTN_AVX2 void scores_rows_fixed_avx2(const float* const* qs, int nq, const float* k, int n, float scale,
+ATTN_AVX2_TARGET void scores_rows_fixed_avx2(const float* const* qs, int nq, const float* k, int n, float scale,
                                          float* out, int ldo) {
   constexpr int d = B * kLanes;
   alignas(32) float padded[kAvx2Width * d];
@@ -76,7 +76,7 @@ FD_ATTN_AVX2 void scores_rows_fixed_avx2(const float* const* qs, int nq, const f
 // accs[r][0..8V) += sum_j ws[r][j] * v[j][0..8V) for r < NR (v's row stride d): each value row loaded once
 // for all NR queries; every element one chain of fused multiply-adds over j.
 template <int NR, int V>
-FD_ATTN_AVX2 void weighted_values_block_avx2(const float* const* ws, float* const* accs, const float* v, int n,
+ATTN_AVX2_TARGET void weighted_values_block_avx2(const float* const* ws, float* const* accs, const float* v, int n,
                                              int d) {
   __m256 a[NR][V];
   for (int r = 0; r < NR; ++r)
@@ -98,7 +98,7 @@ constexpr int kAvx2ValueQueries = 3;
 
 // weighted_values for NR queries over the same n value rows, d a multiple of 8, 32 dimensions at a time.
 template <int NR>
-FD_ATTN_AVX2 void weighted_values_shared_avx2(const float* const* ws, float* const* accs, const float* v, int n,
+ATTN_AVX2_TARGET void weighted_values_shared_avx2(const float* const* ws, float* const* accs, const float* v, int n,
                                               int d) {
   for (int i0 = 0; i0 < d; i0 += 4 * kAvx2Width) {
     float* shifted[NR];
@@ -113,7 +113,7 @@ FD_ATTN_AVX2 void weighted_values_shared_avx2(const float* const* ws, float* con
 }
 
 // exp_nonpositive on 8 lanes: the same operations in the same order.
-FD_ATTN_AVX2_INLINE __m256 exp_avx2(__m256 x) {
+ATTN_AVX2_INLINE __m256 exp_avx2(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.f);
   const __m256 kept = _mm256_cmp_ps(x, lo, _CMP_NLT_UQ);  // not (x < -87): exp_nonpositive's test
   const __m256 xc = _mm256_max_ps(x, lo);
@@ -129,7 +129,7 @@ FD_ATTN_AVX2_INLINE __m256 exp_avx2(__m256 x) {
 }
 
 // soft_caps (tanh_score) on 8 lanes at a time: the same operations in the same order.
-FD_ATTN_AVX2 inline void soft_caps_avx2(float* s, int n, float cap) {
+ATTN_AVX2_TARGET inline void soft_caps_avx2(float* s, int n, float cap) {
   const __m256 c = _mm256_set1_ps(cap);
   const __m256 sign_bit = _mm256_castsi256_ps(_mm256_set1_epi32(int32_t(0x80000000u)));
   const __m256 one = _mm256_set1_ps(1.f);
@@ -151,7 +151,7 @@ FD_ATTN_AVX2 inline void soft_caps_avx2(float* s, int n, float cap) {
 }
 
 // The max of s[0..n) (a max is exact in any order; vmaxps's NaN rule, as the AVX-512 kernel's).
-FD_ATTN_AVX2 inline float max_of_avx2(const float* s, int n) {
+ATTN_AVX2_TARGET inline float max_of_avx2(const float* s, int n) {
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256 m = neg_inf;
   for (int r = 0; r < n; r += kAvx2Width) {
@@ -165,7 +165,7 @@ FD_ATTN_AVX2 inline float max_of_avx2(const float* s, int n) {
 
 // sum_lane_tree of the 16 lanes (lo = 0-7, hi = 8-15) in registers: (l, l + 8), (l, l + 4), (l, l + 2),
 // (l, l + 1).
-FD_ATTN_AVX2_INLINE float sum_lane_tree_avx2(__m256 lo, __m256 hi) {
+ATTN_AVX2_INLINE float sum_lane_tree_avx2(__m256 lo, __m256 hi) {
   const __m256 eighths = _mm256_add_ps(lo, hi);
   const __m128 quarters = _mm_add_ps(_mm256_castps256_ps128(eighths), _mm256_extractf128_ps(eighths, 1));
   const __m128 pairs = _mm_add_ps(quarters, _mm_movehl_ps(quarters, quarters));
@@ -173,7 +173,7 @@ FD_ATTN_AVX2_INLINE float sum_lane_tree_avx2(__m256 lo, __m256 hi) {
 }
 
 // s[r] = exp(s[r] - max) for r in [0, n); returns their ordered_sum (lane l sums keys l, l + 16, ...).
-FD_ATTN_AVX2 inline float softmax_weights_avx2(float* s, int n, float max) {
+ATTN_AVX2_TARGET inline float softmax_weights_avx2(float* s, int n, float max) {
   const __m256 m = _mm256_set1_ps(max);
   __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int r = 0; r < n; r += kLanes) {

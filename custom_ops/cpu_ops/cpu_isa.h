@@ -9,7 +9,7 @@
 
 namespace fd_cpu {
 
-// The numbering is the linear_tiles_isa op's answer (blas_gemm.blas_info names it).
+// The numbering is the cpu_kernel_isas op's answer (cpu_kernels.kernel_isas names it).
 enum class Isa { kAvx512 = 0, kAvx2 = 1, kScalar = 2 };
 
 inline const char* isa_name(Isa isa) {

@@ -13,12 +13,12 @@
 #include "kv_quant.h"
 #include "kv_quant_rows.h"
 
-#define FD_KVQ_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define KVQ_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
 namespace fd_cpu {
 
 // out[r * d + i] = float(q[r * d + i]) * scales[r]; d a multiple of 8.
-FD_KVQ_AVX2 inline const float* dequantize_rows_avx2(const int8_t* q, const float* scales, float* out, int64_t n,
+KVQ_AVX2_TARGET inline const float* dequantize_rows_avx2(const int8_t* q, const float* scales, float* out, int64_t n,
                                                      int d) {
   for (int64_t r = 0; r < n; ++r) {
     const __m256 s = _mm256_set1_ps(scales[r]);
@@ -32,7 +32,7 @@ FD_KVQ_AVX2 inline const float* dequantize_rows_avx2(const int8_t* q, const floa
 
 // 8 e4m3fn bytes (the low 64 bits) as floats: the fp16 with the byte's exponent and mantissa in place
 // (kv_quant_rows_avx512.h's e4m3_x16_to_float says why that is the value / 2^8); the NaN code stays NaN.
-FD_KVQ_AVX2 inline __m256 e4m3_x8_to_float(__m128i bytes) {
+KVQ_AVX2_TARGET inline __m256 e4m3_x8_to_float(__m128i bytes) {
   const __m128i w = _mm_cvtepu8_epi16(bytes);
   const __m128i magnitude = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7);
   const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
@@ -42,7 +42,7 @@ FD_KVQ_AVX2 inline __m256 e4m3_x8_to_float(__m128i bytes) {
   return _mm256_blendv_ps(v, _mm256_set1_ps(__builtin_nanf("")), nan);
 }
 
-FD_KVQ_AVX2 inline const float* dequantize_rows_avx2(const fd_kvq::e4m3* q, const float* scales, float* out,
+KVQ_AVX2_TARGET inline const float* dequantize_rows_avx2(const fd_kvq::e4m3* q, const float* scales, float* out,
                                                      int64_t n, int d) {
   for (int64_t r = 0; r < n; ++r) {
     const __m256 s = _mm256_set1_ps(scales[r]);
@@ -55,7 +55,7 @@ FD_KVQ_AVX2 inline const float* dequantize_rows_avx2(const fd_kvq::e4m3* q, cons
 }
 
 // The 8 signed codes of 4 bytes of int4 pairs (element order: each byte's low nibble, then its high one).
-FD_KVQ_AVX2 inline __m256 int4_x8_codes(const uint8_t* four) {
+KVQ_AVX2_TARGET inline __m256 int4_x8_codes(const uint8_t* four) {
   int32_t word;
   std::memcpy(&word, four, 4);
   const __m128i doubled = _mm_unpacklo_epi8(_mm_cvtsi32_si128(word), _mm_cvtsi32_si128(word));
@@ -66,7 +66,7 @@ FD_KVQ_AVX2 inline __m256 int4_x8_codes(const uint8_t* four) {
 }
 
 // int4 rows: out[r * d + i] = code_i * scales[r]; d a multiple of 8.
-FD_KVQ_AVX2 inline const float* dequantize_rows_avx2(const Int4Pair* q, const float* scales, float* out, int64_t n,
+KVQ_AVX2_TARGET inline const float* dequantize_rows_avx2(const Int4Pair* q, const float* scales, float* out, int64_t n,
                                                      int d) {
   const int64_t bytes_per_row = d / 2;
   for (int64_t r = 0; r < n; ++r) {
@@ -80,7 +80,7 @@ FD_KVQ_AVX2 inline const float* dequantize_rows_avx2(const Int4Pair* q, const fl
 
 // x <- H x (kv_quant.h's butterflies, span 1, 2, 4, ... in this order); d a multiple of 8. Spans below
 // 8 pair lanes inside a register: the lower lane of a pair takes a + b, the upper one a - b (a the lower).
-FD_KVQ_AVX2 inline void hadamard_avx2(float* x, int d) {
+KVQ_AVX2_TARGET inline void hadamard_avx2(float* x, int d) {
   for (int i = 0; i < d; i += kAvx2Width) {
     __m256 v = _mm256_loadu_ps(x + i);
     __m256 p = _mm256_permute_ps(v, 0xB1);  // span 1: lanes (0 1)(2 3)...
@@ -103,7 +103,7 @@ FD_KVQ_AVX2 inline void hadamard_avx2(float* x, int d) {
 }
 
 // max |x[i]| (NaN values ignored, as fmaxf does); d a multiple of 8.
-FD_KVQ_AVX2 inline float absmax_avx2(const float* x, int d) {
+KVQ_AVX2_TARGET inline float absmax_avx2(const float* x, int d) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 m = _mm256_setzero_ps();
   for (int i = 0; i < d; i += kAvx2Width) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), magnitude), m);
@@ -113,13 +113,13 @@ FD_KVQ_AVX2 inline float absmax_avx2(const float* x, int d) {
 }
 
 // nearest-even of x / scale, clamped to +-limit (NaN -> -limit, as fmaxf), as 8 int32 codes.
-FD_KVQ_AVX2 inline __m256i clamped_codes8(const float* x, __m256 scale, float limit) {
+KVQ_AVX2_TARGET inline __m256i clamped_codes8(const float* x, __m256 scale, float limit) {
   const __m256 y = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x), scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-limit)), _mm256_set1_ps(limit)));
 }
 
 // fd_kvq::int8_code of d values (d a multiple of 8).
-FD_KVQ_AVX2 inline void int8_codes_avx2(const float* x, int d, float scale, int8_t* out) {
+KVQ_AVX2_TARGET inline void int8_codes_avx2(const float* x, int d, float scale, int8_t* out) {
   const __m256 s = _mm256_set1_ps(scale);
   for (int i = 0; i < d; i += kAvx2Width) {
     const __m256i c = clamped_codes8(x + i, s, fd_kvq::kInt8Max);
@@ -129,7 +129,7 @@ FD_KVQ_AVX2 inline void int8_codes_avx2(const float* x, int d, float scale, int8
 }
 
 // fd_kvq::int4_code of d values packed two per byte, the even element's nibble low (d a multiple of 8).
-FD_KVQ_AVX2 inline void int4_codes_avx2(const float* x, int d, float scale, Int4Pair* out) {
+KVQ_AVX2_TARGET inline void int4_codes_avx2(const float* x, int d, float scale, Int4Pair* out) {
   const __m256 s = _mm256_set1_ps(scale);
   for (int i = 0; i < d; i += kAvx2Width) {
     const __m256i nibbles = _mm256_and_si256(clamped_codes8(x + i, s, fd_kvq::kInt4Max), _mm256_set1_epi32(0xF));
@@ -145,7 +145,7 @@ FD_KVQ_AVX2 inline void int4_codes_avx2(const float* x, int d, float scale, Int4
 }
 
 // fd_kvq::e4m3_from_float of x / scale, 8 at a time (the same branches as blends).
-FD_KVQ_AVX2 inline void e4m3_codes_avx2(const float* x, int d, float scale, fd_kvq::e4m3* out) {
+KVQ_AVX2_TARGET inline void e4m3_codes_avx2(const float* x, int d, float scale, fd_kvq::e4m3* out) {
   const __m256 s = _mm256_set1_ps(scale);
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int i = 0; i < d; i += kAvx2Width) {

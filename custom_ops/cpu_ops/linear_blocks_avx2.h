@@ -14,8 +14,8 @@
 
 #include "linear_blocks_form.h"
 
-#define FD_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define FD_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+#define BLOCKS_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define BLOCKS_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
 
 namespace fd_cpu {
 namespace linear {
@@ -31,20 +31,20 @@ constexpr int kAvx2PrefetchBytes = 2048;
 // ONE_ROUNDING: every scale * q is exact in float32 (linear_blocks_avx512.h says why one FMA then gives
 // the two roundings' value).
 template <bool ONE_ROUNDING>
-FD_AVX2_INLINE __m256 u4_weights8(__m256i words, __m256 d, __m256 o) {
+BLOCKS_AVX2_INLINE __m256 u4_weights8(__m256i words, __m256 d, __m256 o) {
   const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(words, _mm256_set1_epi32(15)));
   if constexpr (ONE_ROUNDING) return _mm256_fmadd_ps(d, q, o);
   return _mm256_add_ps(_mm256_mul_ps(d, q), o);
 }
 
-FD_AVX2_INLINE __m256 i8_weights8(const uint8_t* q8, __m256 d) {
+BLOCKS_AVX2_INLINE __m256 i8_weights8(const uint8_t* q8, __m256 d) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q8));
   return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
 }
 
 // fn(k, w) for k = 0..K-1, w[v] panel p's weights of columns 8 (V0 + v) .. 8 (V0 + v) + 7 at k, v < V.
 template <bool U4, bool HALF, bool ONE_ROUNDING, int V0, int V, typename Fn>
-FD_AVX2_INLINE void for_each_k_avx2(const Blocks& b, int64_t p, Fn fn) {
+BLOCKS_AVX2_INLINE void for_each_k_avx2(const Blocks& b, int64_t p, Fn fn) {
   const uint8_t* q = b.q + p * b.q_stride();
   const int64_t s0 = p * b.s_stride() + kAvx2Lanes * V0;
   for (int64_t g = 0; g < b.k_dim / b.group; ++g) {
@@ -81,14 +81,14 @@ FD_AVX2_INLINE void for_each_k_avx2(const Blocks& b, int64_t p, Fn fn) {
 
 // Panel p as float32 [K, 32] in `out`.
 template <bool U4, bool HALF>
-FD_AVX2 void dequant_panel_avx2(const Blocks& b, int64_t p, float* out) {
-  for_each_k_avx2<U4, HALF, false, 0, 4>(b, p, [&](int64_t k, const __m256* w) FD_AVX2 {
+BLOCKS_AVX2_TARGET void dequant_panel_avx2(const Blocks& b, int64_t p, float* out) {
+  for_each_k_avx2<U4, HALF, false, 0, 4>(b, p, [&](int64_t k, const __m256* w) BLOCKS_AVX2_TARGET {
     for (int v = 0; v < 4; ++v) _mm256_storeu_ps(out + k * kPanel + kAvx2Lanes * v, w[v]);
   });
 }
 
 // The first `cols` (of 8) lanes of acc at y.
-FD_AVX2_INLINE void store_lanes(float* y, __m256 acc, int cols) {
+BLOCKS_AVX2_INLINE void store_lanes(float* y, __m256 acc, int cols) {
   if (cols >= kAvx2Lanes) return _mm256_storeu_ps(y, acc);
   if (cols <= 0) return;
   const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -98,12 +98,12 @@ FD_AVX2_INLINE void store_lanes(float* y, __m256 acc, int cols) {
 // R rows x panel p's columns 8 V0 .. 8 (V0 + V) - 1, the weights decoded next to the FMAs; `cols` counts
 // the panel's live columns (from its column 0).
 template <bool U4, bool HALF, bool ONE_ROUNDING, int R, int V0, int V>
-FD_AVX2 void fused_tile_avx2(const float* x, const Blocks& b, int64_t p, float* y, int64_t ldy, int cols) {
+BLOCKS_AVX2_TARGET void fused_tile_avx2(const float* x, const Blocks& b, int64_t p, float* y, int64_t ldy, int cols) {
   __m256 acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
   const int64_t k_dim = b.k_dim;
-  for_each_k_avx2<U4, HALF, ONE_ROUNDING, V0, V>(b, p, [&](int64_t k, const __m256* w) FD_AVX2 {
+  for_each_k_avx2<U4, HALF, ONE_ROUNDING, V0, V>(b, p, [&](int64_t k, const __m256* w) BLOCKS_AVX2_TARGET {
     for (int r = 0; r < R; ++r) {
       const __m256 a = _mm256_broadcast_ss(x + r * k_dim + k);
       for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(a, w[v], acc[r][v]);

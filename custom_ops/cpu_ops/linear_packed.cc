@@ -59,14 +59,6 @@ std::vector<paddle::Tensor> LinearPacked(const paddle::Tensor& x_in,
   return {y};
 }
 
-// Which tiles the dense layers run here: 0 AVX-512, 1 AVX2, 2 portable C++
-// (blas_gemm.blas_info() names it; `any` is only what a Paddle op must take).
-std::vector<paddle::Tensor> LinearTilesIsa(const paddle::Tensor& any) {
-  paddle::Tensor out = paddle::empty({1}, paddle::DataType::INT32, any.place());
-  out.data<int32_t>()[0] = int32_t(fd_cpu::kernels_isa());
-  return {out};
-}
-
 template <typename Id>
 void gather_packed_rows(const float* wp, int64_t k_dim, const Id* id, int64_t t,
                         int64_t n, float* op) {
@@ -102,11 +94,6 @@ PD_BUILD_OP(linear_packed)
     .Outputs({"out"})
     .Attrs({"n: int64_t"})
     .SetKernelFn(PD_KERNEL(LinearPacked));
-
-PD_BUILD_OP(linear_tiles_isa)
-    .Inputs({"any"})
-    .Outputs({"isa"})
-    .SetKernelFn(PD_KERNEL(LinearTilesIsa));
 
 PD_BUILD_OP(packed_rows)
     .Inputs({"packed", "ids"})

@@ -58,7 +58,6 @@ def test_quick_is_short_and_bad_sizes_are_refused():
 
 def test_machine_limits_are_measured_positive():
     assert bench.gemm_peak_gflops(n=128, repeats=2) > 0
-    assert bench.read_bandwidth_gbs(nbytes=8 * 2 ** 20, repeats=2) > 0
 
 
 def test_rounds_report_each_sides_median_round_and_every_rounds_ratio():

@@ -119,10 +119,10 @@ _CAPPED_RUN = """
 import sys
 import numpy as np
 sys.path.insert(0, {tests!r})
-from fastdeploy.model_executor.layers.blas_gemm import blas_info
+from fastdeploy.model_executor.layers.cpu_kernels import kernel_isas
 from test_linear_blocks import products_at_every_row_count
 np.save({path!r}, products_at_every_row_count())
-print(blas_info()["tiles"])
+print(kernel_isas()["dense"])
 """
 
 

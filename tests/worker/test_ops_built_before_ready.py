@@ -9,7 +9,7 @@ PROBE = """
 from fastdeploy import LLM
 from fastdeploy.model_executor.layers import blas_gemm
 LLM(max_num_seqs=2)  # the tiny preset; nothing generated
-print(blas_gemm.linear_sgemm.cache_info().currsize)
+print(blas_gemm._ops.cache_info().currsize)
 """
 
 

@@ -1,7 +1,7 @@
 """Dense layers: `y = x . W^T` with W in the checkpoint's `[out, in]` layout, one entry for every
 device.
 
-- CPU float32 -> the packed kernel (a `Linear`) or OpenBLAS sgemm (`linear()`, blas_gemm.py): both
+- CPU float32 -> the packed kernel (a `Linear`, or `linear()` packing on each call; blas_gemm.py): both
   row-invariant: a row's output has the same bits whatever the other rows of the batch are and
   however many there are, so no row padding is needed for batch invariance.
 - anything else (GPU tensors, bf16/fp16) -> `paddle.matmul(x, W, transpose_y=True)` (cuBLAS on the
@@ -12,8 +12,8 @@ device.
 linear_packed.cc: faster than a BLAS for decode-sized batches, row-invariant by construction), or,
 for a GGUF file's quantized weights, the file's blocks (gguf_blocks.py, linear_blocks.cc: the same
 bits from ~5x fewer bytes), and fuses several weights that read the same input (q/k/v; gate/up)
-into one GEMM. `linear()` serves weights used as they are (MoE experts, the router): OpenBLAS on
-the CPU, also row-invariant.
+into one GEMM. `linear()` serves weights used as they are (MoE experts, the router): on the CPU
+the same tiles on a weight packed per call, so the same bits.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import paddle
 from fastdeploy import envs
 from fastdeploy.model_executor.layers import gguf_blocks
 from fastdeploy.model_executor.layers.blas_gemm import block_rows, linear_blocks, linear_blocks_int8, linear_packed, \
-    linear_sgemm, pack, packed_rows
+    linear_unpacked, pack, packed_rows
 
 logger = logging.getLogger("fastdeploy.model")
 
@@ -41,7 +41,7 @@ ROW_ALIGN = 8
 def linear(x: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
     """`x [rows, in] . weight[out, in]^T -> [rows, out]`."""
     if uses_cpu_gemm(x, weight):
-        return linear_sgemm()(x, weight)
+        return linear_unpacked()(x, weight)
     rows = x.shape[0]
     extra = -rows % ROW_ALIGN
     if extra == 0:
