@@ -60,6 +60,12 @@ def cpu_isa() -> str:
     return "avx2" if {"avx2", "fma", "f16c"} <= set(flags) else "generic"
 
 
+@pytest.fixture(scope="session")
+def native_isa() -> str:
+    """cpu_isa() as a fixture (test modules cannot import conftest: tests/ holds several)."""
+    return cpu_isa()
+
+
 @pytest.fixture(params=["avx2", "generic"])
 def capped_isa(request):
     """An instruction set below this CPU's best (FD_CPU_LINEAR_ISA's values), for the tests that check its

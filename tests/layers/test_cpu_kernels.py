@@ -5,18 +5,16 @@ import os
 import subprocess
 import sys
 
-from conftest import cpu_isa
-
 from fastdeploy.model_executor.layers import cpu_kernels
 
 PROBE = "from fastdeploy.model_executor.layers import cpu_kernels; print(cpu_kernels.kernel_isas())"
 
 
-def test_the_kernels_named_are_this_cpus_best_when_nothing_caps_them():
+def test_the_kernels_named_are_this_cpus_best_when_nothing_caps_them(native_isa):
     isas = cpu_kernels.kernel_isas()
-    assert isas["dense"] == cpu_isa() == isas["attention"]
+    assert isas["dense"] == native_isa == isas["attention"]
     assert isas["int8_activations"] in cpu_kernels.INT8_KERNELS
-    assert cpu_isa() in cpu_kernels.describe()
+    assert native_isa in cpu_kernels.describe()
 
 
 def test_the_cap_is_what_every_op_family_reports(capped_isa):
