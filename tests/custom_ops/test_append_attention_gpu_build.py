@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import gpu_harness  # noqa: E402
 
-pytestmark = pytest.mark.skipif(gpu_harness.find_nvcc() is None, reason="nvcc not found")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(gpu_harness.find_nvcc() is None, reason="nvcc not found")]
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,14 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-pytest.importorskip("nixl_cu12", reason="KV transfer needs NIXL: pip install --no-deps nixl-cu12==1.5.1")
+pytest.importorskip("nixl_cu12", reason="KV transfer needs NIXL: pip install -e \".[cpu,pd]\"")
 
 from fastdeploy.engine.args_utils import EngineArgs  # noqa: E402
 from fastdeploy.engine.engine import LLMEngine  # noqa: E402
 from fastdeploy.engine.request import SamplingParams  # noqa: E402
 from fastdeploy.entrypoints.openai.server_process import free_port  # noqa: E402
+
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
 
 BLOCK = 16
 # Head 0 of every layer slides (window 40, sink 4): a 200-token prompt leaves it 4 of 13 blocks.

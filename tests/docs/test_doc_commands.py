@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from fastdeploy import cli
+
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # Documented commands cheap enough to run in the suite (seconds each): the script or module they call, and
@@ -126,7 +128,10 @@ COMMANDS = documented_commands()
 
 
 def _target(argv: list):
-    """('module', name, args) / ('script', path, args) of a python command, else None."""
+    """('module', name, args) / ('script', path, args) of a python command (or of a `fastdeploy` verb that
+    is a module's command line), else None."""
+    if argv[0] == "fastdeploy" and len(argv) > 1 and argv[1] in cli.MODULES:
+        return "module", cli.MODULES[argv[1]], argv[2:]
     if argv[0] not in ("python", "python3"):
         return None
     if argv[1:3] == ["-m", "cProfile"]:  # the profiled program: after the profiler's own -s / -o options
@@ -185,7 +190,9 @@ def test_every_command_names_a_program_that_exists():
         elif target and target[0] == "module" and target[1].startswith("fastdeploy"):
             if importlib.util.find_spec(target[1]) is None:
                 unknown.append(f"{c}  (no such module)")
-        elif target is None and argv[0] not in ("python", "python3", "pytest", ".", *SHELL_TOOLS):
+        elif argv[0] == "fastdeploy" and (len(argv) < 2 or argv[1] not in cli.VERBS):
+            unknown.append(f"{c}  (no such fastdeploy verb)")
+        elif target is None and argv[0] not in ("python", "python3", "pytest", ".", "fastdeploy", *SHELL_TOOLS):
             unknown.append(f"{c}  (what is {argv[0]!r}?)")
         elif argv[0] == "bash" and not (REPO / argv[1]).is_file():
             unknown.append(f"{c}  (no such file)")
@@ -213,7 +220,8 @@ def test_the_program_accepts_the_documented_flags(command):
 
 def test_pytest_commands_name_test_paths_that_exist():
     missing = [f"{c}: {a}" for c in COMMANDS if c.argv[0] == "pytest"
-               for a in c.argv[1:] if not a.startswith("-") and not (REPO / a.split("::")[0]).exists()]
+               for a, before in zip(c.argv[1:], c.argv) if not a.startswith("-") and before not in ("-m", "-k")
+               and not (REPO / a.split("::")[0]).exists()]
     assert missing == []
 
 

@@ -9,8 +9,8 @@ import pytest
 from fastdeploy.model_executor.layers.attention.ops.cuda_on_cpu_loader import find_cuda_include
 from greedy_run import MODES, greedy_tokens
 
-pytestmark = pytest.mark.skipif(find_cuda_include() is None,
-                                reason="the CUDA toolkit's headers (cuda_bf16.h) are needed to build the kernels")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(find_cuda_include() is None,
+                                reason="the CUDA toolkit's headers (cuda_bf16.h) are needed to build the kernels")]
 
 MODEL = "ernie-4.5-tiny-swa-hd64"
 PROMPT_LENGTHS = [7, 130, 300]  # the longest recycles sliding pages while it decodes

@@ -11,6 +11,8 @@ import pytest
 
 from fastdeploy import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 MODES = {"1d": ("0", "1"), "head_wise_recycle_off": ("1", "0"), "head_wise_recycle_on": ("1", "1")}
 

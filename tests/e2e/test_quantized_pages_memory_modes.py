@@ -14,6 +14,8 @@ from fastdeploy import LLM, SamplingParams
 import test_prefix_caching_e2e as chat
 import test_sliding_layers as sliding
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 FORMATS = ["int8", "block_wise_fp8", "block_wise_int4", "k8v4"]
 LOGPROBS = 2
 

@@ -9,6 +9,8 @@ import pytest
 
 from greedy_run import greedy_tokens
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 PRESET = "tiny-sliding-layers"
 PROMPT_LENGTHS = [1, 7, 16, 60, 130, 210]  # up to ~4x the window
 MAX_TOKENS = 20

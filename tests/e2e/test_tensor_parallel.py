@@ -18,6 +18,8 @@ from fastdeploy.engine.request import SamplingParams
 from fastdeploy.engine.worker_group import WorkerFailure
 from scripted_proposer import ScriptedProposer, boundary_hugging, oracle_truth
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 PROMPT_LENGTHS = [1, 7, 16, 130, 300, 520]  # up to ~4x the tiny preset's window of 128
 MAX_TOKENS = 16
 TOP = 5

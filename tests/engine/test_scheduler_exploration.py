@@ -28,6 +28,8 @@ from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 from fastdeploy.spec_decode.verify import accept_drafts
 from scripted_proposer import ScriptedProposer, boundary_hugging
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 EOS, FILLER = 2, 9
 HEADS = 4
 ALPHABET = (3, 4, 5)

@@ -19,6 +19,8 @@ from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.request import Request, SamplingParams
 from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 POLICIES = ("reserve", "on_demand", "projected")
 EOS = 2
 MODES = {"1d": ("0", "1"), "head_wise_recycle_off": ("1", "0"), "head_wise_recycle_on": ("1", "1")}

@@ -52,10 +52,10 @@ class ServerProcess(ApiServerProcess):
     """The shared launcher with this suite's base settings, an HTTP client and test helpers."""
 
     def __init__(self, args: tuple, env: dict, log_path: Path, separate_metrics_port: bool = False,
-                 host: str = "127.0.0.1", prefix: tuple = ()):
+                 host: str = "127.0.0.1", prefix: tuple = (), **launch):
         super().__init__((*BASE_SERVER_ARGS, *args), env={**BASE_SERVER_ENV, **env}, log_path=log_path,
                          metrics_port=free_port() if separate_metrics_port else None, host=host, prefix=prefix,
-                         port=free_port() if prefix else None)
+                         port=free_port() if prefix else None, **launch)
         self.http = httpx.Client(base_url=self.base_url, timeout=REQUEST_TIMEOUT_S)
 
     def wait_ready(self) -> None:
@@ -161,13 +161,10 @@ def assert_openai_error(resp: httpx.Response, status: int, param: Optional[str] 
 
 
 def named_model_path(name: str) -> str:
-    """The GGUF file of a named real model; the test skips (saying how to install it) without its package."""
+    """The GGUF file of a named real model (fetched on first use)."""
     from fastdeploy.model_executor.models.named_models import resolve
 
-    try:
-        return resolve(name)
-    except ValueError as exc:
-        pytest.skip(str(exc))
+    return resolve(name)
 
 
 @pytest.fixture(scope="session")
@@ -180,15 +177,15 @@ def helpers():
 
 @pytest.fixture(scope="module")
 def server_factory(tmp_path_factory):
-    """start(*args, env=, separate_metrics_port=, host=, prefix=, wait=) -> a ServerProcess, stopped when the
-    module ends; ready unless wait=False (then call its wait_ready(): several servers start side by side)."""
+    """start(*args, env=, separate_metrics_port=, host=, prefix=, entry=, wait=) -> a ServerProcess, stopped when
+    the module ends; ready unless wait=False (then call its wait_ready(): several servers start side by side)."""
     started: list[ServerProcess] = []
 
     def start(*args: str, env: Optional[dict] = None, separate_metrics_port: bool = False, host: str = "127.0.0.1",
-              prefix: tuple = (), wait: bool = True) -> ServerProcess:
+              prefix: tuple = (), wait: bool = True, **launch) -> ServerProcess:
         log = tmp_path_factory.mktemp("api_server") / "server.log"
         srv = ServerProcess(args, env or {}, log, separate_metrics_port=separate_metrics_port, host=host,
-                            prefix=prefix)
+                            prefix=prefix, **launch)
         started.append(srv)
         if wait:
             srv.wait_ready()
@@ -212,7 +209,7 @@ class RouterProcess:
 
         binary = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
         if binary is None:
-            pytest.skip("vllm-router is not installed (pip install vllm-router==0.1.17)")
+            pytest.skip("vllm-router is not installed (pip install -e \".[cpu,pd]\")")
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [*prefix, binary, "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-port", str(free_port())]

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 MAX_MODEL_LEN = 2048
 MAX_CONCURRENCY = 2
 # Long enough (seconds of decoding) that a request cut short by a disconnect is told apart from one

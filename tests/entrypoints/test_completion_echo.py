@@ -9,6 +9,8 @@ import pytest
 
 from fastdeploy.engine.request import SamplingParams
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(3, 259, 300)]  # byte-tokenizer ids
 TOP = 3
 ATOL = 1e-4  # the paged op vs the dense oracle: float32 sums in another order

@@ -12,7 +12,9 @@ import json
 import pytest
 from network_hosts import hosts_or_skip
 
-pytest.importorskip("nixl_cu12", reason="KV transfer needs NIXL: pip install --no-deps nixl-cu12==1.5.1")
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
+pytest.importorskip("nixl_cu12", reason="KV transfer needs NIXL: pip install -e \".[cpu,pd]\"")
 
 
 @pytest.fixture(scope="module")

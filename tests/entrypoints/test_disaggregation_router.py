@@ -14,7 +14,9 @@ import signal
 
 import pytest
 
-pytest.importorskip("nixl_cu12", reason="KV transfer needs NIXL: pip install --no-deps nixl-cu12==1.5.1")
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
+pytest.importorskip("nixl_cu12", reason="KV transfer needs NIXL: pip install -e \".[cpu,pd]\"")
 
 TRANSFER = '{"kv_connector":"NixlConnector","kv_role":"kv_both","side_channel_port":0%s}'
 ROLE_ARGS = {"prefill": ("--splitwise-role", "prefill", "--kv-transfer-config", TRANSFER % ""),

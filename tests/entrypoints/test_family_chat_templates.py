@@ -18,6 +18,8 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 

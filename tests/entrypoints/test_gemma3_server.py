@@ -9,6 +9,8 @@ import time
 import pydoc_data.topics
 import pytest
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 GAUGES = ("fastdeploy:kv_pages_total", "fastdeploy:kv_pages_free", "fastdeploy:num_requests_running",
           "fastdeploy:num_requests_waiting", "fastdeploy:swa_pages_recycled_total",
           "fastdeploy:num_preemptions_total", "fastdeploy:gpu_cache_usage_perc")

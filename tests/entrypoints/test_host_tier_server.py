@@ -3,6 +3,8 @@ sees its cached_tokens in usage, and /metrics shows the tier (ours and upstream'
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 
 def text(n, seed):
     return [3 + (i * 37 + seed * 11 + (i * i + seed) % 23) % 250 for i in range(n)]

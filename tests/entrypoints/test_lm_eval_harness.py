@@ -15,6 +15,8 @@ import pytest
 
 from fastdeploy.model_executor.models.tiny_preset import TINY_PRESET_NAME
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 TASKS = ("pydoc_next_sentence", "pydoc_perplexity", "pydoc_recall", "pydoc_needles")
 
 

@@ -16,6 +16,8 @@ import pytest
 
 from fastdeploy.entrypoints.openai.server_process import PACKAGE_ROOT, free_port, free_port_pair
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 TINY = ["--block-size", "16", "--num-gpu-blocks-override", "64", "--max-num-seqs", "8", "--max-model-len", "1024"]
 
 
@@ -37,7 +39,7 @@ def answers(url: str) -> bool:
 
 def test_replicas_behind_the_router_start_serve_survive_a_death_and_stop(tmp_path):
     if not (Path(sys.executable).parent / "vllm-router").exists():
-        pytest.skip("vllm-router is not installed (pip install vllm-router==0.1.17)")
+        pytest.skip("vllm-router is not installed (pip install -e \".[cpu,pd]\")")
     ports, router_port = [free_port(), free_port()], free_port()
     events = [free_port_pair() for _ in range(2)]
     log = open(tmp_path / "launcher.log", "wb")

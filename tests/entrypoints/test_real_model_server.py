@@ -1,16 +1,18 @@
-"""`api_server --model PATH.gguf` on the real SmolLM2-135M-Instruct: it answers a factual chat question
-correctly over real HTTP, streams the same text, and completes a raw prompt."""
+"""`fastdeploy serve`, no --model: the real SmolLM2-135M-Instruct (fetched on first use) answers a factual
+chat question correctly over real HTTP, streams the same text, and completes a raw prompt."""
 
 import json
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 
 @pytest.fixture(scope="module")
-def server(server_factory, helpers):
-    path = helpers.named_model_path("smollm2-135m-instruct")
+def server(server_factory):
     # The base flags squeeze the cache for the tiny preset; 64 blocks of 16 tokens hold a short chat.
-    return server_factory("--model", path, "--max-model-len", "512", env={"FD_HEAD_WISE_KV_CACHE": "0"})
+    return server_factory("--max-model-len", "512", env={"FD_HEAD_WISE_KV_CACHE": "0"},
+                          entry=("-m", "fastdeploy.cli", "serve"))
 
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]

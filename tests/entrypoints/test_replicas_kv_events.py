@@ -18,6 +18,8 @@ import zmq
 from fastdeploy.cache_manager.kv_events import chain_hashes
 from fastdeploy.entrypoints.openai.server_process import free_port
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 pytest.importorskip("msgpack")
 BLOCK = 16
 NUM_REPLICAS = 3

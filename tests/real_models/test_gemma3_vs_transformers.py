@@ -8,6 +8,8 @@ import pytest
 from fastdeploy import LLM, SamplingParams
 from transformers_reference import reference_greedy
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 MAX_TOKENS = 16
 _PROSE = " ".join(pydoc_data.topics.topics.values())
 PROMPTS = ["The capital of France is", "def quicksort(items):\n    ", "In 1969, the first humans",

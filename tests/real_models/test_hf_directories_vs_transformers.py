@@ -8,6 +8,8 @@ from fastdeploy import LLM, SamplingParams
 from fastdeploy import envs
 from transformers_reference import reference_greedy
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 VOCAB = 49152  # SmolLM2's tokenizer is saved beside the weights; prompts are token ids
 PROMPT_LENGTHS = (5, 40, 90)  # the Gemma model's window is 32: the longer prompts leave it
 MAX_TOKENS = 12

@@ -11,6 +11,8 @@ import pytest
 from fastdeploy import LLM
 from transformers_reference import assert_greedy_equal, logprob_diff, write_gguf
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 VOCAB = 49152
 ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}

@@ -17,6 +17,8 @@ from fastdeploy import LLM
 from fastdeploy import envs
 from transformers_reference import assert_greedy_equal, logprob_diff, write_gguf
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 VOCAB = 49152  # SmolLM2's tokenizer is saved beside the weights; prompts are token ids
 PROMPT_LENGTHS = (5, 40, 90)
 MAX_TOKENS = 16

@@ -9,8 +9,8 @@ from fastdeploy import LLM, SamplingParams
 from fastdeploy import envs
 from fastdeploy.model_executor.layers.attention.ops.cuda_on_cpu_loader import find_cuda_include
 
-pytestmark = pytest.mark.skipif(find_cuda_include() is None,
-                                reason="the CUDA toolkit's headers (cuda_bf16.h) are needed to build the kernels")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(find_cuda_include() is None,
+                                reason="the CUDA toolkit's headers (cuda_bf16.h) are needed to build the kernels")]
 
 CHATS = ["What is the capital of France?", "Write one sentence about the sea."]
 SHORT_WINDOW = {"sliding_window": 16, "sink_size": 4, "swa_kv_heads": [0]}

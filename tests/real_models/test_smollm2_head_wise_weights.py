@@ -13,6 +13,8 @@ from fastdeploy.model_executor.layers.attention.swa_spec import attention_type_t
 from fastdeploy.model_executor.models.named_models import CALIBRATED_DIR
 from transformers_reference import reference_greedy
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 CHATS = ["What is the capital of France? Answer in one sentence.", "Write a haiku about the sea."]
 MAX_TOKENS = 16
 

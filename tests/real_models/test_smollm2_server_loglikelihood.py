@@ -9,6 +9,8 @@ import pytest
 from fastdeploy.entrypoints.openai.server_process import ApiServerProcess
 from transformers_reference import reference_logits
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 TEXTS = [
     "The capital of France is Paris.",
     "def add(a, b):\n    return a + b\n",

@@ -8,6 +8,8 @@ from fastdeploy import LLM, SamplingParams
 from fastdeploy import envs
 from transformers_reference import reference_greedy, reference_logits
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 MAX_TOKENS = 24
 CHATS = [
     "What is the capital of France? Answer in one sentence.",

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 CHATS = ["What is the capital of France? Answer in one sentence.", "Write a haiku about the sea."]
 MAX_TOKENS = 12
 # (named model, env flags): the exact path with head-wise recycling and int8 pages (SmolLM2: SiLU, head_dim

@@ -22,6 +22,8 @@ from serving_sim.workload import Workload  # noqa: E402
 from fastdeploy.cache_manager.head_wise import predicted_concurrency  # noqa: E402
 from fastdeploy.model_executor.models.tiny_preset import TINY_PRESET_CONFIG  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 ERNIE_JSON = os.path.join(REPO_ROOT, "benchmarks", "models", "ernie-4.5-21b-a3b.json")
 # 1 B/s and 1 FLOP/s per unit: step seconds equal the bytes or FLOPs counted by hand.
 UNIT_HW = Hardware("unit", 1.0, 1.0, 0)

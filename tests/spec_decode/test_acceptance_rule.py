@@ -9,6 +9,8 @@ from fastdeploy.engine.request import Request, SamplingParams
 from fastdeploy.model_executor.layers.sampler import sample_one
 from fastdeploy.spec_decode.verify import AcceptedHistory, accept_drafts
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 LOGITS = np.log(np.array([0.05, 0.3, 0.1, 0.25, 0.02, 0.18, 0.07, 0.03], np.float32))
 TRIALS = 20000
 

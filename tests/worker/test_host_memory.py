@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the slow tier: `pytest -m slow tests`
+
 _PROBE = """
 import json, resource
 from fastdeploy.worker.host_memory import keep_freed_host_memory

@@ -88,7 +88,7 @@ def env_flags_epilog() -> str:
 def version_string() -> str:
     from importlib import metadata
 
-    from fastdeploy import __version__
+    from fastdeploy.version import __version__
 
     paddle = "not installed"
     for dist in ("paddlepaddle", "paddlepaddle-gpu"):
@@ -309,7 +309,7 @@ def build_app(client: EngineClient, metrics: ServerMetrics, api_port: Optional[i
 
     @app.get("/version")
     async def version() -> Response:
-        from fastdeploy import __version__
+        from fastdeploy.version import __version__
 
         return JSONResponse({"version": __version__})
 

@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated /metrics port of each replica (default: the API port serves /metrics)")
     p.add_argument("--host", type=str, default="127.0.0.1", help="address the replicas and the router listen on")
     p.add_argument("--router-port", type=int, default=None,
-                   help="start vllm-router (pip install vllm-router==0.1.17) on this port in front of the replicas")
+                   help="start vllm-router (pip install -e \".[cpu,pd]\") on this port in front of the replicas")
     p.add_argument("--router-metrics-port", type=int, default=None,
                    help="the router's Prometheus port (default: vllm-router's, 29000; set it to run two fleets "
                         "on one host)")
@@ -123,7 +123,7 @@ class Fleet:
         opts = self.opts
         binary = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
         if binary is None:
-            raise SystemExit("--router-port: vllm-router is not installed (pip install vllm-router==0.1.17)")
+            raise SystemExit("--router-port: vllm-router is not installed (pip install -e \".[cpu,pd]\")")
         urls = [srv.base_url for srv in self.replicas]
         cmd = [binary, "--host", opts.host, "--port", str(opts.router_port), "--worker-urls", *urls,
                "--policy", opts.policy]

@@ -85,19 +85,21 @@ class ApiServerProcess:
 
     args: extra command-line flags (see settings_to_flags); port: a free one when None;
     metrics_port: passed as --metrics-port when given (the server's default serves /metrics on
-    --port); env: variables set over this process's environment.
+    --port); env: variables set over this process's environment; entry: what `python` runs (upstream's
+    module by default; `("-m", "fastdeploy.cli", "serve")` is the `fastdeploy serve` command).
     """
 
     def __init__(self, args: Sequence[str] = (), *, log_path, port: Optional[int] = None,
                  metrics_port: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
-                 host: str = "127.0.0.1", prefix: Sequence[str] = ()):
+                 host: str = "127.0.0.1", prefix: Sequence[str] = (),
+                 entry: Sequence[str] = ("-m", API_SERVER_MODULE)):
         self.host = host
         self.port = port if port is not None else free_port(host)
         self.metrics_port = metrics_port
         self.base_url = f"http://{host}:{self.port}"
         self.log_path = Path(log_path)
         # prefix: a command the server runs under, e.g. `ip netns exec NS` (a test host of its own)
-        self.cmd = [*prefix, sys.executable, "-m", API_SERVER_MODULE, "--host", host, "--port", str(self.port)]
+        self.cmd = [*prefix, sys.executable, *entry, "--host", host, "--port", str(self.port)]
         if metrics_port is not None:
             self.cmd += ["--metrics-port", str(metrics_port)]
         self.cmd += list(args)

