@@ -127,7 +127,7 @@ class PrefixCacheManager:
     Pages are handed out and taken back in *rows*, one list of ids per slot: in head-wise mode a slot
     is a global KV slot (ids local to its rank), in 1-D mode there is one slot holding block ids. One
     call allocates (`allocate`) and one frees (`free`); the upstream-named methods below are that pair
-    in each mode's shape (the contract of DESIGN.md §6).
+    in each mode's shape (docs/memory_model.md, "Per-head free lists").
     """
 
     def __init__(self, fd_config, tensor_parallel_size: int = 1):
@@ -214,7 +214,7 @@ class PrefixCacheManager:
             if pages:
                 self._release(rank, pages, owner)
 
-    # -- the same pair in each mode's shape (DESIGN.md §6, upstream's names) --------------------
+    # -- the same pair in each mode's shape (docs/memory_model.md, upstream's names) --------------------
     def can_allocate_gpu_blocks(self, num_blocks: int) -> bool:
         self._require_mode(False, "can_allocate_gpu_blocks")
         _check_count(num_blocks, _ANONYMOUS)

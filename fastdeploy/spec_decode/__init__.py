@@ -4,7 +4,7 @@ config.py   SpeculativeConfig (`--speculative-config`), checked at start-up
 ngram.py    NgramProposer: prompt lookup over the request's own prompt and output
 verify.py   the acceptance rule applied to the logits of every row of a verified piece
 The scheduler (engine/sched/resource_manager_v1.py) gives drafts their budget and pages; the
-contract with sliding windows is DESIGN.md §16 and docs/scheduler.md.
+contract with sliding windows is docs/scheduler.md, "Speculative decoding".
 """
 
 from fastdeploy.spec_decode.config import SpeculativeConfig

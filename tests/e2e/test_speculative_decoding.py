@@ -1,6 +1,6 @@
 """Speculative decoding through the real engine and model (tiny presets): outputs are token for token
 those of plain decoding, in every memory mode, whatever the drafts, with the scheduler's integrity
-checked after every step (DESIGN.md §16).
+checked after every step (docs/scheduler.md, "Speculative decoding").
 
 Drafts are forced with tests/scripted_proposer.py (always right, always wrong, right up to a page
 boundary or a window's kill point and wrong after it) or come from the real n-gram proposer on

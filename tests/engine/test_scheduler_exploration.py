@@ -266,7 +266,7 @@ def test_random_workloads_read_back_exactly_what_they_wrote(make_config, mode, r
     ("head_wise_recycle_on", "projected", {"prefix_hit_tokens", "swa_recycled", "drafts", "rejected_drafts"}),
 ])
 def test_random_workloads_with_speculation_read_back_exactly_what_they_wrote(make_config, mode, policy, expected):
-    """DESIGN.md §16 under random workloads: drafts are written, then rejected right past a page
+    """The speculation contract (docs/scheduler.md, "Speculative decoding") under random workloads: drafts are written, then rejected right past a page
     boundary or a window's kill point; every key a later query sees must still hold the accepted
     tokens' KV (the window follows accepted tokens only), a rejected draft's pages go back at once,
     and prefix hits never find a block holding a rejected draft."""

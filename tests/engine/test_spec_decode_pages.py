@@ -1,5 +1,5 @@
 """Pages of speculative decoding, step by step through the real scheduler and cache manager
-(DESIGN.md §16): a rejected draft's page goes back in the same step, a sliding head's window moves
+(docs/scheduler.md, "Speculative decoding"): a rejected draft's page goes back in the same step, a sliding head's window moves
 with accepted tokens only, and projected admission lets a request draft only while the running
 requests' page curves still fit with it moved ahead. The test plays the model."""
 
